@@ -1,0 +1,399 @@
+import { admitOptions } from "./admit.js";
+import { type Clock, systemClock } from "./clock.js";
+import { ClosedError, InvalidOptionsError } from "./errors.js";
+import { stageLogger } from "./logger.js";
+import type {
+  AdmitOptions,
+  GateSnapshot,
+  IntervalGateStage,
+  Logger,
+  Outcome,
+  Snapshot,
+  Stage,
+  StageKind,
+  Ticket,
+  TryAdmitOptions,
+} from "./types.js";
+
+/** Options for `new Gate(stages, options)`. */
+export interface GateOptions {
+  /** Name in logs and snapshots. @default "gate" */
+  name?: string;
+  /** Clock used to share one `timeoutMs` across the stages. @default the system clock */
+  clock?: Clock;
+  /** pino-shaped logger. @default silent */
+  logger?: Logger;
+}
+
+/** How a call ended, for `classify`. */
+export type Settled<T> = { ok: true; value: T } | { ok: false; error: unknown };
+
+/** Options for `gate.run(fn, options)` and `gate.enqueue(fn, options)`. */
+export interface RunOptions<T = unknown> extends AdmitOptions {
+  /**
+   * Turn the call's result into an outcome. An outcome recorded on the ticket inside `fn` wins.
+   * @default `defaultClassify`: a value or error with status 429 or 503, or a timeout error, is
+   * `dropped`; another value is `success`; another error is `ignored`.
+   */
+  classify?: (settled: Settled<T>) => Outcome;
+}
+
+/** A job accepted by `gate.enqueue`. */
+export interface Job<T> {
+  /** Settles with the call's result once it has run. */
+  readonly done: Promise<T>;
+}
+
+const TIMEOUT_CODES = new Set([
+  "ETIMEDOUT",
+  "ESOCKETTIMEDOUT",
+  "UND_ERR_CONNECT_TIMEOUT",
+  "UND_ERR_HEADERS_TIMEOUT",
+  "UND_ERR_BODY_TIMEOUT",
+]);
+
+function statusOf(value: unknown): number | undefined {
+  if (typeof value !== "object" || value === null) return undefined;
+  const v = value as { status?: unknown; statusCode?: unknown };
+  const status = typeof v.status === "number" ? v.status : v.statusCode;
+  return typeof status === "number" ? status : undefined;
+}
+
+/**
+ * The default outcome of a call: a response (or an error) with status 429 or 503 and timeout
+ * errors are `dropped`; other results are `success`, other errors `ignored`.
+ */
+export function defaultClassify(settled: Settled<unknown>): Outcome {
+  if (settled.ok) {
+    const status = statusOf(settled.value);
+    return status === 429 || status === 503 ? "dropped" : "success";
+  }
+  const error = settled.error;
+  const status = statusOf(error);
+  if (status === 429 || status === 503) return "dropped";
+  if (typeof error === "object" && error !== null) {
+    const { name, code } = error as { name?: unknown; code?: unknown };
+    if (name === "TimeoutError" || (typeof code === "string" && TIMEOUT_CODES.has(code))) return "dropped";
+  }
+  return "ignored";
+}
+
+const RESOLVED: Promise<void> = Promise.resolve();
+const noop = () => {};
+
+/** The tickets a gate holds for one call, released together in reverse order. */
+class GateTicket implements Ticket {
+  released = false;
+  recorded: Outcome | undefined = undefined;
+  #signal: AbortSignal | undefined;
+
+  constructor(
+    readonly gate: Gate,
+    readonly cost: number,
+    readonly held: Ticket[],
+  ) {}
+
+  get stage(): string {
+    return this.gate.name;
+  }
+
+  get signal(): AbortSignal {
+    if (!this.#signal) {
+      const signals = this.held.map((t) => t.signal);
+      signals.push(this.gate.closedSignal);
+      this.#signal = signals.length === 1 ? signals[0]! : AbortSignal.any(signals);
+    }
+    return this.#signal;
+  }
+
+  record(outcome: Outcome): void {
+    checkOutcome(this.gate.name, outcome);
+    this.recorded = outcome;
+  }
+
+  release(outcome?: Outcome): Promise<void> {
+    if (outcome !== undefined) checkOutcome(this.gate.name, outcome);
+    if (this.released) return RESOLVED;
+    this.released = true;
+    this.gate.inFlight--;
+    return settleAll(this.held, outcome ?? this.recorded ?? "ignored");
+  }
+
+  refund(): Promise<void> {
+    if (this.released) return RESOLVED;
+    this.released = true;
+    this.gate.inFlight--;
+    return settleAll(this.held, undefined);
+  }
+
+  close(): Promise<void> {
+    return this.release();
+  }
+
+  [Symbol.asyncDispose](): Promise<void> {
+    return this.release();
+  }
+}
+
+function checkOutcome(name: string, outcome: unknown): void {
+  if (outcome !== "success" && outcome !== "dropped" && outcome !== "ignored") {
+    throw new InvalidOptionsError(
+      name,
+      "outcome",
+      `gate "${name}": outcome must be "success", "dropped" or "ignored" (got ${String(outcome)})`,
+    );
+  }
+}
+
+/** Release (or, with no outcome, refund) tickets last to first; resolves when all are done. */
+function settleAll(tickets: readonly Ticket[], outcome: Outcome | undefined): Promise<void> {
+  if (tickets.length === 0) return RESOLVED;
+  if (tickets.length === 1) return outcome ? tickets[0]!.release(outcome) : tickets[0]!.refund();
+  const pending: Promise<void>[] = [];
+  for (let i = tickets.length - 1; i >= 0; i--) {
+    const t = tickets[i]!;
+    pending.push(outcome ? t.release(outcome) : t.refund());
+  }
+  return Promise.all(pending).then(noop);
+}
+
+/**
+ * An ordered list of stages that admits a call only when every stage has. Stages are acquired in
+ * order (put rate before concurrency, so no call holds a permit while it waits for a token) and
+ * released in reverse with the call's outcome. A failure, timeout or abort part-way refunds what
+ * was already taken. A gate is a stage itself, so gates nest.
+ */
+export class Gate implements Stage {
+  readonly kind: StageKind = "gate";
+  readonly holds = "call" as const;
+  readonly name: string;
+  readonly stages: readonly Stage[];
+  readonly #clock: Clock;
+  readonly #log: Logger;
+  /** Stages that come first and only hold a call while it waits (bounded queues). */
+  readonly #leading: number;
+  readonly #holdsWait: boolean;
+  #closed = false;
+  #closeController: AbortController | undefined;
+
+  inFlight = 0;
+  #waiting = 0;
+  #admitted = 0;
+  #timedOut = 0;
+  #aborted = 0;
+
+  constructor(stages: readonly Stage[], options: GateOptions = {}) {
+    if (!Array.isArray(stages)) {
+      throw new InvalidOptionsError(undefined, "stages", "gate: stages must be an array of stages");
+    }
+    stages.forEach((s, i) => {
+      if (!s || typeof (s as Stage).admit !== "function" || typeof (s as Stage).snapshot !== "function") {
+        throw new InvalidOptionsError(undefined, `stages.${i}`, `gate: stages.${i} must be a stage`);
+      }
+    });
+    this.name = options.name ?? "gate";
+    this.stages = [...stages];
+    this.#clock = options.clock ?? systemClock;
+    this.#log = stageLogger(options.logger, this.name, "gate", "gate");
+    let leading = 0;
+    while (leading < this.stages.length && this.stages[leading]!.holds === "wait") leading++;
+    this.#leading = leading;
+    this.#holdsWait = this.stages.some((s) => s.holds === "wait");
+  }
+
+  /** Aborts when the gate closes. */
+  get closedSignal(): AbortSignal {
+    if (!this.#closeController) {
+      this.#closeController = new AbortController();
+      if (this.#closed) this.#closeController.abort(new ClosedError(this.name));
+    }
+    return this.#closeController.signal;
+  }
+
+  #options(options: AdmitOptions | undefined): AdmitOptions {
+    const o = admitOptions("gate", this.name, options);
+    if (this.#closed) throw new ClosedError(this.name);
+    return o;
+  }
+
+  #stageOptions(stage: Stage, o: AdmitOptions, deadline: number): AdmitOptions {
+    const cost = o.costs?.[stage.name] ?? o.cost;
+    const timeoutMs = deadline === Number.POSITIVE_INFINITY ? undefined : Math.max(0, deadline - this.#clock.now());
+    return { key: o.key, host: o.host, cost, signal: o.signal, timeoutMs, costs: o.costs };
+  }
+
+  /** Admit stages `from` to `to - 1` into `held`; on failure refund everything held and rethrow. */
+  async #acquire(held: Ticket[], from: number, to: number, o: AdmitOptions, deadline: number): Promise<void> {
+    this.#waiting++;
+    try {
+      for (let i = from; i < to; i++) {
+        const stage = this.stages[i]!;
+        held.push(await stage.admit(this.#stageOptions(stage, o, deadline)));
+        // A permit that arrives just after an abort is given back at once.
+        if (o.signal?.aborted) throw o.signal.reason;
+        if (this.#closed) throw new ClosedError(this.name);
+      }
+    } catch (error) {
+      if (o.signal?.aborted && error === o.signal.reason) this.#aborted++;
+      else if ((error as { code?: unknown })?.code === "ADMIT_TIMEOUT") this.#timedOut++;
+      const taken = held.splice(0);
+      await settleAll(taken, undefined).catch((e) => this.#log.warn({ err: e }, "refund failed"));
+      throw error;
+    } finally {
+      this.#waiting--;
+    }
+  }
+
+  /** Bounded queues give their slot back once the call has passed every later stage. */
+  #started(held: Ticket[], o: AdmitOptions): GateTicket {
+    let call = held;
+    if (this.#holdsWait) {
+      call = [];
+      for (let i = held.length - 1; i >= 0; i--) {
+        if (this.stages[i]!.holds === "wait") void held[i]!.release("success");
+      }
+      for (let i = 0; i < held.length; i++) if (this.stages[i]!.holds !== "wait") call.push(held[i]!);
+    }
+    this.inFlight++;
+    this.#admitted++;
+    return new GateTicket(this, o.cost ?? 1, call);
+  }
+
+  async admit(options?: AdmitOptions): Promise<Ticket> {
+    const o = this.#options(options);
+    const deadline =
+      o.timeoutMs === undefined ? Number.POSITIVE_INFINITY : this.#clock.now() + o.timeoutMs;
+    if (o.signal?.aborted) throw o.signal.reason;
+    const held: Ticket[] = [];
+    await this.#acquire(held, 0, this.stages.length, o, deadline);
+    return this.#started(held, o);
+  }
+
+  async tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
+    const o = this.#options(options);
+    const held: Ticket[] = [];
+    for (const stage of this.stages) {
+      const cost = (o as AdmitOptions).costs?.[stage.name] ?? o.cost;
+      let t: Ticket | undefined;
+      try {
+        t = await stage.tryAdmit({ key: o.key, host: o.host, cost });
+      } catch (error) {
+        await settleAll(held.splice(0), undefined);
+        throw error;
+      }
+      if (!t) {
+        await settleAll(held.splice(0), undefined);
+        return undefined;
+      }
+      held.push(t);
+    }
+    return this.#started(held, o);
+  }
+
+  /**
+   * Admit, run `fn`, release with the outcome. `fn` gets the ticket: hand `ticket.signal` to the
+   * call, or `ticket.record("dropped")` when a response says the server is overloaded. Rejects
+   * as `admit` does; otherwise settles as `fn` does.
+   */
+  async run<T>(fn: (ticket: Ticket) => T | PromiseLike<T>, options?: RunOptions<T>): Promise<T> {
+    if (typeof fn !== "function") {
+      throw new InvalidOptionsError(this.name, "fn", `gate "${this.name}": run needs a function`);
+    }
+    const ticket = (await this.admit(options)) as GateTicket;
+    return this.#call(ticket, fn, options?.classify);
+  }
+
+  async #call<T>(
+    ticket: GateTicket,
+    fn: (ticket: Ticket) => T | PromiseLike<T>,
+    classify: ((settled: Settled<T>) => Outcome) | undefined,
+  ): Promise<T> {
+    const judge = (classify ?? defaultClassify) as (s: Settled<T>) => Outcome;
+    let settled: Settled<T>;
+    try {
+      settled = { ok: true, value: await fn(ticket) };
+    } catch (error) {
+      settled = { ok: false, error };
+    }
+    let outcome = ticket.recorded;
+    if (outcome === undefined) {
+      try {
+        outcome = judge(settled);
+      } catch (error) {
+        this.#log.warn({ err: error }, "classify threw; outcome ignored");
+        outcome = "ignored";
+      }
+    }
+    await ticket.release(outcome).catch((e) => this.#log.warn({ err: e }, "release failed"));
+    if (settled.ok) return settled.value;
+    throw settled.error;
+  }
+
+  /**
+   * Hand a job to the gate and resolve as soon as it is accepted: once the gate's leading bounded
+   * queues have given it a slot (at once when the gate starts with none). That await is the
+   * producer's backpressure. The job then waits for the other stages and runs; `job.done`
+   * settles with its result. A full queue with `whenFull: "shed"` rejects with `ShedError`.
+   */
+  async enqueue<T>(fn: (ticket: Ticket) => T | PromiseLike<T>, options?: RunOptions<T>): Promise<Job<T>> {
+    if (typeof fn !== "function") {
+      throw new InvalidOptionsError(this.name, "fn", `gate "${this.name}": enqueue needs a function`);
+    }
+    const o = this.#options(options);
+    if (o.signal?.aborted) throw o.signal.reason;
+    const deadline =
+      o.timeoutMs === undefined ? Number.POSITIVE_INFINITY : this.#clock.now() + o.timeoutMs;
+    const held: Ticket[] = [];
+    await this.#acquire(held, 0, this.#leading, o, deadline);
+    const done = (async () => {
+      await this.#acquire(held, this.#leading, this.stages.length, o, deadline);
+      return this.#call(this.#started(held, o), fn, options?.classify);
+    })();
+    return { done };
+  }
+
+  /** Pause `host` on every interval gate in this gate (and in gates nested in it). */
+  async pause(host: string, ms: number): Promise<void> {
+    const pending: Promise<void>[] = [];
+    for (const stage of this.stages) {
+      if (stage instanceof Gate || stage.kind === "intervalGate") {
+        pending.push((stage as IntervalGateStage).pause(host, ms));
+      }
+    }
+    await Promise.all(pending);
+  }
+
+  snapshot(): GateSnapshot {
+    const stages = this.stages.map((s) => s.snapshot());
+    const sum = (field: keyof Snapshot) => stages.reduce((n, s) => n + (s[field] as number), 0);
+    return {
+      name: this.name,
+      kind: "gate",
+      backend: "gate",
+      inFlight: this.inFlight,
+      waiting: this.#waiting,
+      queueDepth: sum("queueDepth"),
+      shed: sum("shed"),
+      admitted: this.#admitted,
+      timedOut: this.#timedOut,
+      aborted: this.#aborted,
+      tokenWaitMs: sum("tokenWaitMs"),
+      permitWaitMs: sum("permitWaitMs"),
+      queueWaitMs: sum("queueWaitMs"),
+      limit: stages.reduce((n, s) => Math.min(n, s.limit), Number.POSITIVE_INFINITY),
+      stages,
+    };
+  }
+
+  /** Refuse new calls, then close every stage (rejecting their waiters with `ClosedError`). */
+  async close(): Promise<void> {
+    if (this.#closed) return;
+    this.#closed = true;
+    this.#closeController?.abort(new ClosedError(this.name));
+    await Promise.all(this.stages.map((s) => s.close()));
+  }
+
+  [Symbol.asyncDispose](): Promise<void> {
+    return this.close();
+  }
+}

@@ -1,0 +1,46 @@
+export { admitOptions } from "./admit.js";
+export { type Clock, type ClockTimer, systemClock } from "./clock.js";
+export {
+  AdmitTimeoutError,
+  BackendUnavailableError,
+  ClosedError,
+  type ErrorCode,
+  FloodgateError,
+  InvalidOptionsError,
+  isFloodgateError,
+  LeaseLostError,
+  ShedError,
+} from "./errors.js";
+export { defaultClassify, Gate, type GateOptions, type Job, type RunOptions, type Settled } from "./gate.js";
+export {
+  type MemoryBackend,
+  MemoryAimd,
+  MemoryIntervalGate,
+  MemoryQueue,
+  MemorySemaphore,
+  MemoryTokenBucket,
+  memory,
+} from "./memory/index.js";
+export type {
+  AimdOptions,
+  IntervalGateOptions,
+  MemoryBackendOptions,
+  PenaltyOptions,
+  QueueOptions,
+  SemaphoreOptions,
+  StageOptions,
+  TokenBucketOptions,
+} from "./options.js";
+export type {
+  AdmitOptions,
+  Backend,
+  GateSnapshot,
+  IntervalGateStage,
+  Logger,
+  Outcome,
+  Snapshot,
+  Stage,
+  StageKind,
+  Ticket,
+  TryAdmitOptions,
+} from "./types.js";

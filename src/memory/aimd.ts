@@ -1,0 +1,66 @@
+import { type AimdConfig, type AimdState, aimdStep } from "../algorithms/aimd.js";
+import type { Clock } from "../clock.js";
+import type { AimdOptions } from "../options.js";
+import type { Outcome, Snapshot, StageKind } from "../types.js";
+import { aimdSchema, parseOptions } from "../validate.js";
+import { PermitStage } from "./semaphore.js";
+import { MemoryTicket } from "./stage.js";
+
+/** A ticket that remembers the AIMD epoch it was admitted in. */
+class AimdTicket extends MemoryTicket {
+  epoch = 0;
+}
+
+/**
+ * Adaptive concurrency: a semaphore whose limit `aimdStep` moves. A drop (or a success slower
+ * than `slowCallMs`) cuts the limit by `backoffRatio`, at most once per window of drops; a
+ * success while at least half the limit is in use adds one. A cost must fit under `min`.
+ */
+export class MemoryAimd extends PermitStage {
+  override readonly kind: StageKind = "aimd";
+  readonly #config: AimdConfig;
+  readonly #slowCallMs: number;
+  #state: AimdState;
+
+  constructor(name: string, options: AimdOptions, clock: Clock) {
+    const o = parseOptions(aimdSchema, "aimd", name, options);
+    super(name, o.initial, clock);
+    this.#config = { min: o.min ?? 1, max: o.max, backoffRatio: o.backoffRatio ?? 0.9 };
+    this.#slowCallMs = o.slowCallMs ?? Number.POSITIVE_INFINITY;
+    this.#state = { limit: o.initial, epoch: 0 };
+    this.init(o.logger);
+  }
+
+  protected override maxCost(): number {
+    return this.#config.min;
+  }
+
+  protected override newTicket(cost: number, key: string, now: number): MemoryTicket {
+    const ticket = new AimdTicket(this, cost, key, now);
+    ticket.epoch = this.#state.epoch;
+    return ticket;
+  }
+
+  override releaseTicket(ticket: MemoryTicket, outcome: Outcome, refund: boolean): void {
+    this.used -= ticket.cost;
+    if (!refund && outcome !== "ignored") {
+      const slow = this.clock.now() - ticket.admittedAt > this.#slowCallMs;
+      const before = this.#state;
+      this.#state = aimdStep(before, this.#config, {
+        dropped: outcome === "dropped" || slow,
+        inFlight: this.used + ticket.cost,
+        epoch: (ticket as AimdTicket).epoch,
+      });
+      if (this.#state.limit !== before.limit) {
+        this.limit = this.#state.limit;
+        const level = this.#state.limit < before.limit ? "warn" : "debug";
+        this.log[level]({ from: before.limit, to: this.#state.limit, outcome, slow }, "limit changed");
+      }
+    }
+    this.drain();
+  }
+
+  override snapshot(): Snapshot {
+    return this.baseSnapshot(this.limit);
+  }
+}

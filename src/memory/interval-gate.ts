@@ -1,0 +1,200 @@
+import { afterPause, afterStart, delayMs, spacingMs } from "../algorithms/interval.js";
+import type { Clock, ClockTimer } from "../clock.js";
+import { InvalidOptionsError } from "../errors.js";
+import type { IntervalGateOptions } from "../options.js";
+import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket, TryAdmitOptions } from "../types.js";
+import { intervalGateSchema, parseOptions } from "../validate.js";
+import { KeyedStates } from "./keyed.js";
+import { MemoryStage, MemoryTicket } from "./stage.js";
+import { WaitList } from "./wait-list.js";
+
+/** One host: when its next call may start, its FIFO of waiters, and the timer for the head. */
+class HostSlot extends WaitList {
+  timer: ClockTimer | undefined = undefined;
+  constructor(public nextAt: number) {
+    super();
+  }
+}
+
+/** A ticket that remembers the slot it claimed, so a refund can hand it back. */
+class SlotTicket extends MemoryTicket {
+  /** `nextAt` this grant set, and the one it replaced. */
+  claimed = 0;
+  previous = 0;
+}
+
+const DEFAULT_HOST = "default";
+
+/**
+ * Minimum spacing between the starts of calls to each host: `minIntervalMs` plus a random
+ * `[0, jitterMs)` on top, never less. `pause(host, ms)` holds a host back (Retry-After).
+ */
+export class MemoryIntervalGate extends MemoryStage {
+  readonly kind: StageKind = "intervalGate";
+  readonly #minIntervalMs: number;
+  readonly #jitterMs: number;
+  readonly #random: () => number;
+  readonly #hosts: KeyedStates<HostSlot>;
+
+  constructor(name: string, options: IntervalGateOptions, clock: Clock, random: () => number = Math.random) {
+    super(name, clock);
+    const o = parseOptions(intervalGateSchema, "intervalGate", name, options);
+    this.#minIntervalMs = o.minIntervalMs;
+    this.#jitterMs = o.jitterMs ?? 0;
+    this.#random = o.random ?? random;
+    const sweepMs = Math.min(Math.max(1000, Math.ceil(this.#minIntervalMs + this.#jitterMs)), 600_000);
+    this.#hosts = new KeyedStates(clock, sweepMs, (h, now) => h.size === 0 && h.nextAt <= now);
+    this.init(o.logger);
+  }
+
+  #host(host: string, now: number): HostSlot {
+    let h = this.#hosts.get(host);
+    if (!h) {
+      h = new HostSlot(now);
+      this.#hosts.set(host, h);
+    }
+    return h;
+  }
+
+  #start(h: HostSlot, cost: number, host: string, now: number): SlotTicket {
+    const previous = this.#claim(h, now);
+    return this.#mark(this.issue(cost, host, now, "token"), previous, h);
+  }
+
+  /** Move the host's next slot on by one spacing; returns the slot it replaced. */
+  #claim(h: HostSlot, now: number): number {
+    const previous = h.nextAt;
+    h.nextAt = afterStart(now, spacingMs(this.#minIntervalMs, this.#jitterMs, this.#random()));
+    return previous;
+  }
+
+  #mark(ticket: MemoryTicket, previous: number, h: HostSlot): SlotTicket {
+    const t = ticket as SlotTicket;
+    t.previous = previous;
+    t.claimed = h.nextAt;
+    return t;
+  }
+
+  protected override newTicket(cost: number, key: string, now: number): MemoryTicket {
+    return new SlotTicket(this, cost, key, now);
+  }
+
+  admit(options?: AdmitOptions): Promise<Ticket> {
+    let o: AdmitOptions;
+    try {
+      o = this.check(options);
+    } catch (error) {
+      return Promise.reject(error);
+    }
+    const host = o.host ?? DEFAULT_HOST;
+    const now = this.clock.now();
+    const h = this.#host(host, now);
+    if (h.size === 0 && h.nextAt <= now) return Promise.resolve(this.#start(h, o.cost ?? 1, host, now));
+    const promise = this.wait(h, o.cost ?? 1, host, o);
+    this.#schedule(h, host);
+    return promise;
+  }
+
+  tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
+    try {
+      const o = this.check(options);
+      const host = o.host ?? DEFAULT_HOST;
+      const now = this.clock.now();
+      const h = this.#host(host, now);
+      if (h.size > 0 || h.nextAt > now) return Promise.resolve(undefined);
+      return Promise.resolve(this.#start(h, o.cost ?? 1, host, now));
+    } catch (error) {
+      return Promise.reject(error);
+    }
+  }
+
+  /**
+   * Let no call start to `host` for `ms` milliseconds from now (a Retry-After). A pause never
+   * shortens an earlier one or the current spacing.
+   */
+  pause(host: string, ms: number): Promise<void> {
+    if (typeof host !== "string" || host.length === 0) {
+      throw new InvalidOptionsError(this.name, "host", `intervalGate "${this.name}": host must be a non-empty string`);
+    }
+    if (!(ms >= 0) || !Number.isFinite(ms)) {
+      throw new InvalidOptionsError(
+        this.name,
+        "ms",
+        `intervalGate "${this.name}": pause ms must be a finite number >= 0 (got ${ms})`,
+      );
+    }
+    const now = this.clock.now();
+    const h = this.#host(host, now);
+    h.nextAt = afterPause(h.nextAt, now, ms);
+    this.log.warn({ host, ms }, "host paused");
+    this.#schedule(h, host);
+    return Promise.resolve();
+  }
+
+  /** Milliseconds until a call to `host` could start, ignoring waiters already queued. */
+  delayFor(host: string = DEFAULT_HOST): number {
+    const h = this.#hosts.get(host);
+    return h ? delayMs(h.nextAt, this.clock.now()) : 0;
+  }
+
+  #drain(h: HostSlot, host: string): void {
+    const w = h.head;
+    const now = this.clock.now();
+    if (w && h.nextAt <= now) {
+      const previous = this.#claim(h, now);
+      this.#mark(this.grant(w, "token"), previous, h);
+    }
+    this.#schedule(h, host);
+  }
+
+  #schedule(h: HostSlot, host: string): void {
+    if (h.timer !== undefined) {
+      this.clock.clearTimeout(h.timer);
+      h.timer = undefined;
+    }
+    if (!h.head) return;
+    h.timer = this.clock.setTimeout(
+      () => {
+        h.timer = undefined;
+        this.#drain(h, host);
+      },
+      delayMs(h.nextAt, this.clock.now()),
+    );
+  }
+
+  releaseTicket(ticket: MemoryTicket, _outcome: Outcome, refund: boolean): void {
+    if (!refund) return;
+    const t = ticket as SlotTicket;
+    const h = this.#hosts.get(t.key);
+    // Hand the slot back only when nothing has moved the host on since (a later call, a pause).
+    if (h && h.nextAt === t.claimed) {
+      h.nextAt = t.previous;
+      this.#drain(h, t.key);
+    }
+  }
+
+  protected afterWaiterGone(list: WaitList, waiter: { key: string }): void {
+    this.#schedule(list as HostSlot, waiter.key);
+  }
+
+  protected lists(): Iterable<WaitList> {
+    return this.#hosts.map.values();
+  }
+
+  protected override onClose(): void {
+    for (const h of this.#hosts.map.values()) {
+      if (h.timer !== undefined) this.clock.clearTimeout(h.timer);
+      h.timer = undefined;
+    }
+    this.#hosts.close();
+  }
+
+  /** Hosts currently kept in memory. */
+  get hostCount(): number {
+    return this.#hosts.size;
+  }
+
+  snapshot(): Snapshot {
+    return this.baseSnapshot(Number.POSITIVE_INFINITY);
+  }
+}

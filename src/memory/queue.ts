@@ -1,0 +1,41 @@
+import type { Clock } from "../clock.js";
+import { ShedError } from "../errors.js";
+import type { QueueOptions } from "../options.js";
+import type { AdmitOptions, Snapshot, StageKind, Ticket } from "../types.js";
+import { parseOptions, queueSchema } from "../validate.js";
+import { PermitStage } from "./semaphore.js";
+import type { WaitFor } from "./stage.js";
+
+/**
+ * Bounded queue: at most `maxSize` jobs hold a slot at once. A slot is held while the job waits;
+ * in a `Gate` it is given back as soon as every later stage has admitted the job. When full,
+ * `whenFull: "block"` makes the producer wait (backpressure); `"shed"` rejects with `ShedError`.
+ */
+export class MemoryQueue extends PermitStage {
+  override readonly kind: StageKind = "queue";
+  override readonly holds = "wait" as const;
+  protected override readonly waitFor: WaitFor = "queue";
+  readonly whenFull: "block" | "shed";
+
+  constructor(name: string, options: QueueOptions, clock: Clock) {
+    const o = parseOptions(queueSchema, "queue", name, options);
+    super(name, o.maxSize, clock);
+    this.whenFull = o.whenFull ?? "block";
+    this.init(o.logger);
+  }
+
+  protected override whenBusy(cost: number, o: AdmitOptions): Promise<Ticket> {
+    if (this.whenFull === "block") return this.wait(this.waiters, cost, "", o);
+    this.shed++;
+    this.log.warn({ depth: this.used, maxSize: this.limit }, "queue full, shed");
+    return Promise.reject(
+      new ShedError(this.name, `queue "${this.name}": full (maxSize ${this.limit}), job shed`),
+    );
+  }
+
+  override snapshot(): Snapshot {
+    const s = this.baseSnapshot(this.limit);
+    s.queueDepth = this.used;
+    return s;
+  }
+}

@@ -1,0 +1,105 @@
+import { tooCostly } from "../admit.js";
+import type { Clock } from "../clock.js";
+import type { SemaphoreOptions } from "../options.js";
+import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket, TryAdmitOptions } from "../types.js";
+import { parseOptions, semaphoreSchema } from "../validate.js";
+import { type MemoryTicket, MemoryStage, type WaitFor } from "./stage.js";
+import { WaitList } from "./wait-list.js";
+
+/**
+ * Permits counted against a limit, waiters served strictly first in, first out, so a large `cost`
+ * at the head is never starved by small ones behind it. The semaphore, the bounded queue and the
+ * AIMD limiter are all this, with a different rule for the limit and for a full house.
+ */
+export abstract class PermitStage extends MemoryStage {
+  protected limit: number;
+  protected used = 0;
+  protected readonly waiters = new WaitList();
+  protected readonly waitFor: WaitFor = "permit";
+
+  constructor(name: string, limit: number, clock: Clock) {
+    super(name, clock);
+    this.limit = limit;
+  }
+
+  /** Largest cost one call may have. */
+  protected maxCost(): number {
+    return this.limit;
+  }
+
+  admit(options?: AdmitOptions): Promise<Ticket> {
+    let o: AdmitOptions;
+    try {
+      o = this.check(options);
+    } catch (error) {
+      return Promise.reject(error);
+    }
+    const cost = o.cost ?? 1;
+    if (cost > this.maxCost()) return Promise.reject(tooCostly(this.kind, this.name, cost, this.maxCost(), "limit"));
+    if (this.waiters.size === 0 && this.used + cost <= this.limit) {
+      this.used += cost;
+      return Promise.resolve(this.issue(cost, "", this.clock.now(), this.waitFor));
+    }
+    return this.whenBusy(cost, o);
+  }
+
+  /** No room now: wait (a queue may shed instead). */
+  protected whenBusy(cost: number, o: AdmitOptions): Promise<Ticket> {
+    return this.wait(this.waiters, cost, "", o);
+  }
+
+  tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
+    try {
+      const o = this.check(options);
+      const cost = o.cost ?? 1;
+      if (cost > this.maxCost()) throw tooCostly(this.kind, this.name, cost, this.maxCost(), "limit");
+      if (this.waiters.size > 0 || this.used + cost > this.limit) return Promise.resolve(undefined);
+      this.used += cost;
+      return Promise.resolve(this.issue(cost, "", this.clock.now(), this.waitFor));
+    } catch (error) {
+      return Promise.reject(error);
+    }
+  }
+
+  releaseTicket(ticket: MemoryTicket, _outcome: Outcome, _refund: boolean): void {
+    this.used -= ticket.cost;
+    this.drain();
+  }
+
+  /** Grant waiters from the head while they fit. */
+  protected drain(): void {
+    const list = this.waiters;
+    for (let w = list.head; w && this.used + w.cost <= this.limit; w = list.head) {
+      this.used += w.cost;
+      this.grant(w, this.waitFor);
+    }
+  }
+
+  protected afterWaiterGone(): void {
+    this.drain();
+  }
+
+  protected lists(): Iterable<WaitList> {
+    return [this.waiters];
+  }
+
+  /** Permits held now. */
+  get held(): number {
+    return this.used;
+  }
+
+  snapshot(): Snapshot {
+    return this.baseSnapshot(this.limit);
+  }
+}
+
+/** Counting semaphore: at most `limit` permits held at once, FIFO, weighted by `cost`. */
+export class MemorySemaphore extends PermitStage {
+  readonly kind: StageKind = "semaphore";
+
+  constructor(name: string, options: SemaphoreOptions, clock: Clock) {
+    const o = parseOptions(semaphoreSchema, "semaphore", name, options);
+    super(name, o.limit, clock);
+    this.init(o.logger);
+  }
+}

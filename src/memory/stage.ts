@@ -1,0 +1,280 @@
+import { admitOptions } from "../admit.js";
+import type { Clock } from "../clock.js";
+import { AdmitTimeoutError, ClosedError, InvalidOptionsError } from "../errors.js";
+import { enabled, stageLogger } from "../logger.js";
+import type { AdmitOptions, Logger, Outcome, Snapshot, Stage, StageKind, Ticket, TryAdmitOptions } from "../types.js";
+import { Waiter, type WaiterOwner, type WaitList } from "./wait-list.js";
+
+const RESOLVED: Promise<void> = Promise.resolve();
+
+/** What a wait is for, which decides the snapshot counter it adds to. */
+export type WaitFor = "token" | "permit" | "queue";
+
+/** A ticket granted by an in-memory stage. */
+export class MemoryTicket implements Ticket {
+  released = false;
+  recorded: Outcome | undefined = undefined;
+
+  constructor(
+    readonly owner: MemoryStage,
+    readonly cost: number,
+    readonly key: string,
+    readonly admittedAt: number,
+  ) {}
+
+  get stage(): string {
+    return this.owner.name;
+  }
+
+  get signal(): AbortSignal {
+    return this.owner.closedSignal;
+  }
+
+  record(outcome: Outcome): void {
+    checkOutcome(this.owner, outcome);
+    this.recorded = outcome;
+  }
+
+  release(outcome?: Outcome): Promise<void> {
+    if (outcome !== undefined) checkOutcome(this.owner, outcome);
+    if (this.released) return RESOLVED;
+    this.released = true;
+    this.owner.inFlight--;
+    this.owner.releaseTicket(this, outcome ?? this.recorded ?? "ignored", false);
+    return RESOLVED;
+  }
+
+  refund(): Promise<void> {
+    if (this.released) return RESOLVED;
+    this.released = true;
+    this.owner.inFlight--;
+    this.owner.releaseTicket(this, "ignored", true);
+    return RESOLVED;
+  }
+
+  close(): Promise<void> {
+    return this.release();
+  }
+
+  [Symbol.asyncDispose](): Promise<void> {
+    return this.release();
+  }
+}
+
+function checkOutcome(stage: MemoryStage, outcome: unknown): void {
+  if (outcome !== "success" && outcome !== "dropped" && outcome !== "ignored") {
+    throw new InvalidOptionsError(
+      stage.name,
+      "outcome",
+      `${stage.kind} "${stage.name}": outcome must be "success", "dropped" or "ignored" (got ${String(outcome)})`,
+    );
+  }
+}
+
+/**
+ * What every in-memory stage shares: counters, the waiting machinery (abort, timeout, close),
+ * logging. Subclasses decide when a waiter can go (`drain`) and what a release gives back.
+ */
+export abstract class MemoryStage implements Stage, WaiterOwner {
+  abstract readonly kind: StageKind;
+  readonly holds: "call" | "wait" = "call";
+  protected readonly clock: Clock;
+  protected log!: Logger;
+  protected closed = false;
+  #closeController: AbortController | undefined;
+
+  inFlight = 0;
+  protected waiting = 0;
+  protected admitted = 0;
+  protected shed = 0;
+  protected timedOut = 0;
+  protected aborted = 0;
+  protected tokenWaitMs = 0;
+  protected permitWaitMs = 0;
+  protected queueWaitMs = 0;
+
+  constructor(
+    readonly name: string,
+    clock: Clock,
+  ) {
+    this.clock = clock;
+  }
+
+  /** Call at the end of the subclass constructor, once `kind` is set. */
+  protected init(logger: Logger | undefined): void {
+    this.log = stageLogger(logger, this.name, this.kind, "memory");
+  }
+
+  /** Aborts when the stage closes; every ticket's `signal`. */
+  get closedSignal(): AbortSignal {
+    if (!this.#closeController) {
+      this.#closeController = new AbortController();
+      if (this.closed) this.#closeController.abort(new ClosedError(this.name));
+    }
+    return this.#closeController.signal;
+  }
+
+  abstract admit(options?: AdmitOptions): Promise<Ticket>;
+  abstract tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined>;
+  abstract snapshot(): Snapshot;
+
+  /** Give back what `ticket` holds. Called once per ticket. */
+  abstract releaseTicket(ticket: MemoryTicket, outcome: Outcome, refund: boolean): void;
+
+  /** A waiter left its list without being granted; the ones behind it may now fit. */
+  protected abstract afterWaiterGone(list: WaitList, waiter: Waiter): void;
+
+  /** Every wait list the stage has, for `close()`. */
+  protected abstract lists(): Iterable<WaitList>;
+
+  /** Check admit options and the closed flag. Throws synchronously; callers turn it into a rejection. */
+  protected check(options: AdmitOptions | undefined): AdmitOptions {
+    const o = admitOptions(this.kind, this.name, options);
+    if (this.closed) throw new ClosedError(this.name);
+    return o;
+  }
+
+  /** A granted ticket, counted. */
+  protected issue(cost: number, key: string, waitedFrom: number, waitFor: WaitFor): MemoryTicket {
+    const now = this.clock.now();
+    const ticket = this.newTicket(cost, key, now);
+    this.inFlight++;
+    this.admitted++;
+    if (waitedFrom !== now) this.addWait(waitFor, now - waitedFrom);
+    return ticket;
+  }
+
+  protected newTicket(cost: number, key: string, now: number): MemoryTicket {
+    return new MemoryTicket(this, cost, key, now);
+  }
+
+  private addWait(waitFor: WaitFor, ms: number): void {
+    if (!(ms > 0)) return;
+    if (waitFor === "token") this.tokenWaitMs += ms;
+    else if (waitFor === "permit") this.permitWaitMs += ms;
+    else this.queueWaitMs += ms;
+  }
+
+  /**
+   * Put a caller on `list` and return its promise. Wires `signal` and `timeoutMs`; `timeoutMs: 0`
+   * rejects at once. `retryAfterMs` (when known) goes on the timeout error.
+   */
+  protected wait(list: WaitList, cost: number, key: string, o: AdmitOptions): Promise<Ticket> {
+    const signal = o.signal;
+    if (signal?.aborted) return Promise.reject(signal.reason);
+    const timeoutMs = o.timeoutMs;
+    if (timeoutMs === 0) {
+      this.timedOut++;
+      return Promise.reject(this.timeoutError(0));
+    }
+    const w = new Waiter(this, cost, key, this.clock.now());
+    list.push(w);
+    this.waiting++;
+    if (signal) {
+      w.signal = signal;
+      signal.addEventListener("abort", w, { once: true });
+    }
+    if (timeoutMs !== undefined && timeoutMs !== Number.POSITIVE_INFINITY) {
+      w.timer = this.clock.setTimeout(() => this.timeoutWaiter(w, timeoutMs), timeoutMs);
+    }
+    return w.promise;
+  }
+
+  /** Hand `w` its ticket: unlink it, drop its listener and timer, resolve. */
+  protected grant(w: Waiter, waitFor: WaitFor): MemoryTicket {
+    this.unlink(w);
+    const ticket = this.issue(w.cost, w.key, w.enqueuedAt, waitFor);
+    if (enabled(this.log, "debug")) {
+      this.log.debug({ key: w.key, cost: w.cost, waitedMs: ticket.admittedAt - w.enqueuedAt }, "granted");
+    }
+    w.resolve(ticket);
+    return ticket;
+  }
+
+  private unlink(w: Waiter): void {
+    w.list?.remove(w);
+    this.waiting--;
+    if (w.signal) {
+      w.signal.removeEventListener("abort", w);
+      w.signal = undefined;
+    }
+    if (w.timer !== undefined) {
+      this.clock.clearTimeout(w.timer);
+      w.timer = undefined;
+    }
+  }
+
+  abortWaiter(w: Waiter): void {
+    const list = w.list;
+    if (!list) return;
+    const reason = w.signal?.reason;
+    this.unlink(w);
+    this.aborted++;
+    w.reject(reason);
+    this.afterWaiterGone(list, w);
+  }
+
+  private timeoutWaiter(w: Waiter, timeoutMs: number): void {
+    const list = w.list;
+    if (!list) return;
+    w.timer = undefined;
+    this.unlink(w);
+    this.timedOut++;
+    this.log.warn({ key: w.key, cost: w.cost, timeoutMs }, "admission timed out");
+    w.reject(this.timeoutError(timeoutMs));
+    this.afterWaiterGone(list, w);
+  }
+
+  protected timeoutError(timeoutMs: number): AdmitTimeoutError {
+    return new AdmitTimeoutError(
+      this.name,
+      `${this.kind} "${this.name}": not admitted within timeoutMs (${timeoutMs})`,
+      { retryAfterMs: this.retryAfterHint() },
+    );
+  }
+
+  /** A best guess of how long until a call could be admitted, for timeout errors. */
+  protected retryAfterHint(): number | undefined {
+    return undefined;
+  }
+
+  protected baseSnapshot(limit: number): Snapshot {
+    return {
+      name: this.name,
+      kind: this.kind,
+      backend: "memory",
+      inFlight: this.inFlight,
+      waiting: this.waiting,
+      queueDepth: 0,
+      shed: this.shed,
+      admitted: this.admitted,
+      timedOut: this.timedOut,
+      aborted: this.aborted,
+      tokenWaitMs: this.tokenWaitMs,
+      permitWaitMs: this.permitWaitMs,
+      queueWaitMs: this.queueWaitMs,
+      limit,
+    };
+  }
+
+  close(): Promise<void> {
+    if (this.closed) return RESOLVED;
+    this.closed = true;
+    for (const list of this.lists()) {
+      for (let w = list.head; w; w = list.head) {
+        this.unlink(w);
+        w.reject(new ClosedError(this.name));
+      }
+    }
+    this.onClose();
+    this.#closeController?.abort(new ClosedError(this.name));
+    return RESOLVED;
+  }
+
+  /** Stop timers the stage owns. */
+  protected onClose(): void {}
+
+  [Symbol.asyncDispose](): Promise<void> {
+    return this.close();
+  }
+}

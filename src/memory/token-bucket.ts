@@ -1,0 +1,203 @@
+import { tooCostly } from "../admit.js";
+import { type BucketConfig, type BucketState, penalize, rateFactor, tokensAt, waitMs } from "../algorithms/token-bucket.js";
+import type { Clock, ClockTimer } from "../clock.js";
+import type { TokenBucketOptions } from "../options.js";
+import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket, TryAdmitOptions } from "../types.js";
+import { parseOptions, tokenBucketSchema } from "../validate.js";
+import { KeyedStates } from "./keyed.js";
+import { type MemoryTicket, MemoryStage } from "./stage.js";
+import { WaitList } from "./wait-list.js";
+
+/** One key's bucket: the algorithm's state plus its FIFO of waiters and the timer for its head. */
+class KeyBucket extends WaitList implements BucketState {
+  timer: ClockTimer | undefined = undefined;
+  constructor(
+    public tokens: number,
+    public updatedAt: number,
+    public factor = 1,
+    public penalizedAt = 0,
+  ) {
+    super();
+  }
+}
+
+const DEFAULT_KEY = "default";
+
+/**
+ * A token bucket per key: each key holds up to `capacity` tokens and gains `refillPerSecond`.
+ * A call of cost `c` waits until its key holds `c` tokens; waiters of one key are served first in,
+ * first out, each key on a single timer. A cost above `capacity` is refused at once.
+ */
+export class MemoryTokenBucket extends MemoryStage {
+  readonly kind: StageKind = "tokenBucket";
+  readonly #config: BucketConfig;
+  readonly #initial: number;
+  readonly #penaltyFactor: number | undefined;
+  readonly #minFactor: number;
+  readonly #keys: KeyedStates<KeyBucket>;
+
+  constructor(name: string, options: TokenBucketOptions, clock: Clock) {
+    super(name, clock);
+    const o = parseOptions(tokenBucketSchema, "tokenBucket", name, options);
+    this.#config = {
+      capacity: o.capacity,
+      refillPerSecond: o.refillPerSecond,
+      recoveryMs: o.penalty?.recoveryMs ?? 30_000,
+    };
+    this.#initial = o.initialTokens ?? o.capacity;
+    this.#penaltyFactor = o.penalty ? (o.penalty.factor ?? 0.5) : undefined;
+    this.#minFactor = o.penalty?.minFactor ?? 0.1;
+    const fillMs = Math.ceil((o.capacity * 1000) / o.refillPerSecond);
+    this.#keys = new KeyedStates(clock, Math.min(Math.max(1000, fillMs), 600_000), (b, now) => this.#idle(b, now));
+    this.init(o.logger);
+  }
+
+  #idle(b: KeyBucket, now: number): boolean {
+    return b.size === 0 && rateFactor(b, this.#config, now) >= 1 && tokensAt(b, this.#config, now) >= this.#initial;
+  }
+
+  #bucket(key: string, now: number): KeyBucket {
+    let b = this.#keys.get(key);
+    if (!b) {
+      b = new KeyBucket(this.#initial, now);
+      this.#keys.set(key, b);
+    }
+    return b;
+  }
+
+  /** Take `cost` from `b` if it holds that many now. */
+  #take(b: KeyBucket, cost: number, now: number): boolean {
+    const tokens = tokensAt(b, this.#config, now);
+    if (tokens + 1e-9 < cost) return false;
+    b.tokens = tokens > cost ? tokens - cost : 0;
+    if (now > b.updatedAt) b.updatedAt = now;
+    return true;
+  }
+
+  admit(options?: AdmitOptions): Promise<Ticket> {
+    let o: AdmitOptions;
+    try {
+      o = this.check(options);
+    } catch (error) {
+      return Promise.reject(error);
+    }
+    const cost = o.cost ?? 1;
+    const capacity = this.#config.capacity;
+    if (cost > capacity) return Promise.reject(tooCostly(this.kind, this.name, cost, capacity, "capacity"));
+    const key = o.key ?? DEFAULT_KEY;
+    const now = this.clock.now();
+    const b = this.#bucket(key, now);
+    if (b.size === 0 && this.#take(b, cost, now)) return Promise.resolve(this.issue(cost, key, now, "token"));
+    if (o.timeoutMs !== undefined && !o.signal?.aborted && b.size === 0) {
+      // Refuse at once what cannot be granted in time, rather than wait and fail.
+      const ms = waitMs(b, this.#config, cost, now);
+      if (ms > o.timeoutMs) {
+        this.timedOut++;
+        return Promise.reject(this.#timeout(o.timeoutMs, ms));
+      }
+    }
+    const promise = this.wait(b, cost, key, o);
+    this.#schedule(b, key);
+    return promise;
+  }
+
+  tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
+    try {
+      const o = this.check(options);
+      const cost = o.cost ?? 1;
+      const capacity = this.#config.capacity;
+      if (cost > capacity) throw tooCostly(this.kind, this.name, cost, capacity, "capacity");
+      const key = o.key ?? DEFAULT_KEY;
+      const now = this.clock.now();
+      const b = this.#bucket(key, now);
+      if (b.size > 0 || !this.#take(b, cost, now)) return Promise.resolve(undefined);
+      return Promise.resolve(this.issue(cost, key, now, "token"));
+    } catch (error) {
+      return Promise.reject(error);
+    }
+  }
+
+  #timeout(timeoutMs: number, retryAfterMs: number) {
+    const e = this.timeoutError(timeoutMs);
+    (e as { retryAfterMs: number | undefined }).retryAfterMs = retryAfterMs;
+    this.log.warn({ timeoutMs, retryAfterMs }, "admission timed out");
+    return e;
+  }
+
+  /** Grant the key's waiters that fit, then set its timer for the next head. */
+  #drain(b: KeyBucket, key: string): void {
+    const now = this.clock.now();
+    for (let w = b.head; w && this.#take(b, w.cost, now); w = b.head) this.grant(w, "token");
+    this.#schedule(b, key);
+  }
+
+  #schedule(b: KeyBucket, key: string): void {
+    if (b.timer !== undefined) {
+      this.clock.clearTimeout(b.timer);
+      b.timer = undefined;
+    }
+    const head = b.head;
+    if (!head) return;
+    const ms = waitMs(b, this.#config, head.cost, this.clock.now());
+    b.timer = this.clock.setTimeout(() => {
+      b.timer = undefined;
+      this.#drain(b, key);
+    }, ms);
+  }
+
+  releaseTicket(ticket: MemoryTicket, outcome: Outcome, refund: boolean): void {
+    if (refund) {
+      const now = this.clock.now();
+      const b = this.#bucket(ticket.key, now);
+      b.tokens = Math.min(this.#config.capacity, tokensAt(b, this.#config, now) + ticket.cost);
+      if (now > b.updatedAt) b.updatedAt = now;
+      this.#drain(b, ticket.key);
+    } else if (outcome === "dropped" && this.#penaltyFactor !== undefined) {
+      const now = this.clock.now();
+      const b = this.#bucket(ticket.key, now);
+      const next = penalize(b, this.#config, this.#penaltyFactor, this.#minFactor, now);
+      b.tokens = next.tokens;
+      b.updatedAt = next.updatedAt;
+      b.factor = next.factor;
+      b.penalizedAt = next.penalizedAt;
+      this.log.warn({ key: ticket.key, rateFactor: next.factor }, "key penalised after drop");
+      this.#schedule(b, ticket.key);
+    }
+  }
+
+  protected afterWaiterGone(list: WaitList, waiter: { key: string }): void {
+    this.#drain(list as KeyBucket, waiter.key);
+  }
+
+  protected lists(): Iterable<WaitList> {
+    return this.#keys.map.values();
+  }
+
+  protected override onClose(): void {
+    for (const b of this.#keys.map.values()) {
+      if (b.timer !== undefined) this.clock.clearTimeout(b.timer);
+      b.timer = undefined;
+    }
+    this.#keys.close();
+  }
+
+  /** Tokens `key` holds now (refilled, capped). */
+  tokens(key: string = DEFAULT_KEY): number {
+    const b = this.#keys.get(key);
+    return b ? tokensAt(b, this.#config, this.clock.now()) : this.#initial;
+  }
+
+  /** Keys currently kept in memory. */
+  get keyCount(): number {
+    return this.#keys.size;
+  }
+
+  /** Delete idle keys now rather than at the next sweep; returns how many went. */
+  evictIdle(): number {
+    return this.#keys.sweep();
+  }
+
+  snapshot(): Snapshot {
+    return this.baseSnapshot(Number.POSITIVE_INFINITY);
+  }
+}

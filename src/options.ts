@@ -1,0 +1,102 @@
+import type { Clock } from "./clock.js";
+import type { Logger } from "./types.js";
+
+/** Options every stage takes. The backend passes its own down unless a stage overrides them. */
+export interface StageOptions {
+  /** Time source. @default the backend's clock, else the system clock */
+  clock?: Clock;
+  /** pino-shaped logger; each stage logs to a child bound to `{ stage, kind, backend }`. @default silent */
+  logger?: Logger;
+}
+
+/** `backend.semaphore(name, options)`: at most `limit` permits held at once. */
+export interface SemaphoreOptions extends StageOptions {
+  /** Permits. A call of cost `c` holds `c` of them. An integer in [1, 2^31). */
+  limit: number;
+  /**
+   * How long a permit lives unless renewed, in milliseconds. On Redis a holder renews its lease
+   * while it runs, so the lease only ends early when the holder dies. In memory the process
+   * holding the permit is the process that would die with it, so leases never run out.
+   * An integer >= 100. @default 30000
+   */
+  leaseMs?: number;
+}
+
+/** After a `dropped` outcome, slow the key's refill down and let it recover. */
+export interface PenaltyOptions {
+  /** Refill is multiplied by this on each drop; drops compound. In (0, 1). @default 0.5 */
+  factor?: number;
+  /** Milliseconds for a penalised rate to climb back linearly to full. An integer >= 1. @default 30000 */
+  recoveryMs?: number;
+  /** Penalties never push the refill below this share of `refillPerSecond`. In (0, 1]. @default 0.1 */
+  minFactor?: number;
+}
+
+/** `backend.tokenBucket(name, options)`: a sustained rate per key with bursts up to `capacity`. */
+export interface TokenBucketOptions extends StageOptions {
+  /** Most tokens a key can hold: the largest burst and the largest single cost. An integer >= 1. */
+  capacity: number;
+  /** Tokens added per second, per key. A finite number > 0 (fractions allowed: 0.5 is one per 2 s). */
+  refillPerSecond: number;
+  /** Tokens a key starts with. An integer in [0, capacity]. @default capacity */
+  initialTokens?: number;
+  /**
+   * Slow a key down after a `dropped` outcome (a 429 from that supplier). Off unless given;
+   * `penalty: {}` turns it on with the defaults.
+   */
+  penalty?: PenaltyOptions;
+}
+
+/** `backend.queue(name, options)`: at most `maxSize` jobs waiting; then block or shed. */
+export interface QueueOptions extends StageOptions {
+  /** Jobs that may wait at once. An integer >= 1. */
+  maxSize: number;
+  /**
+   * What a full queue does to a new job. `block`: the producer's `admit`/`enqueue` waits for a
+   * slot (backpressure). `shed`: it rejects at once with `ShedError`, which is counted.
+   * @default "block"
+   */
+  whenFull?: "block" | "shed";
+}
+
+/** `backend.intervalGate(name, options)`: a minimum spacing between calls to each host. */
+export interface IntervalGateOptions extends StageOptions {
+  /** Least milliseconds between the starts of two calls to one host. A finite number >= 0. */
+  minIntervalMs: number;
+  /**
+   * Up to this many milliseconds of random delay added on top of `minIntervalMs` for each call,
+   * so spacing is in [minIntervalMs, minIntervalMs + jitterMs). A finite number >= 0. @default 0
+   */
+  jitterMs?: number;
+  /** Source of randomness in [0, 1) for the jitter. @default the backend's, else Math.random */
+  random?: () => number;
+}
+
+/** `backend.aimd(name, options)`: a semaphore whose limit adapts to the outcomes it sees. */
+export interface AimdOptions extends StageOptions {
+  /** Limit to start at. An integer in [min, max]. */
+  initial: number;
+  /** Lowest limit. An integer >= 1. @default 1 */
+  min?: number;
+  /** Highest limit. An integer >= min. */
+  max: number;
+  /**
+   * On a drop the limit becomes `floor(limit * backoffRatio)` (never below `min`). At most one
+   * decrease per window of drops: a drop from a call admitted before the last decrease is not
+   * counted again. In [0.5, 1). @default 0.9
+   */
+  backoffRatio?: number;
+  /**
+   * A `success` whose call ran longer than this many milliseconds counts as a drop (the server is
+   * slowing down). A finite number > 0. @default no such limit
+   */
+  slowCallMs?: number;
+  /** As for the semaphore. @default 30000 */
+  leaseMs?: number;
+}
+
+/** `memory(options)`: defaults handed to every stage of the backend. */
+export interface MemoryBackendOptions extends StageOptions {
+  /** Randomness for jitter. @default Math.random */
+  random?: () => number;
+}

@@ -1,0 +1,172 @@
+import type {
+  AimdOptions,
+  IntervalGateOptions,
+  QueueOptions,
+  SemaphoreOptions,
+  TokenBucketOptions,
+} from "./options.js";
+
+/**
+ * What happened to an admitted call, reported when its ticket is released.
+ *
+ * - `success`: the call went out and the server handled it.
+ * - `dropped`: the server said it was overloaded (429, 503, a timeout). Adaptive stages back off,
+ *   a token bucket with a `penalty` slows that key down.
+ * - `ignored`: the call failed before it told us anything about the server (a bug, a DNS error).
+ *   No stage learns from it.
+ */
+export type Outcome = "success" | "dropped" | "ignored";
+
+/** The kinds of stage floodgate ships. */
+export type StageKind = "semaphore" | "tokenBucket" | "queue" | "intervalGate" | "aimd" | "gate";
+
+/** Options for one admission. Every field is optional; a stage reads the ones it needs. */
+export interface AdmitOptions {
+  /** Token bucket key (supplier, account). @default "default" */
+  key?: string;
+  /** Host for interval gates. @default "default" */
+  host?: string;
+  /** Weight of the call: permits for a semaphore, tokens for a bucket. An integer >= 0. @default 1 */
+  cost?: number;
+  /**
+   * For a `Gate`: the cost at each stage by stage name, overriding `cost` there. An LLM call
+   * costs 1 request but 1200 tokens: `{ costs: { tpm: 1200 } }`.
+   */
+  costs?: Readonly<Record<string, number>>;
+  /** Abort the wait. The promise rejects with `signal.reason` unchanged and nothing stays held. */
+  signal?: AbortSignal;
+  /**
+   * Longest time to wait, in milliseconds. On expiry the wait rejects with `AdmitTimeoutError` and
+   * holds nothing; the limit is never forced. `0` means "only if free right now"; `undefined` or
+   * `Infinity` wait for ever.
+   */
+  timeoutMs?: number;
+}
+
+/** Options for an admission that never waits. */
+export type TryAdmitOptions = Pick<AdmitOptions, "key" | "host" | "cost">;
+
+/**
+ * Proof of admission. Release it exactly once with the call's outcome; a second release does
+ * nothing. `await using ticket = await stage.admit()` releases it as `ignored` unless an outcome
+ * was recorded with `record()`.
+ */
+export interface Ticket extends AsyncDisposable {
+  /** Name of the stage that granted it. */
+  readonly stage: string;
+  /** Cost this ticket holds. */
+  readonly cost: number;
+  /** True once released (or refunded). */
+  readonly released: boolean;
+  /**
+   * Aborts when the permit behind this ticket is lost (a Redis lease that expired) or the stage is
+   * closed. Hand it to the call (`fetch(url, { signal: ticket.signal })`) to stop work that no
+   * longer holds its permit. In memory it aborts only on `close()`.
+   */
+  readonly signal: AbortSignal;
+  /** Remember the outcome to use when the ticket is released without one. Last call wins. */
+  record(outcome: Outcome): void;
+  /** Give the capacity back and report the outcome (default: the recorded one, else `ignored`). */
+  release(outcome?: Outcome): Promise<void>;
+  /**
+   * Give back everything the ticket took, as if the call had never been admitted: tokens return
+   * to their bucket, an interval slot is handed back when no later call has claimed one, and no
+   * adaptive stage learns anything. Use it when the call was never sent.
+   */
+  refund(): Promise<void>;
+  /** Same as `release()`. */
+  close(): Promise<void>;
+}
+
+/**
+ * Plain numbers that describe a stage now. The four that localise a bottleneck — `queueDepth`,
+ * `tokenWaitMs`, `permitWaitMs` and `shed` — are always present (zero where they do not apply).
+ */
+export interface Snapshot {
+  name: string;
+  kind: StageKind;
+  backend: string;
+  /** Tickets granted and not yet released. */
+  inFlight: number;
+  /** Callers waiting for admission now. */
+  waiting: number;
+  /** Jobs holding a queue slot now (bounded queues). */
+  queueDepth: number;
+  /** Admissions refused because a queue was full, since the stage was built. */
+  shed: number;
+  /** Admissions granted since the stage was built. */
+  admitted: number;
+  /** Waits that ended in `AdmitTimeoutError`. */
+  timedOut: number;
+  /** Waits that ended because their signal aborted. */
+  aborted: number;
+  /** Total milliseconds callers waited for rate: token buckets and interval gates. */
+  tokenWaitMs: number;
+  /** Total milliseconds callers waited for permits: semaphores and AIMD limiters. */
+  permitWaitMs: number;
+  /** Total milliseconds producers waited for a queue slot. */
+  queueWaitMs: number;
+  /** Current concurrency limit (semaphore, AIMD, queue size); `Infinity` where none applies. */
+  limit: number;
+}
+
+/** A gate's snapshot: the sums over its stages, and each stage's own. */
+export interface GateSnapshot extends Snapshot {
+  stages: Snapshot[];
+}
+
+/**
+ * Anything that admits calls. Every primitive is a stage, and so is a `Gate`, so gates nest.
+ */
+export interface Stage extends AsyncDisposable {
+  readonly name: string;
+  readonly kind: StageKind;
+  /**
+   * What a ticket of this stage stands for. `call`: held while the call runs. `wait`: held while
+   * the call waits in a gate (a bounded queue); a `Gate` releases it as soon as every later stage
+   * has admitted the call.
+   */
+  readonly holds: "call" | "wait";
+  /** Wait for admission. See `AdmitOptions` for cancellation and timeouts. */
+  admit(options?: AdmitOptions): Promise<Ticket>;
+  /** Admit only if that needs no wait; resolves `undefined` when refused. */
+  tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined>;
+  /** The stage's numbers now. */
+  snapshot(): Snapshot;
+  /**
+   * Refuse new admissions, reject every waiter with `ClosedError` and abort every outstanding
+   * ticket's `signal`. Held tickets can still be released.
+   */
+  close(): Promise<void>;
+}
+
+/** An interval gate: a stage that can also hold a host back. */
+export interface IntervalGateStage extends Stage {
+  /**
+   * Let no call start to `host` for `ms` milliseconds from now (a Retry-After). Never shortens an
+   * earlier pause or the current spacing. On Redis it pauses the host for the whole fleet.
+   */
+  pause(host: string, ms: number): Promise<void>;
+}
+
+/** A factory of stages: `memory()` or `redis(client, { prefix })`. */
+export interface Backend extends AsyncDisposable {
+  readonly kind: "memory" | "redis";
+  semaphore(name: string, options: SemaphoreOptions): Stage;
+  tokenBucket(name: string, options: TokenBucketOptions): Stage;
+  queue(name: string, options: QueueOptions): Stage;
+  intervalGate(name: string, options: IntervalGateOptions): IntervalGateStage;
+  aimd(name: string, options: AimdOptions): Stage;
+  /** Close every stage the backend built. */
+  close(): Promise<void>;
+}
+
+/** Structured logger the stages write to: pino's shape (`child`, `debug`, `warn`). */
+export interface Logger {
+  child(bindings: Record<string, unknown>): Logger;
+  debug(obj: object, msg?: string): void;
+  info(obj: object, msg?: string): void;
+  warn(obj: object, msg?: string): void;
+  error(obj: object, msg?: string): void;
+  isLevelEnabled?(level: string): boolean;
+}

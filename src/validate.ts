@@ -1,0 +1,159 @@
+import { z } from "zod";
+import type { Clock } from "./clock.js";
+import { InvalidOptionsError } from "./errors.js";
+import type { Logger, StageKind } from "./types.js";
+
+const MAX_INT = 2 ** 31 - 1;
+
+function int(min: number, max = MAX_INT) {
+  const rule = max === MAX_INT ? `must be an integer >= ${min}` : `must be an integer in [${min}, ${max}]`;
+  return z.number({ error: rule }).int({ error: rule }).min(min, { error: rule }).max(max, { error: rule });
+}
+
+function finite(rule: string) {
+  return z.number({ error: rule }).refine(Number.isFinite, { error: rule });
+}
+
+const clock = z.custom<Clock>(
+  (v) => typeof v === "object" && v !== null && typeof (v as Clock).now === "function",
+  { error: "must be a Clock (an object with now, setTimeout and clearTimeout)" },
+);
+const logger = z.custom<Logger>(
+  (v) => typeof v === "object" && v !== null && typeof (v as Logger).child === "function",
+  { error: "must be a pino-shaped logger (an object with child, debug and warn)" },
+);
+const random = z.custom<() => number>((v) => typeof v === "function", { error: "must be a function" });
+
+const stage = {
+  clock: clock.optional(),
+  logger: logger.optional(),
+};
+
+export const semaphoreSchema = z.strictObject({
+  ...stage,
+  limit: int(1),
+  leaseMs: int(100).optional(),
+});
+
+export const penaltySchema = z.strictObject({
+  factor: finite("must be a number in (0, 1)")
+    .refine((v) => v > 0 && v < 1, { error: "must be a number in (0, 1)" })
+    .optional(),
+  recoveryMs: int(1).optional(),
+  minFactor: finite("must be a number in (0, 1]")
+    .refine((v) => v > 0 && v <= 1, { error: "must be a number in (0, 1]" })
+    .optional(),
+});
+
+export const tokenBucketSchema = z
+  .strictObject({
+    ...stage,
+    capacity: int(1),
+    refillPerSecond: finite("must be a finite number > 0").refine((v) => v > 0, {
+      error: "must be a finite number > 0",
+    }),
+    initialTokens: int(0).optional(),
+    penalty: penaltySchema.optional(),
+  })
+  .refine((o) => o.initialTokens === undefined || o.initialTokens <= o.capacity, {
+    path: ["initialTokens"],
+    error: (issue) => `must be an integer in [0, capacity] (capacity is ${(issue.input as any).capacity})`,
+  });
+
+export const queueSchema = z.strictObject({
+  ...stage,
+  maxSize: int(1),
+  whenFull: z.enum(["block", "shed"], { error: 'must be "block" or "shed"' }).optional(),
+});
+
+export const intervalGateSchema = z.strictObject({
+  ...stage,
+  minIntervalMs: finite("must be a finite number >= 0").refine((v) => v >= 0, {
+    error: "must be a finite number >= 0",
+  }),
+  jitterMs: finite("must be a finite number >= 0")
+    .refine((v) => v >= 0, { error: "must be a finite number >= 0" })
+    .optional(),
+  random: random.optional(),
+});
+
+export const aimdSchema = z
+  .strictObject({
+    ...stage,
+    initial: int(1),
+    min: int(1).optional(),
+    max: int(1),
+    backoffRatio: finite("must be a number in [0.5, 1)")
+      .refine((v) => v >= 0.5 && v < 1, { error: "must be a number in [0.5, 1)" })
+      .optional(),
+    slowCallMs: finite("must be a finite number > 0")
+      .refine((v) => v > 0, { error: "must be a finite number > 0" })
+      .optional(),
+    leaseMs: int(100).optional(),
+  })
+  .refine((o) => (o.min ?? 1) <= o.max, { path: ["max"], error: "must be >= min" })
+  .refine((o) => o.initial >= (o.min ?? 1) && o.initial <= o.max, {
+    path: ["initial"],
+    error: "must be in [min, max]",
+  });
+
+export const memoryBackendSchema = z.strictObject({ ...stage, random: random.optional() });
+
+function show(value: unknown): string {
+  if (typeof value === "string") return JSON.stringify(value);
+  if (typeof value === "function") return "a function";
+  if (typeof value === "number" || typeof value === "boolean" || value == null) return String(value);
+  try {
+    return JSON.stringify(value) ?? String(value);
+  } catch {
+    return String(value);
+  }
+}
+
+function valueAt(input: unknown, path: readonly PropertyKey[]): unknown {
+  let v = input;
+  for (const p of path) v = v == null ? undefined : (v as Record<PropertyKey, unknown>)[p];
+  return v;
+}
+
+/**
+ * Parse options with `schema`; on failure throw `InvalidOptionsError` whose message names the
+ * stage, the field, the rule and the value received:
+ * `tokenBucket "de-rate": capacity must be an integer >= 1 (got 0)`.
+ */
+export function parseOptions<S extends z.ZodType>(
+  schema: S,
+  kind: StageKind | "memory" | "redis",
+  name: string | undefined,
+  input: unknown,
+): z.output<S> {
+  const where = name === undefined ? kind : `${kind} "${name}"`;
+  if (typeof input !== "object" || input === null || Array.isArray(input)) {
+    throw new InvalidOptionsError(name, "options", `${where}: options must be an object (got ${show(input)})`);
+  }
+  const result = schema.safeParse(input);
+  if (result.success) return result.data;
+  const issues = result.error.issues;
+  // An unknown option is most likely a typo of the missing one: name it first.
+  const issue = issues.find((i) => i.code === "unrecognized_keys") ?? issues[0]!;
+  if (issue.code === "unrecognized_keys") {
+    const key = issue.keys[0]!;
+    const field = [...issue.path, key].join(".");
+    throw new InvalidOptionsError(name, field, `${where}: unknown option "${field}"`);
+  }
+  const field = issue.path.join(".");
+  const got = valueAt(input, issue.path);
+  throw new InvalidOptionsError(name, field, `${where}: ${field} ${issue.message} (got ${show(got)})`);
+}
+
+/** Stage names become part of Redis keys: non-empty, printable, no braces. */
+export function checkName(kind: StageKind, name: unknown): string {
+  if (typeof name !== "string" || name.length === 0 || name.length > 200 || /[{}\s]/.test(name)) {
+    throw new InvalidOptionsError(
+      undefined,
+      "name",
+      `${kind}: name must be a non-empty string of at most 200 characters without spaces or braces (got ${show(name)})`,
+    );
+  }
+  return name;
+}
