@@ -173,6 +173,10 @@ export class MemoryIntervalGate extends MemoryStage {
     }
   }
 
+  protected override grantDue(list: WaitList, key: string): void {
+    this.#drain(list as HostSlot, key);
+  }
+
   protected afterWaiterGone(list: WaitList, waiter: { key: string }): void {
     this.#schedule(list as HostSlot, waiter.key);
   }

@@ -215,15 +215,21 @@ export abstract class MemoryStage implements Stage, WaiterOwner {
   }
 
   private timeoutWaiter(w: Waiter, timeoutMs: number): void {
+    if (!w.list) return;
+    w.timer = undefined;
+    // Capacity that becomes free at this very instant still counts as in time.
+    this.grantDue(w.list, w.key);
     const list = w.list;
     if (!list) return;
-    w.timer = undefined;
     this.unlink(w);
     this.timedOut++;
     this.log.warn({ key: w.key, cost: w.cost, timeoutMs }, "admission timed out");
     w.reject(this.timeoutError(timeoutMs));
     this.afterWaiterGone(list, w);
   }
+
+  /** Grant whatever on `list` is due now; time-driven stages override it. */
+  protected grantDue(_list: WaitList, _key: string): void {}
 
   protected timeoutError(timeoutMs: number): AdmitTimeoutError {
     return new AdmitTimeoutError(

@@ -165,6 +165,10 @@ export class MemoryTokenBucket extends MemoryStage {
     }
   }
 
+  protected override grantDue(list: WaitList, key: string): void {
+    this.#drain(list as KeyBucket, key);
+  }
+
   protected afterWaiterGone(list: WaitList, waiter: { key: string }): void {
     this.#drain(list as KeyBucket, waiter.key);
   }

@@ -1,0 +1,232 @@
+import { AsyncLocalStorage } from "node:async_hooks";
+import { AdmitTimeoutError, ClosedError, Gate, type Stage } from "floodgate";
+import { FakeClock } from "floodgate/testing";
+import { beforeEach, describe, expect, it } from "vitest";
+import { backends, track } from "./backends.js";
+
+describe.each(backends)("Gate on $name", (backend) => {
+  let clock: FakeClock;
+
+  beforeEach(() => {
+    clock = new FakeClock();
+  });
+
+  function fiveStages(b = backend.make(clock)) {
+    const queue = b.queue("q", { maxSize: 100 });
+    const bucket = b.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 });
+    const hosts = b.intervalGate("hosts", { minIntervalMs: 100 });
+    const sem = b.semaphore("inflight", { limit: 2 });
+    const aimd = b.aimd("adaptive", { initial: 2, max: 2, backoffRatio: 0.5 });
+    return { queue, bucket, hosts, sem, aimd, gate: new Gate([queue, bucket, hosts, sem, aimd], { clock }) };
+  }
+
+  it("runs a call through every stage and returns its result", async () => {
+    const { gate } = fiveStages();
+    await expect(gate.run(async () => 42, { host: "a" })).resolves.toBe(42);
+    expect(gate.snapshot()).toMatchObject({ inFlight: 0, admitted: 1, waiting: 0 });
+  });
+
+  it("holds no permit while it waits for a token", async () => {
+    const { gate, bucket, sem } = fiveStages();
+    const first = await gate.admit();
+    const second = track(gate.admit());
+    await clock.advance(500);
+    expect(second.settled).toBe(false);
+    expect(bucket.snapshot().waiting).toBe(1);
+    expect(sem.snapshot().inFlight).toBe(1); // only the first call's permit
+    await clock.advance(500);
+    expect(second.settled).toBe(true);
+    await first.release("success");
+  });
+
+  it("releases in reverse order with the outcome", async () => {
+    const released: string[] = [];
+    const spy = (name: string, inner: Stage): Stage => ({
+      ...inner,
+      name,
+      kind: inner.kind,
+      holds: inner.holds,
+      snapshot: () => inner.snapshot(),
+      close: () => inner.close(),
+      [Symbol.asyncDispose]: () => inner.close(),
+      tryAdmit: (o) => inner.tryAdmit(o),
+      admit: async (o) => {
+        const t = await inner.admit(o);
+        const release = t.release.bind(t);
+        return Object.assign(Object.create(t), {
+          release: (outcome?: string) => {
+            released.push(`${name}:${outcome}`);
+            return release(outcome as never);
+          },
+        });
+      },
+    });
+    const b = backend.make(clock);
+    const gate = new Gate(
+      [spy("one", b.semaphore("one", { limit: 1 })), spy("two", b.semaphore("two", { limit: 1 }))],
+      { clock },
+    );
+    await gate.run(async () => ({ status: 429 }));
+    expect(released).toEqual(["two:dropped", "one:dropped"]);
+  });
+
+  it("classifies a 429 or 503 response as dropped and moves the adaptive limit", async () => {
+    const { gate, aimd } = fiveStages();
+    await gate.run(async () => ({ status: 503 }));
+    expect(aimd.snapshot().limit).toBe(1);
+  });
+
+  it("lets an outcome recorded on the ticket win over the classifier", async () => {
+    const { gate, aimd } = fiveStages();
+    await gate.run(async (ticket) => {
+      ticket.record("dropped");
+      return { status: 200 };
+    });
+    expect(aimd.snapshot().limit).toBe(1);
+  });
+
+  it("releases as ignored when the call throws, and rethrows", async () => {
+    const { gate, aimd, sem } = fiveStages();
+    const boom = new Error("boom");
+    await expect(gate.run(() => Promise.reject(boom))).rejects.toBe(boom);
+    expect(sem.snapshot().inFlight).toBe(0);
+    expect(aimd.snapshot().limit).toBe(2);
+  });
+
+  it("treats a thrown timeout as dropped", async () => {
+    const { gate, aimd } = fiveStages();
+    const timeout = new DOMException("timed out", "TimeoutError");
+    await expect(gate.run(() => Promise.reject(timeout))).rejects.toBe(timeout);
+    expect(aimd.snapshot().limit).toBe(1);
+  });
+
+  it("refunds the tokens it took when a later stage times out", async () => {
+    const b = backend.make(clock);
+    const bucket = b.tokenBucket("rate", { capacity: 1, refillPerSecond: 0.001 });
+    const sem = b.semaphore("inflight", { limit: 1 });
+    const gate = new Gate([bucket, sem], { clock });
+    const blocker = await sem.admit();
+    const waiting = track(gate.admit({ timeoutMs: 100, key: "k" }));
+    await clock.advance(100);
+    // The gate took the token, waited at the semaphore, timed out and gave the token back.
+    expect(waiting.error).toBeInstanceOf(AdmitTimeoutError);
+    expect(await bucket.tryAdmit({ key: "k" })).toBeDefined();
+    await blocker.release();
+  });
+
+  it("refunds what it holds when the caller aborts part-way", async () => {
+    const b = backend.make(clock);
+    const bucket = b.tokenBucket("rate", { capacity: 1, refillPerSecond: 0.001 });
+    const sem = b.semaphore("inflight", { limit: 1 });
+    const gate = new Gate([bucket, sem], { clock });
+    const blocker = await sem.admit();
+    const controller = new AbortController();
+    const waiting = gate.admit({ signal: controller.signal });
+    await clock.flush();
+    controller.abort();
+    await expect(waiting).rejects.toBe(controller.signal.reason);
+    expect(await bucket.tryAdmit()).toBeDefined();
+    expect(sem.snapshot().waiting).toBe(0);
+    expect(gate.snapshot()).toMatchObject({ waiting: 0, aborted: 1 });
+    await blocker.release();
+  });
+
+  it("shares one timeoutMs across its stages", async () => {
+    const b = backend.make(clock);
+    const bucket = b.tokenBucket("rate", { capacity: 1, refillPerSecond: 10 });
+    const sem = b.semaphore("inflight", { limit: 1 });
+    const gate = new Gate([bucket, sem], { clock });
+    await bucket.admit();
+    const blocker = await sem.admit();
+    const waiting = track(gate.admit({ timeoutMs: 150 }));
+    await clock.advance(100); // the token came at 100 ms; 50 ms are left for the permit
+    expect(waiting.settled).toBe(false);
+    await clock.advance(50);
+    expect(waiting.error).toBeInstanceOf(AdmitTimeoutError);
+    await blocker.release();
+  });
+
+  it("charges each stage the cost named for it", async () => {
+    const b = backend.make(clock);
+    const rpm = b.tokenBucket("rpm", { capacity: 10, refillPerSecond: 1 });
+    const tpm = b.tokenBucket("tpm", { capacity: 1000, refillPerSecond: 10 });
+    const gate = new Gate([rpm, tpm], { clock });
+    await gate.run(async () => "ok", { costs: { tpm: 800 } });
+    expect(await rpm.tryAdmit({ cost: 9 })).toBeDefined();
+    expect(await tpm.tryAdmit({ cost: 201 })).toBeUndefined();
+    expect(await tpm.tryAdmit({ cost: 200 })).toBeDefined();
+  });
+
+  it("nests: a gate is a stage of another gate", async () => {
+    const b = backend.make(clock);
+    const inner = new Gate([b.semaphore("inner", { limit: 1 })], { clock, name: "inner-gate" });
+    const outer = new Gate([b.tokenBucket("outer", { capacity: 5, refillPerSecond: 1 }), inner], { clock });
+    const first = await outer.admit();
+    const second = track(outer.admit());
+    await clock.flush();
+    expect(second.settled).toBe(false);
+    await first.release("success");
+    await clock.flush();
+    expect(second.settled).toBe(true);
+    expect(outer.snapshot().stages.map((s) => s.name)).toEqual(["outer", "inner-gate"]);
+  });
+
+  it("pauses a host on its interval gates", async () => {
+    const { gate, hosts } = fiveStages();
+    await gate.pause("a", 3000);
+    const next = track(gate.run(async () => 1, { host: "a" }));
+    await clock.advance(2999);
+    expect(next.settled).toBe(false);
+    await clock.advance(1);
+    expect(next.settled).toBe(true);
+    expect(hosts.snapshot().tokenWaitMs).toBe(3000);
+  });
+
+  it("reports the four numbers that localise a bottleneck", async () => {
+    const { gate } = fiveStages();
+    const calls = Array.from({ length: 3 }, () => gate.run(async () => 1, { host: "a" }));
+    await clock.advance(5000);
+    await Promise.all(calls);
+    const s = gate.snapshot();
+    expect(s).toMatchObject({ queueDepth: 0, shed: 0, permitWaitMs: 0, limit: 2 });
+    expect(s.tokenWaitMs).toBe(1000 + 2000);
+    expect(s.stages).toHaveLength(5);
+  });
+
+  it("keeps the caller's AsyncLocalStorage context inside the call", async () => {
+    const { gate } = fiveStages();
+    const als = new AsyncLocalStorage<number>();
+    const seen: (number | undefined)[] = [];
+    const calls = [1, 2, 3].map((n) => als.run(n, () => gate.run(async () => seen.push(als.getStore()))));
+    await clock.advance(5000);
+    await Promise.all(calls);
+    expect(seen).toEqual([1, 2, 3]);
+  });
+
+  it("admits with tryAdmit only when every stage can, and takes nothing otherwise", async () => {
+    const b = backend.make(clock);
+    const bucket = b.tokenBucket("rate", { capacity: 2, refillPerSecond: 1 });
+    const sem = b.semaphore("inflight", { limit: 1 });
+    const gate = new Gate([bucket, sem], { clock });
+    const t = await gate.tryAdmit();
+    expect(t).toBeDefined();
+    expect(await gate.tryAdmit()).toBeUndefined(); // the semaphore refused: the token comes back
+    expect(await bucket.tryAdmit()).toBeDefined();
+    await t!.release();
+  });
+
+  it("rejects waiting and new calls after close", async () => {
+    const { gate, sem } = fiveStages();
+    const blocker = await sem.admit({ cost: 2 });
+    const waiting = gate.run(async () => 1);
+    await clock.advance(1000);
+    await gate.close();
+    await expect(waiting).rejects.toBeInstanceOf(ClosedError);
+    await expect(gate.run(async () => 1)).rejects.toBeInstanceOf(ClosedError);
+    await blocker.release();
+  });
+
+  it("refuses what is not a stage, naming its position", () => {
+    expect(() => new Gate([{} as Stage])).toThrow("gate: stages.0 must be a stage");
+  });
+});
