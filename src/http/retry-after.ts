@@ -1,0 +1,148 @@
+/**
+ * Reading `Retry-After` and `Retry-After-Ms` from a response. Pure: the wall clock comes in as a
+ * number, used only to turn an HTTP date into a delay.
+ */
+
+/** One header's value as fetch, undici and `node:http` give it. */
+export type HeaderValue = string | readonly string[] | undefined;
+
+/**
+ * Response headers: a fetch `Headers` (anything with `get(name)`), or a plain record as undici's
+ * handlers and `node:http` give them (lowercase names; a repeated header is an array).
+ */
+export type HeadersLike =
+  | { get(name: string): string | null | undefined }
+  | Readonly<Record<string, HeaderValue | number>>;
+
+const DELTA = /^\d+(?:\.\d+)?$/;
+const MONTHS = ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"];
+const MONTH = "(jan|feb|mar|apr|may|jun|jul|aug|sep|oct|nov|dec)";
+const TIME = "(\\d{2}):(\\d{2}):(\\d{2})";
+/** `Sun, 06 Nov 1994 08:49:37 GMT` (IMF-fixdate; the weekday is not checked). */
+const IMF_FIXDATE = new RegExp(`^(?:[a-z]{3},\\s*)?(\\d{1,2}) ${MONTH} (\\d{4}) ${TIME} (?:gmt|utc)$`, "i");
+/** `Sunday, 06-Nov-94 08:49:37 GMT` (obsolete RFC 850 form). */
+const RFC_850 = new RegExp(`^[a-z]+, (\\d{2})-${MONTH}-(\\d{2}) ${TIME} gmt$`, "i");
+/** `Sun Nov  6 08:49:37 1994` (obsolete asctime form, always GMT). */
+const ASCTIME = new RegExp(`^[a-z]{3} ${MONTH} +(\\d{1,2}) ${TIME} (\\d{4})$`, "i");
+
+/** The value of header `name` (lowercase) as a list of strings; empty when absent. */
+function headerValues(headers: HeadersLike, name: string): string[] {
+  const getter = (headers as { get?: unknown }).get;
+  if (typeof getter === "function") {
+    const value = (getter as (name: string) => unknown).call(headers, name);
+    return typeof value === "string" ? [value] : [];
+  }
+  const record = headers as Readonly<Record<string, unknown>>;
+  let value = record[name];
+  if (value === undefined) {
+    for (const key of Object.keys(record)) {
+      if (key.toLowerCase() === name) {
+        value = record[key];
+        break;
+      }
+    }
+  }
+  if (typeof value === "string") return [value];
+  if (typeof value === "number") return [String(value)];
+  if (Array.isArray(value)) return value.filter((v): v is string => typeof v === "string");
+  return [];
+}
+
+/** Epoch milliseconds of an HTTP date in any of the three forms RFC 9110 accepts, else undefined. */
+function parseHttpDate(text: string, now: number): number | undefined {
+  let day: string;
+  let month: string;
+  let year: number;
+  let hh: string;
+  let mm: string;
+  let ss: string;
+  let m = IMF_FIXDATE.exec(text);
+  if (m) {
+    [, day, month, , hh, mm, ss] = m as unknown as string[] as [string, string, string, string, string, string, string];
+    year = Number(m[3]);
+  } else if ((m = RFC_850.exec(text))) {
+    [, day, month, , hh, mm, ss] = m as unknown as string[] as [string, string, string, string, string, string, string];
+    // A two-digit year more than 50 years in the future means the past century (RFC 9110 §5.6.7).
+    year = 2000 + Number(m[3]);
+    if (year > new Date(now).getUTCFullYear() + 50) year -= 100;
+  } else if ((m = ASCTIME.exec(text))) {
+    [, month, day, hh, mm, ss] = m as unknown as string[] as [string, string, string, string, string, string];
+    year = Number(m[6]);
+  } else {
+    return undefined;
+  }
+  const monthIndex = MONTHS.indexOf(month.toLowerCase());
+  const d = Number(day);
+  const h = Number(hh);
+  const min = Number(mm);
+  const s = Number(ss);
+  if (h > 23 || min > 59 || s > 60) return undefined;
+  const at = Date.UTC(year, monthIndex, d, h, min, s);
+  // Date.UTC rolls 30 Feb over into March; refuse days the month does not have.
+  if (!Number.isFinite(at) || new Date(at).getUTCDate() !== d) return undefined;
+  return at;
+}
+
+/** Milliseconds from one `retry-after` value: delta-seconds, or an HTTP date (0 once passed). */
+function retryAfterValue(text: string, now: number): number | undefined {
+  if (DELTA.test(text)) return finiteCeil(Number(text) * 1000);
+  const at = parseHttpDate(text, now);
+  return at === undefined ? undefined : Math.max(0, at - now);
+}
+
+/** Milliseconds from one `retry-after-ms` value: a non-negative number. */
+function retryAfterMsValue(text: string): number | undefined {
+  return DELTA.test(text) ? finiteCeil(Number(text)) : undefined;
+}
+
+function finiteCeil(ms: number): number | undefined {
+  return Number.isFinite(ms) ? Math.ceil(ms) : undefined;
+}
+
+/**
+ * The first value of a header that `parse` accepts. A header repeated and joined with ", " (as
+ * `Headers.get` joins them) is split again; an HTTP date's own comma is put back.
+ */
+function firstParsed(values: readonly string[], parse: (text: string) => number | undefined): number | undefined {
+  for (const raw of values) {
+    const whole = parse(raw.trim());
+    if (whole !== undefined) return whole;
+    const parts = raw.split(",").map((p) => p.trim());
+    if (parts.length < 2) continue;
+    for (let i = 0; i < parts.length; i++) {
+      const single = parse(parts[i]!);
+      if (single !== undefined) return single;
+      if (i + 1 < parts.length) {
+        const dated = parse(`${parts[i]}, ${parts[i + 1]}`);
+        if (dated !== undefined) return dated;
+      }
+    }
+  }
+  return undefined;
+}
+
+/**
+ * How long a response asks the client to wait, in milliseconds, or `undefined` when it does not
+ * say (or says something unreadable).
+ *
+ * Reads, in this order:
+ * - `retry-after-ms`: milliseconds, a non-negative number (`"1500"`, `"21.5"`);
+ * - `retry-after` as delta-seconds: a non-negative number of seconds (`"120"`);
+ * - `retry-after` as an HTTP date (IMF-fixdate `Sun, 06 Nov 1994 08:49:37 GMT`, or the obsolete
+ *   RFC 850 and asctime forms), as the time from `now` to that date; a date already passed gives
+ *   `0` (the server allows a retry now).
+ *
+ * Malformed, negative or non-finite values are ignored: an unreadable `retry-after-ms` falls back
+ * to `retry-after`, and with neither readable the result is `undefined`. Fractions round up to the
+ * next whole millisecond. Never throws for any header content.
+ *
+ * @param headers a fetch `Headers` or a plain record of header values (string, string[] or undefined).
+ * @param now wall-clock time in epoch milliseconds, used only for the HTTP-date form.
+ *   @default `Date.now()`, read at each call
+ */
+export function parseRetryAfter(headers: HeadersLike | null | undefined, now: number = Date.now()): number | undefined {
+  if (headers === null || typeof headers !== "object") return undefined;
+  const ms = firstParsed(headerValues(headers, "retry-after-ms"), retryAfterMsValue);
+  if (ms !== undefined) return ms;
+  return firstParsed(headerValues(headers, "retry-after"), (text) => retryAfterValue(text, now));
+}

@@ -1,0 +1,1 @@
+export { stageKey } from "./keys.js";
