@@ -12,6 +12,11 @@ export interface Clock {
   setTimeout(callback: () => void, ms: number): ClockTimer;
   /** Cancel a timer; unknown or fired timers are ignored. */
   clearTimeout(timer: ClockTimer): void;
+  /**
+   * Optional: told about asynchronous work a stage started (a Redis call), so a fake clock can
+   * wait for it to settle before it moves time on. The system clock has none.
+   */
+  track?(work: Promise<unknown>): void;
 }
 
 /**

@@ -48,38 +48,31 @@ function headerValues(headers: HeadersLike, name: string): string[] {
   return [];
 }
 
-/** Epoch milliseconds of an HTTP date in any of the three forms RFC 9110 accepts, else undefined. */
-function parseHttpDate(text: string, now: number): number | undefined {
-  let day: string;
-  let month: string;
-  let year: number;
-  let hh: string;
-  let mm: string;
-  let ss: string;
+/** The fields of an HTTP date in any of the three forms RFC 9110 accepts. */
+function dateFields(text: string, now: number): number[] | undefined {
   let m = IMF_FIXDATE.exec(text);
+  if (m) return [Number(m[3]), MONTHS.indexOf(m[2]!.toLowerCase()), Number(m[1]), Number(m[4]), Number(m[5]), Number(m[6])];
+  m = RFC_850.exec(text);
   if (m) {
-    [, day, month, , hh, mm, ss] = m as unknown as string[] as [string, string, string, string, string, string, string];
-    year = Number(m[3]);
-  } else if ((m = RFC_850.exec(text))) {
-    [, day, month, , hh, mm, ss] = m as unknown as string[] as [string, string, string, string, string, string, string];
     // A two-digit year more than 50 years in the future means the past century (RFC 9110 §5.6.7).
-    year = 2000 + Number(m[3]);
+    let year = 2000 + Number(m[3]);
     if (year > new Date(now).getUTCFullYear() + 50) year -= 100;
-  } else if ((m = ASCTIME.exec(text))) {
-    [, month, day, hh, mm, ss] = m as unknown as string[] as [string, string, string, string, string, string];
-    year = Number(m[6]);
-  } else {
-    return undefined;
+    return [year, MONTHS.indexOf(m[2]!.toLowerCase()), Number(m[1]), Number(m[4]), Number(m[5]), Number(m[6])];
   }
-  const monthIndex = MONTHS.indexOf(month.toLowerCase());
-  const d = Number(day);
-  const h = Number(hh);
-  const min = Number(mm);
-  const s = Number(ss);
+  m = ASCTIME.exec(text);
+  if (m) return [Number(m[6]), MONTHS.indexOf(m[1]!.toLowerCase()), Number(m[2]), Number(m[3]), Number(m[4]), Number(m[5])];
+  return undefined;
+}
+
+/** Epoch milliseconds of an HTTP date, or undefined when `text` is not a valid one. */
+function parseHttpDate(text: string, now: number): number | undefined {
+  const f = dateFields(text, now);
+  if (!f) return undefined;
+  const [year, month, day, h, min, s] = f as [number, number, number, number, number, number];
   if (h > 23 || min > 59 || s > 60) return undefined;
-  const at = Date.UTC(year, monthIndex, d, h, min, s);
+  const at = Date.UTC(year, month, day, h, min, s);
   // Date.UTC rolls 30 Feb over into March; refuse days the month does not have.
-  if (!Number.isFinite(at) || new Date(at).getUTCDate() !== d) return undefined;
+  if (!Number.isFinite(at) || new Date(at).getUTCDate() !== day) return undefined;
   return at;
 }
 

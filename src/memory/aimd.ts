@@ -4,10 +4,10 @@ import type { AimdOptions } from "../options.js";
 import type { Outcome, Snapshot, StageKind } from "../types.js";
 import { aimdSchema, parseOptions } from "../validate.js";
 import { PermitStage } from "./semaphore.js";
-import { MemoryTicket } from "./stage.js";
+import { BaseTicket } from "../base/stage.js";
 
 /** A ticket that remembers the AIMD epoch it was admitted in. */
-class AimdTicket extends MemoryTicket {
+class AimdTicket extends BaseTicket {
   epoch = 0;
 }
 
@@ -35,13 +35,13 @@ export class MemoryAimd extends PermitStage {
     return this.#config.min;
   }
 
-  protected override newTicket(cost: number, key: string, now: number): MemoryTicket {
+  protected override newTicket(cost: number, key: string, now: number): BaseTicket {
     const ticket = new AimdTicket(this, cost, key, now);
     ticket.epoch = this.#state.epoch;
     return ticket;
   }
 
-  override releaseTicket(ticket: MemoryTicket, outcome: Outcome, refund: boolean): void {
+  override releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): void {
     this.used -= ticket.cost;
     if (!refund && outcome !== "ignored") {
       const slow = this.clock.now() - ticket.admittedAt > this.#slowCallMs;

@@ -16,7 +16,7 @@ import { MemoryAimd } from "./aimd.js";
 import { MemoryIntervalGate } from "./interval-gate.js";
 import { MemoryQueue } from "./queue.js";
 import { MemorySemaphore } from "./semaphore.js";
-import type { MemoryStage } from "./stage.js";
+import type { BaseStage } from "../base/stage.js";
 import { MemoryTokenBucket } from "./token-bucket.js";
 
 export { MemoryAimd, MemoryIntervalGate, MemoryQueue, MemorySemaphore, MemoryTokenBucket };
@@ -48,9 +48,9 @@ export function memory(options: MemoryBackendOptions = {}): MemoryBackend {
   const clock: Clock = o.clock ?? systemClock;
   const logger: Logger | undefined = o.logger;
   const random = o.random ?? Math.random;
-  const stages = new Map<string, { stage: MemoryStage; fingerprint: string }>();
+  const stages = new Map<string, { stage: BaseStage; fingerprint: string }>();
 
-  function build<O extends StageOptions, S extends MemoryStage>(
+  function build<O extends StageOptions, S extends BaseStage>(
     kind: StageKind,
     name: string,
     options: O,

@@ -4,9 +4,9 @@ import { InvalidOptionsError } from "../errors.js";
 import type { IntervalGateOptions } from "../options.js";
 import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket, TryAdmitOptions } from "../types.js";
 import { intervalGateSchema, parseOptions } from "../validate.js";
-import { KeyedStates } from "./keyed.js";
-import { MemoryStage, MemoryTicket } from "./stage.js";
-import { WaitList } from "./wait-list.js";
+import { KeyedStates } from "../base/keyed.js";
+import { BaseStage, BaseTicket } from "../base/stage.js";
+import { WaitList } from "../base/wait-list.js";
 
 /** One host: when its next call may start, its FIFO of waiters, and the timer for the head. */
 class HostSlot extends WaitList {
@@ -17,7 +17,7 @@ class HostSlot extends WaitList {
 }
 
 /** A ticket that remembers the slot it claimed, so a refund can hand it back. */
-class SlotTicket extends MemoryTicket {
+class SlotTicket extends BaseTicket {
   /** `nextAt` this grant set, and the one it replaced. */
   claimed = 0;
   previous = 0;
@@ -29,7 +29,7 @@ const DEFAULT_HOST = "default";
  * Minimum spacing between the starts of calls to each host: `minIntervalMs` plus a random
  * `[0, jitterMs)` on top, never less. `pause(host, ms)` holds a host back (Retry-After).
  */
-export class MemoryIntervalGate extends MemoryStage {
+export class MemoryIntervalGate extends BaseStage {
   readonly kind: StageKind = "intervalGate";
   readonly #minIntervalMs: number;
   readonly #jitterMs: number;
@@ -68,14 +68,14 @@ export class MemoryIntervalGate extends MemoryStage {
     return previous;
   }
 
-  #mark(ticket: MemoryTicket, previous: number, h: HostSlot): SlotTicket {
+  #mark(ticket: BaseTicket, previous: number, h: HostSlot): SlotTicket {
     const t = ticket as SlotTicket;
     t.previous = previous;
     t.claimed = h.nextAt;
     return t;
   }
 
-  protected override newTicket(cost: number, key: string, now: number): MemoryTicket {
+  protected override newTicket(cost: number, key: string, now: number): BaseTicket {
     return new SlotTicket(this, cost, key, now);
   }
 
@@ -162,7 +162,7 @@ export class MemoryIntervalGate extends MemoryStage {
     );
   }
 
-  releaseTicket(ticket: MemoryTicket, _outcome: Outcome, refund: boolean): void {
+  releaseTicket(ticket: BaseTicket, _outcome: Outcome, refund: boolean): void {
     if (!refund) return;
     const t = ticket as SlotTicket;
     const h = this.#hosts.get(t.key);

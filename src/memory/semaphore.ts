@@ -3,15 +3,15 @@ import type { Clock } from "../clock.js";
 import type { SemaphoreOptions } from "../options.js";
 import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket, TryAdmitOptions } from "../types.js";
 import { parseOptions, semaphoreSchema } from "../validate.js";
-import { type MemoryTicket, MemoryStage, type WaitFor } from "./stage.js";
-import { WaitList } from "./wait-list.js";
+import { type BaseTicket, BaseStage, type WaitFor } from "../base/stage.js";
+import { WaitList } from "../base/wait-list.js";
 
 /**
  * Permits counted against a limit, waiters served strictly first in, first out, so a large `cost`
  * at the head is never starved by small ones behind it. The semaphore, the bounded queue and the
  * AIMD limiter are all this, with a different rule for the limit and for a full house.
  */
-export abstract class PermitStage extends MemoryStage {
+export abstract class PermitStage extends BaseStage {
   protected limit: number;
   protected used = 0;
   protected readonly waiters = new WaitList();
@@ -61,7 +61,7 @@ export abstract class PermitStage extends MemoryStage {
     }
   }
 
-  releaseTicket(ticket: MemoryTicket, _outcome: Outcome, _refund: boolean): void {
+  releaseTicket(ticket: BaseTicket, _outcome: Outcome, _refund: boolean): void {
     this.used -= ticket.cost;
     this.drain();
   }

@@ -4,9 +4,9 @@ import type { Clock, ClockTimer } from "../clock.js";
 import type { TokenBucketOptions } from "../options.js";
 import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket, TryAdmitOptions } from "../types.js";
 import { parseOptions, tokenBucketSchema } from "../validate.js";
-import { KeyedStates } from "./keyed.js";
-import { type MemoryTicket, MemoryStage } from "./stage.js";
-import { WaitList } from "./wait-list.js";
+import { KeyedStates } from "../base/keyed.js";
+import { type BaseTicket, BaseStage } from "../base/stage.js";
+import { WaitList } from "../base/wait-list.js";
 
 /** One key's bucket: the algorithm's state plus its FIFO of waiters and the timer for its head. */
 class KeyBucket extends WaitList implements BucketState {
@@ -28,7 +28,7 @@ const DEFAULT_KEY = "default";
  * A call of cost `c` waits until its key holds `c` tokens; waiters of one key are served first in,
  * first out, each key on a single timer. A cost above `capacity` is refused at once.
  */
-export class MemoryTokenBucket extends MemoryStage {
+export class MemoryTokenBucket extends BaseStage {
   readonly kind: StageKind = "tokenBucket";
   readonly #config: BucketConfig;
   readonly #initial: number;
@@ -145,7 +145,7 @@ export class MemoryTokenBucket extends MemoryStage {
     }, ms);
   }
 
-  releaseTicket(ticket: MemoryTicket, outcome: Outcome, refund: boolean): void {
+  releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): void {
     if (refund) {
       const now = this.clock.now();
       const b = this.#bucket(ticket.key, now);

@@ -30,6 +30,7 @@ export class FakeClock implements Clock {
   #now: number;
   #seq = 0;
   #heap: FakeTimer[] = [];
+  #work = new Set<Promise<unknown>>();
 
   constructor(start = 0) {
     this.#now = start;
@@ -63,10 +64,27 @@ export class FakeClock implements Clock {
     return this.#heap[0]?.at;
   }
 
-  /** Let pending promises settle without moving time. */
+  /**
+   * Stages call this with asynchronous work they start (a Redis round trip); `flush` and
+   * `advance` wait for it, so a test under the fake clock sees the result of I/O before time moves.
+   */
+  track(work: Promise<unknown>): void {
+    const tracked: Promise<unknown> = work.then(
+      (): void => void this.#work.delete(tracked),
+      (): void => void this.#work.delete(tracked),
+    );
+    this.#work.add(tracked);
+  }
+
+  /** Let pending promises and tracked work settle without moving time. */
   async flush(): Promise<void> {
     await settle();
     await settle();
+    for (let rounds = 0; this.#work.size > 0 && rounds < 10_000; rounds++) {
+      await Promise.all([...this.#work]);
+      await settle();
+      await settle();
+    }
   }
 
   /** Move time forward by `ms`, running every timer that falls due on the way. */

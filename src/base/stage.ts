@@ -10,13 +10,13 @@ const RESOLVED: Promise<void> = Promise.resolve();
 /** What a wait is for, which decides the snapshot counter it adds to. */
 export type WaitFor = "token" | "permit" | "queue";
 
-/** A ticket granted by an in-memory stage. */
-export class MemoryTicket implements Ticket {
+/** A ticket granted by a stage built on `BaseStage`. */
+export class BaseTicket implements Ticket {
   released = false;
   recorded: Outcome | undefined = undefined;
 
   constructor(
-    readonly owner: MemoryStage,
+    readonly owner: BaseStage,
     readonly cost: number,
     readonly key: string,
     readonly admittedAt: number,
@@ -27,7 +27,7 @@ export class MemoryTicket implements Ticket {
   }
 
   get signal(): AbortSignal {
-    return this.owner.closedSignal;
+    return this.owner.ticketSignal(this);
   }
 
   record(outcome: Outcome): void {
@@ -40,16 +40,14 @@ export class MemoryTicket implements Ticket {
     if (this.released) return RESOLVED;
     this.released = true;
     this.owner.inFlight--;
-    this.owner.releaseTicket(this, outcome ?? this.recorded ?? "ignored", false);
-    return RESOLVED;
+    return this.owner.releaseTicket(this, outcome ?? this.recorded ?? "ignored", false) ?? RESOLVED;
   }
 
   refund(): Promise<void> {
     if (this.released) return RESOLVED;
     this.released = true;
     this.owner.inFlight--;
-    this.owner.releaseTicket(this, "ignored", true);
-    return RESOLVED;
+    return this.owner.releaseTicket(this, "ignored", true) ?? RESOLVED;
   }
 
   close(): Promise<void> {
@@ -61,7 +59,7 @@ export class MemoryTicket implements Ticket {
   }
 }
 
-function checkOutcome(stage: MemoryStage, outcome: unknown): void {
+function checkOutcome(stage: BaseStage, outcome: unknown): void {
   if (outcome !== "success" && outcome !== "dropped" && outcome !== "ignored") {
     throw new InvalidOptionsError(
       stage.name,
@@ -72,12 +70,15 @@ function checkOutcome(stage: MemoryStage, outcome: unknown): void {
 }
 
 /**
- * What every in-memory stage shares: counters, the waiting machinery (abort, timeout, close),
- * logging. Subclasses decide when a waiter can go (`drain`) and what a release gives back.
+ * What every stage of both backends shares: counters, the local waiting machinery (FIFO lists,
+ * abort, timeout, close), logging. Subclasses decide when a waiter can go and what a release
+ * gives back; a Redis stage asks Redis, an in-memory one looks at its own numbers.
  */
-export abstract class MemoryStage implements Stage, WaiterOwner {
+export abstract class BaseStage implements Stage, WaiterOwner {
   abstract readonly kind: StageKind;
   readonly holds: "call" | "wait" = "call";
+  /** Which backend built the stage, for logs and snapshots. */
+  readonly backend: string = "memory";
   protected readonly clock: Clock;
   protected log!: Logger;
   protected closed = false;
@@ -102,7 +103,7 @@ export abstract class MemoryStage implements Stage, WaiterOwner {
 
   /** Call at the end of the subclass constructor, once `kind` is set. */
   protected init(logger: Logger | undefined): void {
-    this.log = stageLogger(logger, this.name, this.kind, "memory");
+    this.log = stageLogger(logger, this.name, this.kind, this.backend);
   }
 
   /** Aborts when the stage closes; every ticket's `signal`. */
@@ -118,8 +119,13 @@ export abstract class MemoryStage implements Stage, WaiterOwner {
   abstract tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined>;
   abstract snapshot(): Snapshot;
 
-  /** Give back what `ticket` holds. Called once per ticket. */
-  abstract releaseTicket(ticket: MemoryTicket, outcome: Outcome, refund: boolean): void;
+  /** Give back what `ticket` holds. Called once per ticket; may finish asynchronously. */
+  abstract releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): void | Promise<void>;
+
+  /** The signal handed out as `ticket.signal`; aborts when the stage closes. */
+  ticketSignal(_ticket: BaseTicket): AbortSignal {
+    return this.closedSignal;
+  }
 
   /** A waiter left its list without being granted; the ones behind it may now fit. */
   protected abstract afterWaiterGone(list: WaitList, waiter: Waiter): void;
@@ -135,7 +141,7 @@ export abstract class MemoryStage implements Stage, WaiterOwner {
   }
 
   /** A granted ticket, counted. */
-  protected issue(cost: number, key: string, waitedFrom: number, waitFor: WaitFor): MemoryTicket {
+  protected issue(cost: number, key: string, waitedFrom: number, waitFor: WaitFor): BaseTicket {
     const now = this.clock.now();
     const ticket = this.newTicket(cost, key, now);
     this.inFlight++;
@@ -144,8 +150,8 @@ export abstract class MemoryStage implements Stage, WaiterOwner {
     return ticket;
   }
 
-  protected newTicket(cost: number, key: string, now: number): MemoryTicket {
-    return new MemoryTicket(this, cost, key, now);
+  protected newTicket(cost: number, key: string, now: number): BaseTicket {
+    return new BaseTicket(this, cost, key, now);
   }
 
   private addWait(waitFor: WaitFor, ms: number): void {
@@ -181,7 +187,7 @@ export abstract class MemoryStage implements Stage, WaiterOwner {
   }
 
   /** Hand `w` its ticket: unlink it, drop its listener and timer, resolve. */
-  protected grant(w: Waiter, waitFor: WaitFor): MemoryTicket {
+  protected grant(w: Waiter, waitFor: WaitFor): BaseTicket {
     this.unlink(w);
     const ticket = this.issue(w.cost, w.key, w.enqueuedAt, waitFor);
     if (enabled(this.log, "debug")) {
@@ -248,7 +254,7 @@ export abstract class MemoryStage implements Stage, WaiterOwner {
     return {
       name: this.name,
       kind: this.kind,
-      backend: "memory",
+      backend: this.backend,
       inFlight: this.inFlight,
       waiting: this.waiting,
       queueDepth: 0,
