@@ -15,6 +15,7 @@ export default defineConfig({
   },
   test: {
     include: ["test/**/*.test.ts"],
+    globalSetup: ["test/setup/global.ts"],
     typecheck: { enabled: true, include: ["test/**/*.test-d.ts"] },
     testTimeout: 20_000,
   },

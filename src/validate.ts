@@ -99,6 +99,20 @@ export const aimdSchema = z
 
 export const memoryBackendSchema = z.strictObject({ ...stage, random: random.optional() });
 
+export const redisBackendSchema = z.strictObject({
+  ...stage,
+  prefix: z.string({ error: "must be a string" }).refine((v) => !/[{}]/.test(v), { error: "must not contain braces" }).optional(),
+  time: z.enum(["server", "clock"], { error: 'must be "server" or "clock"' }).optional(),
+  commandTimeoutMs: int(1).optional(),
+  pollMs: int(10).optional(),
+  random: random.optional(),
+  subscriber: z
+    .custom<any>((v) => typeof v === "object" && v !== null && typeof (v as { subscribe?: unknown }).subscribe === "function", {
+      error: "must be an ioredis connection",
+    })
+    .optional(),
+});
+
 function show(value: unknown): string {
   if (typeof value === "string") return JSON.stringify(value);
   if (typeof value === "function") return "a function";

@@ -173,7 +173,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
       this.timedOut++;
       return Promise.reject(this.timeoutError(0));
     }
-    const w = new Waiter(this, cost, key, this.clock.now());
+    const w = this.newWaiter(cost, key, this.clock.now());
     list.push(w);
     this.waiting++;
     if (signal) {
@@ -195,6 +195,18 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     }
     w.resolve(ticket);
     return ticket;
+  }
+
+  /** Reject a waiter with `error` (a backend failure) and take it off its list. */
+  protected failWaiter(w: Waiter, error: unknown): void {
+    if (!w.list) return;
+    this.unlink(w);
+    w.reject(error);
+  }
+
+  /** Make the waiter object; a backend may keep more per waiter. */
+  protected newWaiter(cost: number, key: string, now: number): Waiter {
+    return new Waiter(this, cost, key, now);
   }
 
   private unlink(w: Waiter): void {
@@ -224,7 +236,12 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     if (!w.list) return;
     w.timer = undefined;
     // Capacity that becomes free at this very instant still counts as in time.
-    this.grantDue(w.list, w.key);
+    const due = this.grantDue(w.list, w.key);
+    if (due) void due.then(() => this.expire(w, timeoutMs));
+    else this.expire(w, timeoutMs);
+  }
+
+  private expire(w: Waiter, timeoutMs: number): void {
     const list = w.list;
     if (!list) return;
     this.unlink(w);
@@ -234,8 +251,13 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     this.afterWaiterGone(list, w);
   }
 
-  /** Grant whatever on `list` is due now; time-driven stages override it. */
-  protected grantDue(_list: WaitList, _key: string): void {}
+  /**
+   * Grant whatever on `list` is due now; time-driven stages override it. A promise means the
+   * answer is on its way (a Redis call); the timeout waits for it.
+   */
+  protected grantDue(_list: WaitList, _key: string): Promise<void> | undefined {
+    return undefined;
+  }
 
   protected timeoutError(timeoutMs: number): AdmitTimeoutError {
     return new AdmitTimeoutError(

@@ -114,13 +114,17 @@ export class MemoryIntervalGate extends BaseStage {
    */
   pause(host: string, ms: number): Promise<void> {
     if (typeof host !== "string" || host.length === 0) {
-      throw new InvalidOptionsError(this.name, "host", `intervalGate "${this.name}": host must be a non-empty string`);
+      return Promise.reject(
+        new InvalidOptionsError(this.name, "host", `intervalGate "${this.name}": host must be a non-empty string`),
+      );
     }
     if (!(ms >= 0) || !Number.isFinite(ms)) {
-      throw new InvalidOptionsError(
-        this.name,
-        "ms",
-        `intervalGate "${this.name}": pause ms must be a finite number >= 0 (got ${ms})`,
+      return Promise.reject(
+        new InvalidOptionsError(
+          this.name,
+          "ms",
+          `intervalGate "${this.name}": pause ms must be a finite number >= 0 (got ${ms})`,
+        ),
       );
     }
     const now = this.clock.now();
@@ -173,7 +177,7 @@ export class MemoryIntervalGate extends BaseStage {
     }
   }
 
-  protected override grantDue(list: WaitList, key: string): void {
+  protected override grantDue(list: WaitList, key: string): undefined {
     this.#drain(list as HostSlot, key);
   }
 

@@ -165,7 +165,7 @@ export class MemoryTokenBucket extends BaseStage {
     }
   }
 
-  protected override grantDue(list: WaitList, key: string): void {
+  protected override grantDue(list: WaitList, key: string): undefined {
     this.#drain(list as KeyBucket, key);
   }
 

@@ -1,9 +1,10 @@
 import { InvalidOptionsError } from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { beforeEach, describe, expect, it } from "vitest";
-import { backends, track } from "./backends.js";
+import { backends, track, useBackend } from "./backends.js";
 
 describe.each(backends)("AIMD limiter on $name", (backend) => {
+  useBackend(backend);
   let clock: FakeClock;
 
   beforeEach(() => {

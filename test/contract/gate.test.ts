@@ -2,9 +2,10 @@ import { AsyncLocalStorage } from "node:async_hooks";
 import { AdmitTimeoutError, ClosedError, Gate, type Stage } from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { beforeEach, describe, expect, it } from "vitest";
-import { backends, track } from "./backends.js";
+import { backends, track, useBackend } from "./backends.js";
 
 describe.each(backends)("Gate on $name", (backend) => {
+  useBackend(backend);
   let clock: FakeClock;
 
   beforeEach(() => {

@@ -1,9 +1,10 @@
 import { InvalidOptionsError } from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { beforeEach, describe, expect, it } from "vitest";
-import { backends, track } from "./backends.js";
+import { backends, track, useBackend } from "./backends.js";
 
 describe.each(backends)("interval gate on $name", (backend) => {
+  useBackend(backend);
   let clock: FakeClock;
 
   beforeEach(() => {
@@ -115,6 +116,7 @@ describe.each(backends)("interval gate on $name", (backend) => {
       "jitterMs must be a finite number >= 0 (got NaN)",
     );
     const gate = b.intervalGate("ok", { minIntervalMs: 1 });
-    expect(() => gate.pause("a", -5)).toThrow(InvalidOptionsError);
+    await expect(gate.pause("a", -5)).rejects.toBeInstanceOf(InvalidOptionsError);
+    await expect(gate.pause("", 5)).rejects.toThrow("host must be a non-empty string");
   });
 });

@@ -1,9 +1,10 @@
 import { AdmitTimeoutError, Gate, ShedError, isFloodgateError } from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { beforeEach, describe, expect, it } from "vitest";
-import { backends, track } from "./backends.js";
+import { backends, track, useBackend } from "./backends.js";
 
 describe.each(backends)("bounded queue on $name", (backend) => {
+  useBackend(backend);
   let clock: FakeClock;
 
   beforeEach(() => {

@@ -1,9 +1,10 @@
 import { AdmitTimeoutError, InvalidOptionsError, type TokenBucketOptions } from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { beforeEach, describe, expect, it } from "vitest";
-import { backends, track } from "./backends.js";
+import { backends, track, useBackend } from "./backends.js";
 
 describe.each(backends)("token bucket on $name", (backend) => {
+  useBackend(backend);
   let clock: FakeClock;
   const make = (options: TokenBucketOptions) => backend.make(clock).tokenBucket("rate", options);
 

@@ -1,0 +1,87 @@
+-- floodgate prelude, put in front of every script.
+-- ARGV[1] is always the time in milliseconds to decide with, or "" to read the Redis server's
+-- clock (TIME). Workers' own clocks never decide a lease or a refill; tests pass a fake time.
+local function floodgate_now(arg)
+  if arg ~= nil and arg ~= '' then
+    return tonumber(arg)
+  end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- Remove every member of the sorted set `zset` scored at or below `now`; returns them.
+local function floodgate_expired(zset, now)
+  local members = redis.call('ZRANGEBYSCORE', zset, '-inf', now, 'LIMIT', 0, 1000)
+  if #members > 0 then
+    redis.call('ZREM', zset, unpack(members))
+  end
+  return members
+end
+
+-- Token bucket math, ported from src/algorithms/token-bucket.ts (same table tests).
+-- State: tokens at updatedAt; rate multiplier `factor` right after the penalty at penalizedAt,
+-- climbing back linearly to 1 over recoveryMs.
+local function floodgate_factor_integral(f0, recoveryMs, x)
+  if x <= 0 then return 0 end
+  if f0 >= 1 then return x end
+  if x >= recoveryMs then return recoveryMs * (1 + f0) / 2 + (x - recoveryMs) end
+  return f0 * x + (1 - f0) * x * x / (2 * recoveryMs)
+end
+
+local function floodgate_tokens_at(s, capacity, refillPerSecond, recoveryMs, now)
+  if now <= s.updatedAt then return s.tokens end
+  local effectiveMs
+  if s.factor >= 1 then
+    effectiveMs = now - s.updatedAt
+  else
+    local from = math.max(0, s.updatedAt - s.penalizedAt)
+    effectiveMs = floodgate_factor_integral(s.factor, recoveryMs, now - s.penalizedAt)
+      - floodgate_factor_integral(s.factor, recoveryMs, from)
+  end
+  local tokens = s.tokens + effectiveMs * refillPerSecond / 1000
+  if tokens < capacity then return tokens end
+  return capacity
+end
+
+local function floodgate_rate_factor(s, recoveryMs, now)
+  if s.factor >= 1 then return 1 end
+  local x = now - s.penalizedAt
+  if x <= 0 then return s.factor end
+  if x >= recoveryMs then return 1 end
+  return s.factor + (1 - s.factor) * x / recoveryMs
+end
+
+local function floodgate_wait_ms(s, capacity, refillPerSecond, recoveryMs, cost, now)
+  local need = cost - floodgate_tokens_at(s, capacity, refillPerSecond, recoveryMs, now)
+  if need <= 1e-9 then return 0 end
+  local needMs = need * 1000 / refillPerSecond
+  local t = math.max(now, s.updatedAt)
+  local x = t - s.penalizedAt
+  if s.factor >= 1 or x >= recoveryMs then return math.ceil(needMs - 1e-9) end
+  local f0 = s.factor
+  local r = recoveryMs
+  local at = math.max(0, x)
+  local before = floodgate_factor_integral(f0, r, r) - floodgate_factor_integral(f0, r, at)
+  if needMs > before then return math.ceil(r - at + (needMs - before) - 1e-9) end
+  local target = floodgate_factor_integral(f0, r, at) + needMs
+  local a = (1 - f0) / (2 * r)
+  local y = (-f0 + math.sqrt(f0 * f0 + 4 * a * target)) / (2 * a)
+  return math.max(0, math.ceil(y - at - 1e-9))
+end
+
+-- Read a bucket hash; a missing key is a fresh bucket holding `initial` tokens.
+local function floodgate_bucket(key, initial, now)
+  local v = redis.call('HMGET', key, 'tokens', 'updatedAt', 'factor', 'penalizedAt')
+  if not v[1] then return { tokens = initial, updatedAt = now, factor = 1, penalizedAt = now } end
+  return { tokens = tonumber(v[1]), updatedAt = tonumber(v[2]), factor = tonumber(v[3]), penalizedAt = tonumber(v[4]) }
+end
+
+-- Write a bucket back, to expire once it would be full again anyway (an idle key costs nothing).
+local function floodgate_save_bucket(key, s, capacity, refillPerSecond, recoveryMs)
+  redis.call('HSET', key, 'tokens', string.format('%.17g', s.tokens), 'updatedAt', s.updatedAt,
+    'factor', string.format('%.17g', s.factor), 'penalizedAt', s.penalizedAt)
+  -- Time until idle is at most the refill at the slowest (penalised) rate, or the recovery.
+  local fillMs = (capacity - s.tokens) * 1000 / refillPerSecond
+  if s.factor < 1 then fillMs = math.max(fillMs / s.factor, recoveryMs) end
+  redis.call('PEXPIRE', key, math.ceil(fillMs) + 1000)
+end

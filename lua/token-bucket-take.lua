@@ -1,0 +1,29 @@
+-- token-bucket-take: take `cost` tokens from one key's bucket, or say how long until it can.
+--
+-- KEYS[1] bucket  HASH  tokens, updatedAt (ms), factor, penalizedAt (ms); expires when idle
+--
+-- ARGV[1] now              ms, or "" for the server's TIME
+-- ARGV[2] capacity         tokens, integer >= 1
+-- ARGV[3] refillPerSecond  tokens per second, > 0
+-- ARGV[4] recoveryMs       ms for a penalised rate to recover
+-- ARGV[5] cost             tokens, integer in [1, capacity]
+-- ARGV[6] initial          tokens a fresh key starts with
+--
+-- Returns {1, 0} when taken, or {0, waitMs}: the whole milliseconds until `cost` tokens are there.
+local bucket          = KEYS[1]
+local now             = floodgate_now(ARGV[1])
+local capacity        = tonumber(ARGV[2])
+local refillPerSecond = tonumber(ARGV[3])
+local recoveryMs      = tonumber(ARGV[4])
+local cost            = tonumber(ARGV[5])
+local initial         = tonumber(ARGV[6])
+
+local s = floodgate_bucket(bucket, initial, now)
+local tokens = floodgate_tokens_at(s, capacity, refillPerSecond, recoveryMs, now)
+if tokens + 1e-9 < cost then
+  return {0, floodgate_wait_ms(s, capacity, refillPerSecond, recoveryMs, cost, now)}
+end
+s.tokens = math.max(0, tokens - cost)
+s.updatedAt = math.max(now, s.updatedAt)
+floodgate_save_bucket(bucket, s, capacity, refillPerSecond, recoveryMs)
+return {1, 0}

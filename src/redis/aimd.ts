@@ -1,0 +1,53 @@
+import type { AimdOptions } from "../options.js";
+import type { Outcome, StageKind } from "../types.js";
+import { aimdSchema, parseOptions } from "../validate.js";
+import { type LeaseTicket, type RedisContext, RedisPermitStage } from "./semaphore.js";
+
+/**
+ * `redis(...).aimd(name, options)`: a fleet-wide semaphore whose limit is kept in Redis and moved
+ * by every process's outcomes (`lua/aimd-release.lua`).
+ */
+export class RedisAimd extends RedisPermitStage {
+  readonly kind: StageKind = "aimd";
+  readonly #min: number;
+  readonly #max: number;
+  readonly #ratio: number;
+  readonly #slowCallMs: number;
+
+  constructor(name: string, options: AimdOptions, ctx: RedisContext) {
+    const o = parseOptions(aimdSchema, "aimd", name, options);
+    const min = o.min ?? 1;
+    super(
+      name,
+      { limit: undefined, initial: o.initial, maxCost: min, leaseMs: o.leaseMs ?? 30_000, whenFull: "block", logger: o.logger },
+      ctx,
+    );
+    this.#min = min;
+    this.#max = o.max;
+    this.#ratio = o.backoffRatio ?? 0.9;
+    this.#slowCallMs = o.slowCallMs ?? Number.POSITIVE_INFINITY;
+    this.init(o.logger ?? ctx.logger);
+  }
+
+  protected override async giveBack(t: LeaseTicket, outcome: Outcome, refund: boolean): Promise<boolean> {
+    const slow = this.clock.now() - t.admittedAt > this.#slowCallMs;
+    const before = this.limit;
+    const reply = await this.link.run(this.name, "aimd-release", this.keys, [
+      this.link.now(),
+      t.leaseId,
+      this.channel,
+      refund ? "refund" : outcome,
+      t.epoch,
+      this.#min,
+      this.#max,
+      this.#ratio,
+      slow ? "1" : "0",
+    ]);
+    this.limit = Number(reply[1]);
+    if (this.limit !== before) {
+      const level = this.limit < before ? "warn" : "debug";
+      this.log[level]({ from: before, to: this.limit, outcome, slow }, "limit changed");
+    }
+    return Number(reply[0]) === 1;
+  }
+}

@@ -1,0 +1,398 @@
+import { randomUUID } from "node:crypto";
+import { tooCostly } from "../admit.js";
+import { BaseStage, BaseTicket, type WaitFor } from "../base/stage.js";
+import { Waiter, WaitList } from "../base/wait-list.js";
+import { type Clock, type ClockTimer, unrefTimer } from "../clock.js";
+import { AdmitTimeoutError, isFloodgateError, LeaseLostError, ShedError } from "../errors.js";
+import type { SemaphoreOptions } from "../options.js";
+import type { AdmitOptions, Logger, Outcome, Snapshot, StageKind, Ticket, TryAdmitOptions } from "../types.js";
+import { parseOptions, semaphoreSchema } from "../validate.js";
+import { stageKey } from "./keys.js";
+import type { RedisLink } from "./link.js";
+
+/** What a Redis stage needs from its backend. */
+export interface RedisContext {
+  link: RedisLink;
+  prefix: string;
+  clock: Clock;
+  logger: Logger | undefined;
+  random: () => number;
+  /** Longest a waiter goes without asking Redis again (covers a lost pub/sub message), ms. */
+  pollMs: number;
+}
+
+/** A waiter with the id it is queued under in Redis. */
+class RedisWaiter extends Waiter {
+  id = "";
+  busy = false;
+  again = false;
+  retry: ClockTimer | undefined = undefined;
+}
+
+/** A granted lease: its id, fencing token, and the renewal that keeps it alive. */
+export class LeaseTicket extends BaseTicket {
+  leaseId = "";
+  /** Increases with every grant of the stage: pass it to the server to reject stale writers. */
+  fence = 0;
+  epoch = 0;
+  controller: AbortController | undefined = undefined;
+  renewTimer: ClockTimer | undefined = undefined;
+  renewing = false;
+  renewedAt = 0;
+}
+
+/** Reply of `semaphore-acquire`. */
+type AcquireReply = [granted: number, fenceOrWaitMs: number, used: number, limit: number, epoch: number];
+
+/** Settings that make a permit stage a semaphore, a bounded queue or an AIMD limiter. */
+export interface PermitSettings {
+  /** Fixed limit, or undefined for the adaptive limit kept in Redis. */
+  limit: number | undefined;
+  initial: number;
+  maxCost: number;
+  leaseMs: number;
+  /** A full house: wait in line, or refuse at once. */
+  whenFull: "block" | "shed";
+  logger: Logger | undefined;
+}
+
+/**
+ * Permits shared through Redis by every process that names the same stage. Leases live in a
+ * sorted set scored by expiry and are reaped inside the acquire script, so a dead holder's
+ * permits come back by themselves; a running holder renews its lease at 80% of `leaseMs`.
+ * Waiters line up in Redis in arrival order across processes. A release wakes the waiter at the
+ * head through pub/sub; a timer at the nearest lease expiry covers crashed holders, and a slow
+ * jittered poll covers a lost message.
+ */
+export abstract class RedisPermitStage extends BaseStage {
+  override readonly backend = "redis";
+  protected readonly waiters = new WaitList();
+  protected readonly waitFor: WaitFor = "permit";
+  protected readonly link: RedisLink;
+  protected readonly settings: PermitSettings;
+  protected readonly keys: readonly string[];
+  protected readonly channel: string;
+  protected limit: number;
+  readonly #ctx: RedisContext;
+  readonly #byId = new Map<string, RedisWaiter>();
+  #subscribed: Promise<void> | undefined;
+  #listening = false;
+
+  constructor(name: string, settings: PermitSettings, ctx: RedisContext) {
+    super(name, ctx.clock);
+    this.#ctx = ctx;
+    this.link = ctx.link;
+    this.settings = settings;
+    this.limit = settings.limit ?? settings.initial;
+    const key = (part: string) => stageKey(ctx.prefix, name, part);
+    this.keys = [key("holders"), key("costs"), key("queue"), key("qexp"), key("meta")];
+    this.channel = key("wake");
+  }
+
+  /** ARGV[4] of acquire: the fixed limit, or "" for the one kept in Redis. */
+  #limitArg(): string | number {
+    return this.settings.limit ?? "";
+  }
+
+  protected override newWaiter(cost: number, key: string, now: number): Waiter {
+    return new RedisWaiter(this, cost, key, now);
+  }
+
+  protected override newTicket(cost: number, key: string, now: number): BaseTicket {
+    return new LeaseTicket(this, cost, key, now);
+  }
+
+  override ticketSignal(ticket: BaseTicket): AbortSignal {
+    const t = ticket as LeaseTicket;
+    if (!t.controller) {
+      t.controller = new AbortController();
+      if (this.closed) t.controller.abort(this.closedSignal.reason);
+    }
+    return t.controller.signal;
+  }
+
+  #acquire(id: string, cost: number, mode: "wait" | "try"): Promise<AcquireReply> {
+    return this.link.run(this.name, "semaphore-acquire", this.keys, [
+      this.link.now(),
+      id,
+      cost,
+      this.#limitArg(),
+      this.settings.leaseMs,
+      mode,
+      this.#ctx.pollMs * 3,
+      this.channel,
+      this.settings.limit === undefined ? this.settings.initial : "",
+    ]);
+  }
+
+  /** Give back lease or waiter `id` in the background (a lost reply, an abandoned wait). */
+  #forget(id: string): void {
+    this.link
+      .run(this.name, "semaphore-release", this.keys, [this.link.now(), id, this.#limitArg(), this.channel])
+      .catch((error) => this.log.warn({ err: error, id }, "could not give back an abandoned lease; it expires"));
+  }
+
+  #lease(ticket: BaseTicket, reply: AcquireReply, id: string): Ticket {
+    const t = ticket as LeaseTicket;
+    t.leaseId = id;
+    t.fence = Number(reply[1]);
+    t.epoch = Number(reply[4]);
+    t.renewedAt = this.clock.now();
+    this.limit = Number(reply[3]);
+    this.#scheduleRenew(t);
+    return t;
+  }
+
+  admit(options?: AdmitOptions): Promise<Ticket> {
+    let o: AdmitOptions;
+    try {
+      o = this.check(options);
+    } catch (error) {
+      return Promise.reject(error);
+    }
+    const cost = o.cost ?? 1;
+    if (cost > this.settings.maxCost) {
+      return Promise.reject(tooCostly(this.kind, this.name, cost, this.settings.maxCost, "limit"));
+    }
+    if (o.signal?.aborted) return Promise.reject(o.signal.reason);
+    if (cost === 0) return Promise.resolve(this.issue(0, "", this.clock.now(), this.waitFor));
+    if (this.settings.whenFull === "shed" || o.timeoutMs === 0) return this.#once(cost, o);
+    const promise = this.wait(this.waiters, cost, "", o);
+    const w = this.waiters.tail as RedisWaiter;
+    w.id = randomUUID();
+    this.#byId.set(w.id, w);
+    this.#attempt(w);
+    return promise;
+  }
+
+  /** One try, no queueing: a shed, or `timeoutMs: 0`. */
+  async #once(cost: number, o: AdmitOptions): Promise<Ticket> {
+    const ticket = await this.#tryOnce(cost);
+    if (ticket) return ticket;
+    if (this.settings.whenFull === "shed") {
+      this.shed++;
+      this.log.warn({ maxSize: this.limit }, "queue full, shed");
+      throw new ShedError(this.name, `${this.kind} "${this.name}": full (maxSize ${this.limit}), job shed`);
+    }
+    this.timedOut++;
+    this.log.warn({ timeoutMs: o.timeoutMs }, "admission timed out");
+    throw new AdmitTimeoutError(this.name, `${this.kind} "${this.name}": not admitted within timeoutMs (0)`);
+  }
+
+  async #tryOnce(cost: number): Promise<Ticket | undefined> {
+    const id = randomUUID();
+    let reply: AcquireReply;
+    try {
+      reply = await this.#acquire(id, cost, "try");
+    } catch (error) {
+      if (isFloodgateError(error, "BACKEND_UNAVAILABLE")) this.#forget(id);
+      throw error;
+    }
+    this.limit = Number(reply[3]);
+    if (Number(reply[0]) !== 1) return undefined;
+    if (this.closed) {
+      this.#forget(id);
+      throw this.closedSignal.reason;
+    }
+    return this.#lease(this.issue(cost, "", this.clock.now(), this.waitFor), reply, id);
+  }
+
+  tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
+    try {
+      const o = this.check(options);
+      const cost = o.cost ?? 1;
+      if (cost > this.settings.maxCost) throw tooCostly(this.kind, this.name, cost, this.settings.maxCost, "limit");
+      if (cost === 0) return Promise.resolve(this.issue(0, "", this.clock.now(), this.waitFor));
+      return this.#tryOnce(cost);
+    } catch (error) {
+      return Promise.reject(error);
+    }
+  }
+
+  /** Ask Redis for `w`'s permits; on refusal, sleep until woken, the nearest expiry, or the poll. */
+  #attempt(w: RedisWaiter): void {
+    if (w.busy) {
+      w.again = true;
+      return;
+    }
+    w.busy = true;
+    w.again = false;
+    this.#clearRetry(w);
+    this.#acquire(w.id, w.cost, "wait").then(
+      (reply) => {
+        w.busy = false;
+        this.limit = Number(reply[3]);
+        const granted = Number(reply[0]) === 1;
+        if (!w.list) {
+          // Aborted, timed out or closed while the call was out: give back what it got.
+          if (granted) this.#forget(w.id);
+          return;
+        }
+        if (granted) {
+          this.#byId.delete(w.id);
+          this.#lease(this.grant(w, this.waitFor), reply, w.id);
+          return;
+        }
+        if (w.again) return this.#attempt(w);
+        if (!this.#listening) {
+          this.#listen().then(
+            () => w.list && this.#attempt(w),
+            () => this.#sleep(w, Number(reply[1])),
+          );
+          return;
+        }
+        this.#sleep(w, Number(reply[1]));
+      },
+      (error: unknown) => {
+        w.busy = false;
+        this.#byId.delete(w.id);
+        if (!w.list) return;
+        this.#forget(w.id);
+        this.log.warn({ err: error }, "Redis unavailable; admission failed closed");
+        this.failWaiter(w, error);
+      },
+    );
+  }
+
+  #listen(): Promise<void> {
+    this.#subscribed ??= this.link
+      .listen(this.channel, (id) => {
+        const w = this.#byId.get(id);
+        if (w) this.#attempt(w);
+      })
+      .then(() => {
+        this.#listening = true;
+      });
+    return this.#subscribed;
+  }
+
+  /** Sleep until the nearest lease expiry (a crashed holder) or a jittered poll, whichever is first. */
+  #sleep(w: RedisWaiter, expiryMs: number): void {
+    const poll = this.#ctx.pollMs * (0.5 + this.#ctx.random());
+    const ms = expiryMs >= 0 ? Math.min(expiryMs + 1, poll) : poll;
+    w.retry = this.clock.setTimeout(() => {
+      w.retry = undefined;
+      if (w.list) this.#attempt(w);
+    }, ms);
+  }
+
+  #clearRetry(w: RedisWaiter): void {
+    if (w.retry !== undefined) {
+      this.clock.clearTimeout(w.retry);
+      w.retry = undefined;
+    }
+  }
+
+  protected afterWaiterGone(_list: WaitList, waiter: Waiter): void {
+    const w = waiter as RedisWaiter;
+    this.#clearRetry(w);
+    this.#byId.delete(w.id);
+    // An acquire still out will see the waiter gone and give back what it got.
+    if (!w.busy) this.#forget(w.id);
+  }
+
+  protected lists(): Iterable<WaitList> {
+    return [this.waiters];
+  }
+
+  #scheduleRenew(t: LeaseTicket): void {
+    const leaseMs = this.settings.leaseMs;
+    t.renewTimer = unrefTimer(this.clock.setTimeout(() => this.#renew(t), Math.max(1, Math.floor(leaseMs * 0.8))));
+  }
+
+  #renew(t: LeaseTicket): void {
+    t.renewTimer = undefined;
+    if (t.released || t.renewing) return;
+    t.renewing = true;
+    this.link.run(this.name, "semaphore-renew", [this.keys[0]!], [this.link.now(), t.leaseId, this.settings.leaseMs]).then(
+      (ok) => {
+        t.renewing = false;
+        if (t.released) return;
+        if (Number(ok) === 1) {
+          t.renewedAt = this.clock.now();
+          this.#scheduleRenew(t);
+        } else {
+          this.#lost(t);
+        }
+      },
+      (error: unknown) => {
+        t.renewing = false;
+        if (t.released) return;
+        if (this.clock.now() - t.renewedAt >= this.settings.leaseMs) return this.#lost(t, error);
+        this.log.warn({ err: error, lease: t.leaseId }, "lease renewal failed; retrying");
+        const retryMs = Math.max(1, Math.min(1000, Math.floor(this.settings.leaseMs / 10)));
+        t.renewTimer = unrefTimer(this.clock.setTimeout(() => this.#renew(t), retryMs));
+      },
+    );
+  }
+
+  #lost(t: LeaseTicket, cause?: unknown): void {
+    this.log.warn({ lease: t.leaseId, fence: t.fence }, "lease lost");
+    this.ticketSignal(t);
+    t.controller!.abort(
+      new LeaseLostError(this.name, `${this.kind} "${this.name}": lease ${t.leaseId} ran out before release`, { cause }),
+    );
+  }
+
+  releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): Promise<void> | undefined {
+    const t = ticket as LeaseTicket;
+    if (t.renewTimer !== undefined) {
+      this.clock.clearTimeout(t.renewTimer);
+      t.renewTimer = undefined;
+    }
+    if (t.cost === 0 || t.leaseId === "") return undefined;
+    return this.giveBack(t, outcome, refund).then(
+      (released) => {
+        if (!released && !refund) this.log.warn({ lease: t.leaseId }, "lease had run out before release");
+      },
+      (error: unknown) => {
+        this.log.warn({ err: error, lease: t.leaseId }, "release failed; the lease expires by itself");
+      },
+    );
+  }
+
+  /** Run the release script; resolves true when the lease was still held. */
+  protected async giveBack(t: LeaseTicket, _outcome: Outcome, _refund: boolean): Promise<boolean> {
+    const reply = await this.link.run(this.name, "semaphore-release", this.keys, [
+      this.link.now(),
+      t.leaseId,
+      this.#limitArg(),
+      this.channel,
+    ]);
+    return Number(reply[0]) === 1;
+  }
+
+  protected override onClose(): void {
+    for (const w of this.#byId.values()) {
+      this.#clearRetry(w);
+      this.#forget(w.id);
+    }
+    this.#byId.clear();
+  }
+
+  snapshot(): Snapshot {
+    return this.baseSnapshot(this.limit);
+  }
+}
+
+/** `redis(...).semaphore(name, options)`: at most `limit` permits held across the fleet. */
+export class RedisSemaphore extends RedisPermitStage {
+  readonly kind: StageKind = "semaphore";
+
+  constructor(name: string, options: SemaphoreOptions, ctx: RedisContext) {
+    const o = parseOptions(semaphoreSchema, "semaphore", name, options);
+    super(
+      name,
+      {
+        limit: o.limit,
+        initial: o.limit,
+        maxCost: o.limit,
+        leaseMs: o.leaseMs ?? 30_000,
+        whenFull: "block",
+        logger: o.logger,
+      },
+      ctx,
+    );
+    this.init(o.logger ?? ctx.logger);
+  }
+}
