@@ -11,7 +11,11 @@ export function admitOptions(kind: StageKind, name: string, options: AdmitOption
   }
   const { cost, timeoutMs, signal } = options;
   if (cost !== undefined && !(Number.isInteger(cost) && cost >= 0)) {
-    throw new InvalidOptionsError(name, "cost", `${kind} "${name}": cost must be an integer >= 0 (got ${cost})`);
+    throw new InvalidOptionsError(
+      name,
+      "cost",
+      `${kind} "${name}": cost must be an integer >= 0 (got ${cost})`,
+    );
   }
   if (timeoutMs !== undefined && !(timeoutMs >= 0)) {
     throw new InvalidOptionsError(

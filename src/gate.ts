@@ -14,6 +14,7 @@ import type {
   Ticket,
   TryAdmitOptions,
 } from "./types.js";
+import { gateSchema, parseOptions } from "./validate.js";
 
 /** Options for `new Gate(stages, options)`. */
 export interface GateOptions {
@@ -183,6 +184,7 @@ export class Gate implements Stage {
   #aborted = 0;
 
   constructor(stages: readonly Stage[], options: GateOptions = {}) {
+    const o = parseOptions(gateSchema, "gate", options?.name, options);
     if (!Array.isArray(stages)) {
       throw new InvalidOptionsError(undefined, "stages", "gate: stages must be an array of stages");
     }
@@ -191,10 +193,10 @@ export class Gate implements Stage {
         throw new InvalidOptionsError(undefined, `stages.${i}`, `gate: stages.${i} must be a stage`);
       }
     });
-    this.name = options.name ?? "gate";
+    this.name = o.name ?? "gate";
     this.stages = [...stages];
-    this.#clock = options.clock ?? systemClock;
-    this.#log = stageLogger(options.logger, this.name, "gate", "gate");
+    this.#clock = o.clock ?? systemClock;
+    this.#log = stageLogger(o.logger, this.name, "gate", "gate");
     let leading = 0;
     while (leading < this.stages.length && this.stages[leading]!.holds === "wait") leading++;
     this.#leading = leading;
@@ -218,7 +220,8 @@ export class Gate implements Stage {
 
   #stageOptions(stage: Stage, o: AdmitOptions, deadline: number): AdmitOptions {
     const cost = o.costs?.[stage.name] ?? o.cost;
-    const timeoutMs = deadline === Number.POSITIVE_INFINITY ? undefined : Math.max(0, deadline - this.#clock.now());
+    const timeoutMs =
+      deadline === Number.POSITIVE_INFINITY ? undefined : Math.max(0, deadline - this.#clock.now());
     return { key: o.key, host: o.host, cost, signal: o.signal, timeoutMs, costs: o.costs };
   }
 
@@ -261,8 +264,7 @@ export class Gate implements Stage {
 
   async admit(options?: AdmitOptions): Promise<Ticket> {
     const o = this.#options(options);
-    const deadline =
-      o.timeoutMs === undefined ? Number.POSITIVE_INFINITY : this.#clock.now() + o.timeoutMs;
+    const deadline = o.timeoutMs === undefined ? Number.POSITIVE_INFINITY : this.#clock.now() + o.timeoutMs;
     if (o.signal?.aborted) throw o.signal.reason;
     const held: Ticket[] = [];
     await this.#acquire(held, 0, this.stages.length, o, deadline);
@@ -273,7 +275,7 @@ export class Gate implements Stage {
     const o = this.#options(options);
     const held: Ticket[] = [];
     for (const stage of this.stages) {
-      const cost = (o as AdmitOptions).costs?.[stage.name] ?? o.cost;
+      const cost = o.costs?.[stage.name] ?? o.cost;
       let t: Ticket | undefined;
       try {
         t = await stage.tryAdmit({ key: o.key, host: o.host, cost });
@@ -341,14 +343,15 @@ export class Gate implements Stage {
     }
     const o = this.#options(options);
     if (o.signal?.aborted) throw o.signal.reason;
-    const deadline =
-      o.timeoutMs === undefined ? Number.POSITIVE_INFINITY : this.#clock.now() + o.timeoutMs;
+    const deadline = o.timeoutMs === undefined ? Number.POSITIVE_INFINITY : this.#clock.now() + o.timeoutMs;
     const held: Ticket[] = [];
     await this.#acquire(held, 0, this.#leading, o, deadline);
     const done = (async () => {
       await this.#acquire(held, this.#leading, this.stages.length, o, deadline);
       return this.#call(this.#started(held, o), fn, options?.classify);
     })();
+    // A job nobody awaits must not crash the process; its failure is logged instead.
+    done.catch((error) => this.#log.warn({ err: error }, "enqueued job failed"));
     return { done };
   }
 

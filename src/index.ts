@@ -1,4 +1,3 @@
-export { admitOptions } from "./admit.js";
 export { type Clock, type ClockTimer, systemClock } from "./clock.js";
 export {
   AdmitTimeoutError,
@@ -13,8 +12,8 @@ export {
 } from "./errors.js";
 export { defaultClassify, Gate, type GateOptions, type Job, type RunOptions, type Settled } from "./gate.js";
 export {
-  type MemoryBackend,
   MemoryAimd,
+  type MemoryBackend,
   MemoryIntervalGate,
   MemoryQueue,
   MemorySemaphore,

@@ -10,7 +10,12 @@ export function silentLogger(): Logger {
 }
 
 /** A stage's child logger, bound to `{ stage, kind, backend }`. */
-export function stageLogger(parent: Logger | undefined, stage: string, kind: StageKind, backend: string): Logger {
+export function stageLogger(
+  parent: Logger | undefined,
+  stage: string,
+  kind: StageKind,
+  backend: string,
+): Logger {
   return (parent ?? silentLogger()).child({ stage, kind, backend });
 }
 

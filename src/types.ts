@@ -44,7 +44,7 @@ export interface AdmitOptions {
 }
 
 /** Options for an admission that never waits. */
-export type TryAdmitOptions = Pick<AdmitOptions, "key" | "host" | "cost">;
+export type TryAdmitOptions = Pick<AdmitOptions, "key" | "host" | "cost" | "costs">;
 
 /**
  * Proof of admission. Release it exactly once with the call's outcome; a second release does

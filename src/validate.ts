@@ -97,19 +97,34 @@ export const aimdSchema = z
     error: "must be in [min, max]",
   });
 
+export const gateSchema = z.strictObject({
+  ...stage,
+  name: z
+    .string({ error: "must be a non-empty string" })
+    .min(1, { error: "must be a non-empty string" })
+    .optional(),
+});
+
 export const memoryBackendSchema = z.strictObject({ ...stage, random: random.optional() });
 
 export const redisBackendSchema = z.strictObject({
   ...stage,
-  prefix: z.string({ error: "must be a string" }).refine((v) => !/[{}]/.test(v), { error: "must not contain braces" }).optional(),
+  prefix: z
+    .string({ error: "must be a string" })
+    .refine((v) => !/[{}]/.test(v), { error: "must not contain braces" })
+    .optional(),
   time: z.enum(["server", "clock"], { error: 'must be "server" or "clock"' }).optional(),
   commandTimeoutMs: int(1).optional(),
   pollMs: int(10).optional(),
   random: random.optional(),
   subscriber: z
-    .custom<any>((v) => typeof v === "object" && v !== null && typeof (v as { subscribe?: unknown }).subscribe === "function", {
-      error: "must be an ioredis connection",
-    })
+    .custom<any>(
+      (v) =>
+        typeof v === "object" && v !== null && typeof (v as { subscribe?: unknown }).subscribe === "function",
+      {
+        error: "must be an ioredis connection",
+      },
+    )
     .optional(),
 });
 
@@ -143,7 +158,11 @@ export function parseOptions<S extends z.ZodType>(
 ): z.output<S> {
   const where = name === undefined ? kind : `${kind} "${name}"`;
   if (typeof input !== "object" || input === null || Array.isArray(input)) {
-    throw new InvalidOptionsError(name, "options", `${where}: options must be an object (got ${show(input)})`);
+    throw new InvalidOptionsError(
+      name,
+      "options",
+      `${where}: options must be an object (got ${show(input)})`,
+    );
   }
   const result = schema.safeParse(input);
   if (result.success) return result.data;

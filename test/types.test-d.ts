@@ -53,7 +53,9 @@ describe("public shapes", () => {
   it("run returns what the function returns", () => {
     const gate = new Gate([]);
     expectTypeOf(gate.run(async () => 42)).toEqualTypeOf<Promise<number>>();
-    expectTypeOf(gate.enqueue(() => "x")).resolves.toHaveProperty("done").toEqualTypeOf<Promise<string>>();
+    expectTypeOf(gate.enqueue(() => "x"))
+      .resolves.toHaveProperty("done")
+      .toEqualTypeOf<Promise<string>>();
   });
   it("refuses options of the wrong shape at compile time", () => {
     const b = memory();

@@ -58,10 +58,11 @@ export function tokensAt(s: BucketState, c: BucketConfig, now: number): number {
   } else {
     const from = Math.max(0, s.updatedAt - s.penalizedAt);
     effectiveMs =
-      factorIntegral(s.factor, c.recoveryMs, now - s.penalizedAt) - factorIntegral(s.factor, c.recoveryMs, from);
+      factorIntegral(s.factor, c.recoveryMs, now - s.penalizedAt) -
+      factorIntegral(s.factor, c.recoveryMs, from);
   }
   const tokens = s.tokens + (effectiveMs * c.refillPerSecond) / 1000;
-  return tokens < c.capacity ? tokens : c.capacity;
+  return Math.min(tokens, c.capacity);
 }
 
 /** Tolerance for float error when comparing token counts. */

@@ -2,7 +2,16 @@ import { admitOptions } from "../admit.js";
 import type { Clock } from "../clock.js";
 import { AdmitTimeoutError, ClosedError, InvalidOptionsError } from "../errors.js";
 import { enabled, stageLogger } from "../logger.js";
-import type { AdmitOptions, Logger, Outcome, Snapshot, Stage, StageKind, Ticket, TryAdmitOptions } from "../types.js";
+import type {
+  AdmitOptions,
+  Logger,
+  Outcome,
+  Snapshot,
+  Stage,
+  StageKind,
+  Ticket,
+  TryAdmitOptions,
+} from "../types.js";
 import { Waiter, type WaiterOwner, type WaitList } from "./wait-list.js";
 
 const RESOLVED: Promise<void> = Promise.resolve();
@@ -147,6 +156,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     this.inFlight++;
     this.admitted++;
     if (waitedFrom !== now) this.addWait(waitFor, now - waitedFrom);
+    if (enabled(this.log, "debug")) this.log.debug({ key, cost, waitedMs: now - waitedFrom }, "granted");
     return ticket;
   }
 
@@ -171,6 +181,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     const timeoutMs = o.timeoutMs;
     if (timeoutMs === 0) {
       this.timedOut++;
+      this.log.warn({ key, cost, timeoutMs }, "admission timed out");
       return Promise.reject(this.timeoutError(0));
     }
     const w = this.newWaiter(cost, key, this.clock.now());
@@ -190,9 +201,6 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   protected grant(w: Waiter, waitFor: WaitFor): BaseTicket {
     this.unlink(w);
     const ticket = this.issue(w.cost, w.key, w.enqueuedAt, waitFor);
-    if (enabled(this.log, "debug")) {
-      this.log.debug({ key: w.key, cost: w.cost, waitedMs: ticket.admittedAt - w.enqueuedAt }, "granted");
-    }
     w.resolve(ticket);
     return ticket;
   }

@@ -1,10 +1,10 @@
 import { type AimdConfig, type AimdState, aimdStep } from "../algorithms/aimd.js";
+import { BaseTicket } from "../base/stage.js";
 import type { Clock } from "../clock.js";
 import type { AimdOptions } from "../options.js";
 import type { Outcome, Snapshot, StageKind } from "../types.js";
 import { aimdSchema, parseOptions } from "../validate.js";
 import { PermitStage } from "./semaphore.js";
-import { BaseTicket } from "../base/stage.js";
 
 /** A ticket that remembers the AIMD epoch it was admitted in. */
 class AimdTicket extends BaseTicket {

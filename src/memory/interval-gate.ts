@@ -1,16 +1,18 @@
 import { afterPause, afterStart, delayMs, spacingMs } from "../algorithms/interval.js";
+import { KeyedStates } from "../base/keyed.js";
+import { BaseStage, BaseTicket } from "../base/stage.js";
+import { WaitList } from "../base/wait-list.js";
 import type { Clock, ClockTimer } from "../clock.js";
 import { InvalidOptionsError } from "../errors.js";
 import type { IntervalGateOptions } from "../options.js";
 import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket, TryAdmitOptions } from "../types.js";
 import { intervalGateSchema, parseOptions } from "../validate.js";
-import { KeyedStates } from "../base/keyed.js";
-import { BaseStage, BaseTicket } from "../base/stage.js";
-import { WaitList } from "../base/wait-list.js";
 
 /** One host: when its next call may start, its FIFO of waiters, and the timer for the head. */
 class HostSlot extends WaitList {
   timer: ClockTimer | undefined = undefined;
+  /** End of the latest pause; a refunded slot never reaches back inside it. */
+  pausedUntil = Number.NEGATIVE_INFINITY;
   constructor(public nextAt: number) {
     super();
   }
@@ -43,7 +45,11 @@ export class MemoryIntervalGate extends BaseStage {
     this.#jitterMs = o.jitterMs ?? 0;
     this.#random = o.random ?? random;
     const sweepMs = Math.min(Math.max(1000, Math.ceil(this.#minIntervalMs + this.#jitterMs)), 600_000);
-    this.#hosts = new KeyedStates(clock, sweepMs, (h, now) => h.size === 0 && h.nextAt <= now);
+    this.#hosts = new KeyedStates(
+      clock,
+      sweepMs,
+      (h, now) => h.size === 0 && h.nextAt <= now && h.pausedUntil <= now,
+    );
     this.init(o.logger);
   }
 
@@ -115,7 +121,11 @@ export class MemoryIntervalGate extends BaseStage {
   pause(host: string, ms: number): Promise<void> {
     if (typeof host !== "string" || host.length === 0) {
       return Promise.reject(
-        new InvalidOptionsError(this.name, "host", `intervalGate "${this.name}": host must be a non-empty string`),
+        new InvalidOptionsError(
+          this.name,
+          "host",
+          `intervalGate "${this.name}": host must be a non-empty string`,
+        ),
       );
     }
     if (!(ms >= 0) || !Number.isFinite(ms)) {
@@ -130,6 +140,7 @@ export class MemoryIntervalGate extends BaseStage {
     const now = this.clock.now();
     const h = this.#host(host, now);
     h.nextAt = afterPause(h.nextAt, now, ms);
+    h.pausedUntil = Math.max(h.pausedUntil, now + ms);
     this.log.warn({ host, ms }, "host paused");
     this.#schedule(h, host);
     return Promise.resolve();
@@ -172,7 +183,7 @@ export class MemoryIntervalGate extends BaseStage {
     const h = this.#hosts.get(t.key);
     // Hand the slot back only when nothing has moved the host on since (a later call, a pause).
     if (h && h.nextAt === t.claimed) {
-      h.nextAt = t.previous;
+      h.nextAt = Math.max(t.previous, h.pausedUntil);
       this.#drain(h, t.key);
     }
   }

@@ -1,10 +1,10 @@
+import type { WaitFor } from "../base/stage.js";
 import type { Clock } from "../clock.js";
 import { ShedError } from "../errors.js";
 import type { QueueOptions } from "../options.js";
 import type { AdmitOptions, Snapshot, StageKind, Ticket } from "../types.js";
 import { parseOptions, queueSchema } from "../validate.js";
 import { PermitStage } from "./semaphore.js";
-import type { WaitFor } from "../base/stage.js";
 
 /**
  * Bounded queue: at most `maxSize` jobs hold a slot at once. A slot is held while the job waits;

@@ -1,10 +1,10 @@
 import { tooCostly } from "../admit.js";
+import { BaseStage, type BaseTicket, type WaitFor } from "../base/stage.js";
+import { WaitList } from "../base/wait-list.js";
 import type { Clock } from "../clock.js";
 import type { SemaphoreOptions } from "../options.js";
 import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket, TryAdmitOptions } from "../types.js";
 import { parseOptions, semaphoreSchema } from "../validate.js";
-import { type BaseTicket, BaseStage, type WaitFor } from "../base/stage.js";
-import { WaitList } from "../base/wait-list.js";
 
 /**
  * Permits counted against a limit, waiters served strictly first in, first out, so a large `cost`
@@ -35,7 +35,8 @@ export abstract class PermitStage extends BaseStage {
       return Promise.reject(error);
     }
     const cost = o.cost ?? 1;
-    if (cost > this.maxCost()) return Promise.reject(tooCostly(this.kind, this.name, cost, this.maxCost(), "limit"));
+    if (cost > this.maxCost())
+      return Promise.reject(tooCostly(this.kind, this.name, cost, this.maxCost(), "limit"));
     if (this.waiters.size === 0 && this.used + cost <= this.limit) {
       this.used += cost;
       return Promise.resolve(this.issue(cost, "", this.clock.now(), this.waitFor));

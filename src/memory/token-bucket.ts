@@ -1,12 +1,19 @@
 import { tooCostly } from "../admit.js";
-import { type BucketConfig, type BucketState, penalize, rateFactor, tokensAt, waitMs } from "../algorithms/token-bucket.js";
+import {
+  type BucketConfig,
+  type BucketState,
+  isIdle,
+  penalize,
+  tokensAt,
+  waitMs,
+} from "../algorithms/token-bucket.js";
+import { KeyedStates } from "../base/keyed.js";
+import { BaseStage, type BaseTicket } from "../base/stage.js";
+import { WaitList } from "../base/wait-list.js";
 import type { Clock, ClockTimer } from "../clock.js";
 import type { TokenBucketOptions } from "../options.js";
 import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket, TryAdmitOptions } from "../types.js";
 import { parseOptions, tokenBucketSchema } from "../validate.js";
-import { KeyedStates } from "../base/keyed.js";
-import { type BaseTicket, BaseStage } from "../base/stage.js";
-import { WaitList } from "../base/wait-list.js";
 
 /** One key's bucket: the algorithm's state plus its FIFO of waiters and the timer for its head. */
 class KeyBucket extends WaitList implements BucketState {
@@ -48,12 +55,16 @@ export class MemoryTokenBucket extends BaseStage {
     this.#penaltyFactor = o.penalty ? (o.penalty.factor ?? 0.5) : undefined;
     this.#minFactor = o.penalty?.minFactor ?? 0.1;
     const fillMs = Math.ceil((o.capacity * 1000) / o.refillPerSecond);
-    this.#keys = new KeyedStates(clock, Math.min(Math.max(1000, fillMs), 600_000), (b, now) => this.#idle(b, now));
+    this.#keys = new KeyedStates(clock, Math.min(Math.max(1000, fillMs), 600_000), (b, now) =>
+      this.#idle(b, now),
+    );
     this.init(o.logger);
   }
 
   #idle(b: KeyBucket, now: number): boolean {
-    return b.size === 0 && rateFactor(b, this.#config, now) >= 1 && tokensAt(b, this.#config, now) >= this.#initial;
+    // Full and unpenalised: a fresh key would be no better off. (A fresh key starts with
+    // `initialTokens`, which is never more.)
+    return b.size === 0 && isIdle(b, this.#config, now);
   }
 
   #bucket(key: string, now: number): KeyBucket {

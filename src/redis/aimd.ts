@@ -19,7 +19,14 @@ export class RedisAimd extends RedisPermitStage {
     const min = o.min ?? 1;
     super(
       name,
-      { limit: undefined, initial: o.initial, maxCost: min, leaseMs: o.leaseMs ?? 30_000, whenFull: "block", logger: o.logger },
+      {
+        limit: undefined,
+        initial: o.initial,
+        maxCost: min,
+        leaseMs: o.leaseMs ?? 30_000,
+        whenFull: "block",
+        logger: o.logger,
+      },
       ctx,
     );
     this.#min = min;

@@ -1,4 +1,5 @@
 import type { Cluster, Redis } from "ioredis";
+import { StageRegistry } from "../base/registry.js";
 import { type Clock, systemClock } from "../clock.js";
 import { InvalidOptionsError } from "../errors.js";
 import { stageLogger } from "../logger.js";
@@ -10,19 +11,19 @@ import type {
   StageOptions,
   TokenBucketOptions,
 } from "../options.js";
-import type { Backend, Logger, Stage, StageKind } from "../types.js";
-import { checkName, parseOptions, redisBackendSchema } from "../validate.js";
+import type { Backend, Logger } from "../types.js";
+import { parseOptions, redisBackendSchema } from "../validate.js";
 import { RedisAimd } from "./aimd.js";
-import { RedisLink, type RedisClientLike } from "./link.js";
 import { RedisIntervalGate } from "./interval-gate.js";
+import { type RedisClientLike, RedisLink } from "./link.js";
 import { RedisQueue } from "./queue.js";
 import { type RedisContext, RedisSemaphore } from "./semaphore.js";
 import { RedisTokenBucket } from "./token-bucket.js";
 
 export { stageKey } from "./keys.js";
 export { commandName, SCRIPTS, type ScriptName, scriptSha, scriptSource } from "./scripts.js";
-export { RedisAimd, RedisIntervalGate, RedisQueue, RedisSemaphore, RedisTokenBucket };
 export type { LeaseTicket } from "./semaphore.js";
+export { RedisAimd, RedisIntervalGate, RedisQueue, RedisSemaphore, RedisTokenBucket };
 
 /** Options for `redis(client, options)`. */
 export interface RedisBackendOptions extends StageOptions {
@@ -63,12 +64,6 @@ export interface RedisBackend extends Backend {
   intervalGate(name: string, options: IntervalGateOptions): RedisIntervalGate;
 }
 
-function fingerprint(options: object): string {
-  return JSON.stringify(options, (key, value) =>
-    key === "clock" || key === "logger" || key === "random" ? undefined : value,
-  );
-}
-
 /**
  * The Redis backend. Pass an ioredis `Redis` or `Cluster` client; create it with
  * `enableOfflineQueue: false` so a Redis outage fails calls at once instead of queueing a burst
@@ -82,7 +77,11 @@ function fingerprint(options: object): string {
 export function redis(client: Redis | Cluster, options: RedisBackendOptions = {}): RedisBackend {
   const o = parseOptions(redisBackendSchema, "redis", undefined, options);
   if (!client || typeof (client as unknown as RedisClientLike).defineCommand !== "function") {
-    throw new InvalidOptionsError(undefined, "client", "redis: client must be an ioredis Redis or Cluster client");
+    throw new InvalidOptionsError(
+      undefined,
+      "client",
+      "redis: client must be an ioredis Redis or Cluster client",
+    );
   }
   const clock: Clock = o.clock ?? systemClock;
   const logger: Logger | undefined = o.logger;
@@ -96,53 +95,28 @@ export function redis(client: Redis | Cluster, options: RedisBackendOptions = {}
     o.subscriber as unknown as RedisClientLike | undefined,
   );
   const prefix = o.prefix ?? "floodgate:";
-  const stages = new Map<string, { stage: Stage; fingerprint: string }>();
-
-  function build<O extends StageOptions, S extends Stage>(
-    kind: StageKind,
-    name: string,
-    options: O,
-    make: (name: string, options: O, ctx: RedisContext) => S,
-  ): S {
-    checkName(kind, name);
-    if (typeof options !== "object" || options === null) {
-      throw new InvalidOptionsError(name, "options", `${kind} "${name}": options must be an object`);
-    }
-    const id = `${kind}:${name}`;
-    const print = fingerprint(options);
-    const existing = stages.get(id);
-    if (existing) {
-      if (existing.fingerprint !== print) {
-        throw new InvalidOptionsError(
-          name,
-          "options",
-          `${kind} "${name}": already built with other options (${existing.fingerprint}); one name, one configuration`,
-        );
-      }
-      return existing.stage as S;
-    }
-    const ctx: RedisContext = {
-      link,
-      prefix,
-      clock: options.clock ?? clock,
-      logger,
-      random: o.random ?? Math.random,
-      pollMs: o.pollMs ?? 1000,
-    };
-    const stage = make(name, options, ctx);
-    stages.set(id, { stage, fingerprint: print });
-    return stage;
-  }
+  const registry = new StageRegistry();
+  const ctx = (options: StageOptions): RedisContext => ({
+    link,
+    prefix,
+    clock: options?.clock ?? clock,
+    logger,
+    random: o.random ?? Math.random,
+    pollMs: o.pollMs ?? 1000,
+  });
 
   return {
     kind: "redis",
-    semaphore: (name, opts) => build("semaphore", name, opts, (n, x, c) => new RedisSemaphore(n, x, c)),
-    queue: (name, opts) => build("queue", name, opts, (n, x, c) => new RedisQueue(n, x, c)),
-    aimd: (name, opts) => build("aimd", name, opts, (n, x, c) => new RedisAimd(n, x, c)),
-    tokenBucket: (name, opts) => build("tokenBucket", name, opts, (n, x, c) => new RedisTokenBucket(n, x, c)),
-    intervalGate: (name, opts) => build("intervalGate", name, opts, (n, x, c) => new RedisIntervalGate(n, x, c)),
+    semaphore: (name, opts) =>
+      registry.build("semaphore", name, opts, () => new RedisSemaphore(name, opts, ctx(opts))),
+    queue: (name, opts) => registry.build("queue", name, opts, () => new RedisQueue(name, opts, ctx(opts))),
+    aimd: (name, opts) => registry.build("aimd", name, opts, () => new RedisAimd(name, opts, ctx(opts))),
+    tokenBucket: (name, opts) =>
+      registry.build("tokenBucket", name, opts, () => new RedisTokenBucket(name, opts, ctx(opts))),
+    intervalGate: (name, opts) =>
+      registry.build("intervalGate", name, opts, () => new RedisIntervalGate(name, opts, ctx(opts))),
     async close() {
-      for (const { stage } of stages.values()) await stage.close();
+      await registry.close();
       await link.close();
     },
     [Symbol.asyncDispose]() {

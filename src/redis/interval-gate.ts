@@ -74,12 +74,12 @@ export class RedisIntervalGate extends BaseStage {
 
   #take(line: HostLine): Promise<TakeReply> {
     line.spacing ??= spacingMs(this.#minIntervalMs, this.#jitterMs, this.#random());
-    return this.#link.run(this.name, "interval-gate-take", [line.redisKey], [this.#link.now(), line.spacing]).then(
-      (reply: TakeReply) => {
+    return this.#link
+      .run(this.name, "interval-gate-take", [line.redisKey], [this.#link.now(), line.spacing])
+      .then((reply: TakeReply) => {
         if (Number(reply[0]) === 1) line.spacing = undefined;
         return reply;
-      },
-    );
+      });
   }
 
   protected override newTicket(cost: number, key: string, now: number): BaseTicket {
@@ -139,19 +139,29 @@ export class RedisIntervalGate extends BaseStage {
   pause(host: string, ms: number): Promise<void> {
     if (typeof host !== "string" || host.length === 0) {
       return Promise.reject(
-        new InvalidOptionsError(this.name, "host", `intervalGate "${this.name}": host must be a non-empty string`),
+        new InvalidOptionsError(
+          this.name,
+          "host",
+          `intervalGate "${this.name}": host must be a non-empty string`,
+        ),
       );
     }
     if (!(ms >= 0) || !Number.isFinite(ms)) {
       return Promise.reject(
-        new InvalidOptionsError(this.name, "ms", `intervalGate "${this.name}": pause ms must be a finite number >= 0 (got ${ms})`),
+        new InvalidOptionsError(
+          this.name,
+          "ms",
+          `intervalGate "${this.name}": pause ms must be a finite number >= 0 (got ${ms})`,
+        ),
       );
     }
     this.log.warn({ host, ms }, "host paused");
-    return this.#link.run(this.name, "interval-gate-pause", [this.#key(host)], [this.#link.now(), ms]).then(() => {
-      const line = this.#lines.get(host);
-      if (line) void this.#drain(line, host);
-    });
+    return this.#link
+      .run(this.name, "interval-gate-pause", [this.#key(host)], [this.#link.now(), ms])
+      .then(() => {
+        const line = this.#lines.get(host);
+        if (line) void this.#drain(line, host);
+      });
   }
 
   /** Start the head's call if its slot has come; else sleep until the slot Redis names. */

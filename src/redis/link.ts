@@ -23,7 +23,10 @@ type WakeHandler = (id: string) => void;
 class Subscriber {
   readonly handlers = new Map<string, Set<WakeHandler>>();
   readonly subscribing = new Map<string, Promise<unknown>>();
-  constructor(readonly connection: RedisClientLike, log: Logger) {
+  constructor(
+    readonly connection: RedisClientLike,
+    log: Logger,
+  ) {
     connection.on("message", (channel: string, id: string) => {
       const set = this.handlers.get(channel);
       if (set) for (const handler of set) handler(id);
@@ -58,13 +61,23 @@ export class RedisLink {
   }
 
   /** Run a script. Rejects with `BackendUnavailableError` when Redis cannot answer in time. */
-  run(stage: string, script: ScriptName, keys: readonly string[], args: readonly (string | number)[]): Promise<any> {
+  run(
+    stage: string,
+    script: ScriptName,
+    keys: readonly string[],
+    args: readonly (string | number)[],
+  ): Promise<any> {
     const promise = this.#run(stage, script, keys, args);
     this.clock.track?.(promise);
     return promise;
   }
 
-  #run(stage: string, script: ScriptName, keys: readonly string[], args: readonly (string | number)[]): Promise<any> {
+  #run(
+    stage: string,
+    script: ScriptName,
+    keys: readonly string[],
+    args: readonly (string | number)[],
+  ): Promise<any> {
     const client = this.client as unknown as Record<string, (...a: unknown[]) => Promise<unknown>>;
     if (this.client.status !== "ready") {
       return Promise.reject(
@@ -77,7 +90,10 @@ export class RedisLink {
         if (done) return;
         done = true;
         reject(
-          new BackendUnavailableError(stage, `Redis did not answer ${script} within ${this.commandTimeoutMs} ms`),
+          new BackendUnavailableError(
+            stage,
+            `Redis did not answer ${script} within ${this.commandTimeoutMs} ms`,
+          ),
         );
       }, this.commandTimeoutMs);
       client[commandName(script)]!.call(this.client, ...keys, ...args).then(
@@ -91,7 +107,11 @@ export class RedisLink {
           if (done) return;
           done = true;
           this.clock.clearTimeout(timer);
-          reject(isConnectionError(error) ? new BackendUnavailableError(stage, `Redis failed: ${message(error)}`, { cause: error }) : error);
+          reject(
+            isConnectionError(error)
+              ? new BackendUnavailableError(stage, `Redis failed: ${message(error)}`, { cause: error })
+              : error,
+          );
         },
       );
     });
@@ -151,7 +171,10 @@ function message(error: unknown): string {
 export function isConnectionError(error: unknown): boolean {
   if (!(error instanceof Error)) return false;
   const code = (error as { code?: unknown }).code;
-  if (typeof code === "string" && /^(ECONNREFUSED|ECONNRESET|EPIPE|ETIMEDOUT|ENOTFOUND|EHOSTUNREACH|ENETUNREACH)$/.test(code)) {
+  if (
+    typeof code === "string" &&
+    /^(ECONNREFUSED|ECONNRESET|EPIPE|ETIMEDOUT|ENOTFOUND|EHOSTUNREACH|ENETUNREACH)$/.test(code)
+  ) {
     return true;
   }
   return (

@@ -5,7 +5,15 @@ import { Waiter, WaitList } from "../base/wait-list.js";
 import { type Clock, type ClockTimer, unrefTimer } from "../clock.js";
 import { AdmitTimeoutError, isFloodgateError, LeaseLostError, ShedError } from "../errors.js";
 import type { SemaphoreOptions } from "../options.js";
-import type { AdmitOptions, Logger, Outcome, Snapshot, StageKind, Ticket, TryAdmitOptions } from "../types.js";
+import type {
+  AdmitOptions,
+  Logger,
+  Outcome,
+  Snapshot,
+  StageKind,
+  Ticket,
+  TryAdmitOptions,
+} from "../types.js";
 import { parseOptions, semaphoreSchema } from "../validate.js";
 import { stageKey } from "./keys.js";
 import type { RedisLink } from "./link.js";
@@ -129,7 +137,9 @@ export abstract class RedisPermitStage extends BaseStage {
   #forget(id: string): void {
     this.link
       .run(this.name, "semaphore-release", this.keys, [this.link.now(), id, this.#limitArg(), this.channel])
-      .catch((error) => this.log.warn({ err: error, id }, "could not give back an abandoned lease; it expires"));
+      .catch((error) =>
+        this.log.warn({ err: error, id }, "could not give back an abandoned lease; it expires"),
+      );
   }
 
   #lease(ticket: BaseTicket, reply: AcquireReply, id: string): Ticket {
@@ -201,7 +211,8 @@ export abstract class RedisPermitStage extends BaseStage {
     try {
       const o = this.check(options);
       const cost = o.cost ?? 1;
-      if (cost > this.settings.maxCost) throw tooCostly(this.kind, this.name, cost, this.settings.maxCost, "limit");
+      if (cost > this.settings.maxCost)
+        throw tooCostly(this.kind, this.name, cost, this.settings.maxCost, "limit");
       if (cost === 0) return Promise.resolve(this.issue(0, "", this.clock.now(), this.waitFor));
       return this.#tryOnce(cost);
     } catch (error) {
@@ -297,40 +308,48 @@ export abstract class RedisPermitStage extends BaseStage {
 
   #scheduleRenew(t: LeaseTicket): void {
     const leaseMs = this.settings.leaseMs;
-    t.renewTimer = unrefTimer(this.clock.setTimeout(() => this.#renew(t), Math.max(1, Math.floor(leaseMs * 0.8))));
+    t.renewTimer = unrefTimer(
+      this.clock.setTimeout(() => this.#renew(t), Math.max(1, Math.floor(leaseMs * 0.8))),
+    );
   }
 
   #renew(t: LeaseTicket): void {
     t.renewTimer = undefined;
     if (t.released || t.renewing) return;
     t.renewing = true;
-    this.link.run(this.name, "semaphore-renew", [this.keys[0]!], [this.link.now(), t.leaseId, this.settings.leaseMs]).then(
-      (ok) => {
-        t.renewing = false;
-        if (t.released) return;
-        if (Number(ok) === 1) {
-          t.renewedAt = this.clock.now();
-          this.#scheduleRenew(t);
-        } else {
-          this.#lost(t);
-        }
-      },
-      (error: unknown) => {
-        t.renewing = false;
-        if (t.released) return;
-        if (this.clock.now() - t.renewedAt >= this.settings.leaseMs) return this.#lost(t, error);
-        this.log.warn({ err: error, lease: t.leaseId }, "lease renewal failed; retrying");
-        const retryMs = Math.max(1, Math.min(1000, Math.floor(this.settings.leaseMs / 10)));
-        t.renewTimer = unrefTimer(this.clock.setTimeout(() => this.#renew(t), retryMs));
-      },
-    );
+    this.link
+      .run(this.name, "semaphore-renew", [this.keys[0]!], [this.link.now(), t.leaseId, this.settings.leaseMs])
+      .then(
+        (ok) => {
+          t.renewing = false;
+          if (t.released) return;
+          if (Number(ok) === 1) {
+            t.renewedAt = this.clock.now();
+            this.#scheduleRenew(t);
+          } else {
+            this.#lost(t);
+          }
+        },
+        (error: unknown) => {
+          t.renewing = false;
+          if (t.released) return;
+          if (this.clock.now() - t.renewedAt >= this.settings.leaseMs) return this.#lost(t, error);
+          this.log.warn({ err: error, lease: t.leaseId }, "lease renewal failed; retrying");
+          const retryMs = Math.max(1, Math.min(1000, Math.floor(this.settings.leaseMs / 10)));
+          t.renewTimer = unrefTimer(this.clock.setTimeout(() => this.#renew(t), retryMs));
+        },
+      );
   }
 
   #lost(t: LeaseTicket, cause?: unknown): void {
     this.log.warn({ lease: t.leaseId, fence: t.fence }, "lease lost");
     this.ticketSignal(t);
     t.controller!.abort(
-      new LeaseLostError(this.name, `${this.kind} "${this.name}": lease ${t.leaseId} ran out before release`, { cause }),
+      new LeaseLostError(
+        this.name,
+        `${this.kind} "${this.name}": lease ${t.leaseId} ran out before release`,
+        { cause },
+      ),
     );
   }
 

@@ -67,14 +67,12 @@ export class RedisTokenBucket extends BaseStage {
   }
 
   #take(line: KeyLine, cost: number): Promise<[number, number]> {
-    return this.#link.run(this.name, "token-bucket-take", [line.redisKey], [
-      this.#link.now(),
-      this.#capacity,
-      this.#refill,
-      this.#recoveryMs,
-      cost,
-      this.#initial,
-    ]);
+    return this.#link.run(
+      this.name,
+      "token-bucket-take",
+      [line.redisKey],
+      [this.#link.now(), this.#capacity, this.#refill, this.#recoveryMs, cost, this.#initial],
+    );
   }
 
   admit(options?: AdmitOptions): Promise<Ticket> {
@@ -85,7 +83,8 @@ export class RedisTokenBucket extends BaseStage {
       return Promise.reject(error);
     }
     const cost = o.cost ?? 1;
-    if (cost > this.#capacity) return Promise.reject(tooCostly(this.kind, this.name, cost, this.#capacity, "capacity"));
+    if (cost > this.#capacity)
+      return Promise.reject(tooCostly(this.kind, this.name, cost, this.#capacity, "capacity"));
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
     const key = o.key ?? DEFAULT_KEY;
     if (cost === 0) return Promise.resolve(this.issue(0, key, this.clock.now(), "token"));
@@ -106,9 +105,13 @@ export class RedisTokenBucket extends BaseStage {
     if (Number(waitMs) > timeoutMs - elapsed) {
       this.timedOut++;
       this.log.warn({ timeoutMs, retryAfterMs: Number(waitMs) }, "admission timed out");
-      throw new AdmitTimeoutError(this.name, `tokenBucket "${this.name}": not admitted within timeoutMs (${timeoutMs})`, {
-        retryAfterMs: Number(waitMs),
-      });
+      throw new AdmitTimeoutError(
+        this.name,
+        `tokenBucket "${this.name}": not admitted within timeoutMs (${timeoutMs})`,
+        {
+          retryAfterMs: Number(waitMs),
+        },
+      );
     }
     const promise = this.wait(line, cost, key, { ...o, timeoutMs: timeoutMs - elapsed });
     void this.#drain(line, key);
@@ -186,14 +189,12 @@ export class RedisTokenBucket extends BaseStage {
 
   #refund(key: string, cost: number): Promise<unknown> {
     return this.#link
-      .run(this.name, "token-bucket-refund", [stageKey(this.#prefix, this.name, `b:${key}`)], [
-        this.#link.now(),
-        this.#capacity,
-        this.#refill,
-        this.#recoveryMs,
-        cost,
-        this.#initial,
-      ])
+      .run(
+        this.name,
+        "token-bucket-refund",
+        [stageKey(this.#prefix, this.name, `b:${key}`)],
+        [this.#link.now(), this.#capacity, this.#refill, this.#recoveryMs, cost, this.#initial],
+      )
       .catch((error) => this.log.warn({ err: error, key }, "refund failed"));
   }
 
@@ -208,15 +209,20 @@ export class RedisTokenBucket extends BaseStage {
     }
     if (outcome === "dropped" && this.#penaltyFactor !== undefined) {
       return this.#link
-        .run(this.name, "token-bucket-penalize", [stageKey(this.#prefix, this.name, `b:${key}`)], [
-          this.#link.now(),
-          this.#capacity,
-          this.#refill,
-          this.#recoveryMs,
-          this.#penaltyFactor,
-          this.#minFactor,
-          this.#initial,
-        ])
+        .run(
+          this.name,
+          "token-bucket-penalize",
+          [stageKey(this.#prefix, this.name, `b:${key}`)],
+          [
+            this.#link.now(),
+            this.#capacity,
+            this.#refill,
+            this.#recoveryMs,
+            this.#penaltyFactor,
+            this.#minFactor,
+            this.#initial,
+          ],
+        )
         .then(
           (factor) => this.log.warn({ key, rateFactor: Number(factor) / 1000 }, "key penalised after drop"),
           (error) => this.log.warn({ err: error, key }, "penalty failed"),

@@ -62,7 +62,9 @@ describe.each(backends)("AIMD limiter on $name", (backend) => {
   });
 
   it("counts a success slower than slowCallMs as a drop", async () => {
-    const aimd = backend.make(clock).aimd("ai", { initial: 10, max: 10, backoffRatio: 0.5, slowCallMs: 1000 });
+    const aimd = backend
+      .make(clock)
+      .aimd("ai", { initial: 10, max: 10, backoffRatio: 0.5, slowCallMs: 1000 });
     const t = await aimd.admit();
     await clock.advance(1001);
     await t.release("success");
@@ -104,7 +106,9 @@ describe.each(backends)("AIMD limiter on $name", (backend) => {
 
   it("refuses bad options with the stage, field, rule and value", () => {
     const b = backend.make(clock);
-    expect(() => b.aimd("ai", { initial: 5, max: 4 })).toThrow('aimd "ai": initial must be in [min, max] (got 5)');
+    expect(() => b.aimd("ai", { initial: 5, max: 4 })).toThrow(
+      'aimd "ai": initial must be in [min, max] (got 5)',
+    );
     expect(() => b.aimd("ai", { initial: 2, min: 3, max: 2 })).toThrow("max must be >= min (got 2)");
     expect(() => b.aimd("ai", { initial: 2, max: 4, backoffRatio: 0.4 })).toThrow(
       "backoffRatio must be a number in [0.5, 1) (got 0.4)",

@@ -28,23 +28,29 @@ describe.each(backends)("interval gate on $name", (backend) => {
 
   it("adds jitter on top of the minimum, never below it", async () => {
     const randoms = [0, 0.5, 0.999];
-    const gate = backend.make(clock, () => randoms.shift() ?? 0).intervalGate("hosts", {
-      minIntervalMs: 1000,
-      jitterMs: 400,
-    });
+    const gate = backend
+      .make(clock, () => randoms.shift() ?? 0)
+      .intervalGate("hosts", {
+        minIntervalMs: 1000,
+        jitterMs: 400,
+      });
     const starts: number[] = [];
-    const calls = Array.from({ length: 4 }, () => gate.admit({ host: "a" }).then(() => starts.push(clock.now())));
+    const calls = Array.from({ length: 4 }, () =>
+      gate.admit({ host: "a" }).then(() => starts.push(clock.now())),
+    );
     await clock.advance(10_000);
     await Promise.all(calls);
     expect(starts).toEqual([0, 1000, 2200, 3599.6]);
   });
 
   it("prefers a random given to the stage over the backend's", async () => {
-    const gate = backend.make(clock, () => 0.9).intervalGate("hosts", {
-      minIntervalMs: 100,
-      jitterMs: 100,
-      random: () => 0.5,
-    });
+    const gate = backend
+      .make(clock, () => 0.9)
+      .intervalGate("hosts", {
+        minIntervalMs: 100,
+        jitterMs: 100,
+        random: () => 0.5,
+      });
     await gate.admit();
     const next = track(gate.admit());
     await clock.advance(149);

@@ -1,4 +1,4 @@
-import { AdmitTimeoutError, Gate, ShedError, isFloodgateError } from "floodgate";
+import { AdmitTimeoutError, Gate, isFloodgateError, ShedError } from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { beforeEach, describe, expect, it } from "vitest";
 import { backends, track, useBackend } from "./backends.js";
@@ -73,9 +73,12 @@ describe.each(backends)("bounded queue on $name", (backend) => {
 
   it("sheds through a gate with ShedError when the queue is full", async () => {
     const b = backend.make(clock);
-    const gate = new Gate([b.queue("jobs", { maxSize: 1, whenFull: "shed" }), b.semaphore("w", { limit: 1 })], {
-      clock,
-    });
+    const gate = new Gate(
+      [b.queue("jobs", { maxSize: 1, whenFull: "shed" }), b.semaphore("w", { limit: 1 })],
+      {
+        clock,
+      },
+    );
     let release!: () => void;
     const first = gate.run(() => new Promise<void>((r) => (release = r)));
     await clock.flush();

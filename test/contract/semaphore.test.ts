@@ -27,7 +27,12 @@ describe.each(backends)("semaphore on $name", (backend) => {
     const sem = make(1);
     const first = await sem.admit();
     const order: number[] = [];
-    const waits = [1, 2, 3].map((n) => sem.admit().then((t) => (order.push(n), t)));
+    const waits = [1, 2, 3].map((n) =>
+      sem.admit().then((t) => {
+        order.push(n);
+        return t;
+      }),
+    );
     await first.release("success");
     for (const w of waits) await (await w).release("success");
     expect(order).toEqual([1, 2, 3]);
@@ -198,9 +203,13 @@ describe.each(backends)("semaphore on $name", (backend) => {
 
   it("refuses bad options with the stage, field, rule and value", () => {
     const b = backend.make(clock);
-    expect(() => b.semaphore("bad", { limit: 0 })).toThrow('semaphore "bad": limit must be an integer >= 1 (got 0)');
+    expect(() => b.semaphore("bad", { limit: 0 })).toThrow(
+      'semaphore "bad": limit must be an integer >= 1 (got 0)',
+    );
     expect(() => b.semaphore("bad", { limit: 2.5 })).toThrow("limit must be an integer >= 1 (got 2.5)");
-    expect(() => b.semaphore("bad", { limit: 2, leaseMs: 10 })).toThrow("leaseMs must be an integer >= 100 (got 10)");
+    expect(() => b.semaphore("bad", { limit: 2, leaseMs: 10 })).toThrow(
+      "leaseMs must be an integer >= 100 (got 10)",
+    );
     expect(() => b.semaphore("bad", { limt: 2 } as never)).toThrow('semaphore "bad": unknown option "limt"');
     expect(() => b.semaphore("", { limit: 1 })).toThrow(InvalidOptionsError);
   });

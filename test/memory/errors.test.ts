@@ -15,7 +15,11 @@ describe("errors", () => {
     [new ShedError("q", "full"), ShedError, "SHED"],
     [new AdmitTimeoutError("s", "late", { retryAfterMs: 5 }), AdmitTimeoutError, "ADMIT_TIMEOUT"],
     [new InvalidOptionsError("s", "limit", "bad"), InvalidOptionsError, "INVALID_OPTIONS"],
-    [new BackendUnavailableError("s", "down", { cause: new Error("ECONNREFUSED") }), BackendUnavailableError, "BACKEND_UNAVAILABLE"],
+    [
+      new BackendUnavailableError("s", "down", { cause: new Error("ECONNREFUSED") }),
+      BackendUnavailableError,
+      "BACKEND_UNAVAILABLE",
+    ],
     [new LeaseLostError("s", "gone"), LeaseLostError, "LEASE_LOST"],
     [new ClosedError("s"), ClosedError, "CLOSED"],
   ] as const;
