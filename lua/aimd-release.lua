@@ -20,7 +20,8 @@
 -- ARGV[8] ratio    backoff ratio in [0.5, 1)
 -- ARGV[9] slow     "1" when the call ran longer than slowCallMs (counts as a drop)
 --
--- Returns {released, limit, epoch, used}.
+-- Returns {released, limit, epoch, used, woken}: woken = the waiter told (by PUBLISH on
+-- `channel`) to ask again, or "".
 local holders     = KEYS[1]
 local costs       = KEYS[2]
 local queue       = KEYS[3]
@@ -68,9 +69,14 @@ if released == 1 then used = used - cost end
 if redis.call('ZCARD', holders) == 0 or used < 0 then used = 0 end
 redis.call('HSET', meta, 'used', used, 'limit', limit, 'epoch', epoch)
 
+-- Tell the waiter at the head to ask again when it fits now.
+local woken = ''
 local head = redis.call('ZRANGE', queue, 0, 0)[1]
 if head then
   local c = tonumber(redis.call('HGET', costs, head)) or 1
-  if used + c <= limit then redis.call('PUBLISH', channel, head) end
+  if used + c <= limit then
+    redis.call('PUBLISH', channel, head)
+    woken = head
+  end
 end
-return {released, limit, epoch, used}
+return {released, limit, epoch, used, woken}

@@ -17,9 +17,10 @@
 -- ARGV[8] channel     pub/sub channel to wake waiters on
 -- ARGV[9] initial     AIMD: limit to start from when meta has none; "" otherwise
 --
--- Returns {granted, fenceOrWaitMs, used, limit, epoch}:
+-- Returns {granted, fenceOrWaitMs, used, limit, epoch, woken}:
 --   granted = 1: fenceOrWaitMs is the fencing token (increases with every grant)
 --   granted = 0: fenceOrWaitMs is ms until the nearest lease expires (-1: none held)
+--   woken: the waiter told (by PUBLISH on `channel`) to ask again, or ""
 local holders     = KEYS[1]
 local costs       = KEYS[2]
 local queue       = KEYS[3]
@@ -62,13 +63,17 @@ end
 if redis.call('ZCARD', holders) == 0 then used = 0 end
 if used < 0 then used = 0 end
 
--- Tell the waiter at the head to ask again when it fits now.
+-- Tell the waiter at the head to ask again when it fits now; returns its id, or "".
 local function wakeHead()
   local head = redis.call('ZRANGE', queue, 0, 0)[1]
   if head then
     local c = tonumber(redis.call('HGET', costs, head)) or 1
-    if used + c <= limit then redis.call('PUBLISH', channel, head) end
+    if used + c <= limit then
+      redis.call('PUBLISH', channel, head)
+      return head
+    end
   end
+  return ''
 end
 
 local function nearestExpiry()
@@ -80,7 +85,7 @@ end
 -- Already holding (a retried call): report the grant again.
 if redis.call('ZSCORE', holders, id) then
   redis.call('HSET', meta, 'used', used)
-  return {1, tonumber(redis.call('HGET', meta, 'seq')) or 0, used, limit, epoch}
+  return {1, tonumber(redis.call('HGET', meta, 'seq')) or 0, used, limit, epoch, ''}
 end
 
 local head = redis.call('ZRANGE', queue, 0, 0)[1]
@@ -92,17 +97,17 @@ if used + cost <= limit and (head == false or head == nil or head == id) then
   used = used + cost
   redis.call('HSET', meta, 'used', used)
   local fence = redis.call('HINCRBY', meta, 'seq', 1)
-  wakeHead()
-  return {1, fence, used, limit, epoch}
+  return {1, fence, used, limit, epoch, wakeHead()}
 end
 
 redis.call('HSET', meta, 'used', used)
+local woken = ''
 if mode == 'wait' then
   if not redis.call('ZSCORE', queue, id) then
     redis.call('ZADD', queue, redis.call('HINCRBY', meta, 'seq', 1), id)
     redis.call('HSET', costs, id, cost)
   end
   redis.call('ZADD', qexp, now + waiterTtlMs, id)
-  wakeHead()
+  woken = wakeHead()
 end
-return {0, nearestExpiry(), used, limit, epoch}
+return {0, nearestExpiry(), used, limit, epoch, woken}

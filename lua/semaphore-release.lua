@@ -13,8 +13,9 @@
 -- ARGV[3] limit    permits, or "" to read `limit` from meta
 -- ARGV[4] channel  pub/sub channel to wake waiters on
 --
--- Returns {released, dequeued, used}: released = 1 when the lease was held and is now freed,
--- dequeued = 1 when the id was waiting and is no longer.
+-- Returns {released, dequeued, used, woken}: released = 1 when the lease was held and is now
+-- freed, dequeued = 1 when the id was waiting and is no longer, woken = the waiter told (by
+-- PUBLISH on `channel`) to ask again, or "".
 local holders = KEYS[1]
 local costs   = KEYS[2]
 local queue   = KEYS[3]
@@ -44,9 +45,14 @@ if released == 1 then used = used - cost end
 if redis.call('ZCARD', holders) == 0 or used < 0 then used = 0 end
 redis.call('HSET', meta, 'used', used)
 
+-- Tell the waiter at the head to ask again when it fits now.
+local woken = ''
 local head = redis.call('ZRANGE', queue, 0, 0)[1]
 if head then
   local c = tonumber(redis.call('HGET', costs, head)) or 1
-  if used + c <= limit then redis.call('PUBLISH', channel, head) end
+  if used + c <= limit then
+    redis.call('PUBLISH', channel, head)
+    woken = head
+  end
 end
-return {released, dequeued, used}
+return {released, dequeued, used, woken}

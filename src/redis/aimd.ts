@@ -51,6 +51,7 @@ export class RedisAimd extends RedisPermitStage {
       slow ? "1" : "0",
     ]);
     this.limit = Number(reply[1]);
+    this.wake(reply[4]);
     if (this.limit !== before) {
       const level = this.limit < before ? "warn" : "debug";
       this.log[level]({ from: before, to: this.limit, outcome, slow }, "limit changed");

@@ -50,7 +50,14 @@ export class LeaseTicket extends BaseTicket {
 }
 
 /** Reply of `semaphore-acquire`. */
-type AcquireReply = [granted: number, fenceOrWaitMs: number, used: number, limit: number, epoch: number];
+type AcquireReply = [
+  granted: number,
+  fenceOrWaitMs: number,
+  used: number,
+  limit: number,
+  epoch: number,
+  woken: string,
+];
 
 /** Settings that make a permit stage a semaphore, a bounded queue or an AIMD limiter. */
 export interface PermitSettings {
@@ -137,9 +144,20 @@ export abstract class RedisPermitStage extends BaseStage {
   #forget(id: string): void {
     this.link
       .run(this.name, "semaphore-release", this.keys, [this.link.now(), id, this.#limitArg(), this.channel])
-      .catch((error) =>
-        this.log.warn({ err: error, id }, "could not give back an abandoned lease; it expires"),
+      .then(
+        (reply) => this.wake(reply[3]),
+        (error) => this.log.warn({ err: error, id }, "could not give back an abandoned lease; it expires"),
       );
+  }
+
+  /**
+   * A script told waiter `id` to ask again. When it waits in this process, ask now rather than
+   * when the pub/sub message arrives (which then finds nothing to do).
+   */
+  protected wake(id: unknown): void {
+    if (typeof id !== "string" || id === "") return;
+    const w = this.#byId.get(id);
+    if (w) this.#attempt(w);
   }
 
   #lease(ticket: BaseTicket, reply: AcquireReply, id: string): Ticket {
@@ -204,6 +222,7 @@ export abstract class RedisPermitStage extends BaseStage {
       this.#forget(id);
       throw this.closedSignal.reason;
     }
+    this.wake(reply[5]);
     return this.#lease(this.issue(cost, "", this.clock.now(), this.waitFor), reply, id);
   }
 
@@ -237,13 +256,16 @@ export abstract class RedisPermitStage extends BaseStage {
         if (!w.list) {
           // Aborted, timed out or closed while the call was out: give back what it got.
           if (granted) this.#forget(w.id);
+          this.wake(reply[5]);
           return;
         }
         if (granted) {
           this.#byId.delete(w.id);
           this.#lease(this.grant(w, this.waitFor), reply, w.id);
+          this.wake(reply[5]);
           return;
         }
+        this.wake(reply[5]);
         if (w.again) return this.#attempt(w);
         if (!this.#listening) {
           this.#listen().then(
@@ -378,6 +400,7 @@ export abstract class RedisPermitStage extends BaseStage {
       this.#limitArg(),
       this.channel,
     ]);
+    this.wake(reply[3]);
     return Number(reply[0]) === 1;
   }
 
