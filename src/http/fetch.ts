@@ -1,4 +1,4 @@
-import { InvalidOptionsError } from "../errors.js";
+import { InvalidOptionsError, isFloodgateError } from "../errors.js";
 import type { Gate, Settled } from "../gate.js";
 import type { Outcome } from "../types.js";
 import { type HeadersLike, parseRetryAfter } from "./retry-after.js";
@@ -131,7 +131,8 @@ function checkCall(call: unknown): FetchCallOptions | false {
   if (typeof call !== "object" || call === null || Array.isArray(call)) {
     fail("floodgate", `init.floodgate must be an object or false (got ${show(call)})`);
   }
-  for (const k of Object.keys(call)) if (!CALL_KEYS.has(k)) fail(`floodgate.${k}`, `unknown option "floodgate.${k}"`);
+  for (const k of Object.keys(call))
+    if (!CALL_KEYS.has(k)) fail(`floodgate.${k}`, `unknown option "floodgate.${k}"`);
   const c = call as FetchCallOptions;
   for (const k of ["key", "host"] as const) {
     const v = c[k];
@@ -154,7 +155,8 @@ function urlOf(input: unknown): URL {
 
 /** The signal that cancels a call: `init.signal`, else a `Request`'s own. */
 function signalOf(input: unknown, init: Record<string, unknown> | undefined): AbortSignal | undefined {
-  const s = init?.signal ?? (typeof input === "object" && input !== null ? (input as Request).signal : undefined);
+  const s =
+    init?.signal ?? (typeof input === "object" && input !== null ? (input as Request).signal : undefined);
   return s instanceof AbortSignal ? s : undefined;
 }
 
@@ -171,8 +173,8 @@ function codeOf(error: unknown): string | undefined {
 /**
  * The outcome of a fetch call that threw. A timeout (`TimeoutError`, a timeout code) and a
  * network failure (an error carrying a `cause` or a system `code`: refused, reset) are
- * `dropped`. The caller's abort, a name that did not resolve and other errors (a bug) are
- * `ignored`.
+ * `dropped`. The caller's abort, a floodgate error from a gate further in, a name that did not
+ * resolve and other errors (a bug) are `ignored`.
  */
 function errorOutcome(error: unknown, signal: AbortSignal | undefined): Outcome {
   if (typeof error !== "object" || error === null) return "ignored";
@@ -180,6 +182,8 @@ function errorOutcome(error: unknown, signal: AbortSignal | undefined): Outcome 
   const code = codeOf(error);
   if (name === "TimeoutError" || (code !== undefined && TIMEOUT_CODES.has(code))) return "dropped";
   if (name === "AbortError" || (signal?.aborted && error === signal.reason)) return "ignored";
+  // A gate further in (a nested wrapped fetch) refused the call: that says nothing about the server.
+  if (isFloodgateError(error)) return "ignored";
   if (code !== undefined) return DNS_CODES.has(code) ? "ignored" : "dropped";
   return cause !== undefined ? "dropped" : "ignored";
 }
@@ -203,8 +207,8 @@ function classify(settled: Settled<ResponseLike>, signal: AbortSignal | undefine
  *   nothing held, and is passed to `fetchImpl` as usual, so it aborts the call in flight too.
  *   Either way the call rejects with `signal.reason` unchanged.
  * - Outcomes: 429 and 503 responses, timeouts and network failures (refused, reset) release as
- *   `dropped`; other responses as `success`; an abort, a name that did not resolve and any other
- *   error as `ignored`.
+ *   `dropped`; other responses as `success`; an abort, a refusal by a gate further in, a name
+ *   that did not resolve and any other error as `ignored`.
  * - Retry-After: a response carrying `retry-after` (seconds or HTTP date) or `retry-after-ms`
  *   pauses its host on every interval gate of `gate` (`gate.pause(host, ms)`, at most
  *   `maxPauseMs`) before the response is returned. A pause that fails (Redis unreachable) does
@@ -253,7 +257,10 @@ export function wrapFetch<F extends FetchLike = typeof globalThis.fetch>(
     return gate.run(
       async () => {
         const response = await send();
-        const ms = maxPauseMs > 0 && host ? parseRetryAfter(response.headers, wallNow ? wallNow() : Date.now()) : undefined;
+        const ms =
+          maxPauseMs > 0 && host
+            ? parseRetryAfter(response.headers, wallNow ? wallNow() : Date.now())
+            : undefined;
         if (ms !== undefined && ms > 0) {
           try {
             await gate.pause(host!, Math.min(ms, maxPauseMs));

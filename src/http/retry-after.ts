@@ -51,16 +51,39 @@ function headerValues(headers: HeadersLike, name: string): string[] {
 /** The fields of an HTTP date in any of the three forms RFC 9110 accepts. */
 function dateFields(text: string, now: number): number[] | undefined {
   let m = IMF_FIXDATE.exec(text);
-  if (m) return [Number(m[3]), MONTHS.indexOf(m[2]!.toLowerCase()), Number(m[1]), Number(m[4]), Number(m[5]), Number(m[6])];
+  if (m)
+    return [
+      Number(m[3]),
+      MONTHS.indexOf(m[2]!.toLowerCase()),
+      Number(m[1]),
+      Number(m[4]),
+      Number(m[5]),
+      Number(m[6]),
+    ];
   m = RFC_850.exec(text);
   if (m) {
     // A two-digit year more than 50 years in the future means the past century (RFC 9110 §5.6.7).
     let year = 2000 + Number(m[3]);
     if (year > new Date(now).getUTCFullYear() + 50) year -= 100;
-    return [year, MONTHS.indexOf(m[2]!.toLowerCase()), Number(m[1]), Number(m[4]), Number(m[5]), Number(m[6])];
+    return [
+      year,
+      MONTHS.indexOf(m[2]!.toLowerCase()),
+      Number(m[1]),
+      Number(m[4]),
+      Number(m[5]),
+      Number(m[6]),
+    ];
   }
   m = ASCTIME.exec(text);
-  if (m) return [Number(m[6]), MONTHS.indexOf(m[1]!.toLowerCase()), Number(m[2]), Number(m[3]), Number(m[4]), Number(m[5])];
+  if (m)
+    return [
+      Number(m[6]),
+      MONTHS.indexOf(m[1]!.toLowerCase()),
+      Number(m[2]),
+      Number(m[3]),
+      Number(m[4]),
+      Number(m[5]),
+    ];
   return undefined;
 }
 
@@ -96,7 +119,10 @@ function finiteCeil(ms: number): number | undefined {
  * The first value of a header that `parse` accepts. A header repeated and joined with ", " (as
  * `Headers.get` joins them) is split again; an HTTP date's own comma is put back.
  */
-function firstParsed(values: readonly string[], parse: (text: string) => number | undefined): number | undefined {
+function firstParsed(
+  values: readonly string[],
+  parse: (text: string) => number | undefined,
+): number | undefined {
   for (const raw of values) {
     const whole = parse(raw.trim());
     if (whole !== undefined) return whole;
@@ -133,7 +159,10 @@ function firstParsed(values: readonly string[], parse: (text: string) => number 
  * @param now wall-clock time in epoch milliseconds, used only for the HTTP-date form.
  *   @default `Date.now()`, read at each call
  */
-export function parseRetryAfter(headers: HeadersLike | null | undefined, now: number = Date.now()): number | undefined {
+export function parseRetryAfter(
+  headers: HeadersLike | null | undefined,
+  now: number = Date.now(),
+): number | undefined {
   if (headers === null || typeof headers !== "object") return undefined;
   const ms = firstParsed(headerValues(headers, "retry-after-ms"), retryAfterMsValue);
   if (ms !== undefined) return ms;

@@ -1,6 +1,6 @@
 import type { Duplex } from "node:stream";
 import type { Dispatcher } from "undici";
-import { InvalidOptionsError } from "../errors.js";
+import { InvalidOptionsError, isFloodgateError } from "../errors.js";
 import type { Gate } from "../gate.js";
 import type { AdmitOptions, Outcome, Ticket } from "../types.js";
 import { type HeadersLike, parseRetryAfter } from "./retry-after.js";
@@ -115,7 +115,8 @@ function checkCall(call: unknown): DispatchCallOptions | false {
   if (typeof call !== "object" || call === null || Array.isArray(call)) {
     fail("floodgate", `opts.floodgate must be an object or false (got ${show(call)})`);
   }
-  for (const k of Object.keys(call)) if (!CALL_KEYS.has(k)) fail(`floodgate.${k}`, `unknown option "floodgate.${k}"`);
+  for (const k of Object.keys(call))
+    if (!CALL_KEYS.has(k)) fail(`floodgate.${k}`, `unknown option "floodgate.${k}"`);
   const c = call as DispatchCallOptions;
   for (const k of ["key", "host"] as const) {
     const v = c[k];
@@ -143,24 +144,28 @@ function statusOutcome(status: number): Outcome {
 }
 
 /**
- * The outcome of a request that ended in an error. An abort is `ignored`; a 429/503 already seen
- * stays `dropped`; timeouts and network failures (refused, reset, socket errors) are `dropped`;
- * a name that did not resolve is `ignored`; an error after any other response (a handler further
- * out failing) keeps that response's `success`; anything else is `ignored`.
+ * The outcome of a request that ended in an error. An abort or a floodgate error (a gate further
+ * in refused it) is `ignored`; a 429/503 already seen stays `dropped`; timeouts and network
+ * failures (refused, reset, socket errors) are `dropped`; a name that did not resolve is
+ * `ignored`; an error after any other response (a handler further out failing) keeps that
+ * response's `success`; anything else is `ignored`.
  */
 function errorOutcome(error: unknown, status: number, aborted: boolean): Outcome {
   const { name, code } = (typeof error === "object" && error !== null ? error : {}) as {
     name?: unknown;
     code?: unknown;
   };
-  if (aborted || name === "AbortError" || (typeof code === "string" && ABORT_CODES.has(code))) return "ignored";
+  const codeText = typeof code === "string" ? code : "";
+  if (aborted || name === "AbortError" || ABORT_CODES.has(codeText)) return "ignored";
+  // A gate further in refused the request: that says nothing about the server.
+  if (isFloodgateError(error)) return status >= 200 ? statusOutcome(status) : "ignored";
   if (status >= 200 && statusOutcome(status) === "dropped") return "dropped";
-  if (name === "TimeoutError") return "dropped";
-  if (typeof code === "string") {
-    if (DNS_CODES.has(code)) return "ignored";
-    // undici's own errors (UND_ERR_*) are dropped only for timeouts and socket failures.
-    if (!code.startsWith("UND_ERR_") || code.endsWith("_TIMEOUT") || code === "UND_ERR_SOCKET") return "dropped";
-  }
+  if (name === "TimeoutError" || codeText.endsWith("_TIMEOUT") || codeText === "ETIMEDOUT") return "dropped";
+  if (DNS_CODES.has(codeText)) return "ignored";
+  // A system error (refused, reset, broken pipe) or undici's socket error: the server failed us.
+  // undici's other errors (UND_ERR_*) are about the request itself.
+  const systemError = codeText !== "" && !codeText.startsWith("UND_ERR_");
+  if (systemError || codeText === "UND_ERR_SOCKET") return "dropped";
   return status >= 200 ? "success" : "ignored";
 }
 
@@ -225,7 +230,12 @@ class GateHandler implements Handler {
     this.#handler.onRequestUpgrade?.(controller, statusCode, headers, socket);
   }
 
-  onResponseStart(controller: Controller, statusCode: number, headers: Headers, statusMessage?: string): void {
+  onResponseStart(
+    controller: Controller,
+    statusCode: number,
+    headers: Headers,
+    statusMessage?: string,
+  ): void {
     this.#call.response(statusCode, headers);
     this.#handler.onResponseStart?.(controller, statusCode, headers, statusMessage);
   }
@@ -275,11 +285,17 @@ class LegacyGateHandler implements Handler {
   }
 
   onConnect(abort: (err?: Error) => void, context?: unknown): void {
-    const onConnect = this.#handler.onConnect as ((abort: (err?: Error) => void, context?: unknown) => void) | undefined;
-    onConnect?.call(this.#handler, (err?: Error) => {
-      this.#aborted = true;
-      abort(err);
-    }, context);
+    const onConnect = this.#handler.onConnect as
+      | ((abort: (err?: Error) => void, context?: unknown) => void)
+      | undefined;
+    onConnect?.call(
+      this.#handler,
+      (err?: Error) => {
+        this.#aborted = true;
+        abort(err);
+      },
+      context,
+    );
   }
 
   onResponseStarted(): void {
@@ -348,7 +364,12 @@ function waitSignal(signal: unknown): { signal: AbortSignal | undefined; stop: (
   if (signal === null || signal === undefined) return { signal: undefined, stop: noop };
   if (signal instanceof AbortSignal) return { signal, stop: noop };
   // undici also accepts an EventEmitter that emits "abort".
-  const emitter = signal as { aborted?: unknown; reason?: unknown; once?: Function; removeListener?: Function };
+  const emitter = signal as {
+    aborted?: unknown;
+    reason?: unknown;
+    once?: Function;
+    removeListener?: Function;
+  };
   if (typeof emitter.once !== "function") return { signal: undefined, stop: noop };
   const controller = new AbortController();
   const reason = () => emitter.reason ?? new DOMException("This operation was aborted", "AbortError");
@@ -410,70 +431,79 @@ export function floodgateInterceptor(
   const maxPauseMs = o.maxPauseMs ?? DEFAULT_MAX_PAUSE_MS;
   const now = o.now;
 
-  return (dispatch) =>
-    function floodgateInterceptor(opts: Dispatcher.DispatchOptions, handler: Handler): boolean {
-      const { floodgate: raw, ...rest } = opts as FloodgateDispatchOptions;
-      let call: DispatchCallOptions | false;
-      try {
-        call = checkCall(raw);
-      } catch (error) {
-        refuse(handler, error, false);
-        return true;
-      }
-      if (call === false) return dispatch(rest, handler);
-
-      const host = call.host ?? hostOf(rest.origin);
-      const key = call.key ?? keyOf?.(rest) ?? host;
-      const wait = waitSignal(rest.signal);
-      const admit: AdmitOptions = {
-        key,
-        host,
-        cost: call.cost,
-        costs: call.costs,
-        timeoutMs: call.timeoutMs ?? defaultTimeoutMs,
-        signal: wait.signal,
-      };
-
-      const refused = (error: unknown) => {
-        wait.stop();
-        refuse(handler, error, wait.signal?.aborted === true && error === wait.signal.reason);
-      };
-      const admitted = (ticket: Ticket) => {
-        wait.stop();
-        if (wait.signal?.aborted) {
-          // Admitted just after the abort: give the ticket back as if never taken.
-          ticket.refund().catch(noop);
-          refuse(handler, wait.signal.reason, true);
-          return;
-        }
-        const state = new Admitted(ticket, gate, host, maxPauseMs, now);
-        const wrapped =
-          typeof handler.onRequestStart === "function"
-            ? new GateHandler(handler, state)
-            : new LegacyGateHandler(handler, state);
+  return (dispatch) => {
+    // A method keeps its name through every transform; a function expression named like the
+    // exported factory it shadows is renamed by some (esbuild makes it `floodgateInterceptor2`).
+    const named = {
+      floodgateInterceptor(opts: Dispatcher.DispatchOptions, handler: Handler): boolean {
+        const { floodgate: raw, ...rest } = opts as FloodgateDispatchOptions;
+        let call: DispatchCallOptions | false;
+        let host: string | undefined;
+        let key: string | undefined;
         try {
-          dispatch(rest, wrapped);
+          call = checkCall(raw);
+          if (call !== false) {
+            host = call.host ?? hostOf(rest.origin);
+            key = call.key ?? keyOf?.(rest) ?? host;
+          }
         } catch (error) {
-          // A dispatcher that throws instead of calling the error callback.
-          if (state.released) throw error;
-          state.release("ignored");
           refuse(handler, error, false);
+          return true;
         }
-      };
+        if (call === false) return dispatch(rest, handler);
+        const wait = waitSignal(rest.signal);
+        const admit: AdmitOptions = {
+          key,
+          host,
+          cost: call.cost,
+          costs: call.costs,
+          timeoutMs: call.timeoutMs ?? defaultTimeoutMs,
+          signal: wait.signal,
+        };
 
-      let pending: Promise<Ticket>;
-      try {
-        pending = gate.admit(admit);
-      } catch (error) {
-        refused(error);
-        return true;
-      }
-      pending.then(admitted, refused).catch((error) => {
-        // The handler's own callback threw; nothing is held, so surface it as undici would.
-        queueMicrotask(() => {
-          throw error;
+        const refused = (error: unknown) => {
+          wait.stop();
+          refuse(handler, error, wait.signal?.aborted === true && error === wait.signal.reason);
+        };
+        const admitted = (ticket: Ticket) => {
+          wait.stop();
+          if (wait.signal?.aborted) {
+            // Admitted just after the abort: give the ticket back as if never taken.
+            ticket.refund().catch(noop);
+            refuse(handler, wait.signal.reason, true);
+            return;
+          }
+          const state = new Admitted(ticket, gate, host, maxPauseMs, now);
+          const wrapped =
+            typeof handler.onRequestStart === "function"
+              ? new GateHandler(handler, state)
+              : new LegacyGateHandler(handler, state);
+          try {
+            dispatch(rest, wrapped);
+          } catch (error) {
+            // A dispatcher that throws instead of calling the error callback.
+            if (state.released) throw error;
+            state.release("ignored");
+            refuse(handler, error, false);
+          }
+        };
+
+        let pending: Promise<Ticket>;
+        try {
+          pending = gate.admit(admit);
+        } catch (error) {
+          refused(error);
+          return true;
+        }
+        pending.then(admitted, refused).catch((error) => {
+          // The handler's own callback threw; nothing is held, so surface it as undici would.
+          queueMicrotask(() => {
+            throw error;
+          });
         });
-      });
-      return true;
+        return true;
+      },
     };
+    return named.floodgateInterceptor;
+  };
 }
