@@ -9,8 +9,33 @@ export interface StageOptions {
   logger?: Logger;
 }
 
+/**
+ * What a Redis stage does when Redis cannot be reached (in memory there is nothing to fail, and
+ * these are accepted and ignored, so one set of options serves both backends).
+ */
+export interface BackendErrorOptions {
+  /**
+   * - `fail-closed`: the call is not admitted; `admit` rejects with `BackendUnavailableError`
+   *   carrying the cause. The global cap is never exceeded.
+   * - `fail-open`: the call is admitted with no limit at all until Redis answers again.
+   * - `local`: the call goes through an in-memory stage holding `localShare` of the limits. Each
+   *   process then enforces its share on its own: the fleet-wide cap holds only if the shares of
+   *   the running processes add up to at most 1.
+   *
+   * After a failure the stage stays on its fallback for a second, then tries Redis again; every
+   * switch is logged. @default "fail-closed" (or the backend's)
+   */
+  onBackendError?: "fail-closed" | "fail-open" | "local";
+  /**
+   * This process's share of the limits for `onBackendError: "local"`: limit, capacity, refill and
+   * queue size are multiplied by it (at least 1 permit), interval spacing divided by it.
+   * In (0, 1]. @default 1
+   */
+  localShare?: number;
+}
+
 /** `backend.semaphore(name, options)`: at most `limit` permits held at once. */
-export interface SemaphoreOptions extends StageOptions {
+export interface SemaphoreOptions extends StageOptions, BackendErrorOptions {
   /** Permits. A call of cost `c` holds `c` of them. An integer in [1, 2^31). */
   limit: number;
   /**
@@ -33,7 +58,7 @@ export interface PenaltyOptions {
 }
 
 /** `backend.tokenBucket(name, options)`: a sustained rate per key with bursts up to `capacity`. */
-export interface TokenBucketOptions extends StageOptions {
+export interface TokenBucketOptions extends StageOptions, BackendErrorOptions {
   /** Most tokens a key can hold: the largest burst and the largest single cost. An integer >= 1. */
   capacity: number;
   /** Tokens added per second, per key. A finite number > 0 (fractions allowed: 0.5 is one per 2 s). */
@@ -48,7 +73,7 @@ export interface TokenBucketOptions extends StageOptions {
 }
 
 /** `backend.queue(name, options)`: at most `maxSize` jobs waiting; then block or shed. */
-export interface QueueOptions extends StageOptions {
+export interface QueueOptions extends StageOptions, BackendErrorOptions {
   /** Jobs that may wait at once. An integer >= 1. */
   maxSize: number;
   /**
@@ -60,7 +85,7 @@ export interface QueueOptions extends StageOptions {
 }
 
 /** `backend.intervalGate(name, options)`: a minimum spacing between calls to each host. */
-export interface IntervalGateOptions extends StageOptions {
+export interface IntervalGateOptions extends StageOptions, BackendErrorOptions {
   /** Least milliseconds between the starts of two calls to one host. A finite number >= 0. */
   minIntervalMs: number;
   /**
@@ -73,7 +98,7 @@ export interface IntervalGateOptions extends StageOptions {
 }
 
 /** `backend.aimd(name, options)`: a semaphore whose limit adapts to the outcomes it sees. */
-export interface AimdOptions extends StageOptions {
+export interface AimdOptions extends StageOptions, BackendErrorOptions {
   /** Limit to start at. An integer in [min, max]. */
   initial: number;
   /** Lowest limit. An integer >= 1. @default 1 */

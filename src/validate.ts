@@ -29,8 +29,21 @@ const stage = {
   logger: logger.optional(),
 };
 
-export const semaphoreSchema = z.strictObject({
+const onBackendError = z.enum(["fail-closed", "fail-open", "local"], {
+  error: 'must be "fail-closed", "fail-open" or "local"',
+});
+
+/** Options of a stage: what every stage takes plus what to do when its backend fails. */
+const stageWithPolicy = {
   ...stage,
+  onBackendError: onBackendError.optional(),
+  localShare: finite("must be a number in (0, 1]")
+    .refine((v) => v > 0 && v <= 1, { error: "must be a number in (0, 1]" })
+    .optional(),
+};
+
+export const semaphoreSchema = z.strictObject({
+  ...stageWithPolicy,
   limit: int(1),
   leaseMs: int(100).optional(),
 });
@@ -47,7 +60,7 @@ export const penaltySchema = z.strictObject({
 
 export const tokenBucketSchema = z
   .strictObject({
-    ...stage,
+    ...stageWithPolicy,
     capacity: int(1),
     refillPerSecond: finite("must be a finite number > 0").refine((v) => v > 0, {
       error: "must be a finite number > 0",
@@ -61,13 +74,13 @@ export const tokenBucketSchema = z
   });
 
 export const queueSchema = z.strictObject({
-  ...stage,
+  ...stageWithPolicy,
   maxSize: int(1),
   whenFull: z.enum(["block", "shed"], { error: 'must be "block" or "shed"' }).optional(),
 });
 
 export const intervalGateSchema = z.strictObject({
-  ...stage,
+  ...stageWithPolicy,
   minIntervalMs: finite("must be a finite number >= 0").refine((v) => v >= 0, {
     error: "must be a finite number >= 0",
   }),
@@ -79,7 +92,7 @@ export const intervalGateSchema = z.strictObject({
 
 export const aimdSchema = z
   .strictObject({
-    ...stage,
+    ...stageWithPolicy,
     initial: int(1),
     min: int(1).optional(),
     max: int(1),
@@ -116,6 +129,7 @@ export const redisBackendSchema = z.strictObject({
   time: z.enum(["server", "clock"], { error: 'must be "server" or "clock"' }).optional(),
   commandTimeoutMs: int(1).optional(),
   pollMs: int(10).optional(),
+  onBackendError: onBackendError.optional(),
   random: random.optional(),
   subscriber: z
     .custom<any>(

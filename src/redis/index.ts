@@ -3,17 +3,16 @@ import { StageRegistry } from "../base/registry.js";
 import { type Clock, systemClock } from "../clock.js";
 import { InvalidOptionsError } from "../errors.js";
 import { stageLogger } from "../logger.js";
-import type {
-  AimdOptions,
-  IntervalGateOptions,
-  QueueOptions,
-  SemaphoreOptions,
-  StageOptions,
-  TokenBucketOptions,
-} from "../options.js";
-import type { Backend, Logger } from "../types.js";
+import { MemoryAimd } from "../memory/aimd.js";
+import { MemoryIntervalGate } from "../memory/interval-gate.js";
+import { MemoryQueue } from "../memory/queue.js";
+import { MemorySemaphore } from "../memory/semaphore.js";
+import { MemoryTokenBucket } from "../memory/token-bucket.js";
+import type { BackendErrorOptions, StageOptions, TokenBucketOptions } from "../options.js";
+import type { Backend, IntervalGateStage, Logger, Stage } from "../types.js";
 import { parseOptions, redisBackendSchema } from "../validate.js";
 import { RedisAimd } from "./aimd.js";
+import { FallbackStage } from "./fallback.js";
 import { RedisIntervalGate } from "./interval-gate.js";
 import { type RedisClientLike, RedisLink } from "./link.js";
 import { RedisQueue } from "./queue.js";
@@ -23,7 +22,7 @@ import { RedisTokenBucket } from "./token-bucket.js";
 export { stageKey } from "./keys.js";
 export { commandName, SCRIPTS, type ScriptName, scriptSha, scriptSource } from "./scripts.js";
 export type { LeaseTicket } from "./semaphore.js";
-export { RedisAimd, RedisIntervalGate, RedisQueue, RedisSemaphore, RedisTokenBucket };
+export { FallbackStage, RedisAimd, RedisIntervalGate, RedisQueue, RedisSemaphore, RedisTokenBucket };
 
 /** Options for `redis(client, options)`. */
 export interface RedisBackendOptions extends StageOptions {
@@ -47,6 +46,8 @@ export interface RedisBackendOptions extends StageOptions {
   pollMs?: number;
   /** Randomness for jitter. @default Math.random */
   random?: () => number;
+  /** Default `onBackendError` of every stage this backend builds. @default "fail-closed" */
+  onBackendError?: "fail-closed" | "fail-open" | "local";
   /**
    * A connection for the pub/sub wake-ups, which need one of their own. You own it: `close()`
    * leaves it open. @default `client.duplicate()`, made on first need and closed by `close()`
@@ -57,12 +58,10 @@ export interface RedisBackendOptions extends StageOptions {
 /** The Redis backend: every stage it builds is shared by all processes using the same Redis and prefix. */
 export interface RedisBackend extends Backend {
   readonly kind: "redis";
-  semaphore(name: string, options: SemaphoreOptions): RedisSemaphore;
-  queue(name: string, options: QueueOptions): RedisQueue;
-  aimd(name: string, options: AimdOptions): RedisAimd;
-  tokenBucket(name: string, options: TokenBucketOptions): RedisTokenBucket;
-  intervalGate(name: string, options: IntervalGateOptions): RedisIntervalGate;
 }
+
+/** At least one of anything countable. */
+const share = (n: number, by: number) => Math.max(1, Math.floor(n * by));
 
 /**
  * The Redis backend. Pass an ioredis `Redis` or `Cluster` client; create it with
@@ -105,16 +104,72 @@ export function redis(client: Redis | Cluster, options: RedisBackendOptions = {}
     pollMs: o.pollMs ?? 1000,
   });
 
+  /**
+   * The stage itself under `fail-closed`; else the stage behind a `FallbackStage` whose local
+   * stage (for `local`) is an in-memory one holding this process's share of the limits.
+   */
+  function withPolicy<O extends StageOptions & BackendErrorOptions>(
+    stage: Stage,
+    options: O,
+    localStage: (share: number, options: O) => Stage,
+  ): Stage {
+    const policy = options.onBackendError ?? o.onBackendError ?? "fail-closed";
+    if (policy === "fail-closed") return stage;
+    const { onBackendError: _policy, localShare: _share, ...rest } = options;
+    const localOptions = { ...rest, clock: options.clock ?? clock, logger: options.logger ?? logger } as O;
+    const local = policy === "local" ? localStage(options.localShare ?? 1, localOptions) : undefined;
+    const log = stageLogger(options.logger ?? logger, stage.name, stage.kind, "redis");
+    return new FallbackStage(stage, policy, local, options.clock ?? clock, log);
+  }
+
   return {
     kind: "redis",
     semaphore: (name, opts) =>
-      registry.build("semaphore", name, opts, () => new RedisSemaphore(name, opts, ctx(opts))),
-    queue: (name, opts) => registry.build("queue", name, opts, () => new RedisQueue(name, opts, ctx(opts))),
-    aimd: (name, opts) => registry.build("aimd", name, opts, () => new RedisAimd(name, opts, ctx(opts))),
+      registry.build("semaphore", name, opts, () =>
+        withPolicy(new RedisSemaphore(name, opts, ctx(opts)), opts, (k, local) => {
+          return new MemorySemaphore(name, { ...local, limit: share(opts.limit, k) }, local.clock!);
+        }),
+      ),
+    queue: (name, opts) =>
+      registry.build("queue", name, opts, () =>
+        withPolicy(new RedisQueue(name, opts, ctx(opts)), opts, (k, local) => {
+          return new MemoryQueue(name, { ...local, maxSize: share(opts.maxSize, k) }, local.clock!);
+        }),
+      ),
+    aimd: (name, opts) =>
+      registry.build("aimd", name, opts, () =>
+        withPolicy(new RedisAimd(name, opts, ctx(opts)), opts, (k, local) => {
+          const max = share(opts.max, k);
+          const min = Math.min(opts.min ?? 1, max);
+          const initial = Math.min(max, Math.max(min, share(opts.initial, k)));
+          return new MemoryAimd(name, { ...local, initial, min, max }, local.clock!);
+        }),
+      ),
     tokenBucket: (name, opts) =>
-      registry.build("tokenBucket", name, opts, () => new RedisTokenBucket(name, opts, ctx(opts))),
+      registry.build("tokenBucket", name, opts, () =>
+        withPolicy(new RedisTokenBucket(name, opts, ctx(opts)), opts, (k, local) => {
+          const capacity = share(opts.capacity, k);
+          const scaled: TokenBucketOptions = {
+            ...local,
+            capacity,
+            refillPerSecond: opts.refillPerSecond * k,
+          };
+          if (opts.initialTokens !== undefined)
+            scaled.initialTokens = Math.min(capacity, Math.floor(opts.initialTokens * k));
+          return new MemoryTokenBucket(name, scaled, local.clock!);
+        }),
+      ),
     intervalGate: (name, opts) =>
-      registry.build("intervalGate", name, opts, () => new RedisIntervalGate(name, opts, ctx(opts))),
+      registry.build(
+        "intervalGate",
+        name,
+        opts,
+        () =>
+          withPolicy(new RedisIntervalGate(name, opts, ctx(opts)), opts, (k, local) => {
+            const spaced = { ...local, minIntervalMs: opts.minIntervalMs / k };
+            return new MemoryIntervalGate(name, spaced, local.clock!, o.random ?? Math.random);
+          }) as IntervalGateStage,
+      ),
     async close() {
       await registry.close();
       await link.close();

@@ -80,9 +80,12 @@ export class RedisLink {
   ): Promise<any> {
     const client = this.client as unknown as Record<string, (...a: unknown[]) => Promise<unknown>>;
     if (this.client.status !== "ready") {
-      return Promise.reject(
-        new BackendUnavailableError(stage, `Redis is not connected (status "${this.client.status}")`),
+      const error = new BackendUnavailableError(
+        stage,
+        `Redis is not connected (status "${this.client.status}")`,
       );
+      unsent.add(error);
+      return Promise.reject(error);
     }
     return new Promise((resolve, reject) => {
       let done = false;
@@ -161,6 +164,14 @@ export class RedisLink {
       sub.connection.disconnect();
     }
   }
+}
+
+/** Errors of calls that never left this process. */
+const unsent = new WeakSet<object>();
+
+/** False when the call failed before it was sent, so Redis cannot have acted on it. */
+export function maybeSent(error: unknown): boolean {
+  return !(typeof error === "object" && error !== null && unsent.has(error));
 }
 
 function message(error: unknown): string {

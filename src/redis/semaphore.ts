@@ -16,7 +16,7 @@ import type {
 } from "../types.js";
 import { parseOptions, semaphoreSchema } from "../validate.js";
 import { stageKey } from "./keys.js";
-import type { RedisLink } from "./link.js";
+import { maybeSent, type RedisLink } from "./link.js";
 
 /** What a Redis stage needs from its backend. */
 export interface RedisContext {
@@ -213,7 +213,7 @@ export abstract class RedisPermitStage extends BaseStage {
     try {
       reply = await this.#acquire(id, cost, "try");
     } catch (error) {
-      if (isFloodgateError(error, "BACKEND_UNAVAILABLE")) this.#forget(id);
+      if (isFloodgateError(error, "BACKEND_UNAVAILABLE") && maybeSent(error)) this.#forget(id);
       throw error;
     }
     this.limit = Number(reply[3]);
@@ -280,7 +280,7 @@ export abstract class RedisPermitStage extends BaseStage {
         w.busy = false;
         this.#byId.delete(w.id);
         if (!w.list) return;
-        this.#forget(w.id);
+        if (maybeSent(error)) this.#forget(w.id);
         this.log.warn({ err: error }, "Redis unavailable; admission failed closed");
         this.failWaiter(w, error);
       },

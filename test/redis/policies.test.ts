@@ -1,0 +1,150 @@
+import { Writable } from "node:stream";
+import { BackendUnavailableError, isFloodgateError } from "floodgate";
+import { redis } from "floodgate/redis";
+import { FakeClock } from "floodgate/testing";
+import { Redis } from "ioredis";
+import { pino } from "pino";
+import { afterEach, describe, expect, it } from "vitest";
+import { testClient } from "../contract/backends.js";
+import { freePort } from "../setup/redis-server.js";
+
+/** A client for a port nothing listens on: never ready, every call fails closed at once. */
+async function deadClient(): Promise<Redis> {
+  return new Redis(await freePort(), "127.0.0.1", {
+    lazyConnect: true,
+    enableOfflineQueue: false,
+    maxRetriesPerRequest: 0,
+  });
+}
+
+function capture() {
+  const lines: Record<string, unknown>[] = [];
+  const stream = new Writable({
+    write(chunk, _enc, done) {
+      lines.push(JSON.parse(String(chunk)));
+      done();
+    },
+  });
+  return { lines, logger: pino({ level: "warn" }, stream) };
+}
+
+describe("when Redis cannot be reached", () => {
+  const clients: Redis[] = [];
+  afterEach(async () => {
+    for (const c of clients.splice(0)) c.disconnect();
+  });
+
+  it("fails closed by default with BackendUnavailableError", async () => {
+    const client = await deadClient();
+    clients.push(client);
+    const sem = redis(client, { clock: new FakeClock() }).semaphore("closed", { limit: 2 });
+    const error = await sem.admit().catch((e) => e);
+    expect(error).toBeInstanceOf(BackendUnavailableError);
+    expect(isFloodgateError(error, "BACKEND_UNAVAILABLE")).toBe(true);
+    expect(error.stage).toBe("closed");
+    expect(sem.snapshot()).toMatchObject({ inFlight: 0, waiting: 0 });
+  });
+
+  it("fails closed for every kind of stage", async () => {
+    const client = await deadClient();
+    clients.push(client);
+    const b = redis(client, { clock: new FakeClock() });
+    const stages = [
+      b.semaphore("s", { limit: 1 }),
+      b.queue("q", { maxSize: 1 }),
+      b.aimd("a", { initial: 1, max: 2 }),
+      b.tokenBucket("t", { capacity: 1, refillPerSecond: 1 }),
+      b.intervalGate("i", { minIntervalMs: 10 }),
+    ];
+    for (const stage of stages) {
+      await expect(stage.admit()).rejects.toBeInstanceOf(BackendUnavailableError);
+      await expect(stage.tryAdmit()).rejects.toBeInstanceOf(BackendUnavailableError);
+    }
+  });
+
+  it("lets calls through with fail-open, and logs the switch", async () => {
+    const client = await deadClient();
+    clients.push(client);
+    const { lines, logger } = capture();
+    const sem = redis(client, { clock: new FakeClock(), logger }).semaphore("open", {
+      limit: 1,
+      onBackendError: "fail-open",
+    });
+    const tickets = await Promise.all([sem.admit(), sem.admit(), sem.admit()]);
+    expect(tickets).toHaveLength(3);
+    for (const t of tickets) await t.release("success");
+    expect(sem.snapshot().admitted).toBe(3);
+    await new Promise((r) => setImmediate(r));
+    expect(lines.filter((l) => l.msg === "Redis unavailable; switching to fallback")).toHaveLength(1);
+  });
+
+  it("holds this process to its share of the limit with local", async () => {
+    const client = await deadClient();
+    clients.push(client);
+    const clock = new FakeClock();
+    const sem = redis(client, { clock }).semaphore("local", {
+      limit: 4,
+      onBackendError: "local",
+      localShare: 0.5,
+    });
+    const a = await sem.admit();
+    const b = await sem.admit();
+    let third = false;
+    const c = sem.admit().then((t) => {
+      third = true;
+      return t;
+    });
+    await clock.flush();
+    expect(third).toBe(false);
+    await a.release("success");
+    await c;
+    expect(third).toBe(true);
+    await b.release();
+  });
+
+  it("takes a backend-wide default policy", async () => {
+    const client = await deadClient();
+    clients.push(client);
+    const bucket = redis(client, { clock: new FakeClock(), onBackendError: "fail-open" }).tokenBucket("b", {
+      capacity: 1,
+      refillPerSecond: 1,
+    });
+    await bucket.admit();
+    await bucket.admit();
+  });
+
+  it("goes back to Redis once it answers again", async () => {
+    const client = testClient(); // lazy: not connected yet, so not ready
+    clients.push(client);
+    const clock = new FakeClock();
+    const { lines, logger } = capture();
+    const prefix = `policy:${Date.now()}:${Math.random()}:`;
+    const sem = redis(client, { clock, logger, prefix, time: "clock" }).semaphore("back", {
+      limit: 1,
+      onBackendError: "local",
+    });
+    const local = await sem.admit();
+    await local.release();
+    await client.connect();
+    await clock.advance(1000);
+    const shared = await sem.admit();
+    expect(await client.exists(`${prefix}{back}:holders`)).toBe(1);
+    await shared.release();
+    await new Promise((r) => setImmediate(r));
+    expect(lines.map((l) => String(l.msg)).filter((m) => m.includes("switching"))).toEqual([
+      "Redis unavailable; switching to fallback",
+      "Redis answers again; switching back",
+    ]);
+  });
+
+  it("refuses a bad policy, naming the field", async () => {
+    const client = await deadClient();
+    clients.push(client);
+    expect(() => redis(client).semaphore("x", { limit: 1, onBackendError: "retry" as never })).toThrow(
+      'semaphore "x": onBackendError must be "fail-closed", "fail-open" or "local" (got "retry")',
+    );
+    expect(() => redis(client).semaphore("y", { limit: 1, localShare: 0 })).toThrow(
+      "localShare must be a number in (0, 1] (got 0)",
+    );
+  });
+});
