@@ -141,12 +141,39 @@ export class RedisLink {
     set.add(handler);
     let pending = sub.subscribing.get(channel);
     if (!pending) {
-      pending = sub.connection.subscribe(channel);
+      pending = this.#subscribe(sub, channel);
       sub.subscribing.set(channel, pending);
       pending.catch(() => sub.subscribing.delete(channel));
     }
     this.clock.track?.(pending);
     await pending;
+  }
+
+  /**
+   * Subscribe once the connection is ready (a fresh `duplicate()` is still connecting, and with
+   * no offline queue a command sent now would fail). Gives up after the command timeout; the
+   * waiters' slow poll covers the gap and the next waiter tries again.
+   */
+  #subscribe(sub: Subscriber, channel: string): Promise<unknown> {
+    const connection = sub.connection;
+    return new Promise((resolve, reject) => {
+      let done = false;
+      const finish = (error?: unknown) => {
+        if (done) return;
+        done = true;
+        this.clock.clearTimeout(timer);
+        connection.off?.("ready", onReady);
+        if (error) reject(error);
+        else resolve(undefined);
+      };
+      const timer = this.clock.setTimeout(
+        () => finish(new BackendUnavailableError(undefined, `pub/sub not ready within ${this.commandTimeoutMs} ms`)),
+        this.commandTimeoutMs,
+      );
+      const onReady = () => connection.subscribe(channel).then(() => finish(), finish);
+      if (connection.status === "ready") onReady();
+      else connection.on("ready", onReady);
+    });
   }
 
   /** Stop listening; quit the pub/sub connection when this link made it. */

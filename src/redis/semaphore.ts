@@ -293,9 +293,16 @@ export abstract class RedisPermitStage extends BaseStage {
         const w = this.#byId.get(id);
         if (w) this.#attempt(w);
       })
-      .then(() => {
-        this.#listening = true;
-      });
+      .then(
+        () => {
+          this.#listening = true;
+        },
+        (error: unknown) => {
+          this.#subscribed = undefined;
+          this.log.warn({ err: error }, "could not subscribe for wake-ups; waiters poll");
+          throw error;
+        },
+      );
     return this.#subscribed;
   }
 

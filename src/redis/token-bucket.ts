@@ -89,20 +89,30 @@ export class RedisTokenBucket extends BaseStage {
     const key = o.key ?? DEFAULT_KEY;
     if (cost === 0) return Promise.resolve(this.issue(0, key, this.clock.now(), "token"));
     const line = this.#line(key);
-    if (o.timeoutMs !== undefined && line.size === 0) return this.#bounded(line, key, cost, o);
+    if (line.size === 0) return this.#direct(line, key, cost, o);
     const promise = this.wait(line, cost, key, o);
     void this.#drain(line, key);
     return promise;
   }
 
-  /** With a timeout and nobody ahead: refuse at once a wait longer than timeoutMs. */
-  async #bounded(line: KeyLine, key: string, cost: number, o: AdmitOptions): Promise<Ticket> {
+  /**
+   * Nobody of this process waits for the key: take straight away (many such calls may be out at
+   * once). On a refusal, refuse at once a wait longer than timeoutMs, else line up.
+   */
+  async #direct(line: KeyLine, key: string, cost: number, o: AdmitOptions): Promise<Ticket> {
     const startedAt = this.clock.now();
     const [taken, waitMs] = await this.#take(line, cost);
-    if (Number(taken) === 1) return this.#granted(cost, key, startedAt);
-    const timeoutMs = o.timeoutMs!;
+    if (Number(taken) === 1) {
+      if (o.signal?.aborted) {
+        void this.#refund(key, cost);
+        throw o.signal.reason;
+      }
+      return this.#granted(cost, key, startedAt);
+    }
+    if (o.signal?.aborted) throw o.signal.reason;
     const elapsed = this.clock.now() - startedAt;
-    if (Number(waitMs) > timeoutMs - elapsed) {
+    const timeoutMs = o.timeoutMs;
+    if (timeoutMs !== undefined && Number(waitMs) > timeoutMs - elapsed) {
       this.timedOut++;
       this.log.warn({ timeoutMs, retryAfterMs: Number(waitMs) }, "admission timed out");
       throw new AdmitTimeoutError(
@@ -113,7 +123,8 @@ export class RedisTokenBucket extends BaseStage {
         },
       );
     }
-    const promise = this.wait(line, cost, key, { ...o, timeoutMs: timeoutMs - elapsed });
+    const rest = timeoutMs === undefined ? o : { ...o, timeoutMs: timeoutMs - elapsed };
+    const promise = this.wait(line, cost, key, rest);
     void this.#drain(line, key);
     return promise;
   }

@@ -2,7 +2,7 @@ import { randomUUID } from "node:crypto";
 import { type Backend, memory } from "floodgate";
 import { redis } from "floodgate/redis";
 import type { FakeClock } from "floodgate/testing";
-import { Redis } from "ioredis";
+import { Cluster, type ClusterNode, Redis } from "ioredis";
 import { afterAll, beforeAll, inject } from "vitest";
 
 /**
@@ -26,6 +26,31 @@ export function redisUrl(): string {
 /** A client that fails fast, as the Redis suites want: no retries, no offline queue. */
 export function testClient(url = redisUrl()): Redis {
   return new Redis(url, { maxRetriesPerRequest: 0, enableOfflineQueue: false, lazyConnect: true });
+}
+
+/** The seed nodes of the test Redis Cluster, or an error saying how to get one. Never a skip. */
+export function redisClusterNodes(): ClusterNode[] {
+  const nodes = inject("redisClusterNodes");
+  if (!nodes) throw new Error(inject("redisClusterError") || "no Redis Cluster for the Redis Cluster suites");
+  return nodes.split(",").map((entry) => {
+    const node = entry.trim();
+    const at = node.lastIndexOf(":");
+    return { host: node.slice(0, at), port: Number(node.slice(at + 1)) };
+  });
+}
+
+/**
+ * A Cluster client that fails fast, like `testClient`: no retries, no offline queue. The offline
+ * queue is turned off on the Cluster itself; ioredis keeps it on for the per-node connections it
+ * makes (and its types refuse the option there).
+ */
+export function testClusterClient(nodes = redisClusterNodes()): Cluster {
+  return new Cluster(nodes, {
+    redisOptions: { maxRetriesPerRequest: 0 },
+    enableOfflineQueue: false,
+    lazyConnect: true,
+    clusterRetryStrategy: () => null,
+  });
 }
 
 function redisBackend(): ContractBackend {
@@ -54,9 +79,36 @@ function redisBackend(): ContractBackend {
   };
 }
 
+function redisClusterBackend(): ContractBackend {
+  let client: Cluster | undefined;
+  let subscriber: Cluster | undefined;
+  return {
+    name: "redis-cluster",
+    async setup() {
+      client = testClusterClient();
+      subscriber = testClusterClient();
+      await Promise.all([client.connect(), subscriber.connect()]);
+    },
+    async teardown() {
+      await Promise.all([client?.quit(), subscriber?.quit()]);
+    },
+    make(clock, random) {
+      if (!client || !subscriber) throw new Error("the Redis Cluster contract backend was not set up");
+      return redis(client, {
+        prefix: `contract:${randomUUID()}:`,
+        clock,
+        time: "clock",
+        subscriber,
+        ...(random ? { random } : {}),
+      });
+    },
+  };
+}
+
 export const backends: ContractBackend[] = [
   { name: "memory", make: (clock, random) => memory({ clock, ...(random ? { random } : {}) }) },
   redisBackend(),
+  redisClusterBackend(),
 ];
 
 /** Set a backend up before its suite and tear it down after. */

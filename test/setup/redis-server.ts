@@ -1,17 +1,42 @@
-import { type ChildProcess, execFileSync, spawn } from "node:child_process";
+import { type ChildProcess, execFile, execFileSync, spawn } from "node:child_process";
 import { once } from "node:events";
-import { createServer, Socket } from "node:net";
+import { mkdir, mkdtemp, rm } from "node:fs/promises";
+import { createServer, type Server, Socket } from "node:net";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { promisify } from "node:util";
+
+const run = promisify(execFile);
 
 /** A free TCP port on 127.0.0.1. */
 export async function freePort(): Promise<number> {
-  const server = createServer();
-  server.listen(0, "127.0.0.1");
-  await once(server, "listening");
-  const address = server.address();
-  const port = typeof address === "object" && address ? address.port : 0;
-  server.close();
-  await once(server, "close");
-  return port;
+  const [port] = await freePorts(1);
+  return port!;
+}
+
+/** `count` distinct free TCP ports on 127.0.0.1 (all held open at once, then released). */
+export async function freePorts(count: number): Promise<number[]> {
+  const servers: Server[] = [];
+  try {
+    for (let i = 0; i < count; i++) {
+      const server = createServer();
+      servers.push(server);
+      server.listen(0, "127.0.0.1");
+      await once(server, "listening");
+    }
+    return servers.map((server) => {
+      const address = server.address();
+      return typeof address === "object" && address ? address.port : 0;
+    });
+  } finally {
+    await Promise.all(
+      servers.map(async (server) => {
+        if (!server.listening) return;
+        server.close();
+        await once(server, "close");
+      }),
+    );
+  }
 }
 
 /** Resolves once something answers PING on the port, or throws after `timeoutMs`. */
@@ -43,19 +68,35 @@ export const INSTALL_HINT =
   "macOS: `brew install redis`) so the tests can start it on a free loopback port, or point REDIS_URL at " +
   "one you run (REDIS_URL=redis://127.0.0.1:6379).";
 
-/** True when a `redis-server` binary is on the PATH. */
-export function haveRedisServer(): boolean {
+export const CLUSTER_INSTALL_HINT =
+  "The Redis Cluster suites need `redis-server` and `redis-cli` (Debian/Ubuntu: `apt-get install -y " +
+  "redis-server`, macOS: `brew install redis`) so the tests can start a three-node cluster on free loopback " +
+  "ports, or point REDIS_CLUSTER_NODES at one you run " +
+  "(REDIS_CLUSTER_NODES=127.0.0.1:7000,127.0.0.1:7001,127.0.0.1:7002).";
+
+function have(binary: string): boolean {
   try {
-    execFileSync("redis-server", ["--version"], { stdio: "ignore" });
+    execFileSync(binary, ["--version"], { stdio: "ignore" });
     return true;
   } catch {
     return false;
   }
 }
 
+/** True when a `redis-server` binary is on the PATH. */
+export function haveRedisServer(): boolean {
+  return have("redis-server");
+}
+
+/** True when a `redis-cli` binary is on the PATH. */
+export function haveRedisCli(): boolean {
+  return have("redis-cli");
+}
+
 /** A throwaway redis-server on 127.0.0.1 with no persistence. */
 export class RedisProcess {
   child: ChildProcess | undefined;
+  #exitHook = () => this.child?.kill("SIGKILL");
   constructor(
     readonly port: number,
     readonly extraArgs: string[] = [],
@@ -66,7 +107,7 @@ export class RedisProcess {
   }
 
   async start(): Promise<void> {
-    this.child = spawn(
+    const child = spawn(
       "redis-server",
       [
         "--port",
@@ -83,14 +124,106 @@ export class RedisProcess {
       ],
       { stdio: "ignore" },
     );
-    await waitForRedis(this.port);
+    this.child = child;
+    process.once("exit", this.#exitHook);
+    const exited = once(child, "exit").then(([code]) => {
+      throw new Error(`redis-server on 127.0.0.1:${this.port} exited with code ${code} while starting`);
+    });
+    exited.catch(() => {});
+    await Promise.race([waitForRedis(this.port), exited]);
   }
 
   async stop(): Promise<void> {
     const child = this.child;
-    if (!child || child.exitCode !== null) return;
+    process.off("exit", this.#exitHook);
+    this.child = undefined;
+    if (!child || child.exitCode !== null || child.signalCode !== null) return;
     child.kill("SIGKILL");
     await once(child, "exit");
-    this.child = undefined;
+  }
+}
+
+/** Runs `redis-cli` against 127.0.0.1 and returns its output. */
+async function cli(args: string[], timeoutMs = 10_000): Promise<string> {
+  const { stdout } = await run("redis-cli", args, { timeout: timeoutMs });
+  return stdout;
+}
+
+/**
+ * A throwaway Redis Cluster of three masters (no replicas) on free loopback ports, each node with
+ * its own data directory and cluster bus port under one temporary directory.
+ */
+export class RedisCluster {
+  readonly nodes: RedisProcess[] = [];
+  #dir: string | undefined;
+
+  /** `127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3`. */
+  get nodeList(): string {
+    return this.nodes.map((node) => `127.0.0.1:${node.port}`).join(",");
+  }
+
+  async start(size = 3): Promise<void> {
+    try {
+      const dir = await mkdtemp(join(tmpdir(), "floodgate-cluster-"));
+      this.#dir = dir;
+      // A data port and a cluster bus port per node: the default bus port (port + 10000) may not
+      // exist for an ephemeral port, or may be taken.
+      const ports = await freePorts(size * 2);
+      for (let i = 0; i < size; i++) {
+        const port = ports[i]!;
+        const nodeDir = join(dir, String(port));
+        await mkdir(nodeDir);
+        this.nodes.push(
+          new RedisProcess(port, [
+            "--cluster-enabled",
+            "yes",
+            "--cluster-config-file",
+            join(dir, `nodes-${port}.conf`),
+            "--cluster-node-timeout",
+            "5000",
+            "--cluster-port",
+            String(ports[size + i]!),
+            "--dir",
+            nodeDir,
+          ]),
+        );
+      }
+      await Promise.all(this.nodes.map((node) => node.start()));
+      await cli([
+        "--cluster",
+        "create",
+        ...this.nodes.map((node) => `127.0.0.1:${node.port}`),
+        "--cluster-replicas",
+        "0",
+        "--cluster-yes",
+      ]);
+      await this.#waitForOk();
+    } catch (error) {
+      await this.stop();
+      throw error;
+    }
+  }
+
+  /** Waits until `CLUSTER INFO` says `cluster_state:ok` on every node. */
+  async #waitForOk(timeoutMs = 10_000): Promise<void> {
+    const deadline = Date.now() + timeoutMs;
+    for (;;) {
+      const states = await Promise.all(
+        this.nodes.map((node) =>
+          cli(["-h", "127.0.0.1", "-p", String(node.port), "cluster", "info"]).catch(() => ""),
+        ),
+      );
+      if (states.every((info) => /^cluster_state:ok\r?$/m.test(info))) return;
+      if (Date.now() > deadline) {
+        throw new Error(`the Redis Cluster on ${this.nodeList} did not reach cluster_state:ok`);
+      }
+      await new Promise((r) => setTimeout(r, 50));
+    }
+  }
+
+  async stop(): Promise<void> {
+    await Promise.all(this.nodes.map((node) => node.stop()));
+    if (this.#dir) await rm(this.#dir, { recursive: true, force: true });
+    this.#dir = undefined;
   }
 }
