@@ -1,6 +1,7 @@
 -- token-bucket-take: take `cost` tokens from one key's bucket, or say how long until it can.
 --
--- KEYS[1] bucket  HASH  tokens, updatedAt (ms), factor, penalizedAt (ms); expires when idle
+-- KEYS[1] bucket  HASH  tokens, updatedAt (ms), factor, penalizedAt (ms), last (latest grant id);
+--                       expires when idle
 --
 -- ARGV[1] now              ms, or "" for the server's TIME
 -- ARGV[2] capacity         tokens, integer >= 1
@@ -8,6 +9,7 @@
 -- ARGV[4] recoveryMs       ms for a penalised rate to recover
 -- ARGV[5] cost             tokens, integer in [1, capacity]
 -- ARGV[6] initial          tokens a fresh key starts with
+-- ARGV[7] grant            id of this grant; only the latest grant of a key can be refunded
 --
 -- Returns {1, 0} when taken, or {0, waitMs}: the whole milliseconds until `cost` tokens are there.
 local bucket          = KEYS[1]
@@ -17,6 +19,7 @@ local refillPerSecond = tonumber(ARGV[3])
 local recoveryMs      = tonumber(ARGV[4])
 local cost            = tonumber(ARGV[5])
 local initial         = tonumber(ARGV[6])
+local grant           = ARGV[7]
 
 local s = floodgate_bucket(bucket, initial, now)
 local tokens = floodgate_tokens_at(s, capacity, refillPerSecond, recoveryMs, now)
@@ -26,4 +29,5 @@ end
 s.tokens = math.max(0, tokens - cost)
 s.updatedAt = math.max(now, s.updatedAt)
 floodgate_save_bucket(bucket, s, capacity, refillPerSecond, recoveryMs)
+redis.call('HSET', bucket, 'last', grant)
 return {1, 0}

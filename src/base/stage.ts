@@ -146,6 +146,8 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   protected check(options: AdmitOptions | undefined): AdmitOptions {
     const o = admitOptions(this.kind, this.name, options);
     if (this.closed) throw new ClosedError(this.name);
+    // An aborted caller gets nothing, even where capacity is free.
+    if (o.signal?.aborted) throw o.signal.reason;
     return o;
   }
 

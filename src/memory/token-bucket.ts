@@ -18,6 +18,8 @@ import { parseOptions, tokenBucketSchema } from "../validate.js";
 /** One key's bucket: the algorithm's state plus its FIFO of waiters and the timer for its head. */
 class KeyBucket extends WaitList implements BucketState {
   timer: ClockTimer | undefined = undefined;
+  /** The latest ticket granted from this key; only it can be refunded exactly. */
+  lastGrant: BaseTicket | undefined = undefined;
   constructor(
     public tokens: number,
     public updatedAt: number,
@@ -98,7 +100,9 @@ export class MemoryTokenBucket extends BaseStage {
     const key = o.key ?? DEFAULT_KEY;
     const now = this.clock.now();
     const b = this.#bucket(key, now);
-    if (b.size === 0 && this.#take(b, cost, now)) return Promise.resolve(this.issue(cost, key, now, "token"));
+    if (b.size === 0 && this.#take(b, cost, now)) {
+      return Promise.resolve((b.lastGrant = this.issue(cost, key, now, "token")));
+    }
     if (o.timeoutMs !== undefined && !o.signal?.aborted && b.size === 0) {
       // Refuse at once what cannot be granted in time, rather than wait and fail.
       const ms = waitMs(b, this.#config, cost, now);
@@ -122,7 +126,7 @@ export class MemoryTokenBucket extends BaseStage {
       const now = this.clock.now();
       const b = this.#bucket(key, now);
       if (b.size > 0 || !this.#take(b, cost, now)) return Promise.resolve(undefined);
-      return Promise.resolve(this.issue(cost, key, now, "token"));
+      return Promise.resolve((b.lastGrant = this.issue(cost, key, now, "token")));
     } catch (error) {
       return Promise.reject(error);
     }
@@ -138,7 +142,7 @@ export class MemoryTokenBucket extends BaseStage {
   /** Grant the key's waiters that fit, then set its timer for the next head. */
   #drain(b: KeyBucket, key: string): void {
     const now = this.clock.now();
-    for (let w = b.head; w && this.#take(b, w.cost, now); w = b.head) this.grant(w, "token");
+    for (let w = b.head; w && this.#take(b, w.cost, now); w = b.head) b.lastGrant = this.grant(w, "token");
     this.#schedule(b, key);
   }
 
@@ -158,8 +162,13 @@ export class MemoryTokenBucket extends BaseStage {
 
   releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): void {
     if (refund) {
+      // Tokens come back only when no call has taken from the key since: then the bucket ends
+      // up no fuller than if this call had never been admitted. After another grant, the
+      // refill the cap threw away cannot be told apart, so nothing comes back.
+      const b = this.#keys.get(ticket.key);
+      if (!b || b.lastGrant !== ticket) return;
+      b.lastGrant = undefined;
       const now = this.clock.now();
-      const b = this.#bucket(ticket.key, now);
       b.tokens = Math.min(this.#config.capacity, tokensAt(b, this.#config, now) + ticket.cost);
       if (now > b.updatedAt) b.updatedAt = now;
       this.#drain(b, ticket.key);

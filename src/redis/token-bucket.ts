@@ -1,6 +1,7 @@
+import { randomBytes } from "node:crypto";
 import { tooCostly } from "../admit.js";
 import { KeyedStates } from "../base/keyed.js";
-import { BaseStage, type BaseTicket } from "../base/stage.js";
+import { BaseStage, BaseTicket } from "../base/stage.js";
 import { type Waiter, WaitList } from "../base/wait-list.js";
 import type { ClockTimer } from "../clock.js";
 import { AdmitTimeoutError } from "../errors.js";
@@ -21,7 +22,14 @@ class KeyLine extends WaitList {
   }
 }
 
+/** A ticket that knows its grant, so a refund can tell whether it is still the latest. */
+class GrantTicket extends BaseTicket {
+  grant = "";
+}
+
 const DEFAULT_KEY = "default";
+const GRANT_PREFIX = `${randomBytes(6).toString("hex")}:`;
+let grants = 0;
 
 /**
  * `redis(...).tokenBucket(name, options)`: one bucket per key in Redis, refilled by the server's
@@ -66,13 +74,22 @@ export class RedisTokenBucket extends BaseStage {
     return line;
   }
 
-  #take(line: KeyLine, cost: number): Promise<[number, number]> {
+  /** A fresh grant id: this process's random prefix and a counter. */
+  #grantId(): string {
+    return `${GRANT_PREFIX}${++grants}`;
+  }
+
+  #take(line: KeyLine, cost: number, grant: string): Promise<[number, number]> {
     return this.#link.run(
       this.name,
       "token-bucket-take",
       [line.redisKey],
-      [this.#link.now(), this.#capacity, this.#refill, this.#recoveryMs, cost, this.#initial],
+      [this.#link.now(), this.#capacity, this.#refill, this.#recoveryMs, cost, this.#initial, grant],
     );
+  }
+
+  protected override newTicket(cost: number, key: string, now: number): BaseTicket {
+    return new GrantTicket(this, cost, key, now);
   }
 
   admit(options?: AdmitOptions): Promise<Ticket> {
@@ -101,13 +118,14 @@ export class RedisTokenBucket extends BaseStage {
    */
   async #direct(line: KeyLine, key: string, cost: number, o: AdmitOptions): Promise<Ticket> {
     const startedAt = this.clock.now();
-    const [taken, waitMs] = await this.#take(line, cost);
+    const grant = this.#grantId();
+    const [taken, waitMs] = await this.#take(line, cost, grant);
     if (Number(taken) === 1) {
       if (o.signal?.aborted) {
-        void this.#refund(key, cost);
+        void this.#refund(key, cost, grant);
         throw o.signal.reason;
       }
-      return this.#granted(cost, key, startedAt);
+      return this.#granted(cost, key, startedAt, grant);
     }
     if (o.signal?.aborted) throw o.signal.reason;
     const elapsed = this.clock.now() - startedAt;
@@ -129,12 +147,14 @@ export class RedisTokenBucket extends BaseStage {
     return promise;
   }
 
-  #granted(cost: number, key: string, startedAt: number): Ticket {
+  #granted(cost: number, key: string, startedAt: number, grant: string): Ticket {
     if (this.closed) {
-      void this.#refund(key, cost);
+      void this.#refund(key, cost, grant);
       throw this.closedSignal.reason;
     }
-    return this.issue(cost, key, startedAt, "token");
+    const ticket = this.issue(cost, key, startedAt, "token") as GrantTicket;
+    ticket.grant = grant;
+    return ticket;
   }
 
   tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
@@ -147,8 +167,9 @@ export class RedisTokenBucket extends BaseStage {
       const line = this.#line(key);
       if (line.size > 0) return Promise.resolve(undefined);
       const startedAt = this.clock.now();
-      return this.#take(line, cost).then(([taken]) =>
-        Number(taken) === 1 ? this.#granted(cost, key, startedAt) : undefined,
+      const grant = this.#grantId();
+      return this.#take(line, cost, grant).then(([taken]) =>
+        Number(taken) === 1 ? this.#granted(cost, key, startedAt, grant) : undefined,
       );
     } catch (error) {
       return Promise.reject(error);
@@ -171,12 +192,13 @@ export class RedisTokenBucket extends BaseStage {
     const head = line.head;
     if (!head) return undefined;
     line.again = false;
-    line.busy = this.#take(line, head.cost).then(
+    const grant = this.#grantId();
+    line.busy = this.#take(line, head.cost, grant).then(
       ([taken, waitMs]) => {
         line.busy = undefined;
         if (Number(taken) === 1) {
-          if (head.list === line) this.grant(head, "token");
-          else void this.#refund(key, head.cost); // it left while the call was out
+          if (head.list === line) (this.grant(head, "token") as GrantTicket).grant = grant;
+          else void this.#refund(key, head.cost, grant); // it left while the call was out
           void this.#drain(line, key);
           return;
         }
@@ -198,13 +220,13 @@ export class RedisTokenBucket extends BaseStage {
     return line.busy;
   }
 
-  #refund(key: string, cost: number): Promise<unknown> {
+  #refund(key: string, cost: number, grant: string): Promise<unknown> {
     return this.#link
       .run(
         this.name,
         "token-bucket-refund",
         [stageKey(this.#prefix, this.name, `b:${key}`)],
-        [this.#link.now(), this.#capacity, this.#refill, this.#recoveryMs, cost, this.#initial],
+        [this.#link.now(), this.#capacity, this.#refill, this.#recoveryMs, cost, this.#initial, grant],
       )
       .catch((error) => this.log.warn({ err: error, key }, "refund failed"));
   }
@@ -213,7 +235,7 @@ export class RedisTokenBucket extends BaseStage {
     if (ticket.cost === 0) return undefined;
     const key = ticket.key;
     if (refund) {
-      return this.#refund(key, ticket.cost).then(() => {
+      return this.#refund(key, ticket.cost, (ticket as GrantTicket).grant).then(() => {
         const line = this.#lines.get(key);
         if (line) void this.#drain(line, key);
       });

@@ -18,7 +18,13 @@ const c: AimdConfig = { min: 2, max: 20, backoffRatio: 0.5 };
 
 describe("AIMD step", () => {
   const rows: Row[] = [
-    { name: "halves on a drop", config: c, state: { limit: 10, epoch: 0 }, sample: drop(0), next: { limit: 5, epoch: 1 } },
+    {
+      name: "halves on a drop",
+      config: c,
+      state: { limit: 10, epoch: 0 },
+      sample: drop(0),
+      next: { limit: 5, epoch: 1 },
+    },
     {
       name: "floors the product on a drop",
       config: c,
@@ -158,7 +164,11 @@ describe("AIMD step", () => {
 
   it("keeps the limit in [min, max] and the epoch monotone under any samples", () => {
     const config = fc
-      .record({ min: fc.integer({ min: 1, max: 50 }), span: fc.integer({ min: 0, max: 50 }), ratio: fc.double({ min: 0.5, max: 1, maxExcluded: true, noNaN: true }) })
+      .record({
+        min: fc.integer({ min: 1, max: 50 }),
+        span: fc.integer({ min: 0, max: 50 }),
+        ratio: fc.double({ min: 0.5, max: 1, maxExcluded: true, noNaN: true }),
+      })
       .map(({ min, span, ratio }): AimdConfig => ({ min, max: min + span, backoffRatio: ratio }));
     const samples = fc.array(
       fc.record({ dropped: fc.boolean(), inFlight: fc.integer({ min: 0, max: 120 }), stale: fc.boolean() }),

@@ -14,7 +14,10 @@ describe("interval math", () => {
       { min: 2.5, jitter: 1, random: 0.5, spacing: 3 },
     ];
     for (const { min, jitter, random, spacing } of rows) {
-      expect(spacingMs(min, jitter, random), `min ${min}, jitter ${jitter}, random ${random}`).toBeCloseTo(spacing, 12);
+      expect(spacingMs(min, jitter, random), `min ${min}, jitter ${jitter}, random ${random}`).toBeCloseTo(
+        spacing,
+        12,
+      );
     }
   });
 
@@ -76,7 +79,8 @@ describe("interval math", () => {
         { now: 500, ms: 100, next: 1000 },
         { now: 500, ms: 600, next: 1100 },
       ];
-      for (const { now, ms, next } of rows) expect(afterPause(1000, now, ms), `pause ${ms}ms at ${now}ms`).toBe(next);
+      for (const { now, ms, next } of rows)
+        expect(afterPause(1000, now, ms), `pause ${ms}ms at ${now}ms`).toBe(next);
     });
 
     it("makes a later slot than both the old one and now + ms, for any inputs", () => {

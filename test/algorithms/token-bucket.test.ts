@@ -131,9 +131,12 @@ describe("token bucket math", () => {
     it("never goes negative, whatever the order of times", () => {
       fc.assert(
         fc.property(
-          fc.array(fc.record({ now: fc.integer({ min: -1000, max: 5000 }), cost: fc.integer({ min: 0, max: 5 }) }), {
-            maxLength: 30,
-          }),
+          fc.array(
+            fc.record({ now: fc.integer({ min: -1000, max: 5000 }), cost: fc.integer({ min: 0, max: 5 }) }),
+            {
+              maxLength: 30,
+            },
+          ),
           (steps) => {
             let s = fullBucket(5, 0);
             for (const { now, cost } of steps) {
@@ -220,7 +223,8 @@ describe("token bucket math", () => {
         [1000, 1],
         [5000, 1],
       ];
-      for (const [now, factor] of rows) expect(rateFactor(halved, c, now), `at ${now}ms`).toBeCloseTo(factor, 12);
+      for (const [now, factor] of rows)
+        expect(rateFactor(halved, c, now), `at ${now}ms`).toBeCloseTo(factor, 12);
     });
 
     it("integrates the penalised rate exactly", () => {

@@ -115,6 +115,13 @@ describe.each(backends)("semaphore on $name", (backend) => {
     await held.release();
   });
 
+  it("rejects an already-aborted signal even when permits are free", async () => {
+    const sem = make(1);
+    const reason = new Error("gone");
+    await expect(sem.admit({ signal: AbortSignal.abort(reason) })).rejects.toBe(reason);
+    expect(sem.snapshot()).toMatchObject({ inFlight: 0, admitted: 0 });
+  });
+
   it("lets the waiters behind an aborted one move up", async () => {
     const sem = make(2);
     const held = await sem.admit({ cost: 1 });
