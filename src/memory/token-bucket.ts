@@ -87,6 +87,12 @@ export class MemoryTokenBucket extends BaseStage {
     return true;
   }
 
+  /** A ticket for tokens just taken from `b` without waiting. */
+  #issue(b: KeyBucket, cost: number, key: string, now: number): BaseTicket {
+    b.lastGrant = this.issue(cost, key, now, "token");
+    return b.lastGrant;
+  }
+
   admit(options?: AdmitOptions): Promise<Ticket> {
     let o: AdmitOptions;
     try {
@@ -100,9 +106,7 @@ export class MemoryTokenBucket extends BaseStage {
     const key = o.key ?? DEFAULT_KEY;
     const now = this.clock.now();
     const b = this.#bucket(key, now);
-    if (b.size === 0 && this.#take(b, cost, now)) {
-      return Promise.resolve((b.lastGrant = this.issue(cost, key, now, "token")));
-    }
+    if (b.size === 0 && this.#take(b, cost, now)) return Promise.resolve(this.#issue(b, cost, key, now));
     if (o.timeoutMs !== undefined && !o.signal?.aborted && b.size === 0) {
       // Refuse at once what cannot be granted in time, rather than wait and fail.
       const ms = waitMs(b, this.#config, cost, now);
@@ -126,7 +130,7 @@ export class MemoryTokenBucket extends BaseStage {
       const now = this.clock.now();
       const b = this.#bucket(key, now);
       if (b.size > 0 || !this.#take(b, cost, now)) return Promise.resolve(undefined);
-      return Promise.resolve((b.lastGrant = this.issue(cost, key, now, "token")));
+      return Promise.resolve(this.#issue(b, cost, key, now));
     } catch (error) {
       return Promise.reject(error);
     }

@@ -167,7 +167,10 @@ export class RedisLink {
         else resolve(undefined);
       };
       const timer = this.clock.setTimeout(
-        () => finish(new BackendUnavailableError(undefined, `pub/sub not ready within ${this.commandTimeoutMs} ms`)),
+        () =>
+          finish(
+            new BackendUnavailableError(undefined, `pub/sub not ready within ${this.commandTimeoutMs} ms`),
+          ),
         this.commandTimeoutMs,
       );
       const onReady = () => connection.subscribe(channel).then(() => finish(), finish);

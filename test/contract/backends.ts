@@ -3,6 +3,7 @@ import { type Backend, memory } from "floodgate";
 import { redis } from "floodgate/redis";
 import type { FakeClock } from "floodgate/testing";
 import { Cluster, type ClusterNode, Redis } from "ioredis";
+import { Redis as Redis6 } from "ioredis6";
 import { afterAll, beforeAll, inject } from "vitest";
 
 /**
@@ -53,14 +54,18 @@ export function testClusterClient(nodes = redisClusterNodes()): Cluster {
   });
 }
 
-function redisBackend(): ContractBackend {
+/** Fail-fast options, as for `testClient`. */
+const FAIL_FAST = { maxRetriesPerRequest: 0, enableOfflineQueue: false, lazyConnect: true } as const;
+
+/** The single-node backend on ioredis 5, or on ioredis 6 (installed as `ioredis6`). */
+function redisBackend(name: string, connect: (url: string) => Redis): ContractBackend {
   let client: Redis | undefined;
   let subscriber: Redis | undefined;
   return {
-    name: "redis",
+    name,
     async setup() {
-      client = testClient();
-      subscriber = testClient();
+      client = connect(redisUrl());
+      subscriber = connect(redisUrl());
       await Promise.all([client.connect(), subscriber.connect()]);
     },
     async teardown() {
@@ -78,6 +83,8 @@ function redisBackend(): ContractBackend {
     },
   };
 }
+
+const ioredis6 = (url: string) => new Redis6(url, FAIL_FAST) as unknown as Redis;
 
 function redisClusterBackend(): ContractBackend {
   let client: Cluster | undefined;
@@ -107,7 +114,8 @@ function redisClusterBackend(): ContractBackend {
 
 export const backends: ContractBackend[] = [
   { name: "memory", make: (clock, random) => memory({ clock, ...(random ? { random } : {}) }) },
-  redisBackend(),
+  redisBackend("redis", testClient),
+  redisBackend("redis-ioredis6", ioredis6),
   redisClusterBackend(),
 ];
 

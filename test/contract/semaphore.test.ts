@@ -52,6 +52,17 @@ describe.each(backends)("semaphore on $name", (backend) => {
     expect(later.settled).toBe(false);
   });
 
+  it("weighs large costs without one entry per permit (a tokens-per-minute budget)", async () => {
+    const sem = make(1_000_000);
+    const tickets = await Promise.all(Array.from({ length: 10 }, () => sem.admit({ cost: 100_000 })));
+    const next = track(sem.admit({ cost: 100_000 }));
+    await clock.flush();
+    expect(next.settled).toBe(false);
+    await tickets[0]!.release("success");
+    await clock.flush();
+    expect(next.settled).toBe(true);
+  });
+
   it("refuses a cost above the limit at once, naming the field", async () => {
     const sem = make(3);
     const error = await sem.admit({ cost: 4 }).catch((e) => e);
