@@ -14,6 +14,7 @@ export interface RedisClientLike {
   off?(event: string, listener: (...args: any[]) => void): unknown;
   quit(): Promise<unknown>;
   disconnect(): void;
+  connect?(): Promise<unknown>;
 }
 
 /** Waiter ids are delivered to every handler registered for the channel. */
@@ -175,7 +176,11 @@ export class RedisLink {
       );
       const onReady = () => connection.subscribe(channel).then(() => finish(), finish);
       if (connection.status === "ready") onReady();
-      else connection.on("ready", onReady);
+      else {
+        connection.on("ready", onReady);
+        // A duplicate of a `lazyConnect` client waits to be told to connect.
+        if (connection.status === "wait") connection.connect?.().catch(() => {});
+      }
     });
   }
 

@@ -279,8 +279,9 @@ export abstract class RedisPermitStage extends BaseStage {
       (error: unknown) => {
         w.busy = false;
         this.#byId.delete(w.id);
-        if (!w.list) return;
+        // The acquire may still run once Redis answers: give back whatever it would take.
         if (maybeSent(error)) this.#forget(w.id);
+        if (!w.list) return;
         this.log.warn({ err: error }, "Redis unavailable; admission failed closed");
         this.failWaiter(w, error);
       },

@@ -9,7 +9,7 @@ import type { TokenBucketOptions } from "../options.js";
 import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket, TryAdmitOptions } from "../types.js";
 import { parseOptions, tokenBucketSchema } from "../validate.js";
 import { stageKey } from "./keys.js";
-import type { RedisLink } from "./link.js";
+import { maybeSent, type RedisLink } from "./link.js";
 import type { RedisContext } from "./semaphore.js";
 
 /** This process's waiters for one key, asked for in order, one Redis call at a time. */
@@ -80,12 +80,19 @@ export class RedisTokenBucket extends BaseStage {
   }
 
   #take(line: KeyLine, cost: number, grant: string): Promise<[number, number]> {
-    return this.#link.run(
-      this.name,
-      "token-bucket-take",
-      [line.redisKey],
-      [this.#link.now(), this.#capacity, this.#refill, this.#recoveryMs, cost, this.#initial, grant],
-    );
+    return this.#link
+      .run(
+        this.name,
+        "token-bucket-take",
+        [line.redisKey],
+        [this.#link.now(), this.#capacity, this.#refill, this.#recoveryMs, cost, this.#initial, grant],
+      )
+      .catch((error: unknown) => {
+        // The take may still run once Redis answers; the refund then undoes it (and does
+        // nothing if it never ran, or if another grant came after it).
+        if (maybeSent(error)) void this.#refundAt(line.redisKey, cost, grant);
+        throw error;
+      });
   }
 
   protected override newTicket(cost: number, key: string, now: number): BaseTicket {
@@ -221,14 +228,18 @@ export class RedisTokenBucket extends BaseStage {
   }
 
   #refund(key: string, cost: number, grant: string): Promise<unknown> {
+    return this.#refundAt(stageKey(this.#prefix, this.name, `b:${key}`), cost, grant);
+  }
+
+  #refundAt(redisKey: string, cost: number, grant: string): Promise<unknown> {
     return this.#link
       .run(
         this.name,
         "token-bucket-refund",
-        [stageKey(this.#prefix, this.name, `b:${key}`)],
+        [redisKey],
         [this.#link.now(), this.#capacity, this.#refill, this.#recoveryMs, cost, this.#initial, grant],
       )
-      .catch((error) => this.log.warn({ err: error, key }, "refund failed"));
+      .catch((error) => this.log.warn({ err: error }, "refund failed"));
   }
 
   releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): Promise<void> | undefined {

@@ -1,0 +1,185 @@
+import { isFloodgateError, LeaseLostError } from "floodgate";
+import { type LeaseTicket, type RedisBackendOptions, redis, stageKey } from "floodgate/redis";
+import type { Redis } from "ioredis";
+import { afterEach, beforeAll, describe, expect, it } from "vitest";
+import { redisUrl } from "../contract/backends.js";
+import {
+  Child,
+  closeClient,
+  connectedClient,
+  randomPrefix,
+  rejectionOf,
+  StallableClock,
+  sleep,
+  until,
+  within,
+} from "./helpers.js";
+
+type Backend = ReturnType<typeof redis>;
+
+describe("Redis leases", () => {
+  let url: string;
+  const clients: Redis[] = [];
+  const backends: Backend[] = [];
+  const children: Child[] = [];
+
+  beforeAll(() => {
+    url = redisUrl();
+  });
+
+  afterEach(async () => {
+    await Promise.all(children.splice(0).map((child) => child.kill()));
+    await Promise.all(backends.splice(0).map((backend) => backend.close()));
+    await Promise.all(clients.splice(0).map((client) => closeClient(client)));
+  });
+
+  /** A backend standing for one process: its own client and its own (connected) pub/sub connection. */
+  async function backend(prefix: string, options: RedisBackendOptions = {}): Promise<Backend> {
+    const [client, subscriber] = await Promise.all([connectedClient(url), connectedClient(url)]);
+    clients.push(client, subscriber);
+    const b = redis(client, { prefix, subscriber, ...options });
+    backends.push(b);
+    return b;
+  }
+
+  async function rawClient(): Promise<Redis> {
+    const raw = await connectedClient(url);
+    clients.push(raw);
+    return raw;
+  }
+
+  it("hands a killed holder's permit to a waiter within about leaseMs", async () => {
+    const prefix = randomPrefix("lease-kill");
+    const leaseMs = 1_000;
+    const holder = new Child("holder.ts", {
+      REDIS_URL: url,
+      PREFIX: prefix,
+      LIMIT: "1",
+      LEASE_MS: String(leaseMs),
+    });
+    children.push(holder);
+    const acquired = await holder.message("acquired", 15_000);
+
+    const sem = (await backend(prefix)).semaphore("sem", { limit: 1, leaseMs });
+    // The holder renews from its own process: past its first lease it still holds the permit.
+    await sleep(leaseMs * 1.5);
+    expect(await sem.tryAdmit()).toBeUndefined();
+
+    const waiting = sem.admit({ timeoutMs: 15_000 });
+    await holder.kill();
+    const killedAt = performance.now();
+    const ticket = (await waiting) as LeaseTicket;
+    const waitedMs = performance.now() - killedAt;
+
+    expect(waitedMs).toBeLessThan(leaseMs + 2_000);
+    expect(ticket.fence).toBeGreaterThan(Number(acquired.fence));
+    expect(ticket.signal.aborted).toBe(false);
+    await ticket.release("success");
+  });
+
+  it("keeps a running holder's lease past leaseMs by renewing it", async () => {
+    const prefix = randomPrefix("lease-renew");
+    const leaseMs = 1_000;
+    const mine = (await backend(prefix)).semaphore("sem", { limit: 1, leaseMs });
+    const theirs = (await backend(prefix)).semaphore("sem", { limit: 1, leaseMs });
+    const holders = stageKey(prefix, "sem", "holders");
+    const r = await rawClient();
+
+    const ticket = (await mine.admit()) as LeaseTicket;
+    const firstExpiry = Number(await r.zscore(holders, ticket.leaseId));
+
+    // Another process waits for 2.5 leases and never gets in.
+    const error = await rejectionOf(theirs.admit({ timeoutMs: leaseMs * 2.5 }));
+    expect(isFloodgateError(error, "ADMIT_TIMEOUT")).toBe(true);
+    expect(ticket.signal.aborted).toBe(false);
+    const laterExpiry = Number(await r.zscore(holders, ticket.leaseId));
+    expect(laterExpiry).toBeGreaterThan(firstExpiry);
+
+    await ticket.release("success");
+    const next = await theirs.tryAdmit();
+    expect(next).toBeDefined();
+    await next!.release("success");
+  });
+
+  it("reports a lease that can no longer be renewed on ticket.signal with LeaseLostError", async () => {
+    const prefix = randomPrefix("lease-gone");
+    const leaseMs = 500;
+    const sem = (await backend(prefix)).semaphore("sem", { limit: 1, leaseMs });
+    const r = await rawClient();
+    const ticket = (await sem.admit()) as LeaseTicket;
+    const signal = ticket.signal;
+    expect(signal.aborted).toBe(false);
+
+    // Someone else's script reaped it (as if it had expired): the next renewal finds it gone.
+    expect(await r.zrem(stageKey(prefix, "sem", "holders"), ticket.leaseId)).toBe(1);
+    await until(() => signal.aborted, {
+      timeoutMs: leaseMs + 3_000,
+      message: "the ticket's signal never aborted",
+    });
+
+    expect(signal.reason).toBeInstanceOf(LeaseLostError);
+    expect(isFloodgateError(signal.reason, "LEASE_LOST")).toBe(true);
+    expect((signal.reason as LeaseLostError).stage).toBe("sem");
+    await ticket.release("success");
+  });
+
+  it("lets a stalled holder's lease run out, tells it so, and ignores its late release", async () => {
+    const prefix = randomPrefix("lease-stall");
+    const leaseMs = 500;
+    const clock = new StallableClock();
+    const stalled = (await backend(prefix, { clock })).semaphore("sem", { limit: 1, leaseMs });
+    const other = (await backend(prefix)).semaphore("sem", { limit: 1, leaseMs });
+    const third = (await backend(prefix)).semaphore("sem", { limit: 1, leaseMs });
+    const r = await rawClient();
+
+    const late = (await stalled.admit()) as LeaseTicket;
+    const lateSignal = late.signal;
+    clock.stall(); // its renewal timer no longer runs
+
+    const current = (await other.admit({ timeoutMs: leaseMs + 5_000 })) as LeaseTicket;
+    expect(current.fence).toBeGreaterThan(late.fence);
+
+    clock.resume(); // the held-back renewal runs now and finds the lease gone
+    await until(() => lateSignal.aborted, {
+      timeoutMs: 3_000,
+      message: "the stalled holder was never told its lease was lost",
+    });
+    expect(isFloodgateError(lateSignal.reason, "LEASE_LOST")).toBe(true);
+
+    // The late release frees nothing: the current holder keeps its permit.
+    await late.release("success");
+    expect(await third.tryAdmit()).toBeUndefined();
+    expect(await r.zscore(stageKey(prefix, "sem", "holders"), current.leaseId)).not.toBeNull();
+    expect(await r.hget(stageKey(prefix, "sem", "meta"), "used")).toBe("1");
+    expect(current.signal.aborted).toBe(false);
+
+    await current.release("success");
+    const next = await third.tryAdmit();
+    expect(next).toBeDefined();
+    await next!.release("success");
+  });
+
+  it("issues fencing tokens that strictly increase across grants and processes", async () => {
+    const prefix = randomPrefix("lease-fence");
+    const stages = await Promise.all(
+      [0, 1, 2].map(async () => (await backend(prefix)).semaphore("sem", { limit: 1, leaseMs: 5_000 })),
+    );
+    const fences: number[] = [];
+    // With a limit of 1, grants happen one after another, so the order recorded is the grant order.
+    await within(
+      Promise.all(
+        stages.map(async (sem) => {
+          for (let i = 0; i < 4; i++) {
+            const ticket = (await sem.admit({ timeoutMs: 10_000 })) as LeaseTicket;
+            fences.push(ticket.fence);
+            await ticket.release("success");
+          }
+        }),
+      ),
+      15_000,
+      "12 grants",
+    );
+    expect(fences).toHaveLength(12);
+    for (let i = 1; i < fences.length; i++) expect(fences[i]!).toBeGreaterThan(fences[i - 1]!);
+  });
+});

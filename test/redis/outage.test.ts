@@ -1,0 +1,213 @@
+import { mkdtemp, rm } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { isFloodgateError, type Ticket } from "floodgate";
+import { redis, stageKey } from "floodgate/redis";
+import type { Redis } from "ioredis";
+import { afterEach, describe, expect, it } from "vitest";
+import { freePort, haveRedisServer, INSTALL_HINT, RedisProcess } from "../setup/redis-server.js";
+import { connectedClient, randomPrefix, rejectionOf, until, within } from "./helpers.js";
+
+type Backend = ReturnType<typeof redis>;
+
+const COMMAND_TIMEOUT_MS = 300;
+
+/**
+ * Each test runs its own redis-server on a free loopback port, so it can stop, freeze and restart
+ * it without disturbing the other suites.
+ */
+describe("a Redis outage", () => {
+  const servers: RedisProcess[] = [];
+  const clients: Redis[] = [];
+  const backends: Backend[] = [];
+  const dirs: string[] = [];
+
+  afterEach(async () => {
+    for (const server of servers) server.child?.kill("SIGCONT");
+    await Promise.all(backends.splice(0).map((backend) => within(backend.close(), 5_000, "backend.close()")));
+    for (const client of clients.splice(0)) client.disconnect();
+    await Promise.all(servers.splice(0).map((server) => server.stop()));
+    await Promise.all(dirs.splice(0).map((dir) => rm(dir, { recursive: true, force: true })));
+  });
+
+  async function startServer(port: number, extraArgs: string[] = []): Promise<RedisProcess> {
+    // These tests stop and restart a server of their own, so they need the binary even with REDIS_URL.
+    if (!haveRedisServer()) throw new Error(`redis-server was not found on the PATH. ${INSTALL_HINT}`);
+    const server = new RedisProcess(port, extraArgs);
+    servers.push(server);
+    await server.start();
+    return server;
+  }
+
+  /** A fail-fast client that reconnects every 50 ms while Redis is away. */
+  async function client(url: string): Promise<Redis> {
+    const c = await connectedClient(url, { retryStrategy: () => 50 });
+    clients.push(c);
+    return c;
+  }
+
+  async function setup(url: string, prefix: string) {
+    const [main, subscriber, raw] = await Promise.all([client(url), client(url), client(url)]);
+    const backend = redis(main, { prefix, subscriber, commandTimeoutMs: COMMAND_TIMEOUT_MS, pollMs: 100 });
+    backends.push(backend);
+    return { main, subscriber, raw, backend };
+  }
+
+  function reconnected(...connections: Redis[]): Promise<true> {
+    return until(() => connections.every((c) => c.status === "ready"), {
+      timeoutMs: 10_000,
+      message: "the clients did not reconnect to the restarted Redis",
+    });
+  }
+
+  /** Take `n` permits, each within a bounded wait. */
+  async function take(sem: ReturnType<Backend["semaphore"]>, n: number): Promise<Ticket[]> {
+    const tickets: Ticket[] = [];
+    for (let i = 0; i < n; i++) tickets.push(await sem.admit({ timeoutMs: 5_000 }));
+    return tickets;
+  }
+
+  it("fails callers closed while Redis is down, then admits again with no permit leaked once it is back", async () => {
+    const port = await freePort();
+    const server = await startServer(port);
+    const prefix = randomPrefix("outage-down");
+    const { main, subscriber, raw, backend } = await setup(server.url, prefix);
+    const leaseMs = 1_000;
+    const sem = backend.semaphore("sem", { limit: 3, leaseMs });
+
+    const held = await take(sem, 3);
+    const signals = held.map((t) => t.signal);
+    const waiting = sem.admit();
+    waiting.catch(() => {});
+    await until(async () => (await raw.zcard(stageKey(prefix, "sem", "queue"))) === 1, {
+      timeoutMs: 3_000,
+      message: "the fourth caller never queued",
+    });
+
+    await server.stop(); // SIGKILL: no goodbye, no data kept (persistence is off)
+
+    // The caller already waiting is not left hanging.
+    const waitError = await within(rejectionOf(waiting), 3_000, "the waiting caller");
+    expect(isFloodgateError(waitError, "BACKEND_UNAVAILABLE")).toBe(true);
+    // New callers fail closed at once (the client is not ready, or the command times out).
+    const admitError = await within(rejectionOf(sem.admit()), 3_000, "admit() during the outage");
+    expect(isFloodgateError(admitError, "BACKEND_UNAVAILABLE")).toBe(true);
+    const tryError = await within(rejectionOf(sem.tryAdmit()), 3_000, "tryAdmit() during the outage");
+    expect(isFloodgateError(tryError, "BACKEND_UNAVAILABLE")).toBe(true);
+    expect((tryError as Error).message).not.toBe("");
+
+    // Holders learn their leases can no longer be renewed.
+    await until(() => signals.every((s) => s.aborted), {
+      timeoutMs: leaseMs + 3_000,
+      message: "the holders were never told they lost their leases",
+    });
+    for (const s of signals) expect(isFloodgateError(s.reason, "LEASE_LOST")).toBe(true);
+    // Releasing while Redis is away neither throws nor hangs.
+    await within(Promise.all(held.map((t) => t.release("success"))), 3_000, "release() during the outage");
+
+    // Back on the same port, empty: the data went with the process.
+    await startServer(port);
+    await reconnected(main, subscriber, raw);
+
+    const again = await take(sem, 3);
+    expect(await sem.tryAdmit()).toBeUndefined();
+    expect(await raw.hget(stageKey(prefix, "sem", "meta"), "used")).toBe("3");
+    await Promise.all(again.map((t) => t.release("success")));
+    const full = await take(sem, 3);
+    expect(await raw.zcard(stageKey(prefix, "sem", "holders"))).toBe(3);
+    await Promise.all(full.map((t) => t.release("success")));
+    expect(await raw.zcard(stageKey(prefix, "sem", "holders"))).toBe(0);
+  });
+
+  it("counts nothing twice when Redis comes back with its data (append-only file)", async () => {
+    const port = await freePort();
+    const dir = await mkdtemp(join(tmpdir(), "floodgate-outage-"));
+    dirs.push(dir);
+    const persistent = ["--appendonly", "yes", "--appendfsync", "always", "--dir", dir];
+    const server = await startServer(port, persistent);
+    const prefix = randomPrefix("outage-aof");
+    const { main, subscriber, raw, backend } = await setup(server.url, prefix);
+    const leaseMs = 1_000;
+    const sem = backend.semaphore("sem", { limit: 3, leaseMs });
+    const holders = stageKey(prefix, "sem", "holders");
+    const meta = stageKey(prefix, "sem", "meta");
+
+    const held = await take(sem, 2);
+    const signals = held.map((t) => t.signal);
+    await server.stop();
+    await until(() => signals.every((s) => s.aborted), {
+      timeoutMs: leaseMs + 3_000,
+      message: "the holders were never told they lost their leases",
+    });
+    // These releases cannot reach Redis; they are not replayed later either.
+    await within(Promise.all(held.map((t) => t.release("success"))), 3_000, "release() during the outage");
+
+    await startServer(port, persistent);
+    await reconnected(main, subscriber, raw);
+    // The two leases came back with the data (so this test does test a surviving dataset) ...
+    expect(await raw.zcard(holders)).toBe(2);
+    expect(await raw.hget(meta, "used")).toBe("2");
+
+    // ... and run out by themselves: the whole limit is there again, counted once.
+    const again = await take(sem, 3);
+    expect(await sem.tryAdmit()).toBeUndefined();
+    expect(await raw.zcard(holders)).toBe(3);
+    expect(await raw.hget(meta, "used")).toBe("3");
+    await Promise.all(again.map((t) => t.release("success")));
+    expect(await raw.zcard(holders)).toBe(0);
+    expect(await raw.hget(meta, "used")).toBe("0");
+  });
+
+  it("fails callers closed after commandTimeoutMs when Redis stops answering, and holds nothing once it answers", async () => {
+    const port = await freePort();
+    const server = await startServer(port);
+    const prefix = randomPrefix("outage-frozen");
+    const { raw, backend } = await setup(server.url, prefix);
+    // A long lease: a permit granted to nobody would stay held long after the test's bounds.
+    const sem = backend.semaphore("sem", { limit: 1, leaseMs: 30_000 });
+
+    server.child!.kill("SIGSTOP");
+    const tryError = await within(rejectionOf(sem.tryAdmit()), 3_000, "tryAdmit() against a frozen Redis");
+    expect(isFloodgateError(tryError, "BACKEND_UNAVAILABLE")).toBe(true);
+    const admitError = await within(rejectionOf(sem.admit()), 3_000, "admit() against a frozen Redis");
+    expect(isFloodgateError(admitError, "BACKEND_UNAVAILABLE")).toBe(true);
+    server.child!.kill("SIGCONT");
+
+    // Redis now runs the acquires it was sent; each one granted must be given back.
+    await until(async () => (await raw.zcard(stageKey(prefix, "sem", "holders"))) === 0, {
+      timeoutMs: 3_000,
+      message: "a permit asked for while Redis was frozen stayed held after it came back",
+    });
+    const ticket = await sem.tryAdmit();
+    expect(ticket).toBeDefined();
+    await ticket!.release("success");
+  });
+
+  it("gives back a permit granted after its caller stopped waiting while Redis was frozen", async () => {
+    const port = await freePort();
+    const server = await startServer(port);
+    const prefix = randomPrefix("outage-gaveup");
+    const { raw, backend } = await setup(server.url, prefix);
+    const sem = backend.semaphore("sem", { limit: 1, leaseMs: 30_000 });
+
+    server.child!.kill("SIGSTOP");
+    // The caller's own timeout (100 ms) runs out before the command's (300 ms).
+    const error = await within(
+      rejectionOf(sem.admit({ timeoutMs: 100 })),
+      3_000,
+      "admit({ timeoutMs: 100 })",
+    );
+    expect(isFloodgateError(error, "ADMIT_TIMEOUT")).toBe(true);
+    await new Promise((resolve) => setTimeout(resolve, COMMAND_TIMEOUT_MS * 2)); // the command times out too
+    server.child!.kill("SIGCONT");
+
+    await until(async () => (await raw.zcard(stageKey(prefix, "sem", "holders"))) === 0, {
+      timeoutMs: 3_000,
+      message:
+        "a permit granted after its caller gave up stayed held (it would block the stage for the whole leaseMs)",
+    });
+    const ticket = await sem.tryAdmit();
+    expect(ticket).toBeDefined();
+    await ticket!.release("success");
+  });
+});
