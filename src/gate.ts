@@ -127,6 +127,10 @@ class GateTicket implements Ticket {
     return settleAll(this.held, undefined);
   }
 
+  async settle(actual: number | Readonly<Record<string, number>>): Promise<void> {
+    await Promise.all(this.held.map((t) => t.settle(actual)));
+  }
+
   close(): Promise<void> {
     return this.release();
   }

@@ -74,6 +74,17 @@ export interface Ticket extends AsyncDisposable {
    * adaptive stage learns anything. Use it when the call was never sent.
    */
   refund(): Promise<void>;
+  /**
+   * Reserve, then settle: the call was admitted at an estimated `cost` (prompt tokens) and the
+   * response tells the actual one. A token bucket charges the difference at once when the call
+   * cost more (the key may go into debt: later calls wait until it is paid back), and gives the
+   * difference back when it cost less (only while no later call has taken from the key, so the
+   * bucket never ends up fuller than if the right cost had been asked). Stages that bound
+   * concurrency rather than volume ignore it. On a gate ticket, a number settles every stage and
+   * a record settles stages by name: `ticket.settle({ tpm: usage.total_tokens })`.
+   * `actual` is an integer >= 0.
+   */
+  settle(actual: number | Readonly<Record<string, number>>): Promise<void>;
   /** Same as `release()`. */
   close(): Promise<void>;
 }

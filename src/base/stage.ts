@@ -26,7 +26,7 @@ export class BaseTicket implements Ticket {
 
   constructor(
     readonly owner: BaseStage,
-    readonly cost: number,
+    public cost: number,
     readonly key: string,
     readonly admittedAt: number,
   ) {}
@@ -57,6 +57,24 @@ export class BaseTicket implements Ticket {
     this.released = true;
     this.owner.inFlight--;
     return this.owner.releaseTicket(this, "ignored", true) ?? RESOLVED;
+  }
+
+  settle(actual: number | Readonly<Record<string, number>>): Promise<void> {
+    const n = typeof actual === "number" ? actual : actual[this.owner.name];
+    if (n === undefined) return RESOLVED;
+    if (!(Number.isInteger(n) && n >= 0)) {
+      return Promise.reject(
+        new InvalidOptionsError(
+          this.owner.name,
+          "actual",
+          `${this.owner.kind} "${this.owner.name}": settle needs an integer >= 0 (got ${n})`,
+        ),
+      );
+    }
+    if (n === this.cost) return RESOLVED;
+    const estimated = this.cost;
+    this.cost = n;
+    return this.owner.settleTicket(this, estimated, n) ?? RESOLVED;
   }
 
   close(): Promise<void> {
@@ -130,6 +148,12 @@ export abstract class BaseStage implements Stage, WaiterOwner {
 
   /** Give back what `ticket` holds. Called once per ticket; may finish asynchronously. */
   abstract releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): void | Promise<void>;
+
+  /**
+   * The call cost `actual` rather than the `estimated` it was admitted with. Only stages that
+   * bound volume (token buckets) act on it.
+   */
+  settleTicket(_ticket: BaseTicket, _estimated: number, _actual: number): void | Promise<void> {}
 
   /** The signal handed out as `ticket.signal`; aborts when the stage closes. */
   ticketSignal(_ticket: BaseTicket): AbortSignal {

@@ -193,6 +193,22 @@ export class MemoryTokenBucket extends BaseStage {
     this.#drain(list as KeyBucket, key);
   }
 
+  override settleTicket(ticket: BaseTicket, estimated: number, actual: number): void {
+    const now = this.clock.now();
+    const b = this.#bucket(ticket.key, now);
+    const tokens = tokensAt(b, this.#config, now);
+    if (actual > estimated) {
+      // Charged now; below zero is a debt the next calls wait out.
+      b.tokens = tokens - (actual - estimated);
+    } else if (b.lastGrant === ticket) {
+      b.tokens = Math.min(this.#config.capacity, tokens + (estimated - actual));
+    } else {
+      return;
+    }
+    if (now > b.updatedAt) b.updatedAt = now;
+    this.#drain(b, ticket.key);
+  }
+
   protected afterWaiterGone(list: WaitList, waiter: { key: string }): void {
     this.#drain(list as KeyBucket, waiter.key);
   }

@@ -36,6 +36,9 @@ class OpenTicket implements Ticket {
   refund(): Promise<void> {
     return this.release();
   }
+  settle(_actual: number | Readonly<Record<string, number>>): Promise<void> {
+    return RESOLVED;
+  }
   close(): Promise<void> {
     return this.release();
   }

@@ -275,6 +275,29 @@ export class RedisTokenBucket extends BaseStage {
     return undefined;
   }
 
+  override settleTicket(ticket: BaseTicket, estimated: number, actual: number): Promise<void> {
+    const key = ticket.key;
+    return this.#link
+      .run(
+        this.name,
+        "token-bucket-settle",
+        [stageKey(this.#prefix, this.name, `b:${key}`)],
+        [
+          this.#link.now(),
+          this.#capacity,
+          this.#refill,
+          this.#recoveryMs,
+          actual - estimated,
+          this.#initial,
+          (ticket as GrantTicket).grant,
+        ],
+      )
+      .then(() => {
+        const line = this.#lines.get(key);
+        if (line) void this.#drain(line, key);
+      });
+  }
+
   protected override grantDue(list: WaitList, key: string): Promise<void> | undefined {
     return this.#drain(list as KeyLine, key);
   }

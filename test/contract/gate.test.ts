@@ -158,6 +158,22 @@ describe.each(backends)("Gate on $name", (backend) => {
     expect(await tpm.tryAdmit({ cost: 200 })).toBeDefined();
   });
 
+  it("settles each stage by name: reserve the estimate, pay the actual", async () => {
+    const b = backend.make(clock);
+    const rpm = b.tokenBucket("rpm", { capacity: 10, refillPerSecond: 1 });
+    const tpm = b.tokenBucket("tpm", { capacity: 1000, refillPerSecond: 1 });
+    const gate = new Gate([rpm, tpm, b.semaphore("inflight", { limit: 4 })], { clock });
+    await gate.run(
+      async (ticket) => {
+        await ticket.settle({ tpm: 200 }); // the response said 200 tokens, not 800
+      },
+      { costs: { tpm: 800 } },
+    );
+    expect(await tpm.tryAdmit({ cost: 801 })).toBeUndefined();
+    expect(await tpm.tryAdmit({ cost: 800 })).toBeDefined();
+    expect(await rpm.tryAdmit({ cost: 9 })).toBeDefined(); // one request, as admitted
+  });
+
   it("nests: a gate is a stage of another gate", async () => {
     const b = backend.make(clock);
     const inner = new Gate([b.semaphore("inner", { limit: 1 })], { clock, name: "inner-gate" });

@@ -152,6 +152,50 @@ describe.each(backends)("token bucket on $name", (backend) => {
     expect(next.settled).toBe(true);
   });
 
+  it("charges a call that cost more than its estimate when it settles", async () => {
+    const bucket = make({ capacity: 10, refillPerSecond: 10 });
+    const ticket = await bucket.admit({ cost: 2 });
+    await ticket.settle(7);
+    expect(await bucket.tryAdmit({ cost: 4 })).toBeUndefined();
+    expect(await bucket.tryAdmit({ cost: 3 })).toBeDefined();
+  });
+
+  it("lets a settle put a key into debt that later calls wait out", async () => {
+    const bucket = make({ capacity: 10, refillPerSecond: 10 });
+    const ticket = await bucket.admit({ cost: 10 });
+    await ticket.settle(15); // 5 tokens of debt
+    const next = track(bucket.admit());
+    await clock.advance(599);
+    expect(next.settled).toBe(false);
+    await clock.advance(1);
+    expect(next.settled).toBe(true);
+  });
+
+  it("gives back what a call did not use when it settles", async () => {
+    const bucket = make({ capacity: 10, refillPerSecond: 1 });
+    const ticket = await bucket.admit({ cost: 8 });
+    await ticket.settle(3);
+    expect(await bucket.tryAdmit({ cost: 7 })).toBeDefined();
+    expect(await bucket.tryAdmit({ cost: 1 })).toBeUndefined();
+  });
+
+  it("gives nothing back on settle once another call has taken from the key", async () => {
+    const bucket = make({ capacity: 10, refillPerSecond: 1 });
+    const first = await bucket.admit({ cost: 5 });
+    await bucket.admit({ cost: 1 });
+    await first.settle(1);
+    expect(await bucket.tryAdmit({ cost: 5 })).toBeUndefined();
+    expect(await bucket.tryAdmit({ cost: 4 })).toBeDefined();
+  });
+
+  it("refuses a settle that is not an integer >= 0, naming the field", async () => {
+    const bucket = make({ capacity: 10, refillPerSecond: 1 });
+    const ticket = await bucket.admit();
+    const error = await ticket.settle(-1).catch((e) => e);
+    expect(error).toBeInstanceOf(InvalidOptionsError);
+    expect(error.field).toBe("actual");
+  });
+
   it("refuses bad options with the stage, field, rule and value", () => {
     const b = backend.make(clock);
     expect(() => b.tokenBucket("de-rate", { capacity: 0, refillPerSecond: 1 })).toThrow(
