@@ -1,0 +1,93 @@
+import { redis } from "floodgate/redis";
+import type { Redis } from "ioredis";
+import { afterEach, describe, expect, it } from "vitest";
+import { redisUrl } from "../contract/backends.js";
+import { closeClient, connectedClient, randomPrefix, until } from "./helpers.js";
+
+/**
+ * Two backends on two connections stand for two processes: the waiting line lives in Redis, so
+ * arrival order holds across them, and a release wakes only the waiter at the head.
+ */
+describe("waiting across processes", () => {
+  const clients: Redis[] = [];
+  afterEach(async () => {
+    await Promise.all(clients.splice(0).map(closeClient));
+  });
+
+  async function fleet(n: number, prefix: string) {
+    const backends = [];
+    for (let i = 0; i < n; i++) {
+      const client = await connectedClient(redisUrl());
+      clients.push(client);
+      // A long poll: every wake-up below comes from the releases, not from polling.
+      backends.push(redis(client, { prefix, pollMs: 60_000 }));
+    }
+    return backends;
+  }
+
+  async function evalCalls(client: Redis): Promise<number> {
+    const info = await client.info("commandstats");
+    let calls = 0;
+    for (const m of info.matchAll(/^cmdstat_(?:evalsha|eval):calls=(\d+)/gm)) calls += Number(m[1]);
+    return calls;
+  }
+
+  it("grants in arrival order across processes, so a newcomer cannot jump the line", async () => {
+    const prefix = randomPrefix("fifo");
+    const [a, b, c] = await fleet(3, prefix);
+    const semA = a!.semaphore("line", { limit: 1 });
+    const semB = b!.semaphore("line", { limit: 1 });
+    const semC = c!.semaphore("line", { limit: 1 });
+    const held = await semA.admit();
+    const order: string[] = [];
+    const waitB = semB.admit().then((t) => {
+      order.push("b");
+      return t;
+    });
+    await until(async () => (await clients[0]!.zcard(`${prefix}{line}:queue`)) === 1, {
+      timeoutMs: 5000,
+      message: "b did not line up",
+    });
+    const waitC = semC.admit().then((t) => {
+      order.push("c");
+      return t;
+    });
+    await until(async () => (await clients[0]!.zcard(`${prefix}{line}:queue`)) === 2, {
+      timeoutMs: 5000,
+      message: "c did not line up",
+    });
+    // A newcomer in the releasing process asks while b and c wait: it must not overtake them.
+    expect(await semA.tryAdmit()).toBeUndefined();
+    await held.release("success");
+    const tb = await waitB;
+    expect(order).toEqual(["b"]);
+    await tb.release("success");
+    const tc = await waitC;
+    expect(order).toEqual(["b", "c"]);
+    await tc.release("success");
+  });
+
+  it("costs a bounded number of Redis calls per release, not one per waiter", async () => {
+    const prefix = randomPrefix("calls");
+    const [a, ...others] = await fleet(6, prefix);
+    const sems = others.map((b) => b.semaphore("calls", { limit: 1 }));
+    const holder = a!.semaphore("calls", { limit: 1 });
+    const held = await holder.admit();
+    // 5 processes × 8 waiters = 40 waiters in line.
+    const waits = sems.flatMap((s) => Array.from({ length: 8 }, () => s.admit()));
+    await until(async () => (await clients[0]!.zcard(`${prefix}{calls}:queue`)) === 40, {
+      timeoutMs: 10_000,
+      message: "the waiters did not line up",
+    });
+    // Let the first wave of subscriptions settle so no retry is still under way.
+    await new Promise((r) => setTimeout(r, 200));
+    const before = await evalCalls(clients[0]!);
+    await held.release("success");
+    const first = await Promise.race(waits);
+    const after = await evalCalls(clients[0]!);
+    // The release, then the head's acquire (which is granted): two round trips, whatever the line.
+    expect(after - before).toBeLessThanOrEqual(3);
+    await first.release("success");
+    for (const w of waits) await (await w).release("success");
+  });
+});
