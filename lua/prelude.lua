@@ -85,3 +85,8 @@ local function floodgate_save_bucket(key, s, capacity, refillPerSecond, recovery
   if s.factor < 1 then fillMs = math.max(fillMs / s.factor, recoveryMs) end
   redis.call('PEXPIRE', key, math.ceil(fillMs) + 1000)
 end
+
+-- A lease or waiter member is "<id>:<cost>": its cost travels with it, so no side table.
+local function floodgate_cost(member)
+  return tonumber(string.match(member, ':(%d+)$')) or 1
+end

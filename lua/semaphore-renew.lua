@@ -1,9 +1,9 @@
 -- semaphore-renew: extend lease `id` while its holder is still running.
 --
--- KEYS[1] holders  ZSET  lease id -> lease expiry (ms)
+-- KEYS[1] holders  ZSET  member "<lease id>:<cost>" -> lease expiry (ms)
 --
 -- ARGV[1] now      ms, or "" for the server's TIME
--- ARGV[2] id       lease id
+-- ARGV[2] member   "<lease id>:<cost>"
 -- ARGV[3] leaseMs  new lease length from now, ms
 --
 -- Returns 1 when renewed, 0 when the lease is gone (released, or expired: the permit is lost).

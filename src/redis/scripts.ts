@@ -7,10 +7,10 @@ import { fileURLToPath } from "node:url";
  * shared prelude (`lua/prelude.lua`: reading `now`) is put in front when it is loaded.
  */
 export const SCRIPTS = {
-  "semaphore-acquire": 5,
-  "semaphore-release": 5,
+  "semaphore-acquire": 4,
+  "semaphore-release": 4,
   "semaphore-renew": 1,
-  "aimd-release": 5,
+  "aimd-release": 4,
   "token-bucket-take": 1,
   "token-bucket-refund": 1,
   "token-bucket-penalize": 1,

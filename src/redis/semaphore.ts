@@ -18,6 +18,11 @@ import { parseOptions, semaphoreSchema } from "../validate.js";
 import { stageKey } from "./keys.js";
 import { maybeSent, type RedisLink } from "./link.js";
 
+/** A lease or waiter member: a unique id, and the cost it holds so no side table is needed. */
+function memberId(cost: number): string {
+  return `${randomUUID()}:${cost}`;
+}
+
 /** What a Redis stage needs from its backend. */
 export interface RedisContext {
   link: RedisLink;
@@ -100,7 +105,7 @@ export abstract class RedisPermitStage extends BaseStage {
     this.settings = settings;
     this.limit = settings.limit ?? settings.initial;
     const key = (part: string) => stageKey(ctx.prefix, name, part);
-    this.keys = [key("holders"), key("costs"), key("queue"), key("qexp"), key("meta")];
+    this.keys = [key("holders"), key("queue"), key("qexp"), key("meta")];
     this.channel = key("wake");
   }
 
@@ -126,11 +131,10 @@ export abstract class RedisPermitStage extends BaseStage {
     return t.controller.signal;
   }
 
-  #acquire(id: string, cost: number, mode: "wait" | "try"): Promise<AcquireReply> {
+  #acquire(id: string, mode: "wait" | "try"): Promise<AcquireReply> {
     return this.link.run(this.name, "semaphore-acquire", this.keys, [
       this.link.now(),
       id,
-      cost,
       this.#limitArg(),
       this.settings.leaseMs,
       mode,
@@ -187,7 +191,7 @@ export abstract class RedisPermitStage extends BaseStage {
     if (this.settings.whenFull === "shed" || o.timeoutMs === 0) return this.#once(cost, o);
     const promise = this.wait(this.waiters, cost, "", o);
     const w = this.waiters.tail as RedisWaiter;
-    w.id = randomUUID();
+    w.id = memberId(cost);
     this.#byId.set(w.id, w);
     this.#attempt(w);
     return promise;
@@ -208,10 +212,10 @@ export abstract class RedisPermitStage extends BaseStage {
   }
 
   async #tryOnce(cost: number): Promise<Ticket | undefined> {
-    const id = randomUUID();
+    const id = memberId(cost);
     let reply: AcquireReply;
     try {
-      reply = await this.#acquire(id, cost, "try");
+      reply = await this.#acquire(id, "try");
     } catch (error) {
       if (isFloodgateError(error, "BACKEND_UNAVAILABLE") && maybeSent(error)) this.#forget(id);
       throw error;
@@ -248,7 +252,7 @@ export abstract class RedisPermitStage extends BaseStage {
     w.busy = true;
     w.again = false;
     this.#clearRetry(w);
-    this.#acquire(w.id, w.cost, "wait").then(
+    this.#acquire(w.id, "wait").then(
       (reply) => {
         w.busy = false;
         this.limit = Number(reply[3]);
