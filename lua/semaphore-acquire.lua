@@ -4,7 +4,8 @@
 -- KEYS[1] holders  ZSET  member "<lease id>:<cost>" -> lease expiry (ms)
 -- KEYS[2] queue    ZSET  member "<waiter id>:<cost>" -> arrival sequence (FIFO order)
 -- KEYS[3] qexp     ZSET  member -> waiter expiry (ms); a waiter not heard from is dropped
--- KEYS[4] meta     HASH  used (permits held), seq (arrivals and fencing tokens), limit, epoch
+-- KEYS[4] meta     HASH  used (permits held), seq (arrivals and fencing tokens), limit, epoch,
+--                       quarantine (ms: no grants before, after Redis lost its data)
 --
 -- ARGV[1] now         ms, or "" for the server's TIME
 -- ARGV[2] member      "<id>:<cost>", the cost in permits (integer >= 1)
@@ -14,11 +15,19 @@
 -- ARGV[6] waiterTtlMs how long a waiter in line stays without asking again, ms
 -- ARGV[7] channel     pub/sub channel to wake waiters on
 -- ARGV[8] initial     AIMD: limit to start from when meta has none; "" otherwise
+-- ARGV[9] lastFence   the highest fencing token this process has seen, or 0
 --
--- Returns {granted, fenceOrWaitMs, used, limit, epoch, woken}:
+-- Returns {granted, fenceOrWaitMs, used, limit, epoch, woken, quarantineMs}:
 --   granted = 1: fenceOrWaitMs is the fencing token (increases with every grant)
---   granted = 0: fenceOrWaitMs is ms until the nearest lease expires (-1: none held)
+--   granted = 0: fenceOrWaitMs is ms until the nearest lease expires or the quarantine ends
+--                (-1: neither)
 --   woken: the waiter told (by PUBLISH on `channel`) to ask again, or ""
+--   quarantineMs: > 0 while grants are held back because Redis lost this stage's data
+--
+-- Data loss (a restart without persistence, FLUSHALL, a failover to a stale replica) shows as a
+-- fencing sequence below one a process has already seen. Leases held then are forgotten while
+-- their calls still run, so nothing is granted for one lease length (a quarantine), after which
+-- every such lease has ended; the sequence is restored so fencing tokens keep increasing.
 --
 -- Expired leases are reaped only when they stand in the way (no room, or someone in line), so
 -- an uncontended grant is five commands.
@@ -33,8 +42,9 @@ local mode        = ARGV[5]                     -- "wait" | "try"
 local waiterTtlMs = tonumber(ARGV[6])           -- ms
 local channel     = ARGV[7]
 local cost        = floodgate_cost(member)      -- permits
+local lastFence   = tonumber(ARGV[9]) or 0
 
-local state = redis.call('HMGET', meta, 'used', 'limit', 'epoch')
+local state = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'seq', 'quarantine')
 local used  = tonumber(state[1]) or 0
 local limit = tonumber(ARGV[3])
 local epoch = 0
@@ -55,6 +65,20 @@ local function wakeHead()
     return head
   end
   return ''
+end
+
+-- Quarantine after data loss: no grants until every lease of before could have ended.
+local quarantine = tonumber(state[5]) or 0
+if lastFence > (tonumber(state[4]) or 0) then
+  quarantine = now + leaseMs
+  redis.call('HSET', meta, 'seq', lastFence, 'quarantine', quarantine)
+end
+if quarantine > now then
+  if mode == 'wait' and not redis.call('ZSCORE', queue, member) then
+    redis.call('ZADD', queue, redis.call('HINCRBY', meta, 'seq', 1), member)
+  end
+  if mode == 'wait' then redis.call('ZADD', qexp, now + waiterTtlMs, member) end
+  return {0, quarantine - now, used, limit, epoch, '', quarantine - now}
 end
 
 local head = redis.call('ZRANGE', queue, 0, 0)[1]
@@ -84,7 +108,7 @@ if used + cost <= limit and (not head or head == member) then
   local fence = redis.call('HINCRBY', meta, 'seq', 1)
   redis.call('HSET', meta, 'used', used)
   if head then woken = wakeHead() end
-  return {1, fence, used, limit, epoch, woken}
+  return {1, fence, used, limit, epoch, woken, 0}
 end
 
 local woken = ''
@@ -98,4 +122,4 @@ end
 local first = redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')
 local waitMs = -1
 if first[2] then waitMs = math.max(0, tonumber(first[2]) - now) end
-return {0, waitMs, used, limit, epoch, woken}
+return {0, waitMs, used, limit, epoch, woken, 0}

@@ -25,8 +25,11 @@ const RFC_850 = new RegExp(`^[a-z]+, (\\d{2})-${MONTH}-(\\d{2}) ${TIME} gmt$`, "
 /** `Sun Nov  6 08:49:37 1994` (obsolete asctime form, always GMT). */
 const ASCTIME = new RegExp(`^[a-z]{3} ${MONTH} +(\\d{1,2}) ${TIME} (\\d{4})$`, "i");
 
-/** The value of header `name` (lowercase) as a list of strings; empty when absent. */
-function headerValues(headers: HeadersLike, name: string): string[] {
+/**
+ * The value of header `name` (lowercase) as a list of strings; empty when absent.
+ * @internal
+ */
+export function headerValues(headers: HeadersLike, name: string): string[] {
   const getter = (headers as { get?: unknown }).get;
   if (typeof getter === "function") {
     const value = (getter as (name: string) => unknown).call(headers, name);

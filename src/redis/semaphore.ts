@@ -62,6 +62,7 @@ type AcquireReply = [
   limit: number,
   epoch: number,
   woken: string,
+  quarantineMs: number,
 ];
 
 /** Settings that make a permit stage a semaphore, a bounded queue or an AIMD limiter. */
@@ -96,6 +97,9 @@ export abstract class RedisPermitStage extends BaseStage {
   readonly #ctx: RedisContext;
   readonly #byId = new Map<string, RedisWaiter>();
   #subscribed: Promise<void> | undefined;
+  /** Highest fencing token seen: a sequence below it in Redis means Redis lost its data. */
+  #lastFence = 0;
+  #quarantined = false;
   #listening = false;
 
   constructor(name: string, settings: PermitSettings, ctx: RedisContext) {
@@ -141,7 +145,19 @@ export abstract class RedisPermitStage extends BaseStage {
       this.#ctx.pollMs * 3,
       this.channel,
       this.settings.limit === undefined ? this.settings.initial : "",
+      this.#lastFence,
     ]);
+  }
+
+  /** Note what a reply says about the stage: its limit, the newest fence, a quarantine. */
+  #saw(reply: AcquireReply): void {
+    this.limit = Number(reply[3]);
+    const quarantineMs = Number(reply[6] ?? 0);
+    if (quarantineMs > 0 && !this.#quarantined) {
+      this.log.warn({ quarantineMs }, "Redis lost this stage's data; no grants until held leases have ended");
+    }
+    this.#quarantined = quarantineMs > 0;
+    if (Number(reply[0]) === 1) this.#lastFence = Math.max(this.#lastFence, Number(reply[1]));
   }
 
   /** Give back lease or waiter `id` in the background (a lost reply, an abandoned wait). */
@@ -170,7 +186,6 @@ export abstract class RedisPermitStage extends BaseStage {
     t.fence = Number(reply[1]);
     t.epoch = Number(reply[4]);
     t.renewedAt = this.clock.now();
-    this.limit = Number(reply[3]);
     this.#scheduleRenew(t);
     return t;
   }
@@ -220,7 +235,7 @@ export abstract class RedisPermitStage extends BaseStage {
       if (isFloodgateError(error, "BACKEND_UNAVAILABLE") && maybeSent(error)) this.#forget(id);
       throw error;
     }
-    this.limit = Number(reply[3]);
+    this.#saw(reply);
     if (Number(reply[0]) !== 1) return undefined;
     if (this.closed) {
       this.#forget(id);
@@ -255,7 +270,7 @@ export abstract class RedisPermitStage extends BaseStage {
     this.#acquire(w.id, "wait").then(
       (reply) => {
         w.busy = false;
-        this.limit = Number(reply[3]);
+        this.#saw(reply);
         const granted = Number(reply[0]) === 1;
         if (!w.list) {
           // Aborted, timed out or closed while the call was out: give back what it got.
