@@ -307,7 +307,12 @@ function checkSettled(value: unknown): SettleValue {
   if (typeof value === "object" && value !== null && !Array.isArray(value)) {
     if (Object.values(value).every(isCount)) return value as SettleValue;
   }
-  const got = typeof value === "object" && value !== null ? JSON.stringify(value) : String(value);
+  const got =
+    typeof value === "object" && value !== null && !Array.isArray(value)
+      ? `{ ${Object.entries(value)
+          .map(([k, v]) => `${k}: ${show(v)}`)
+          .join(", ")} }`
+      : show(value);
   fail(
     "settle",
     `settle must return an integer >= 0, a record of them by stage name, or undefined (got ${got})`,
@@ -361,7 +366,17 @@ function checkSettled(value: unknown): SettleValue {
  *   when the gate refuses it (on any attempt), with `RetryError` when every attempt failed, and
  *   otherwise as `fetchImpl` does.
  */
+export function wrapFetch(
+  gate: FetchGate,
+  fetchImpl?: undefined,
+  options?: WrapFetchOptions<Response>,
+): WrappedFetch<typeof globalThis.fetch>;
 export function wrapFetch<F extends FetchLike = typeof globalThis.fetch>(
+  gate: FetchGate,
+  fetchImpl?: F,
+  options?: WrapFetchOptions<Awaited<ReturnType<F>>>,
+): WrappedFetch<F>;
+export function wrapFetch<F extends FetchLike>(
   gate: FetchGate,
   fetchImpl?: F,
   options?: WrapFetchOptions<Awaited<ReturnType<F>>>,
@@ -454,7 +469,7 @@ export function wrapFetch<F extends FetchLike = typeof globalThis.fetch>(
 
     const policy = retryPolicy(o.retry, call.retry);
     const method = methodOf(input, sendInit);
-    if (!policy || !policy.methods.has(method) || !replayable(input, sendInit)) {
+    if (!policy?.methods.has(method) || !replayable(input, sendInit)) {
       return (await runOnce()).response;
     }
     return retrying(policy, runOnce, signal, `${method} ${url.origin}${url.pathname}`);

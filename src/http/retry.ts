@@ -185,7 +185,9 @@ export function retryPolicy(
   call: RetryOptions | false | undefined,
 ): RetryPolicy | undefined {
   if (call === false || (base === undefined && call === undefined)) return undefined;
-  const o = { ...base, ...call };
+  // A field the call leaves undefined keeps the wrapper's.
+  const o: RetryOptions = { ...base };
+  for (const [k, v] of Object.entries(call ?? {})) if (v !== undefined) (o as Record<string, unknown>)[k] = v;
   return {
     retries: o.retries ?? 2,
     baseMs: o.baseMs ?? 100,
@@ -251,6 +253,7 @@ export function sleep(clock: Clock, ms: number, signal: AbortSignal | undefined)
   return new Promise<void>((resolve, reject) => {
     const onAbort = () => {
       clock.clearTimeout(timer);
+      signal!.removeEventListener("abort", onAbort);
       reject(signal!.reason);
     };
     const timer = clock.setTimeout(() => {

@@ -3,8 +3,23 @@ import type { Dispatcher } from "undici";
 import { InvalidOptionsError, isFloodgateError } from "../errors.js";
 import type { Gate } from "../gate.js";
 import type { AdmitOptions, Outcome, Ticket } from "../types.js";
+import {
+  checkReserve,
+  parseRateLimit,
+  RATE_LIMIT_HEADERS,
+  type ReserveOptions,
+  reservePauseMs,
+} from "./rate-limit.js";
 import { type HeadersLike, parseRetryAfter } from "./retry-after.js";
+import { show } from "./show.js";
 
+export {
+  parseRateLimit,
+  parseResetMs,
+  type RateLimitWindow,
+  type RateLimitWindowName,
+  type ReserveOptions,
+} from "./rate-limit.js";
 export { type HeadersLike, type HeaderValue, parseRetryAfter } from "./retry-after.js";
 
 /** What the interceptor needs of a gate: `admit` and `pause`. A `Gate` has both. */
@@ -48,15 +63,22 @@ export interface InterceptorOptions {
    */
   timeoutMs?: number;
   /**
-   * Longest pause, in milliseconds, one response's Retry-After may put on its host; longer values
-   * are cut to it. `0` turns pausing off. A finite number >= 0. @default 86400000 (a day)
+   * Longest pause, in milliseconds, one response's Retry-After (or reserve) may put on its host;
+   * longer values are cut to it. `0` turns pausing off. A finite number >= 0.
+   * @default 86400000 (a day)
    */
   maxPauseMs?: number;
   /**
-   * Wall-clock time in epoch milliseconds, used only to turn a Retry-After date into a delay.
-   * @default `Date.now`, looked up at each response
+   * Wall-clock time in epoch milliseconds, used only to turn a Retry-After date (or a reset
+   * given as a moment) into a delay. @default `Date.now`, looked up at each response
    */
   now?: () => number;
+  /**
+   * Leave part of the provider's window to other traffic: when a response's
+   * `x-ratelimit-remaining-*` is at or below the reserve, pause its host on the gate until the
+   * matching `x-ratelimit-reset-*`. See `ReserveOptions`. @default no reserve
+   */
+  reserve?: ReserveOptions;
 }
 
 type Handler = Dispatcher.DispatchHandler;
@@ -64,7 +86,7 @@ type Controller = Dispatcher.DispatchController;
 type Headers = Record<string, string | string[] | undefined>;
 
 const DEFAULT_MAX_PAUSE_MS = 86_400_000;
-const OPTION_KEYS = new Set(["key", "timeoutMs", "maxPauseMs", "now"]);
+const OPTION_KEYS = new Set(["key", "timeoutMs", "maxPauseMs", "now", "reserve"]);
 const CALL_KEYS = new Set(["key", "host", "cost", "costs", "timeoutMs"]);
 const DNS_CODES = new Set(["ENOTFOUND", "EAI_AGAIN", "EAI_NONAME", "EAI_FAIL"]);
 const ABORT_CODES = new Set(["UND_ERR_ABORTED", "ABORT_ERR"]);
@@ -72,13 +94,6 @@ const noop = () => {};
 
 function fail(field: string, message: string): never {
   throw new InvalidOptionsError(undefined, field, `floodgateInterceptor: ${message}`);
-}
-
-function show(value: unknown): string {
-  if (typeof value === "string") return JSON.stringify(value);
-  if (typeof value === "function") return "a function";
-  if (typeof value === "object" && value !== null) return Array.isArray(value) ? "an array" : "an object";
-  return String(value);
 }
 
 function checkOptions(gate: unknown, options: unknown): InterceptorOptions {
@@ -107,6 +122,7 @@ function checkOptions(gate: unknown, options: unknown): InterceptorOptions {
   if (o.now !== undefined && typeof o.now !== "function") {
     fail("now", `now must be a function returning epoch milliseconds (got ${show(o.now)})`);
   }
+  if (o.reserve !== undefined) checkReserve(o.reserve, "reserve", fail);
   return o;
 }
 
@@ -180,14 +196,23 @@ class Admitted {
     readonly host: string | undefined,
     readonly maxPauseMs: number,
     readonly now: (() => number) | undefined,
+    readonly reserve: ReserveOptions | undefined,
   ) {}
 
-  /** Note a response's status and pause its host for as long as its Retry-After asks. */
+  /**
+   * Note a response's status and pause its host for as long as its Retry-After asks, or until
+   * its rate-limit window resets when the window is down to the reserve.
+   */
   response(status: number, headers: HeadersLike): void {
     if (status < 200) return;
     this.status = status;
     if (this.maxPauseMs <= 0 || !this.host) return;
-    const ms = parseRetryAfter(headers, this.now ? this.now() : Date.now());
+    const wall = this.now ? this.now() : Date.now();
+    let ms = parseRetryAfter(headers, wall);
+    if (this.reserve) {
+      const reset = reservePauseMs(parseRateLimit(headers, wall), this.reserve);
+      if (reset !== undefined && (ms === undefined || reset > ms)) ms = reset;
+    }
     if (ms === undefined || ms <= 0) return;
     // The handler callbacks cannot wait; a failed pause (Redis unreachable) does not fail the request.
     try {
@@ -262,7 +287,7 @@ function rawToRecord(raw: readonly (Buffer | string)[] | null | undefined): Head
   if (!raw) return out;
   for (let i = 0; i + 1 < raw.length; i += 2) {
     const name = raw[i]!.toString().toLowerCase();
-    if (name !== "retry-after" && name !== "retry-after-ms") continue;
+    if (name !== "retry-after" && name !== "retry-after-ms" && !RATE_LIMIT_HEADERS.has(name)) continue;
     const value = raw[i + 1]!.toString();
     const prev = out[name];
     out[name] = prev === undefined ? value : Array.isArray(prev) ? [...prev, value] : [prev, value];
@@ -410,7 +435,10 @@ function waitSignal(signal: unknown): { signal: AbortSignal | undefined; stop: (
  *   as `success`.
  * - Retry-After: a response carrying `retry-after` (seconds or HTTP date) or `retry-after-ms`
  *   pauses its host on the gate (`gate.pause(host, ms)`, at most `maxPauseMs`) before the handler
- *   sees the response.
+ *   sees the response. With `options.reserve`, so does a response whose rate-limit headers say
+ *   the window is down to the reserve, until the window resets.
+ * - Retries: compose undici's `interceptors.retry()` after this one (above); it honours
+ *   Retry-After itself. This interceptor has no retry option of its own.
  *
  * Works with undici 7 (whose `compose` hands interceptors handlers of the `onRequestStart` /
  * `onResponse*` API) and with handlers of the older `onConnect` / `onHeaders` API. This module
@@ -430,6 +458,7 @@ export function floodgateInterceptor(
   const defaultTimeoutMs = o.timeoutMs;
   const maxPauseMs = o.maxPauseMs ?? DEFAULT_MAX_PAUSE_MS;
   const now = o.now;
+  const reserve = o.reserve;
 
   return (dispatch) => {
     // A method keeps its name through every transform; a function expression named like the
@@ -473,7 +502,7 @@ export function floodgateInterceptor(
             refuse(handler, wait.signal.reason, true);
             return;
           }
-          const state = new Admitted(ticket, gate, host, maxPauseMs, now);
+          const state = new Admitted(ticket, gate, host, maxPauseMs, now, reserve);
           const wrapped =
             typeof handler.onRequestStart === "function"
               ? new GateHandler(handler, state)

@@ -1,0 +1,79 @@
+import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
+import type { AddressInfo } from "node:net";
+
+export type Respond = (req: IncomingMessage, res: ServerResponse, body: string) => void;
+
+/**
+ * A loopback HTTP server on a free port whose answer each test sets. It reads each request's
+ * body before answering and keeps the requests and bodies it received, in order.
+ */
+export class TestServer {
+  respond: Respond = (_req, res) => res.end("ok");
+  readonly received: IncomingMessage[] = [];
+  readonly bodies: string[] = [];
+  #waiters: Array<{ n: number; resolve: () => void }> = [];
+  readonly #server: Server;
+  url = "";
+  host = "";
+
+  constructor() {
+    this.#server = createServer((req, res) => {
+      const chunks: Buffer[] = [];
+      req.on("data", (chunk: Buffer) => chunks.push(chunk));
+      req.on("end", () => {
+        const body = Buffer.concat(chunks).toString();
+        this.received.push(req);
+        this.bodies.push(body);
+        this.#waiters = this.#waiters.filter((w) => {
+          if (w.n > this.received.length) return true;
+          w.resolve();
+          return false;
+        });
+        this.respond(req, res, body);
+      });
+    });
+  }
+
+  async start(): Promise<this> {
+    await new Promise<void>((resolve) => this.#server.listen(0, "127.0.0.1", resolve));
+    const { port } = this.#server.address() as AddressInfo;
+    this.host = `127.0.0.1:${port}`;
+    this.url = `http://${this.host}`;
+    return this;
+  }
+
+  /** Resolves once `n` requests have arrived. */
+  receivedCount(n: number): Promise<void> {
+    if (this.received.length >= n) return Promise.resolve();
+    return new Promise((resolve) => this.#waiters.push({ n, resolve }));
+  }
+
+  close(): Promise<void> {
+    this.#server.closeAllConnections();
+    return new Promise((resolve) => this.#server.close(() => resolve()));
+  }
+}
+
+/** Answer every request with `status` and `headers`, the status as the body. */
+export const reply =
+  (status: number, headers: Record<string, string> = {}): Respond =>
+  (_req, res) =>
+    res.writeHead(status, headers).end(String(status));
+
+/** Answer with each reply in turn, then repeat the last. */
+export const sequence =
+  (...replies: Array<number | Respond>): Respond =>
+  (req, res, body) => {
+    const next = replies.length > 1 ? replies.shift()! : replies[0]!;
+    if (typeof next === "number") res.writeHead(next).end(String(next));
+    else next(req, res, body);
+  };
+
+/** A port nothing listens on: opened, then closed again. */
+export async function closedPort(): Promise<number> {
+  const s = createServer();
+  await new Promise<void>((resolve) => s.listen(0, "127.0.0.1", resolve));
+  const { port } = s.address() as AddressInfo;
+  await new Promise<void>((resolve) => s.close(() => resolve()));
+  return port;
+}
