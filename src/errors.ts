@@ -5,7 +5,8 @@ export type ErrorCode =
   | "INVALID_OPTIONS"
   | "BACKEND_UNAVAILABLE"
   | "LEASE_LOST"
-  | "CLOSED";
+  | "CLOSED"
+  | "RETRIES_EXHAUSTED";
 
 const kCode = Symbol.for("floodgate.error.code");
 

@@ -207,6 +207,11 @@ export class Gate implements Stage {
     this.#holdsWait = this.stages.some((s) => s.holds === "wait");
   }
 
+  /** The clock the gate measures `timeoutMs` with; helpers (retries) wait on it too. */
+  get clock(): Clock {
+    return this.#clock;
+  }
+
   /** Aborts when the gate closes. */
   get closedSignal(): AbortSignal {
     if (!this.#closeController) {

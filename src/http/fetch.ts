@@ -35,8 +35,8 @@ export {
 } from "./retry.js";
 export { type HeadersLike, type HeaderValue, parseRetryAfter } from "./retry-after.js";
 
-/** What `wrapFetch` needs of a gate: `run` and `pause`. A `Gate` has both. */
-export type FetchGate = Pick<Gate, "run" | "pause">;
+/** What `wrapFetch` needs of a gate: `run` and `pause` (and its `clock`, when it has one). */
+export type FetchGate = Pick<Gate, "run" | "pause"> & { readonly clock?: Clock };
 
 /** The part of a response the wrapper reads. */
 export interface ResponseLike {
@@ -112,8 +112,8 @@ export interface WrapFetchOptions<R extends ResponseLike = ResponseLike> {
    */
   now?: () => number;
   /**
-   * The clock the waits between retries run on. Give the gate's clock (a `FakeClock` in tests).
-   * @default `systemClock`
+   * The clock the waits between retries run on.
+   * @default the gate's clock (a `FakeClock` in tests), else `systemClock`
    */
   clock?: Clock;
   /**
@@ -386,7 +386,7 @@ export function wrapFetch<F extends FetchLike>(
   const defaultTimeoutMs = o.timeoutMs;
   const maxPauseMs = o.maxPauseMs ?? DEFAULT_MAX_PAUSE_MS;
   const wallNow = o.now;
-  const clock = o.clock ?? systemClock;
+  const clock = o.clock ?? gate.clock ?? systemClock;
   const reserve = o.reserve;
   const settle = o.settle as WrapFetchOptions["settle"];
 

@@ -4,6 +4,7 @@
  */
 
 import type { Clock } from "../clock.js";
+import { FloodgateError } from "../errors.js";
 import type { ResponseLike } from "./fetch.js";
 import { show } from "./show.js";
 
@@ -77,19 +78,13 @@ export interface RetryAttempt {
   delayMs?: number;
 }
 
-const kRetryError = Symbol.for("floodgate.http.retryError");
-
 /**
  * Every attempt of a retried call failed. `attempts` lists each one's status (or error) in order;
  * `response` is the last attempt's response with its body unread, when it produced one, and
  * `cause` its error otherwise. `instanceof` works across two installed copies of floodgate.
  */
-export class RetryError extends Error {
-  static override [Symbol.hasInstance](value: unknown): boolean {
-    return (
-      typeof value === "object" && value !== null && (value as Record<symbol, unknown>)[kRetryError] === true
-    );
-  }
+export class RetryError extends FloodgateError {
+  static override readonly code = "RETRIES_EXHAUSTED" as const;
 
   readonly attempts: readonly RetryAttempt[];
   /** The last attempt's response, when it produced one. Its body has not been read. */
@@ -99,15 +94,14 @@ export class RetryError extends Error {
 
   constructor(message: string, attempts: readonly RetryAttempt[], response: ResponseLike | undefined) {
     const last = attempts[attempts.length - 1];
-    super(message, response === undefined && last?.error !== undefined ? { cause: last.error } : undefined);
+    super(
+      "RETRIES_EXHAUSTED",
+      message,
+      response === undefined && last?.error !== undefined ? { cause: last.error } : {},
+    );
     this.attempts = attempts;
     this.response = response;
     this.status = response?.status;
-    Object.defineProperty(this, kRetryError, { value: true });
-  }
-
-  override get name(): string {
-    return "RetryError";
   }
 }
 
