@@ -90,4 +90,32 @@ describe("waiting across processes", () => {
     await first.release("success");
     for (const w of waits) await (await w).release("success");
   });
+
+  it("covers a lost subscription with the slow poll", async () => {
+    const prefix = randomPrefix("lost-sub");
+    const holderClient = await connectedClient(redisUrl());
+    const waiterClient = await connectedClient(redisUrl());
+    // The waiter's pub/sub connection; it will be killed, and must not come back.
+    const subscriber = await connectedClient(redisUrl(), {
+      retryStrategy: () => null,
+      autoResubscribe: false,
+    });
+    clients.push(holderClient, waiterClient, subscriber);
+    const holder = redis(holderClient, { prefix }).semaphore("poll", { limit: 1 });
+    const waiter = redis(waiterClient, { prefix, pollMs: 200, subscriber }).semaphore("poll", { limit: 1 });
+    const held = await holder.admit();
+    const pending = waiter.admit();
+    await until(async () => (await holderClient.pubsub("NUMSUB", `${prefix}{poll}:wake`))[1] === 1, {
+      timeoutMs: 5000,
+      message: "the waiter never subscribed",
+    });
+    await holderClient.client("KILL", "TYPE", "pubsub");
+    await held.release("success"); // the wake-up message goes nowhere
+    let granted = false;
+    void pending.then(() => {
+      granted = true;
+    });
+    await until(() => granted, { timeoutMs: 5000, message: "the poll never picked the permit up" });
+    await (await pending).release("success");
+  });
 });
