@@ -273,8 +273,9 @@ export abstract class RedisPermitStage extends BaseStage {
         this.#saw(reply);
         const granted = Number(reply[0]) === 1;
         if (!w.list) {
-          // Aborted, timed out or closed while the call was out: give back what it got.
-          if (granted) this.#forget(w.id);
+          // Aborted, timed out or closed while the call was out: give back the lease it got, or
+          // its place in line (else it would hold up everyone behind it until it expires).
+          this.#forget(w.id);
           this.wake(reply[5]);
           return;
         }

@@ -118,4 +118,23 @@ describe("waiting across processes", () => {
     await until(() => granted, { timeoutMs: 5000, message: "the poll never picked the permit up" });
     await (await pending).release("success");
   });
+
+  it("takes a waiter that left while its request was out out of the line", async () => {
+    const prefix = randomPrefix("left");
+    const [a, b] = await fleet(2, prefix);
+    const semA = a!.semaphore("left", { limit: 1 });
+    const semB = b!.semaphore("left", { limit: 1 });
+    const held = await semA.admit();
+    const controller = new AbortController();
+    const gone = semB.admit({ signal: controller.signal });
+    controller.abort(); // while its acquire is still on its way to Redis
+    await expect(gone).rejects.toBe(controller.signal.reason);
+    const next = semB.admit();
+    await until(async () => (await clients[0]!.zcard(`${prefix}{left}:queue`)) === 1, {
+      timeoutMs: 5000,
+      message: "the gone waiter was never taken out of the line",
+    });
+    await held.release("success");
+    await (await next).release("success"); // no stale head holds it up (the poll is a minute)
+  });
 });
