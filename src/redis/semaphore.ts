@@ -161,12 +161,21 @@ export abstract class RedisPermitStage extends BaseStage {
   }
 
   /** Give back lease or waiter `id` in the background (a lost reply, an abandoned wait). */
-  #forget(id: string): void {
+  #forget(id: string, waitedMs = 0): void {
     this.link
       .run(this.name, "semaphore-release", this.keys, [this.link.now(), id, this.#limitArg(), this.channel])
       .then(
         (reply) => this.wake(reply[3]),
-        (error) => this.log.warn({ err: error, id }, "could not give back an abandoned lease; it expires"),
+        (error) => {
+          // Redis is away (a dropped connection, a pause): ask again shortly, for as long as the
+          // lease could still be held, so a lost reply does not keep a permit for a whole lease.
+          const delay = Math.min(this.#ctx.pollMs, 25 * 2 ** Math.min(6, Math.floor(waitedMs / 100)));
+          if (isFloodgateError(error, "BACKEND_UNAVAILABLE") && waitedMs + delay < this.settings.leaseMs) {
+            unrefTimer(this.clock.setTimeout(() => this.#forget(id, waitedMs + delay), delay));
+          } else {
+            this.log.warn({ err: error, id }, "could not give back an abandoned lease; it expires");
+          }
+        },
       );
   }
 
@@ -415,7 +424,8 @@ export abstract class RedisPermitStage extends BaseStage {
         if (!released && !refund) this.log.warn({ lease: t.leaseId }, "lease had run out before release");
       },
       (error: unknown) => {
-        this.log.warn({ err: error, lease: t.leaseId }, "release failed; the lease expires by itself");
+        this.log.warn({ err: error, lease: t.leaseId }, "release failed; trying again while the lease lasts");
+        if (isFloodgateError(error, "BACKEND_UNAVAILABLE")) this.#forget(t.leaseId);
       },
     );
   }

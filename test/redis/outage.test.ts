@@ -139,16 +139,18 @@ describe("a Redis outage", () => {
       timeoutMs: leaseMs + 3_000,
       message: "the holders were never told they lost their leases",
     });
-    // These releases cannot reach Redis; they are not replayed later either.
+    // These releases cannot reach Redis now; they are tried again for as long as the lease lasts.
     await within(Promise.all(held.map((t) => t.release("success"))), 3_000, "release() during the outage");
 
     await startServer(port, persistent);
     await reconnected(main, subscriber, raw);
-    // The two leases came back with the data (so this test does test a surviving dataset) ...
-    expect(await raw.zcard(holders)).toBe(2);
-    expect(await raw.hget(meta, "used")).toBe("2");
+    // The leases came back with the data, unless a retried release got there first: either way
+    // `used` counts exactly the leases held.
+    const back = await raw.zcard(holders);
+    expect(back).toBeLessThanOrEqual(2);
+    expect(Number((await raw.hget(meta, "used")) ?? 0)).toBe(back);
 
-    // ... and run out by themselves: the whole limit is there again, counted once.
+    // What is left runs out by itself: the whole limit is there again, counted once.
     const again = await take(sem, 3);
     expect(await sem.tryAdmit()).toBeUndefined();
     expect(await raw.zcard(holders)).toBe(3);
