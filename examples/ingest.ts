@@ -1,0 +1,297 @@
+/**
+ * Seed 003 — supplier feed ingestion with backpressure.
+ *
+ * A producer reads a feed of records from four suppliers and hands each to `gate.enqueue`:
+ *
+ *   bounded queue (block the producer, or --shed) → token bucket per supplier (key = supplier,
+ *   with a penalty after a 429) → semaphore (the downstream pool)
+ *
+ * Token before permit: a record waiting for its supplier's rate holds no permit. Each supplier is
+ * its own local server with its own quota. All four were contracted at the same rate, but one
+ * (acme) now allows less: its 429s cut its bucket's refill rate (the penalty), which then climbs
+ * back, so it is slowed instead of hammered. A record answered 429 is submitted again.
+ *
+ * The progress line and the summary show the four numbers that localise a bottleneck, from
+ * `gate.snapshot()`: queue depth, token wait, permit wait, and shed count.
+ *
+ * Fails (exit 1) when the pool's bound was broken (more in flight across the suppliers than the
+ * semaphore allows), the queue held more than its size, a supplier within its quota answered
+ * 429, a record was lost (block: every record delivered; --shed: delivered + shed = produced),
+ * or the penalised supplier kept being refused (more than a quarter of its calls).
+ */
+import { setMaxListeners } from "node:events";
+import { Gate, type Job, ShedError } from "floodgate";
+import {
+  deadline,
+  newPrefix,
+  openBackend,
+  parseFlags,
+  perSec,
+  progress,
+  secs,
+  sleep,
+  where,
+} from "./common.js";
+import { type Provider, providerGroup, startProvider } from "./provider.js";
+
+export const about =
+  "supplier feed: bounded queue (block or --shed), per-supplier buckets with a 429 penalty, the four numbers";
+
+const USAGE = `usage: npm run example -- ingest [--small] [--shed] [--records N] [--feed-rate N] [--queue N]
+         [--pool N] [--rate N] [--service-ms N]
+
+  ${about}.
+  --records     records in the feed (default 400; --small: 120)
+  --feed-rate   records per second the feed offers (default 200)
+  --queue       bounded queue size (default 40)
+  --shed        shed records when the queue is full instead of blocking the producer
+  --pool        records in flight at once, over every supplier (default 12)
+  --rate        contracted requests per second per supplier (default 20)
+  --service-ms  supplier answer time, plus up to half of it at random (default 100)
+  REDIS_URL     share the queue, buckets and semaphore through Redis`;
+
+interface Supplier {
+  id: string;
+  /** Requests per second it really allows. */
+  quota: number;
+  server?: Provider;
+  produced: number;
+  delivered: number;
+  rejected: number;
+  shed: number;
+  /** When its last record was delivered (performance.now()). */
+  lastAt: number;
+}
+
+export async function main(argv: string[]): Promise<number> {
+  const f = parseFlags(argv, {
+    records: { type: "string" },
+    "feed-rate": { type: "string" },
+    queue: { type: "string" },
+    shed: { type: "boolean" },
+    pool: { type: "string" },
+    rate: { type: "string" },
+    "service-ms": { type: "string" },
+  });
+  if (f.help) {
+    process.stdout.write(`${USAGE}\n`);
+    return 0;
+  }
+  const small = f.on("small");
+  const records = f.int("records", small ? 120 : 400);
+  const feedRate = f.num("feed-rate", 200, 1);
+  const queueSize = f.int("queue", 40);
+  const shedMode = f.on("shed");
+  const pool = f.int("pool", 12);
+  const rate = f.num("rate", 20, 0.1);
+  const serviceMs = f.int("service-ms", 100, 0);
+
+  // Three suppliers allow a bit more than the contract; acme now allows 60% of it.
+  const suppliers: Supplier[] = [
+    { id: "acme", quota: rate * 0.6 },
+    { id: "globex", quota: rate * 1.25 },
+    { id: "initech", quota: rate * 1.25 },
+    { id: "umbrella", quota: rate * 1.25 },
+  ].map((s) => ({ ...s, produced: 0, delivered: 0, rejected: 0, shed: 0, lastAt: 0 }));
+  const group = providerGroup();
+  const burst = Math.max(2, Math.round(rate / 4));
+  for (const s of suppliers) {
+    // Each supplier's quota: a bucket of twice the client's burst, refilled at `quota` per second.
+    s.server = await startProvider({
+      cap: 10_000,
+      serviceMs,
+      serviceJitterMs: serviceMs / 2,
+      requestLimit: { limit: 2 * burst, windowMs: (2 * burst * 1000) / s.quota },
+      group,
+    });
+  }
+
+  const handle = await openBackend(newPrefix("ingest"));
+  const b = handle.backend;
+  const gate = new Gate(
+    [
+      b.queue("ingest-queue", { maxSize: queueSize, whenFull: shedMode ? "shed" : "block" }),
+      // Rate before concurrency: a record waits for its supplier's token holding no permit.
+      b.tokenBucket("supplier-rate", {
+        capacity: burst,
+        refillPerSecond: rate,
+        penalty: { factor: 0.5, recoveryMs: 5_000, minFactor: 0.25 },
+      }),
+      b.semaphore("ingest-inflight", { limit: pool }),
+    ],
+    { name: "ingest" },
+  );
+  process.stderr.write(
+    `ingest: ${where(handle)}; ${records} records at ${feedRate}/s into a queue of ${queueSize} ` +
+      `(${shedMode ? "shed" : "block"} when full); ${suppliers.length} suppliers contracted at ${rate}/s each, ` +
+      `acme now allows ${suppliers[0]!.quota}/s; pool ${pool}\n`,
+  );
+
+  const stop = new AbortController();
+  setMaxListeners(0, stop.signal);
+  const limit = deadline("ingest", Math.max(30_000, (records / (rate * 2)) * 1000 * 10));
+  limit.signal.addEventListener("abort", () => stop.abort(limit.signal.reason), { once: true });
+
+  let outstanding = 0;
+  let producing = true;
+  let failed = 0;
+  let maxDepth = 0;
+  let allDone: () => void = () => {};
+  const finished = new Promise<void>((resolve) => {
+    allDone = resolve;
+  });
+  const settleOne = () => {
+    outstanding--;
+    if (!producing && outstanding === 0) allDone();
+  };
+
+  const deliver = async (ticketSignal: AbortSignal, s: Supplier, n: number) => {
+    const res = await fetch(`${s.server!.url}/records/${n}`, {
+      method: "POST",
+      body: JSON.stringify({ supplier: s.id, n }),
+      signal: AbortSignal.any([ticketSignal, stop.signal]),
+    });
+    await res.arrayBuffer();
+    // A 429 is released as `dropped` (the default classify), which penalises this supplier's key.
+    return { status: res.status };
+  };
+
+  /** Hand one record to the gate; resolves once it is queued (or shed). */
+  async function submit(s: Supplier, n: number): Promise<void> {
+    let job: Job<{ status: number }>;
+    try {
+      job = await gate.enqueue((ticket) => deliver(ticket.signal, s, n), { key: s.id, signal: stop.signal });
+    } catch (error) {
+      if (error instanceof ShedError) {
+        // Shed records go to the dead-letter path; here they are counted.
+        s.shed++;
+      } else if (!stop.signal.aborted) {
+        failed++;
+      }
+      settleOne();
+      return;
+    }
+    job.done.then(
+      ({ status }) => {
+        if (status === 429) {
+          s.rejected++;
+          // Submitted again: it waits in line behind the records already queued.
+          void submit(s, n);
+          return;
+        }
+        if (status === 200) {
+          s.delivered++;
+          s.lastAt = performance.now();
+        } else failed++;
+        settleOne();
+      },
+      () => {
+        if (!stop.signal.aborted) failed++;
+        settleOne();
+      },
+    );
+  }
+
+  const started = performance.now();
+  const sampler = setInterval(() => {
+    maxDepth = Math.max(maxDepth, gate.snapshot().queueDepth);
+  }, 5);
+  const four = () => {
+    const s = gate.snapshot();
+    return (
+      `queue depth ${s.queueDepth}/${queueSize} · token wait ${secs(s.tokenWaitMs)}` +
+      ` · permit wait ${secs(s.permitWaitMs)} · shed ${s.shed}`
+    );
+  };
+  let produced = 0;
+  const ticker = progress(() => {
+    const delivered = suppliers.reduce((n, s) => n + s.delivered, 0);
+    return (
+      `produced ${produced}/${records} · delivered ${delivered} · ${four()}` +
+      ` · 429s ${suppliers.reduce((n, s) => n + s.rejected, 0)} · ${secs(performance.now() - started)}`
+    );
+  });
+
+  // The producer: one record at a time at the feed's rate; `await submit` is where it blocks.
+  let nextAt = performance.now();
+  let producerBlockedMs = 0;
+  for (let n = 0; n < records && !stop.signal.aborted; n++) {
+    const wait = nextAt - performance.now();
+    if (wait > 0) await sleep(wait, stop.signal).catch(() => {});
+    nextAt += 1000 / feedRate;
+    const s = suppliers[n % suppliers.length]!;
+    s.produced++;
+    produced++;
+    outstanding++;
+    const t = performance.now();
+    await submit(s, n);
+    producerBlockedMs += performance.now() - t;
+  }
+  producing = false;
+  if (outstanding === 0) allDone();
+  await Promise.race([finished, new Promise((r) => stop.signal.addEventListener("abort", r))]);
+  const elapsedMs = performance.now() - started;
+  clearInterval(sampler);
+  ticker.stop();
+  limit.clear();
+
+  const snap = gate.snapshot();
+  const delivered = suppliers.reduce((n, s) => n + s.delivered, 0);
+  const shed = suppliers.reduce((n, s) => n + s.shed, 0);
+  const rejected = suppliers.reduce((n, s) => n + s.rejected, 0);
+  const stats = new Map(suppliers.map((s) => [s.id, s.server!.stats()]));
+  await gate.close();
+  await Promise.all(suppliers.map((s) => s.server!.close()));
+  await handle.close(true);
+
+  const failures: string[] = [];
+  if (group.peak > pool) failures.push(`${group.peak} in flight across suppliers, above the pool of ${pool}`);
+  if (maxDepth > queueSize) failures.push(`queue held ${maxDepth}, above its size ${queueSize}`);
+  for (const s of suppliers.slice(1)) {
+    if (s.rejected > 0) failures.push(`${s.id} answered ${s.rejected} 429s within its quota`);
+  }
+  const acme = suppliers[0]!;
+  const acmeCalls = stats.get("acme")!.requests;
+  if (acmeCalls > 0 && acme.rejected / acmeCalls > 0.25) {
+    failures.push(`acme refused ${acme.rejected} of ${acmeCalls} calls: the penalty did not slow it down`);
+  }
+  if (shedMode ? delivered + shed !== produced : delivered !== produced || shed > 0) {
+    failures.push(`records lost: produced ${produced}, delivered ${delivered}, shed ${shed}`);
+  }
+  if (failed > 0) failures.push(`${failed} records failed`);
+  if (stop.signal.aborted) failures.push((stop.signal.reason as Error).message);
+
+  const tokenWait = snap.tokenWaitMs;
+  const permitWait = snap.permitWaitMs;
+  const constraint =
+    shed > 0 || snap.queueWaitMs > Math.max(tokenWait, permitWait)
+      ? "the feed outruns the pipeline (queue full)"
+      : "";
+  const inside =
+    tokenWait > 2 * permitWait
+      ? "supplier rates (token wait ≫ permit wait): more pool would not help"
+      : permitWait > 2 * tokenWait
+        ? "the pool (permit wait ≫ token wait): the semaphore is the limit"
+        : "supplier rates and the pool alike";
+
+  process.stdout.write(
+    `ingest [${handle.mode}; ${shedMode ? "shed" : "block"}]: ${delivered}/${produced} records delivered in ${secs(elapsedMs)}` +
+      ` (${perSec(delivered, elapsedMs)}) · peak in flight ${group.peak}/${pool} over ${suppliers.length} suppliers` +
+      ` · 429s ${rejected} (acme ${acme.rejected}) · sheds ${shed}` +
+      ` · queue depth max ${maxDepth}/${queueSize}, token wait ${secs(tokenWait)}, permit wait ${secs(permitWait)}, shed ${snap.shed}` +
+      ` · ${failures.length === 0 ? "OK" : `FAILED: ${failures.join("; ")}`}\n` +
+      `  bottleneck: ${constraint ? `${constraint}; inside it, ` : ""}${inside}` +
+      ` · producer blocked ${secs(producerBlockedMs)} in total (queue wait ${secs(snap.queueWaitMs)})\n` +
+      `  per supplier: ${suppliers
+        .map((s) => {
+          const st = stats.get(s.id)!;
+          const at = s.delivered > 0 ? perSec(s.delivered, s.lastAt - started) : "-";
+          return (
+            `${s.id} ${s.delivered}/${s.produced} at ${at} (quota ${s.quota}/s after a burst of ${2 * burst}, 429s ${s.rejected}` +
+            `${s.shed ? `, shed ${s.shed}` : ""}, peak ${st.peak})`
+          );
+        })
+        .join(" · ")}\n`,
+  );
+  return failures.length === 0 ? 0 : 1;
+}

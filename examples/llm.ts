@@ -1,0 +1,334 @@
+/**
+ * Seed 002 — an LLM client under requests-per-minute and tokens-per-minute limits.
+ *
+ * The simulated provider counts RPM and TPM (a "minute" is `--minute-ms` long so the run takes
+ * seconds), answers 429 with Retry-After when either is exceeded, and puts `usage` in every
+ * answer. It also has a concurrency limit nobody documented: above it, 429 "overloaded" with
+ * Retry-After. The client composes:
+ *
+ *   rpm bucket → tpm bucket (weighted) → semaphore (connection pool) → AIMD (halves on 429) →
+ *   interval gate (no spacing; it holds the host while a Retry-After runs)
+ *
+ * Each call is admitted at its estimated cost (prompt tokens + max_tokens, `costs: { tpm }`) and
+ * settled with the actual usage from the response (`ticket.settle({ tpm })`), so the unused part
+ * of the reservation goes back to the bucket. A prompt larger than the whole TPM budget is
+ * refused at once. A 429 halves the AIMD limit, and its Retry-After pauses the host for every
+ * caller (`gate.pause`). At 85% of the corpus (or on Ctrl-C) the client shuts down gracefully:
+ * no new admissions, waiting calls aborted, a short grace for calls in flight, then the rest
+ * aborted and the gate closed.
+ *
+ * Fails (exit 1) when the provider refused anything for RPM or TPM, a call was sent while a
+ * Retry-After pause was running, the oversized prompt was not refused at once, AIMD did not cut
+ * after a 429, or the shutdown left a call waiting or in flight.
+ */
+import { setMaxListeners } from "node:events";
+import { Gate, isFloodgateError, type Ticket } from "floodgate";
+import { parseRetryAfter } from "floodgate/fetch";
+import {
+  deadline,
+  msText,
+  newPrefix,
+  openBackend,
+  parseFlags,
+  perSec,
+  progress,
+  secs,
+  sleep,
+  where,
+} from "./common.js";
+import { startProvider } from "./provider.js";
+
+export const about =
+  "LLM client: RPM and TPM buckets, reserve-then-settle, AIMD on 429, Retry-After, shutdown";
+
+const USAGE = `usage: npm run example -- llm [--small] [--docs N] [--rpm N] [--tpm N] [--minute-ms N]
+         [--pool N] [--hidden-cap N] [--service-ms N] [--max-tokens N] [--grace-ms N]
+
+  ${about}.
+  --docs        documents to summarise (default 300; --small: 80)
+  --rpm         provider requests per minute (default 120)
+  --tpm         provider tokens per minute (default 24000)
+  --minute-ms   how long a "minute" lasts here (default 1000)
+  --pool        connection pool: semaphore size and AIMD's start and ceiling (default 16)
+  --hidden-cap  concurrency above which the provider answers 429 "overloaded" (default 6)
+  --service-ms  provider answer time, plus up to half of it at random (default 120)
+  --max-tokens  completion budget per call (default 300)
+  --grace-ms    time calls in flight get to finish at shutdown (default 100)
+  REDIS_URL     share the buckets, semaphore, AIMD limit and pauses through Redis`;
+
+/** Tokens of a prompt, as the provider counts them (a stand-in for a real tokenizer). */
+const promptTokens = (prompt: string) => Math.ceil(prompt.length / 4);
+
+interface Usage {
+  prompt_tokens: number;
+  completion_tokens: number;
+  total_tokens: number;
+}
+
+type Attempt = { status: 200; usage: Usage } | { status: number; reason: string };
+
+export async function main(argv: string[]): Promise<number> {
+  const f = parseFlags(argv, {
+    docs: { type: "string" },
+    rpm: { type: "string" },
+    tpm: { type: "string" },
+    "minute-ms": { type: "string" },
+    pool: { type: "string" },
+    "hidden-cap": { type: "string" },
+    "service-ms": { type: "string" },
+    "max-tokens": { type: "string" },
+    "grace-ms": { type: "string" },
+  });
+  if (f.help) {
+    process.stdout.write(`${USAGE}\n`);
+    return 0;
+  }
+  const small = f.on("small");
+  const docs = f.int("docs", small ? 80 : 300);
+  const rpm = f.int("rpm", 120);
+  const tpm = f.int("tpm", 24_000);
+  const minuteMs = f.int("minute-ms", 1000);
+  const pool = f.int("pool", 16);
+  const hiddenCap = f.int("hidden-cap", 6);
+  const serviceMs = f.int("service-ms", 120, 0);
+  const maxTokens = f.int("max-tokens", 300, 0);
+  const graceMs = f.int("grace-ms", 100, 0);
+  const shutdownAt = Math.ceil(docs * 0.85);
+
+  const provider = await startProvider({
+    cap: hiddenCap,
+    serviceMs,
+    serviceJitterMs: serviceMs / 2,
+    retryAfterMs: 100,
+    requestLimit: { limit: rpm, windowMs: minuteMs },
+    tokenLimit: { limit: tpm, windowMs: minuteMs },
+  });
+  const host = new URL(provider.url).host;
+  const handle = await openBackend(newPrefix("llm"));
+  const b = handle.backend;
+  const perSecond = 1000 / minuteMs;
+  const gate = new Gate(
+    [
+      b.tokenBucket("rpm", { capacity: rpm, refillPerSecond: rpm * perSecond }),
+      b.tokenBucket("tpm", { capacity: tpm, refillPerSecond: tpm * perSecond }),
+      b.semaphore("llm-pool", { limit: pool }),
+      b.aimd("llm-adaptive", { initial: pool, min: 1, max: pool, backoffRatio: 0.5 }),
+      // Last, right before the call: a Retry-After pause then holds back every call about to be
+      // sent, including those that already have their tokens and permits.
+      b.intervalGate("llm-host", { minIntervalMs: 0 }),
+    ],
+    { name: "llm" },
+  );
+  process.stderr.write(
+    `llm: ${where(handle)}; provider ${rpm} RPM, ${tpm} TPM (a minute lasts ${minuteMs} ms), ` +
+      `and an undocumented limit of ${hiddenCap} in flight; client pool ${pool}\n`,
+  );
+  const aimdLimit = () => gate.snapshot().stages.find((s) => s.name === "llm-adaptive")!.limit;
+
+  const failures: string[] = [];
+
+  // 1. Cost above capacity: refused at once, never waited on, never sent.
+  const huge = "x".repeat(4 * (tpm + 1000));
+  const hugeEstimate = promptTokens(huge) + maxTokens;
+  const t0 = performance.now();
+  let refusal = "";
+  try {
+    await gate.run(async () => "never runs", { host, costs: { tpm: hugeEstimate } });
+    failures.push("a prompt above the TPM capacity was admitted");
+  } catch (error) {
+    const tookMs = performance.now() - t0;
+    if (!isFloodgateError(error, "INVALID_OPTIONS")) throw error;
+    refusal = `${hugeEstimate} tokens > ${tpm} refused in ${tookMs.toFixed(1)} ms`;
+    process.stderr.write(`llm: oversized prompt refused at once: ${error.message}\n`);
+    if (tookMs > 100) failures.push(`the oversized prompt took ${msText(tookMs)} to be refused`);
+  }
+  if (provider.stats().requests > 0) failures.push("the oversized prompt reached the provider");
+
+  // 2. The corpus.
+  const corpus = Array.from({ length: docs }, (_, i) => ({
+    id: i,
+    prompt: `Summarise filing ${i}. ${"lorem ipsum ".repeat(30 + Math.floor(Math.random() * 500))}`,
+  }));
+  const stopAdmitting = new AbortController();
+  const stopInFlight = new AbortController();
+  // Every caller listens to these two while it waits or is in flight.
+  setMaxListeners(0, stopAdmitting.signal, stopInFlight.signal);
+  const limit = deadline("llm", Math.max(30_000, (docs / Math.min(hiddenCap, rpm / 60)) * serviceMs * 5));
+  limit.signal.addEventListener("abort", () => void shutdown(limit.signal.reason as Error), { once: true });
+
+  let next = 0;
+  let ok = 0;
+  let finishedInGrace = 0;
+  let abortedWaiting = 0;
+  let abortedInFlight = 0;
+  let retries = 0;
+  let reserved = 0;
+  let settledBack = 0;
+  let charged = 0;
+  let errors = 0;
+  const trail: number[] = [pool];
+  const cuts: string[] = [];
+  const sends: number[] = [];
+  const pauses: { at: number; ms: number }[] = [];
+  let inFlight = 0;
+  let shuttingDown: Promise<void> | undefined;
+  let shutdownReason = "";
+
+  /** Note the AIMD limit when it moved. */
+  const sample = () => {
+    const l = aimdLimit();
+    const last = trail[trail.length - 1]!;
+    if (l === last) return;
+    if (l < last) cuts.push(`${last}→${l}`);
+    trail.push(l);
+  };
+  const sampler = setInterval(sample, 10);
+
+  const attempt = (prompt: string, estimate: number, state: { sent: boolean }): Promise<Attempt> =>
+    gate.run(
+      async (ticket: Ticket): Promise<Attempt> => {
+        state.sent = true;
+        sends.push(performance.now());
+        inFlight++;
+        try {
+          const res = await fetch(`${provider.url}/v1/completions`, {
+            method: "POST",
+            headers: { "content-type": "application/json" },
+            body: JSON.stringify({ prompt, max_tokens: maxTokens }),
+            signal: AbortSignal.any([stopInFlight.signal, ticket.signal]),
+          });
+          const body = (await res.json()) as { usage?: Usage; reason?: string };
+          if (res.status === 429) {
+            ticket.record("dropped"); // AIMD halves
+            // Retry-After overrides any backoff of ours: the host is paused for every caller.
+            const ms = parseRetryAfter(res.headers);
+            if (ms !== undefined && ms > 0) {
+              pauses.push({ at: performance.now(), ms });
+              await gate.pause(host, ms);
+            }
+            // The provider charged no tokens for a refused call: give the reservation back.
+            await ticket.settle({ tpm: 0 });
+            return { status: 429, reason: body.reason ?? "?" };
+          }
+          if (res.status !== 200 || !body.usage) return { status: res.status, reason: "unexpected answer" };
+          const usage = body.usage;
+          reserved += estimate;
+          charged += usage.total_tokens;
+          settledBack += estimate - usage.total_tokens;
+          // Reserve, then settle: the bucket keeps only what the call cost.
+          await ticket.settle({ tpm: usage.total_tokens });
+          return { status: 200, usage };
+        } finally {
+          inFlight--;
+        }
+      },
+      { host, costs: { tpm: estimate }, signal: stopAdmitting.signal },
+    );
+
+  async function caller(): Promise<void> {
+    while (next < docs && !stopAdmitting.signal.aborted) {
+      const doc = corpus[next++]!;
+      const estimate = promptTokens(doc.prompt) + maxTokens;
+      for (;;) {
+        const state = { sent: false };
+        try {
+          const r = await attempt(doc.prompt, estimate, state);
+          sample();
+          if (r.status === 200) {
+            if (shuttingDown) finishedInGrace++;
+            ok++;
+            break;
+          }
+          retries++;
+        } catch (error) {
+          if (stopAdmitting.signal.aborted || stopInFlight.signal.aborted) {
+            // Not sent yet: the wait was aborted. Sent: the call was cut in flight.
+            if (state.sent) abortedInFlight++;
+            else abortedWaiting++;
+            return;
+          }
+          errors++;
+          process.stderr.write(`\nllm: doc ${doc.id} failed: ${(error as Error).message}\n`);
+          break;
+        }
+      }
+      if (ok >= shutdownAt && !shuttingDown) void shutdown(new Error(`${ok} of ${docs} done`));
+    }
+  }
+
+  /** Graceful shutdown: stop admitting, give calls in flight a grace period, cut the rest, close. */
+  function shutdown(reason: Error): Promise<void> {
+    shuttingDown ??= (async () => {
+      shutdownReason = reason.message;
+      stopAdmitting.abort(reason);
+      const graceEnds = performance.now() + graceMs;
+      while (inFlight > 0 && performance.now() < graceEnds) await sleep(5);
+      stopInFlight.abort(reason);
+      await gate.close();
+    })();
+    return shuttingDown;
+  }
+  const onSignal = () => void shutdown(new Error("interrupted"));
+  process.on("SIGINT", onSignal);
+  process.on("SIGTERM", onSignal);
+
+  const started = performance.now();
+  const ticker = progress(() => {
+    const p = provider.stats();
+    const s = gate.snapshot();
+    return (
+      `${String(ok).padStart(String(docs).length)}/${docs} done · in flight ${s.inFlight} · waiting ${s.waiting}` +
+      ` · AIMD limit ${aimdLimit()} · 429s ${p.rejected429} · pauses ${pauses.length}` +
+      ` · ${secs(performance.now() - started)}`
+    );
+  });
+  const callers = Array.from({ length: Math.min(docs, 4 * pool) }, caller);
+  await Promise.all(callers);
+  await shutdown(new Error("corpus done"));
+  const elapsedMs = performance.now() - started;
+  limit.clear();
+  clearInterval(sampler);
+  ticker.stop();
+  process.off("SIGINT", onSignal);
+  process.off("SIGTERM", onSignal);
+
+  const after = gate.snapshot();
+  const p = provider.stats();
+  await provider.close();
+  await handle.close(true);
+
+  // Was anything sent while a Retry-After pause ran? (A grant already on its way when the pause
+  // landed is allowed a few milliseconds.)
+  const slackMs = handle.mode === "redis" ? 25 : 5;
+  const early = sends.filter((t) => pauses.some((w) => t > w.at + slackMs && t < w.at + w.ms)).length;
+  const overload = p.rejectedBy.cap;
+  const notStarted = docs - next;
+
+  if (p.rejectedBy.requests > 0) failures.push(`${p.rejectedBy.requests} calls refused for RPM`);
+  if (p.rejectedBy.tokens > 0) failures.push(`${p.rejectedBy.tokens} calls refused for TPM`);
+  if (p.peak > pool) failures.push(`provider saw ${p.peak} at once, above the pool of ${pool}`);
+  if (early > 0) failures.push(`${early} calls sent while a Retry-After pause ran`);
+  const lowest = Math.min(...trail);
+  if (overload > 0 && cuts.length === 0) failures.push("429s came back but AIMD never cut its limit");
+  if (after.inFlight !== 0 || after.waiting !== 0)
+    failures.push(`after shutdown ${after.inFlight} in flight and ${after.waiting} waiting`);
+  if (ok + abortedWaiting + abortedInFlight + notStarted + errors !== docs)
+    failures.push("some documents are not accounted for");
+  if (errors > 0) failures.push(`${errors} calls failed`);
+  if (limit.signal.aborted) failures.push((limit.signal.reason as Error).message);
+
+  process.stdout.write(
+    `llm [${handle.mode}]: ${ok}/${docs} completions in ${secs(elapsedMs)} (${perSec(ok, elapsedMs)})` +
+      ` then shutdown · provider peak ${p.peak}/${pool} · 429s ${p.rejected429}` +
+      ` (${overload} overloaded, ${p.rejectedBy.requests} RPM, ${p.rejectedBy.tokens} TPM) · sheds ${after.shed}` +
+      ` · AIMD halved ${cuts.slice(0, 3).join(", ")}${cuts.length > 3 ? ", …" : ""} (${cuts.length} cuts, lowest ${lowest}, ends ${trail[trail.length - 1]}) · Retry-After: ${pauses.length} pauses, ${early} sends inside one` +
+      ` · ${failures.length === 0 ? "OK" : `FAILED: ${failures.join("; ")}`}\n` +
+      `  tokens: reserved ${reserved} for completed calls, settled ${settledBack} back, kept ${charged}` +
+      ` (provider charged ${p.tokens}, calls cut in flight included) · retries ${retries}` +
+      ` · oversized prompt: ${refusal || "not refused"}\n` +
+      `  shutdown (${shutdownReason}): ${finishedInGrace} finished in the ${graceMs} ms grace,` +
+      ` ${abortedInFlight} aborted in flight, ${abortedWaiting} aborted waiting, ${notStarted} never started;` +
+      ` gate closed with ${after.inFlight} in flight, ${after.waiting} waiting\n`,
+  );
+  return failures.length === 0 ? 0 : 1;
+}
