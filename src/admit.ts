@@ -38,3 +38,18 @@ export function tooCostly(kind: StageKind, name: string, cost: number, most: num
     `${kind} "${name}": cost must be <= ${what} (${most}) (got ${cost}); it could never be admitted`,
   );
 }
+
+/** The arguments of `pause(host, ms)`, checked; the error naming the bad one, or undefined. */
+export function pauseError(name: string, host: unknown, ms: unknown): InvalidOptionsError | undefined {
+  if (typeof host !== "string" || host.length === 0) {
+    return new InvalidOptionsError(name, "host", `intervalGate "${name}": host must be a non-empty string`);
+  }
+  if (typeof ms !== "number" || !(ms >= 0) || !Number.isFinite(ms)) {
+    return new InvalidOptionsError(
+      name,
+      "ms",
+      `intervalGate "${name}": pause ms must be a finite number >= 0 (got ${String(ms)})`,
+    );
+  }
+  return undefined;
+}

@@ -1,9 +1,9 @@
+import { pauseError } from "../admit.js";
 import { afterPause, afterStart, delayMs, spacingMs } from "../algorithms/interval.js";
 import { KeyedStates } from "../base/keyed.js";
 import { BaseStage, BaseTicket } from "../base/stage.js";
 import { WaitList } from "../base/wait-list.js";
 import type { Clock, ClockTimer } from "../clock.js";
-import { InvalidOptionsError } from "../errors.js";
 import type { IntervalGateOptions } from "../options.js";
 import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket, TryAdmitOptions } from "../types.js";
 import { intervalGateSchema, parseOptions } from "../validate.js";
@@ -119,24 +119,8 @@ export class MemoryIntervalGate extends BaseStage {
    * shortens an earlier one or the current spacing.
    */
   pause(host: string, ms: number): Promise<void> {
-    if (typeof host !== "string" || host.length === 0) {
-      return Promise.reject(
-        new InvalidOptionsError(
-          this.name,
-          "host",
-          `intervalGate "${this.name}": host must be a non-empty string`,
-        ),
-      );
-    }
-    if (!(ms >= 0) || !Number.isFinite(ms)) {
-      return Promise.reject(
-        new InvalidOptionsError(
-          this.name,
-          "ms",
-          `intervalGate "${this.name}": pause ms must be a finite number >= 0 (got ${ms})`,
-        ),
-      );
-    }
+    const invalid = pauseError(this.name, host, ms);
+    if (invalid) return Promise.reject(invalid);
     const now = this.clock.now();
     const h = this.#host(host, now);
     h.nextAt = afterPause(h.nextAt, now, ms);

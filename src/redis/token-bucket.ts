@@ -1,26 +1,15 @@
 import { randomBytes } from "node:crypto";
 import { tooCostly } from "../admit.js";
-import { KeyedStates } from "../base/keyed.js";
-import { BaseStage, BaseTicket } from "../base/stage.js";
-import { type Waiter, WaitList } from "../base/wait-list.js";
-import type { ClockTimer } from "../clock.js";
+import { BaseTicket } from "../base/stage.js";
+import type { Waiter } from "../base/wait-list.js";
 import { AdmitTimeoutError } from "../errors.js";
 import type { TokenBucketOptions } from "../options.js";
-import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket, TryAdmitOptions } from "../types.js";
+import type { AdmitOptions, Outcome, StageKind, Ticket, TryAdmitOptions } from "../types.js";
 import { parseOptions, tokenBucketSchema } from "../validate.js";
 import { stageKey } from "./keys.js";
+import { type Attempt, RedisLine, RedisLineStage } from "./line-stage.js";
 import { maybeSent, type RedisLink } from "./link.js";
 import type { RedisContext } from "./semaphore.js";
-
-/** This process's waiters for one key, asked for in order, one Redis call at a time. */
-class KeyLine extends WaitList {
-  timer: ClockTimer | undefined = undefined;
-  busy: Promise<void> | undefined = undefined;
-  again = false;
-  constructor(readonly redisKey: string) {
-    super();
-  }
-}
 
 /** A ticket that knows its grant, so a refund can tell whether it is still the latest. */
 class GrantTicket extends BaseTicket {
@@ -37,9 +26,8 @@ let grants = 0;
  * the caller sleeps that long rather than polling. This process's waiters for a key are served
  * first in, first out; idle keys expire in Redis once they would be full again.
  */
-export class RedisTokenBucket extends BaseStage {
+export class RedisTokenBucket extends RedisLineStage<RedisLine> {
   readonly kind: StageKind = "tokenBucket";
-  override readonly backend = "redis";
   readonly #link: RedisLink;
   readonly #prefix: string;
   readonly #capacity: number;
@@ -48,10 +36,9 @@ export class RedisTokenBucket extends BaseStage {
   readonly #initial: number;
   readonly #penaltyFactor: number | undefined;
   readonly #minFactor: number;
-  readonly #lines: KeyedStates<KeyLine>;
 
   constructor(name: string, options: TokenBucketOptions, ctx: RedisContext) {
-    super(name, ctx.clock);
+    super(name, ctx);
     const o = parseOptions(tokenBucketSchema, "tokenBucket", name, options);
     this.#link = ctx.link;
     this.#prefix = ctx.prefix;
@@ -61,17 +48,11 @@ export class RedisTokenBucket extends BaseStage {
     this.#initial = o.initialTokens ?? o.capacity;
     this.#penaltyFactor = o.penalty ? (o.penalty.factor ?? 0.5) : undefined;
     this.#minFactor = o.penalty?.minFactor ?? 0.1;
-    this.#lines = new KeyedStates(ctx.clock, 10_000, (line) => line.size === 0 && !line.busy);
     this.init(o.logger ?? ctx.logger);
   }
 
-  #line(key: string): KeyLine {
-    let line = this.#lines.get(key);
-    if (!line) {
-      line = new KeyLine(stageKey(this.#prefix, this.name, `b:${key}`));
-      this.#lines.set(key, line);
-    }
-    return line;
+  protected newLine(key: string): RedisLine {
+    return new RedisLine(stageKey(this.#prefix, this.name, `b:${key}`));
   }
 
   /** A fresh grant id: this process's random prefix and a counter. */
@@ -79,7 +60,7 @@ export class RedisTokenBucket extends BaseStage {
     return `${GRANT_PREFIX}${++grants}`;
   }
 
-  #take(line: KeyLine, cost: number, grant: string): Promise<[number, number]> {
+  #take(line: RedisLine, cost: number, grant: string): Promise<[number, number]> {
     return this.#link
       .run(
         this.name,
@@ -112,10 +93,10 @@ export class RedisTokenBucket extends BaseStage {
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
     const key = o.key ?? DEFAULT_KEY;
     if (cost === 0) return Promise.resolve(this.issue(0, key, this.clock.now(), "token"));
-    const line = this.#line(key);
+    const line = this.line(key);
     if (line.size === 0) return this.#direct(line, key, cost, o);
     const promise = this.wait(line, cost, key, o);
-    void this.#drain(line, key);
+    void this.drain(line, key);
     return promise;
   }
 
@@ -123,7 +104,7 @@ export class RedisTokenBucket extends BaseStage {
    * Nobody of this process waits for the key: take straight away (many such calls may be out at
    * once). On a refusal, refuse at once a wait longer than timeoutMs, else line up.
    */
-  async #direct(line: KeyLine, key: string, cost: number, o: AdmitOptions): Promise<Ticket> {
+  async #direct(line: RedisLine, key: string, cost: number, o: AdmitOptions): Promise<Ticket> {
     const startedAt = this.clock.now();
     const grant = this.#grantId();
     const [taken, waitMs] = await this.#take(line, cost, grant);
@@ -150,7 +131,7 @@ export class RedisTokenBucket extends BaseStage {
     }
     const rest = timeoutMs === undefined ? o : { ...o, timeoutMs: timeoutMs - elapsed };
     const promise = this.wait(line, cost, key, rest);
-    void this.#drain(line, key);
+    void this.drain(line, key);
     return promise;
   }
 
@@ -171,7 +152,7 @@ export class RedisTokenBucket extends BaseStage {
       if (cost > this.#capacity) throw tooCostly(this.kind, this.name, cost, this.#capacity, "capacity");
       const key = o.key ?? DEFAULT_KEY;
       if (cost === 0) return Promise.resolve(this.issue(0, key, this.clock.now(), "token"));
-      const line = this.#line(key);
+      const line = this.line(key);
       if (line.size > 0) return Promise.resolve(undefined);
       const startedAt = this.clock.now();
       const grant = this.#grantId();
@@ -183,48 +164,17 @@ export class RedisTokenBucket extends BaseStage {
     }
   }
 
-  /**
-   * Ask Redis for the head's tokens; grant and go on, or sleep exactly as long as Redis says.
-   * Returns the call in flight, if any.
-   */
-  #drain(line: KeyLine, key: string): Promise<void> | undefined {
-    if (line.busy) {
-      line.again = true;
-      return line.busy;
-    }
-    if (line.timer !== undefined) {
-      this.clock.clearTimeout(line.timer);
-      line.timer = undefined;
-    }
-    const head = line.head;
-    if (!head) return undefined;
-    line.again = false;
+  protected async attempt(line: RedisLine, head: Waiter): Promise<Attempt> {
     const grant = this.#grantId();
-    line.busy = this.#take(line, head.cost, grant).then(
-      ([taken, waitMs]) => {
-        line.busy = undefined;
-        if (Number(taken) === 1) {
-          if (head.list === line) (this.grant(head, "token") as GrantTicket).grant = grant;
-          else void this.#refund(key, head.cost, grant); // it left while the call was out
-          void this.#drain(line, key);
-          return;
-        }
-        if (line.again || head.list !== line) {
-          void this.#drain(line, key);
-          return;
-        }
-        line.timer = this.clock.setTimeout(() => {
-          line.timer = undefined;
-          this.#drain(line, key);
-        }, Number(waitMs));
+    const [taken, waitMs] = await this.#take(line, head.cost, grant);
+    if (Number(taken) !== 1) return { granted: false, waitMs: Number(waitMs) };
+    return {
+      granted: true,
+      adopt: (ticket) => {
+        (ticket as GrantTicket).grant = grant;
       },
-      (error: unknown) => {
-        line.busy = undefined;
-        this.log.warn({ err: error, key }, "Redis unavailable; admission failed closed");
-        for (let w = line.head; w; w = line.head) this.failWaiter(w, error);
-      },
-    );
-    return line.busy;
+      giveBack: () => void this.#refund(head.key, head.cost, grant),
+    };
   }
 
   #refund(key: string, cost: number, grant: string): Promise<unknown> {
@@ -247,8 +197,7 @@ export class RedisTokenBucket extends BaseStage {
     const key = ticket.key;
     if (refund) {
       return this.#refund(key, ticket.cost, (ticket as GrantTicket).grant).then(() => {
-        const line = this.#lines.get(key);
-        if (line) void this.#drain(line, key);
+        this.redrain(key);
       });
     }
     if (outcome === "dropped" && this.#penaltyFactor !== undefined) {
@@ -293,32 +242,7 @@ export class RedisTokenBucket extends BaseStage {
         ],
       )
       .then(() => {
-        const line = this.#lines.get(key);
-        if (line) void this.#drain(line, key);
+        this.redrain(key);
       });
-  }
-
-  protected override grantDue(list: WaitList, key: string): Promise<void> | undefined {
-    return this.#drain(list as KeyLine, key);
-  }
-
-  protected afterWaiterGone(list: WaitList, waiter: Waiter): void {
-    void this.#drain(list as KeyLine, waiter.key);
-  }
-
-  protected lists(): Iterable<WaitList> {
-    return this.#lines.map.values();
-  }
-
-  protected override onClose(): void {
-    for (const line of this.#lines.map.values()) {
-      if (line.timer !== undefined) this.clock.clearTimeout(line.timer);
-      line.timer = undefined;
-    }
-    this.#lines.close();
-  }
-
-  snapshot(): Snapshot {
-    return this.baseSnapshot(Number.POSITIVE_INFINITY);
   }
 }

@@ -1,0 +1,121 @@
+import { KeyedStates } from "../base/keyed.js";
+import { BaseStage, type BaseTicket } from "../base/stage.js";
+import { type Waiter, WaitList } from "../base/wait-list.js";
+import type { ClockTimer } from "../clock.js";
+import type { Snapshot } from "../types.js";
+import type { RedisContext } from "./semaphore.js";
+
+/** This process's waiters for one key or host, asked for in order, one Redis call at a time. */
+export class RedisLine extends WaitList {
+  timer: ClockTimer | undefined = undefined;
+  busy: Promise<void> | undefined = undefined;
+  again = false;
+  constructor(readonly redisKey: string) {
+    super();
+  }
+}
+
+/** What one Redis call said for the head of a line. */
+export type Attempt =
+  | { granted: true; adopt(ticket: BaseTicket): void; giveBack(): void }
+  | { granted: false; waitMs: number };
+
+/**
+ * A Redis stage whose decisions are per key (token buckets) or per host (interval gates) and
+ * are timed by Redis: each line asks Redis for its head, grants and goes on, or sleeps exactly as
+ * long as Redis says. Lines of idle keys are forgotten.
+ */
+export abstract class RedisLineStage<L extends RedisLine> extends BaseStage {
+  override readonly backend = "redis";
+  protected readonly lines: KeyedStates<L>;
+
+  constructor(name: string, ctx: RedisContext) {
+    super(name, ctx.clock);
+    this.lines = new KeyedStates<L>(ctx.clock, 10_000, (line) => line.size === 0 && !line.busy);
+  }
+
+  /** A new, empty line for `key`. */
+  protected abstract newLine(key: string): L;
+
+  /** Ask Redis for the head of `line` (the call is made once per head, at a time). */
+  protected abstract attempt(line: L, head: Waiter): Promise<Attempt>;
+
+  protected line(key: string): L {
+    let line = this.lines.get(key);
+    if (!line) {
+      line = this.newLine(key);
+      this.lines.set(key, line);
+    }
+    return line;
+  }
+
+  /** Ask again for `key`'s head, if it has a line (after a refund, a pause, a settle). */
+  protected redrain(key: string): void {
+    const line = this.lines.get(key);
+    if (line) void this.drain(line, key);
+  }
+
+  /** Grant the head and go on, or sleep as long as Redis says. Returns the call in flight. */
+  protected drain(line: L, key: string): Promise<void> | undefined {
+    if (line.busy) {
+      line.again = true;
+      return line.busy;
+    }
+    if (line.timer !== undefined) {
+      this.clock.clearTimeout(line.timer);
+      line.timer = undefined;
+    }
+    const head = line.head;
+    if (!head) return undefined;
+    line.again = false;
+    line.busy = this.attempt(line, head).then(
+      (a) => {
+        line.busy = undefined;
+        if (a.granted) {
+          if (head.list === line) a.adopt(this.grant(head, "token"));
+          else a.giveBack(); // it left while the call was out
+          void this.drain(line, key);
+          return;
+        }
+        if (line.again || head.list !== line) {
+          void this.drain(line, key);
+          return;
+        }
+        line.timer = this.clock.setTimeout(() => {
+          line.timer = undefined;
+          void this.drain(line, key);
+        }, a.waitMs);
+      },
+      (error: unknown) => {
+        line.busy = undefined;
+        this.log.warn({ err: error, key }, "Redis unavailable; admission failed closed");
+        for (let w = line.head; w; w = line.head) this.failWaiter(w, error);
+      },
+    );
+    return line.busy;
+  }
+
+  protected override grantDue(list: WaitList, key: string): Promise<void> | undefined {
+    return this.drain(list as L, key);
+  }
+
+  protected afterWaiterGone(list: WaitList, waiter: Waiter): void {
+    void this.drain(list as L, waiter.key);
+  }
+
+  protected lists(): Iterable<WaitList> {
+    return this.lines.map.values();
+  }
+
+  protected override onClose(): void {
+    for (const line of this.lines.map.values()) {
+      if (line.timer !== undefined) this.clock.clearTimeout(line.timer);
+      line.timer = undefined;
+    }
+    this.lines.close();
+  }
+
+  snapshot(): Snapshot {
+    return this.baseSnapshot(Number.POSITIVE_INFINITY);
+  }
+}
