@@ -131,7 +131,11 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   /** Call at the end of the subclass constructor, once `kind` is set. */
   protected init(logger: Logger | undefined): void {
     this.log = stageLogger(logger, this.name, this.kind, this.backend);
+    this.#debug = enabled(this.log, "debug");
   }
+
+  /** Whether grants are logged (debug), read once when the stage is built. */
+  #debug = false;
 
   /** Aborts when the stage closes; every ticket's `signal`. */
   get closedSignal(): AbortSignal {
@@ -176,15 +180,23 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   }
 
   /** A granted ticket, counted. */
-  protected issue(cost: number, key: string, waitedFrom: number, waitFor: WaitFor): BaseTicket {
-    const now = this.clock.now();
+  /**
+   * A granted ticket, counted. `waitedFrom` is when the caller started waiting, or `undefined`
+   * when it did not wait: then the clock is not read at all (the hot path), unless the stage
+   * stamps its tickets (`stampsTickets`) or logs grants.
+   */
+  protected issue(cost: number, key: string, waitedFrom: number | undefined, waitFor: WaitFor): BaseTicket {
+    const now = waitedFrom !== undefined || this.stampsTickets || this.#debug ? this.clock.now() : Number.NaN;
     const ticket = this.newTicket(cost, key, now);
     this.inFlight++;
     this.admitted++;
-    if (waitedFrom !== now) this.addWait(waitFor, now - waitedFrom);
-    if (enabled(this.log, "debug")) this.log.debug({ key, cost, waitedMs: now - waitedFrom }, "granted");
+    if (waitedFrom !== undefined && now > waitedFrom) this.addWait(waitFor, now - waitedFrom);
+    if (this.#debug) this.log.debug({ key, cost, waitedMs: now - (waitedFrom ?? now) }, "granted");
     return ticket;
   }
+
+  /** Stages that need `ticket.admittedAt` (to time the call) set this. */
+  protected stampsTickets = false;
 
   protected newTicket(cost: number, key: string, now: number): BaseTicket {
     return new BaseTicket(this, cost, key, now);

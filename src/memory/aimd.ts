@@ -28,6 +28,7 @@ export class MemoryAimd extends PermitStage {
     this.#config = { min: o.min ?? 1, max: o.max, backoffRatio: o.backoffRatio ?? 0.9 };
     this.#slowCallMs = o.slowCallMs ?? Number.POSITIVE_INFINITY;
     this.#state = { limit: o.initial, epoch: 0 };
+    this.stampsTickets = this.#slowCallMs !== Number.POSITIVE_INFINITY;
     this.init(o.logger);
   }
 

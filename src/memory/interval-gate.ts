@@ -64,7 +64,7 @@ export class MemoryIntervalGate extends BaseStage {
 
   #start(h: HostSlot, cost: number, host: string, now: number): SlotTicket {
     const previous = this.#claim(h, now);
-    return this.#mark(this.issue(cost, host, now, "token"), previous, h);
+    return this.#mark(this.issue(cost, host, undefined, "token"), previous, h);
   }
 
   /** Move the host's next slot on by one spacing; returns the slot it replaced. */

@@ -39,7 +39,7 @@ export abstract class PermitStage extends BaseStage {
       return Promise.reject(tooCostly(this.kind, this.name, cost, this.maxCost(), "limit"));
     if (this.waiters.size === 0 && this.used + cost <= this.limit) {
       this.used += cost;
-      return Promise.resolve(this.issue(cost, "", this.clock.now(), this.waitFor));
+      return Promise.resolve(this.issue(cost, "", undefined, this.waitFor));
     }
     return this.whenBusy(cost, o);
   }
@@ -56,7 +56,7 @@ export abstract class PermitStage extends BaseStage {
       if (cost > this.maxCost()) throw tooCostly(this.kind, this.name, cost, this.maxCost(), "limit");
       if (this.waiters.size > 0 || this.used + cost > this.limit) return Promise.resolve(undefined);
       this.used += cost;
-      return Promise.resolve(this.issue(cost, "", this.clock.now(), this.waitFor));
+      return Promise.resolve(this.issue(cost, "", undefined, this.waitFor));
     } catch (error) {
       return Promise.reject(error);
     }

@@ -88,8 +88,8 @@ export class MemoryTokenBucket extends BaseStage {
   }
 
   /** A ticket for tokens just taken from `b` without waiting. */
-  #issue(b: KeyBucket, cost: number, key: string, now: number): BaseTicket {
-    b.lastGrant = this.issue(cost, key, now, "token");
+  #issue(b: KeyBucket, cost: number, key: string): BaseTicket {
+    b.lastGrant = this.issue(cost, key, undefined, "token");
     return b.lastGrant;
   }
 
@@ -106,7 +106,7 @@ export class MemoryTokenBucket extends BaseStage {
     const key = o.key ?? DEFAULT_KEY;
     const now = this.clock.now();
     const b = this.#bucket(key, now);
-    if (b.size === 0 && this.#take(b, cost, now)) return Promise.resolve(this.#issue(b, cost, key, now));
+    if (b.size === 0 && this.#take(b, cost, now)) return Promise.resolve(this.#issue(b, cost, key));
     if (o.timeoutMs !== undefined && !o.signal?.aborted && b.size === 0) {
       // Refuse at once what cannot be granted in time, rather than wait and fail.
       const ms = waitMs(b, this.#config, cost, now);
@@ -130,7 +130,7 @@ export class MemoryTokenBucket extends BaseStage {
       const now = this.clock.now();
       const b = this.#bucket(key, now);
       if (b.size > 0 || !this.#take(b, cost, now)) return Promise.resolve(undefined);
-      return Promise.resolve(this.#issue(b, cost, key, now));
+      return Promise.resolve(this.#issue(b, cost, key));
     } catch (error) {
       return Promise.reject(error);
     }

@@ -33,6 +33,7 @@ export class RedisAimd extends RedisPermitStage {
     this.#max = o.max;
     this.#ratio = o.backoffRatio ?? 0.9;
     this.#slowCallMs = o.slowCallMs ?? Number.POSITIVE_INFINITY;
+    this.stampsTickets = this.#slowCallMs !== Number.POSITIVE_INFINITY;
     this.init(o.logger ?? ctx.logger);
   }
 

@@ -101,10 +101,9 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
       const host = o.host ?? DEFAULT_HOST;
       const line = this.line(host);
       if (line.size > 0) return Promise.resolve(undefined);
-      const startedAt = this.clock.now();
       return this.#take(line).then((reply) => {
         if (Number(reply[0]) !== 1) return undefined;
-        const ticket = this.#mark(this.issue(o.cost ?? 1, host, startedAt, "token"), reply);
+        const ticket = this.#mark(this.issue(o.cost ?? 1, host, undefined, "token"), reply);
         if (this.closed) {
           void this.#refund(ticket);
           throw this.closedSignal.reason;

@@ -211,7 +211,7 @@ export abstract class RedisPermitStage extends BaseStage {
       return Promise.reject(tooCostly(this.kind, this.name, cost, this.settings.maxCost, "limit"));
     }
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
-    if (cost === 0) return Promise.resolve(this.issue(0, "", this.clock.now(), this.waitFor));
+    if (cost === 0) return Promise.resolve(this.issue(0, "", undefined, this.waitFor));
     if (this.settings.whenFull === "shed" || o.timeoutMs === 0) return this.#once(cost, o);
     const promise = this.wait(this.waiters, cost, "", o);
     const w = this.waiters.tail as RedisWaiter;
@@ -251,7 +251,7 @@ export abstract class RedisPermitStage extends BaseStage {
       throw this.closedSignal.reason;
     }
     this.wake(reply[5]);
-    return this.#lease(this.issue(cost, "", this.clock.now(), this.waitFor), reply, id);
+    return this.#lease(this.issue(cost, "", undefined, this.waitFor), reply, id);
   }
 
   tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
@@ -260,7 +260,7 @@ export abstract class RedisPermitStage extends BaseStage {
       const cost = o.cost ?? 1;
       if (cost > this.settings.maxCost)
         throw tooCostly(this.kind, this.name, cost, this.settings.maxCost, "limit");
-      if (cost === 0) return Promise.resolve(this.issue(0, "", this.clock.now(), this.waitFor));
+      if (cost === 0) return Promise.resolve(this.issue(0, "", undefined, this.waitFor));
       return this.#tryOnce(cost);
     } catch (error) {
       return Promise.reject(error);

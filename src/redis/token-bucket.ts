@@ -92,7 +92,7 @@ export class RedisTokenBucket extends RedisLineStage<RedisLine> {
       return Promise.reject(tooCostly(this.kind, this.name, cost, this.#capacity, "capacity"));
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
     const key = o.key ?? DEFAULT_KEY;
-    if (cost === 0) return Promise.resolve(this.issue(0, key, this.clock.now(), "token"));
+    if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
     const line = this.line(key);
     if (line.size === 0) return this.#direct(line, key, cost, o);
     const promise = this.wait(line, cost, key, o);
@@ -113,7 +113,7 @@ export class RedisTokenBucket extends RedisLineStage<RedisLine> {
         void this.#refund(key, cost, grant);
         throw o.signal.reason;
       }
-      return this.#granted(cost, key, startedAt, grant);
+      return this.#granted(cost, key, grant);
     }
     if (o.signal?.aborted) throw o.signal.reason;
     const elapsed = this.clock.now() - startedAt;
@@ -135,12 +135,12 @@ export class RedisTokenBucket extends RedisLineStage<RedisLine> {
     return promise;
   }
 
-  #granted(cost: number, key: string, startedAt: number, grant: string): Ticket {
+  #granted(cost: number, key: string, grant: string): Ticket {
     if (this.closed) {
       void this.#refund(key, cost, grant);
       throw this.closedSignal.reason;
     }
-    const ticket = this.issue(cost, key, startedAt, "token") as GrantTicket;
+    const ticket = this.issue(cost, key, undefined, "token") as GrantTicket;
     ticket.grant = grant;
     return ticket;
   }
@@ -151,13 +151,12 @@ export class RedisTokenBucket extends RedisLineStage<RedisLine> {
       const cost = o.cost ?? 1;
       if (cost > this.#capacity) throw tooCostly(this.kind, this.name, cost, this.#capacity, "capacity");
       const key = o.key ?? DEFAULT_KEY;
-      if (cost === 0) return Promise.resolve(this.issue(0, key, this.clock.now(), "token"));
+      if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
       const line = this.line(key);
       if (line.size > 0) return Promise.resolve(undefined);
-      const startedAt = this.clock.now();
       const grant = this.#grantId();
       return this.#take(line, cost, grant).then(([taken]) =>
-        Number(taken) === 1 ? this.#granted(cost, key, startedAt, grant) : undefined,
+        Number(taken) === 1 ? this.#granted(cost, key, grant) : undefined,
       );
     } catch (error) {
       return Promise.reject(error);
