@@ -1,0 +1,178 @@
+/**
+ * One worker process of the fleet benchmark. On `run` it starts its callers at the given moment
+ * (monotonic clock, shared by every process of the machine), each of which loops: admit, call the
+ * provider, release, think; until the deadline. Then it reports counts and timings. It leaves by
+ * itself when the parent says `exit` or goes away.
+ */
+import { redis } from "floodgate/redis";
+import { Redis } from "ioredis";
+import { Semaphore } from "redis-semaphore";
+import { Agent, request } from "undici";
+import { PollingSemaphore } from "./poll-semaphore.js";
+
+export type Mode = "ceiling" | "none" | "floodgate" | "redis-semaphore" | "poll200";
+
+export interface RunMessage {
+  kind: "run";
+  mode: Mode;
+  providerUrl: string;
+  prefix: string;
+  /** Monotonic ms (process.hrtime) at which callers start, and how long they run. */
+  startAt: number;
+  durationMs: number;
+  thinkMs: number;
+  callers: number;
+  cap: number;
+}
+
+export interface RunReport {
+  kind: "done";
+  ok: number;
+  r429: number;
+  errors: number;
+  /** Admission waits, ms: of grants before the deadline, and of waits cut off by it (deadline − asked). */
+  waits: number[];
+  /** Waits cut off by the deadline (included in `waits` as lower bounds). */
+  cutOff: number;
+  /** Jobs answered 200 before the deadline, per caller. */
+  perCaller: number[];
+  /** Request durations (send to full answer) of 200s, ms. */
+  services: number[];
+  /** Think times slept, ms. */
+  thinks: number[];
+}
+
+const [redisUrl] = process.argv.slice(2) as [string];
+const client = new Redis(redisUrl, { enableOfflineQueue: false, maxRetriesPerRequest: 1 });
+client.on("error", () => {});
+await new Promise((r) => client.once("ready", r));
+const agent = new Agent({ keepAliveTimeout: 30_000, connections: 4 });
+const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
+const sleep = (ms: number) => new Promise<void>((r) => setTimeout(r, ms));
+
+type Release = (status: number) => Promise<unknown>;
+let backend: ReturnType<typeof redis> | undefined;
+
+/** The admission of a mode: resolves to a release, or rejects when `signal` aborts first. */
+function admission(m: RunMessage): {
+  admit: (signal: AbortSignal) => Promise<Release>;
+  close: () => Promise<void>;
+} {
+  switch (m.mode) {
+    case "ceiling":
+    case "none":
+      return { admit: async () => async () => {}, close: async () => {} };
+    case "floodgate": {
+      // One backend for the worker's life, as a service keeps it; each run names a fresh stage.
+      backend ??= redis(client, { prefix: "bench-fleet:" });
+      const sem = backend.semaphore(m.prefix, { limit: m.cap, leaseMs: 15_000 });
+      return {
+        admit: async (signal) => {
+          const t = await sem.admit({ signal });
+          return (status) => t.release(status === 429 ? "dropped" : "success");
+        },
+        close: () => sem.close(),
+      };
+    }
+    case "redis-semaphore":
+      return {
+        admit: async (signal) => {
+          const sem = new Semaphore(client, `${m.prefix}fleet`, m.cap, {
+            lockTimeout: 15_000,
+            acquireTimeout: 600_000,
+          });
+          await sem.acquire(signal);
+          return () => sem.release();
+        },
+        close: async () => {},
+      };
+    case "poll200": {
+      const sem = new PollingSemaphore(client, `${m.prefix}fleet`, m.cap);
+      return {
+        admit: (signal) => sem.acquire(signal),
+        close: async () => {},
+      };
+    }
+  }
+}
+
+async function run(m: RunMessage): Promise<RunReport> {
+  const report: RunReport = {
+    kind: "done",
+    ok: 0,
+    r429: 0,
+    errors: 0,
+    waits: [],
+    cutOff: 0,
+    perCaller: [],
+    services: [],
+    thinks: [],
+  };
+  const gate = admission(m);
+  const deadline = m.startAt + m.durationMs;
+  const stop = new AbortController();
+  await sleep(Math.max(0, m.startAt - nowMs()));
+  const timer = setTimeout(() => stop.abort(new Error("deadline")), Math.max(0, deadline - nowMs()));
+  const caller = async (index: number) => {
+    report.perCaller[index] = 0;
+    while (nowMs() < deadline) {
+      const asked = nowMs();
+      let release: Release;
+      try {
+        release = await gate.admit(stop.signal);
+      } catch (error) {
+        if (!stop.signal.aborted) throw error;
+        report.waits.push(deadline - asked);
+        report.cutOff++;
+        break;
+      }
+      const granted = nowMs();
+      if (m.mode !== "none" && m.mode !== "ceiling") report.waits.push(granted - asked);
+      let status = 0;
+      try {
+        const res = await request(`${m.providerUrl}/work`, { dispatcher: agent });
+        await res.body.dump();
+        status = res.statusCode;
+      } catch {
+        report.errors++;
+      }
+      const done = nowMs();
+      await release(status);
+      if (done <= deadline) {
+        if (status === 200) {
+          report.ok++;
+          report.perCaller[index]!++;
+          report.services.push(done - granted);
+        } else if (status === 429) report.r429++;
+      }
+      if (m.thinkMs > 0) {
+        const t0 = nowMs();
+        await sleep(m.thinkMs);
+        report.thinks.push(nowMs() - t0);
+      }
+    }
+  };
+  try {
+    await Promise.all(Array.from({ length: m.callers }, (_, i) => caller(i)));
+  } finally {
+    clearTimeout(timer);
+    await gate.close();
+  }
+  return report;
+}
+
+process.on("message", (m: RunMessage | { kind: "exit" }) => {
+  if (m.kind === "run") {
+    run(m).then(
+      (r) => process.send!(r),
+      (error: unknown) => process.send!({ kind: "error", message: String(error) }),
+    );
+  } else {
+    void Promise.all([agent.close(), backend?.close()]).finally(() => {
+      client.disconnect();
+      process.exit(0);
+    });
+  }
+});
+process.on("disconnect", () => process.exit(0));
+process.send!({ kind: "ready" });

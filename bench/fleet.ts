@@ -1,0 +1,323 @@
+/**
+ * The fleet: 12 worker processes × 2 callers share a cap of 8 on a local provider (127.0.0.1)
+ * that holds each request for the service time and answers 429 above 8 in flight. Service time
+ * 50 ms and 5 ms, each without and with client-side think time equal to the service time after
+ * every job. Contenders: floodgate's Redis semaphore, redis-semaphore (default 10 ms poll), a
+ * lease semaphore polling every 200 ms, and no gate; the ceiling is exactly 8 ungated callers.
+ * Admission waits are compared with those of a perfect FIFO queue fed the same service and think
+ * times (a simulation of 24 callers on 8 permits with zero handoff cost).
+ */
+import { type ChildProcess, fork } from "node:child_process";
+import { once } from "node:events";
+import { startProvider } from "../examples/provider.js";
+import type { Mode, RunMessage, RunReport } from "./fleet-worker.js";
+import {
+  type BenchArgs,
+  type Benchmark,
+  type Contender,
+  median,
+  ms,
+  pairedRatio,
+  pct,
+  percentile,
+  rounds,
+  sorted,
+  spread,
+  table,
+  times,
+  verdict,
+} from "./lib.js";
+import { freshPrefix } from "./redis-clients.js";
+
+const WORKERS = 12;
+const PER_WORKER = 2;
+const CAP = 8;
+const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
+
+type Reply = RunReport | { kind: "ready" } | { kind: "error"; message: string };
+
+class Worker {
+  readonly child: ChildProcess;
+  #replies: Reply[] = [];
+  #notify: (() => void) | undefined;
+
+  constructor(redisUrl: string) {
+    this.child = fork(new URL("./fleet-worker.ts", import.meta.url).pathname, [redisUrl], {
+      execArgv: ["--import", "tsx"],
+      stdio: ["ignore", "inherit", "inherit", "ipc"],
+    });
+    this.child.on("message", (m: Reply) => {
+      this.#replies.push(m);
+      this.#notify?.();
+    });
+  }
+
+  async next(timeoutMs: number): Promise<Reply> {
+    const deadline = Date.now() + timeoutMs;
+    while (this.#replies.length === 0) {
+      if (Date.now() > deadline || this.child.exitCode !== null)
+        throw new Error("fleet worker did not answer");
+      await new Promise<void>((resolve) => {
+        this.#notify = resolve;
+        setTimeout(resolve, 200);
+      });
+    }
+    const r = this.#replies.shift()!;
+    if (r.kind === "error") throw new Error(`fleet worker: ${r.message}`);
+    return r;
+  }
+}
+
+/** Deterministic pseudo-random numbers for the simulation. */
+function lcg(seed: number) {
+  let s = seed >>> 0;
+  return () => {
+    s = (Math.imul(s, 1664525) + 1013904223) >>> 0;
+    return s / 2 ** 32;
+  };
+}
+
+/**
+ * Waits (sorted, ms) of a perfect FIFO queue: `callers` callers in a closed loop on `cap` permits,
+ * handoff at no cost, service and think times drawn from the measured samples, for `durationMs`.
+ */
+export function perfectFifo(
+  callers: number,
+  cap: number,
+  durationMs: number,
+  services: readonly number[],
+  thinks: readonly number[],
+  thinkMs: number,
+): number[] {
+  if (services.length === 0) return [];
+  const rnd = lcg(7);
+  const service = () => services[Math.floor(rnd() * services.length)]!;
+  const think = () =>
+    thinkMs === 0 ? 0 : thinks.length > 0 ? thinks[Math.floor(rnd() * thinks.length)]! : thinkMs;
+  const queue: number[] = []; // arrival times, FIFO
+  let qHead = 0;
+  const busyEnds: number[] = []; // completion times of jobs in service
+  const arrivals: number[] = []; // future arrival times (callers thinking)
+  for (let i = 0; i < callers; i++) queue.push(0);
+  const waits: number[] = [];
+  let t = 0;
+  while (t <= durationMs) {
+    while (busyEnds.length < cap && qHead < queue.length) {
+      waits.push(t - queue[qHead++]!);
+      busyEnds.push(t + service());
+    }
+    // Next event: a completion or an arrival.
+    let next = Number.POSITIVE_INFINITY;
+    let which = -1;
+    let isArrival = false;
+    for (let i = 0; i < busyEnds.length; i++) {
+      if (busyEnds[i]! < next) {
+        next = busyEnds[i]!;
+        which = i;
+        isArrival = false;
+      }
+    }
+    for (let i = 0; i < arrivals.length; i++) {
+      if (arrivals[i]! < next) {
+        next = arrivals[i]!;
+        which = i;
+        isArrival = true;
+      }
+    }
+    if (which < 0 || next > durationMs) break;
+    t = next;
+    if (isArrival) {
+      arrivals.splice(which, 1);
+      queue.push(t);
+    } else {
+      busyEnds.splice(which, 1);
+      const th = think();
+      if (th === 0) queue.push(t);
+      else arrivals.push(t + th);
+    }
+  }
+  // Callers still in line at the end waited at least this long, as in the measured runs.
+  for (let i = qHead; i < queue.length; i++) waits.push(durationMs - queue[i]!);
+  return sorted(waits);
+}
+
+interface Variant {
+  serviceMs: number;
+  thinkMs: number;
+}
+
+interface RunStats {
+  throughput: number;
+  peak: number;
+  r429: number;
+  errors: number;
+  waitP99: number;
+  fifoP99: number;
+  jobs: number;
+  cutOff: number;
+  /** Callers that got no job done in the run, and the fewest jobs any caller got. */
+  starved: number;
+  fewest: number;
+}
+
+const MODES: { mode: Mode; name: string }[] = [
+  { mode: "ceiling", name: "ceiling: 8 ungated callers, no think" },
+  { mode: "floodgate", name: "floodgate redis semaphore" },
+  { mode: "redis-semaphore", name: "redis-semaphore (10 ms poll)" },
+  { mode: "poll200", name: "200 ms-polling lease semaphore" },
+  { mode: "none", name: "no gate (24 callers)" },
+];
+
+export const fleet: Benchmark = {
+  name: "fleet",
+  title: "fleet: 12 processes × 2 callers, cap 8, local provider",
+  redis: true,
+  async run(args: BenchArgs) {
+    const url = await args.redisUrl();
+    const count = args.rounds ?? (args.quick ? 1 : 5);
+    const seconds = args.seconds ?? (args.quick ? 0.5 : 3);
+    const warmup = args.quick ? 0.2 : 0.5;
+    const variants: Variant[] = args.quick
+      ? [{ serviceMs: 50, thinkMs: 0 }]
+      : [
+          { serviceMs: 50, thinkMs: 0 },
+          { serviceMs: 50, thinkMs: 50 },
+          { serviceMs: 5, thinkMs: 0 },
+          { serviceMs: 5, thinkMs: 5 },
+        ];
+    const workers = Array.from({ length: WORKERS }, () => new Worker(url));
+    try {
+      const forked = performance.now();
+      for (const w of workers) await w.next(60_000); // ready
+      console.error(
+        `(fleet: ${WORKERS} workers ready in ${((performance.now() - forked) / 1000).toFixed(1)} s)`,
+      );
+      for (const v of variants) {
+        const provider = await startProvider({ cap: CAP, serviceMs: v.serviceMs });
+        const stats = new Map<string, RunStats[]>();
+        try {
+          const runOnce = async (mode: Mode, name: string, round: number): Promise<number> => {
+            const durationMs = (round < 0 ? Math.min(seconds, warmup) : seconds) * 1000;
+            const prefix = freshPrefix(`fleet-${mode}`);
+            const startAt = nowMs() + 150;
+            provider.reset();
+            workers.forEach((w, i) => {
+              const callers = mode === "ceiling" ? (i < CAP ? 1 : 0) : PER_WORKER;
+              const m: RunMessage = {
+                kind: "run",
+                mode,
+                providerUrl: provider.url,
+                prefix,
+                startAt,
+                durationMs,
+                // The ceiling keeps the provider at exactly 8 in flight: no think time.
+                thinkMs: mode === "ceiling" ? 0 : v.thinkMs,
+                callers,
+                cap: CAP,
+              };
+              w.child.send(m);
+            });
+            const reports = (await Promise.all(
+              workers.map((w) => w.next(durationMs + 120_000)),
+            )) as RunReport[];
+            const p = provider.stats();
+            const ok = reports.reduce((n, r) => n + r.ok, 0);
+            const waits = sorted(reports.flatMap((r) => r.waits));
+            const services = reports.flatMap((r) => r.services);
+            const thinks = reports.flatMap((r) => r.thinks);
+            const callers = mode === "ceiling" ? CAP : WORKERS * PER_WORKER;
+            const fifo = perfectFifo(callers, CAP, durationMs, services, thinks, v.thinkMs);
+            const s: RunStats = {
+              throughput: ok / (durationMs / 1000),
+              peak: p.peak,
+              r429: p.rejected429,
+              errors: reports.reduce((n, r) => n + r.errors, 0),
+              waitP99: mode === "none" || mode === "ceiling" ? Number.NaN : percentile(waits, 99),
+              fifoP99: mode === "none" || mode === "ceiling" ? Number.NaN : percentile(fifo, 99),
+              jobs: ok,
+              cutOff: reports.reduce((n, r) => n + r.cutOff, 0),
+              starved: reports.reduce((n, r) => n + r.perCaller.filter((x) => x === 0).length, 0),
+              fewest: Math.min(...reports.flatMap((r) => r.perCaller)),
+            };
+            if (round >= 0) stats.set(name, [...(stats.get(name) ?? []), s]);
+            return s.throughput;
+          };
+          const contenders: Contender[] = MODES.map(({ mode, name }) => ({
+            name,
+            run: (round) => runOnce(mode, name, round),
+          }));
+          const figures = await rounds(contenders, count);
+          const ceiling = figures.get(MODES[0]!.name)!;
+          const rows: string[][] = [];
+          const notes: string[] = [];
+          for (const { mode, name } of MODES) {
+            const f = figures.get(name)!;
+            const s = stats.get(name)!;
+            const [med, range] = spread(f, (x) => x.toFixed(1));
+            const vs = pairedRatio(f, ceiling);
+            const peak = Math.max(...s.map((x) => x.peak));
+            const r429 = s.reduce((n, x) => n + x.r429, 0);
+            const waitP99 = median(s.map((x) => x.waitP99));
+            const fifoP99 = median(s.map((x) => x.fifoP99));
+            const vsFifo = median(s.map((x) => x.waitP99 / x.fifoP99));
+            const starved = Math.max(...s.map((x) => x.starved));
+            const fewest = Math.min(...s.map((x) => x.fewest));
+            rows.push([
+              name,
+              `${med}/s`,
+              range,
+              mode === "ceiling" ? "—" : pct(vs),
+              String(peak),
+              String(r429),
+              mode === "ceiling" || mode === "none" ? "—" : ms(waitP99, 1),
+              mode === "ceiling" || mode === "none" ? "—" : ms(fifoP99, 1),
+              mode === "ceiling" || mode === "none" ? "—" : times(vsFifo),
+              `${fewest} / ${starved}`,
+            ]);
+            if (mode === "floodgate") {
+              notes.push(
+                `floodgate targets: ≥ 98% of ceiling ${verdict(vs >= 0.98, pct(vs))}; ` +
+                  `provider peak ≤ 8 ${verdict(peak <= CAP, String(peak))}; ` +
+                  `zero 429s ${verdict(r429 === 0, String(r429))}; ` +
+                  `wait p99 ≤ 2× perfect FIFO ${verdict(vsFifo <= 2, times(vsFifo))}.`,
+              );
+            }
+          }
+          table(
+            `Fleet: ${WORKERS} processes × ${PER_WORKER} callers, cap ${CAP}, service ${v.serviceMs} ms, ` +
+              `think ${v.thinkMs} ms, ${seconds} s per run (median of ${count} rounds)`,
+            [
+              "contender",
+              "jobs/s (median)",
+              "min – max",
+              "vs ceiling",
+              "provider peak (max)",
+              "429s (all rounds)",
+              "admission wait p99",
+              "perfect FIFO p99",
+              "p99 ÷ FIFO",
+              "fewest jobs of a caller / callers with none",
+            ],
+            rows,
+            [
+              ...notes,
+              "The ceiling is 8 ungated callers with no think time: the provider held at exactly 8 in flight, " +
+                "the most this harness can get through at cap 8, in every variant. " +
+                "Jobs count when answered 200 before the run's end. Waits are measured from asking to grant in " +
+                "each worker; a wait still going at the end counts as the time it had waited. The perfect FIFO " +
+                "queue is simulated with the same number of callers, the run's measured request and think times, " +
+                "and no handoff cost. The last column is per run (worst run): a caller that never got in was starved.",
+            ],
+          );
+        } finally {
+          await provider.close();
+        }
+      }
+    } finally {
+      for (const w of workers) if (w.child.connected) w.child.send({ kind: "exit" });
+      await Promise.all(
+        workers.map((w) => (w.child.exitCode === null ? once(w.child, "exit") : Promise.resolve())),
+      );
+    }
+  },
+};

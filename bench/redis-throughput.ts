@@ -1,0 +1,268 @@
+/**
+ * Redis throughput from one process, at 1 and 64 callers, each contender on a connection of its
+ * own: semaphore acquire + release (floodgate vs redis-semaphore, floor PING ÷ 2 since an
+ * admission is two round trips) and token bucket take (floodgate vs rate-limiter-flexible's
+ * RateLimiterRedis, floor PING).
+ */
+import { redis } from "floodgate/redis";
+import type { Redis } from "ioredis";
+import { RateLimiterRedis } from "rate-limiter-flexible";
+import { Semaphore } from "redis-semaphore";
+import {
+  type BenchArgs,
+  type Benchmark,
+  type Contender,
+  median,
+  ms,
+  pairedRatio,
+  pct,
+  percentile,
+  rounds,
+  si,
+  spread,
+  table,
+  times,
+  verdict,
+} from "./lib.js";
+import { closedLoop, connect, freshPrefix } from "./redis-clients.js";
+
+const MAX = 2 ** 31 - 1;
+
+/** A contender that also keeps each round's p50 and p99 latency and CPU per operation. */
+interface Timed extends Contender {
+  p50: number[];
+  p99: number[];
+  /** CPU µs per operation: of redis-server (INFO cpu) and of this process. */
+  redisCpu: number[];
+  clientCpu: number[];
+}
+
+type Op = () => Promise<unknown>;
+
+/** `make` builds a fresh contender for a round: its operation, and what to close afterwards. */
+function timed(
+  name: string,
+  seconds: number,
+  callers: number,
+  info: Redis,
+  make: () => Op | [Op, () => Promise<void>],
+): Timed {
+  const t: Timed = {
+    name,
+    p50: [],
+    p99: [],
+    redisCpu: [],
+    clientCpu: [],
+    async run(round) {
+      const made = make();
+      const [op, close] = Array.isArray(made) ? made : [made, undefined];
+      const cpu0 = await serverCpu(info);
+      const own0 = process.cpuUsage();
+      const r = await closedLoop(callers, seconds, op);
+      const own = process.cpuUsage(own0);
+      const cpu1 = await serverCpu(info);
+      await close?.();
+      if (round >= 0) {
+        const n = r.latencies.length;
+        t.p50.push(percentile(r.latencies, 50));
+        t.p99.push(percentile(r.latencies, 99));
+        t.redisCpu.push(((cpu1 - cpu0) * 1e6) / n);
+        t.clientCpu.push((own.user + own.system) / n);
+      }
+      return r.rate;
+    },
+  };
+  return t;
+}
+
+/** Seconds of CPU redis-server has used. */
+async function serverCpu(client: Redis): Promise<number> {
+  const info = await client.info("cpu");
+  const field = (name: string) => Number(new RegExp(`${name}:([\\d.]+)`).exec(info)?.[1] ?? 0);
+  return field("used_cpu_user") + field("used_cpu_sys");
+}
+
+interface Clients {
+  ping: Redis;
+  floodgate: Redis;
+  peer: Redis;
+  all: Redis[];
+}
+
+async function clients(url: string): Promise<Clients> {
+  const [ping, floodgate, peer] = await Promise.all([connect(url), connect(url), connect(url)]);
+  return { ping, floodgate, peer, all: [ping, floodgate, peer] };
+}
+
+function seconds(args: BenchArgs): number {
+  return args.seconds ?? (args.quick ? 0.15 : 2);
+}
+
+function report(
+  title: string,
+  list: Timed[],
+  figures: Map<string, number[]>,
+  peer: string,
+  floor: string,
+  floorDivisor: number,
+  notes: string[],
+): void {
+  const peerF = figures.get(peer)!;
+  const floorF = figures.get(floor)!.map((v) => v / floorDivisor);
+  const rows = list.map((c) => {
+    const f = c.name === floor ? floorF : figures.get(c.name)!;
+    const [med, range] = spread(f, si);
+    return [
+      c.name === floor && floorDivisor !== 1 ? `${c.name} ÷ ${floorDivisor}` : c.name,
+      `${med}/s`,
+      range,
+      times(pairedRatio(f, peerF)),
+      pct(pairedRatio(f, floorF)),
+      ms(median(c.p50), 3),
+      ms(median(c.p99), 3),
+      median(c.redisCpu).toFixed(1),
+      median(c.clientCpu).toFixed(1),
+    ];
+  });
+  table(
+    title,
+    [
+      "contender",
+      "ops/s (median)",
+      "min – max",
+      `vs ${peer}`,
+      "of floor",
+      "p50 latency",
+      "p99 latency",
+      "redis-server CPU µs/op",
+      "client CPU µs/op",
+    ],
+    rows,
+    [
+      ...notes,
+      "CPU per operation: redis-server's (INFO cpu) and this process's, over the same window; both share " +
+        "the machine's cores, so together they bound the rate.",
+    ],
+  );
+}
+
+export const redisSemaphore: Benchmark = {
+  name: "redis-semaphore",
+  title: "Redis semaphore acquire + release, 1 and 64 callers",
+  redis: true,
+  async run(args: BenchArgs) {
+    const url = await args.redisUrl();
+    const c = await clients(url);
+    const s = seconds(args);
+    const count = args.rounds ?? (args.quick ? 3 : 5);
+    try {
+      for (const callers of [1, 64]) {
+        const list: Timed[] = [
+          timed("ioredis PING (floor)", s, callers, c.ping, () => () => c.ping.ping()),
+          timed("floodgate redis semaphore", s, callers, c.ping, () => {
+            const backend = redis(c.floodgate, { prefix: freshPrefix("sem") });
+            const sem = backend.semaphore("tp", { limit: 1_000_000 });
+            return [
+              async () => {
+                const t = await sem.admit();
+                await t.release("success");
+              },
+              () => backend.close(),
+            ];
+          }),
+          timed("redis-semaphore", s, callers, c.ping, () => {
+            const key = `${freshPrefix("rs")}tp`;
+            return async () => {
+              const sem = new Semaphore(c.peer, key, 1_000_000);
+              await sem.acquire();
+              await sem.release();
+            };
+          }),
+        ];
+        const figures = await rounds(list, count);
+        const fg = pairedRatio(
+          figures.get("floodgate redis semaphore")!,
+          figures.get("ioredis PING (floor)")!.map((v) => v / 2),
+        );
+        const vsPeer = pairedRatio(
+          figures.get("floodgate redis semaphore")!,
+          figures.get("redis-semaphore")!,
+        );
+        const notes =
+          callers === 64
+            ? [
+                `Target ≥ 90% of PING ÷ 2 at 64 callers: ${verdict(fg >= 0.9, pct(fg))}; ` +
+                  `vs redis-semaphore ${times(vsPeer)} (about 2× expected).`,
+              ]
+            : [`At 1 caller: ${pct(fg)} of PING ÷ 2, ${times(vsPeer)} redis-semaphore (no target).`];
+        report(
+          `Redis semaphore acquire + release, ${callers} caller${callers === 1 ? "" : "s"}, ${s} s per figure (median of ${count} rounds)`,
+          list,
+          figures,
+          "redis-semaphore",
+          "ioredis PING (floor)",
+          2,
+          notes,
+        );
+      }
+    } finally {
+      for (const x of c.all) x.disconnect();
+    }
+  },
+};
+
+export const redisTokenBucket: Benchmark = {
+  name: "redis-bucket",
+  title: "Redis token bucket take, 1 and 64 callers",
+  redis: true,
+  async run(args: BenchArgs) {
+    const url = await args.redisUrl();
+    const c = await clients(url);
+    const s = seconds(args);
+    const count = args.rounds ?? (args.quick ? 3 : 5);
+    try {
+      for (const callers of [1, 64]) {
+        const list: Timed[] = [
+          timed("ioredis PING (floor)", s, callers, c.ping, () => () => c.ping.ping()),
+          timed("floodgate redis tokenBucket", s, callers, c.ping, () => {
+            const backend = redis(c.floodgate, { prefix: freshPrefix("tb") });
+            const bucket = backend.tokenBucket("tp", { capacity: MAX, refillPerSecond: 1e9 });
+            return [
+              async () => {
+                const t = await bucket.admit();
+                await t.release("success");
+              },
+              () => backend.close(),
+            ];
+          }),
+          timed("rate-limiter-flexible RateLimiterRedis", s, callers, c.ping, () => {
+            const limiter = new RateLimiterRedis({
+              storeClient: c.peer,
+              keyPrefix: freshPrefix("rlf"),
+              points: MAX,
+              duration: 60,
+            });
+            return () => limiter.consume("default", 1);
+          }),
+        ];
+        const figures = await rounds(list, count);
+        const fg = pairedRatio(
+          figures.get("floodgate redis tokenBucket")!,
+          figures.get("ioredis PING (floor)")!,
+        );
+        const notes = [`Target ≥ 0.9× PING: ${verdict(fg >= 0.9, times(fg))}.`];
+        report(
+          `Redis token bucket take, ${callers} caller${callers === 1 ? "" : "s"}, ${s} s per figure (median of ${count} rounds)`,
+          list,
+          figures,
+          "rate-limiter-flexible RateLimiterRedis",
+          "ioredis PING (floor)",
+          1,
+          notes,
+        );
+      }
+    } finally {
+      for (const x of c.all) x.disconnect();
+    }
+  },
+};
