@@ -56,6 +56,10 @@ describe("a fleet of processes sharing a Redis semaphore", () => {
       failed: 0,
     });
     const stats = provider.stats();
+    console.log(
+      `fleet: ${WORKERS} processes × ${CALLERS} callers, limit ${LIMIT}: provider peak ${stats.peak}, ` +
+        `${stats.completed}/${total} completed, 429s ${stats.rejected429}`,
+    );
     expect(stats.rejected429).toBe(0);
     expect(stats.completed).toBe(total);
     expect(stats.peak).toBeLessThanOrEqual(LIMIT);
