@@ -8,6 +8,7 @@
  *   npm run bench -- semaphore --quick             one benchmark
  *   npx tsx bench/index.ts semaphore --rounds 3 --tasks 20000
  *   npx tsx bench/index.ts --list                  the benchmarks' names
+ *   npx tsx bench/index.ts redis --quick           a group: `memory` or `redis`
  *
  * Flags: --quick, --rounds N, --tasks N, --seconds S, --handoffs N, --keys N.
  * Redis benchmarks start their own redis-server on a free loopback port unless REDIS_URL is set.
