@@ -17,7 +17,7 @@ import {
   sleep,
 } from "./retry.js";
 import { type HeadersLike, parseRetryAfter } from "./retry-after.js";
-import { show } from "./show.js";
+import { checkCallShape, show } from "./show.js";
 
 export {
   parseRateLimit,
@@ -207,19 +207,8 @@ function checkOptions(gate: unknown, fetchImpl: unknown, options: unknown): Wrap
 }
 
 function checkCall(call: unknown): FetchCallOptions | false {
-  if (call === undefined || call === false) return call === false ? false : {};
-  if (typeof call !== "object" || call === null || Array.isArray(call)) {
-    fail("floodgate", `init.floodgate must be an object or false (got ${show(call)})`);
-  }
-  for (const k of Object.keys(call))
-    if (!CALL_KEYS.has(k)) fail(`floodgate.${k}`, `unknown option "floodgate.${k}"`);
-  const c = call as FetchCallOptions;
-  for (const k of ["key", "host"] as const) {
-    const v = c[k];
-    if (v !== undefined && !(typeof v === "string" && v.length > 0)) {
-      fail(`floodgate.${k}`, `init.floodgate.${k} must be a non-empty string (got ${show(v)})`);
-    }
-  }
+  const c = checkCallShape(call, "init", CALL_KEYS, fail) as FetchCallOptions | false;
+  if (c === false) return false;
   if (c.retry !== undefined && c.retry !== false) checkRetry(c.retry, "floodgate.retry", fail);
   // cost, costs and timeoutMs are checked by the gate, which names the field.
   return c;

@@ -11,7 +11,7 @@ import {
   reservePauseMs,
 } from "./rate-limit.js";
 import { type HeadersLike, parseRetryAfter } from "./retry-after.js";
-import { show } from "./show.js";
+import { checkCallShape, show } from "./show.js";
 
 export {
   parseRateLimit,
@@ -127,20 +127,7 @@ function checkOptions(gate: unknown, options: unknown): InterceptorOptions {
 }
 
 function checkCall(call: unknown): DispatchCallOptions | false {
-  if (call === undefined || call === false) return call === false ? false : {};
-  if (typeof call !== "object" || call === null || Array.isArray(call)) {
-    fail("floodgate", `opts.floodgate must be an object or false (got ${show(call)})`);
-  }
-  for (const k of Object.keys(call))
-    if (!CALL_KEYS.has(k)) fail(`floodgate.${k}`, `unknown option "floodgate.${k}"`);
-  const c = call as DispatchCallOptions;
-  for (const k of ["key", "host"] as const) {
-    const v = c[k];
-    if (v !== undefined && !(typeof v === "string" && v.length > 0)) {
-      fail(`floodgate.${k}`, `opts.floodgate.${k} must be a non-empty string (got ${show(v)})`);
-    }
-  }
-  return c;
+  return checkCallShape(call, "opts", CALL_KEYS, fail) as DispatchCallOptions | false;
 }
 
 /** The host of a dispatch's origin (`string | URL`), or undefined when it has none. */
