@@ -169,7 +169,7 @@ export async function main(argv: string[]): Promise<number> {
   const trail: number[] = [pool];
   const cuts: string[] = [];
   const sends: number[] = [];
-  const pauses: { at: number; ms: number }[] = [];
+  const pauses: { at: number; ms: number; landed: number }[] = [];
   let inFlight = 0;
   let shuttingDown: Promise<void> | undefined;
   let shutdownReason = "";
@@ -203,8 +203,10 @@ export async function main(argv: string[]): Promise<number> {
             // Retry-After overrides any backoff of ours: the host is paused for every caller.
             const ms = parseRetryAfter(res.headers);
             if (ms !== undefined && ms > 0) {
-              pauses.push({ at: performance.now(), ms });
+              const pause = { at: performance.now(), ms, landed: Number.POSITIVE_INFINITY };
+              pauses.push(pause);
               await gate.pause(host, ms);
+              pause.landed = performance.now(); // from here on, no call may pass the gate
             }
             // The provider charged no tokens for a refused call: give the reservation back.
             await ticket.settle({ tpm: 0 });
@@ -297,17 +299,24 @@ export async function main(argv: string[]): Promise<number> {
   await provider.close();
   await handle.close(true);
 
-  // Was anything sent while a Retry-After pause ran? (A grant already on its way when the pause
-  // landed is allowed a few milliseconds.)
-  const slackMs = handle.mode === "redis" ? 25 : 5;
-  const early = sends.filter((t) => pauses.some((w) => t > w.at + slackMs && t < w.at + w.ms)).length;
+  // Was anything sent while a Retry-After pause ran, after the pause had landed in the gate? (A
+  // grant already on its way when it landed is allowed a few milliseconds, and the pause's end
+  // one: Redis reads its clock in whole milliseconds.)
+  const slackMs = 5;
+  const inside = (t: number, w: (typeof pauses)[number]) => t > w.landed + slackMs && t < w.at + w.ms - 1;
+  const early = sends.filter((t) => pauses.some((w) => inside(t, w))).length;
   const overload = p.rejectedBy.cap;
   const notStarted = docs - next;
 
   if (p.rejectedBy.requests > 0) failures.push(`${p.rejectedBy.requests} calls refused for RPM`);
   if (p.rejectedBy.tokens > 0) failures.push(`${p.rejectedBy.tokens} calls refused for TPM`);
   if (p.peak > pool) failures.push(`provider saw ${p.peak} at once, above the pool of ${pool}`);
-  if (early > 0) failures.push(`${early} calls sent while a Retry-After pause ran`);
+  if (early > 0) {
+    const late = sends
+      .flatMap((t) => pauses.filter((w) => inside(t, w)).map((w) => (t - w.landed).toFixed(1)))
+      .join(", ");
+    failures.push(`${early} calls sent while a Retry-After pause ran (ms after it landed: ${late})`);
+  }
   const lowest = Math.min(...trail);
   if (overload > 0 && cuts.length === 0) failures.push("429s came back but AIMD never cut its limit");
   if (after.inFlight !== 0 || after.waiting !== 0)
