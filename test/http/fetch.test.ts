@@ -1,5 +1,3 @@
-import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
-import type { AddressInfo } from "node:net";
 import {
   AdmitTimeoutError,
   Gate,
@@ -13,64 +11,7 @@ import {
 import { wrapFetch } from "floodgate/fetch";
 import { FakeClock } from "floodgate/testing";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
-
-type Respond = (req: IncomingMessage, res: ServerResponse) => void;
-
-/** A loopback HTTP server whose answer each test sets, counting the requests it receives. */
-class TestServer {
-  respond: Respond = (_req, res) => res.end("ok");
-  readonly received: IncomingMessage[] = [];
-  #waiters: Array<{ n: number; resolve: () => void }> = [];
-  readonly #server: Server;
-  url = "";
-  host = "";
-
-  constructor() {
-    this.#server = createServer((req, res) => {
-      req.resume();
-      this.received.push(req);
-      this.#waiters = this.#waiters.filter((w) => {
-        if (w.n > this.received.length) return true;
-        w.resolve();
-        return false;
-      });
-      this.respond(req, res);
-    });
-  }
-
-  async start(): Promise<this> {
-    await new Promise<void>((resolve) => this.#server.listen(0, "127.0.0.1", resolve));
-    const { port } = this.#server.address() as AddressInfo;
-    this.host = `127.0.0.1:${port}`;
-    this.url = `http://${this.host}`;
-    return this;
-  }
-
-  /** Resolves once `n` requests have arrived. */
-  receivedCount(n: number): Promise<void> {
-    if (this.received.length >= n) return Promise.resolve();
-    return new Promise((resolve) => this.#waiters.push({ n, resolve }));
-  }
-
-  close(): Promise<void> {
-    this.#server.closeAllConnections();
-    return new Promise((resolve) => this.#server.close(() => resolve()));
-  }
-}
-
-const reply =
-  (status: number, headers: Record<string, string> = {}): Respond =>
-  (_req, res) =>
-    res.writeHead(status, headers).end(String(status));
-
-/** A port nothing listens on: opened, then closed again. */
-async function closedPort(): Promise<number> {
-  const s = createServer();
-  await new Promise<void>((resolve) => s.listen(0, "127.0.0.1", resolve));
-  const { port } = s.address() as AddressInfo;
-  await new Promise<void>((resolve) => s.close(() => resolve()));
-  return port;
-}
+import { closedPort, reply, TestServer } from "./server.js";
 
 let server: TestServer;
 let clock: FakeClock;

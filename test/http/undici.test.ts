@@ -1,6 +1,4 @@
 import { EventEmitter } from "node:events";
-import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
-import type { AddressInfo } from "node:net";
 import {
   AdmitTimeoutError,
   Gate,
@@ -15,55 +13,7 @@ import { FakeClock } from "floodgate/testing";
 import { floodgateInterceptor } from "floodgate/undici";
 import { Agent, type Dispatcher, interceptors, request } from "undici";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
-
-type Respond = (req: IncomingMessage, res: ServerResponse) => void;
-
-/** A loopback HTTP server whose answer each test sets, counting the requests it receives. */
-class TestServer {
-  respond: Respond = (_req, res) => res.end("ok");
-  readonly received: IncomingMessage[] = [];
-  #waiters: Array<{ n: number; resolve: () => void }> = [];
-  readonly #server: Server;
-  url = "";
-  host = "";
-
-  constructor() {
-    this.#server = createServer((req, res) => {
-      req.resume();
-      this.received.push(req);
-      this.#waiters = this.#waiters.filter((w) => {
-        if (w.n > this.received.length) return true;
-        w.resolve();
-        return false;
-      });
-      this.respond(req, res);
-    });
-  }
-
-  async start(): Promise<this> {
-    await new Promise<void>((resolve) => this.#server.listen(0, "127.0.0.1", resolve));
-    const { port } = this.#server.address() as AddressInfo;
-    this.host = `127.0.0.1:${port}`;
-    this.url = `http://${this.host}`;
-    return this;
-  }
-
-  /** Resolves once `n` requests have arrived. */
-  receivedCount(n: number): Promise<void> {
-    if (this.received.length >= n) return Promise.resolve();
-    return new Promise((resolve) => this.#waiters.push({ n, resolve }));
-  }
-
-  close(): Promise<void> {
-    this.#server.closeAllConnections();
-    return new Promise((resolve) => this.#server.close(() => resolve()));
-  }
-}
-
-const reply =
-  (status: number, headers: Record<string, string> = {}): Respond =>
-  (_req, res) =>
-    res.writeHead(status, headers).end(String(status));
+import { closedPort, type Respond, reply, TestServer } from "./server.js";
 
 /** Answers with each status in turn, then repeats the last. */
 const sequence =
@@ -72,14 +22,6 @@ const sequence =
     const status = statuses.length > 1 ? statuses.shift()! : statuses[0]!;
     res.writeHead(status).end(String(status));
   };
-
-async function closedPort(): Promise<number> {
-  const s = createServer();
-  await new Promise<void>((resolve) => s.listen(0, "127.0.0.1", resolve));
-  const { port } = s.address() as AddressInfo;
-  await new Promise<void>((resolve) => s.close(() => resolve()));
-  return port;
-}
 
 let server: TestServer;
 let clock: FakeClock;
