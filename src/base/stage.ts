@@ -305,17 +305,13 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     return undefined;
   }
 
-  protected timeoutError(timeoutMs: number): AdmitTimeoutError {
+  /** The error of a wait that ran past `timeoutMs`; `retryAfterMs` when the stage knows it. */
+  protected timeoutError(timeoutMs: number, retryAfterMs?: number): AdmitTimeoutError {
     return new AdmitTimeoutError(
       this.name,
       `${this.kind} "${this.name}": not admitted within timeoutMs (${timeoutMs})`,
-      { retryAfterMs: this.retryAfterHint() },
+      { retryAfterMs },
     );
-  }
-
-  /** A best guess of how long until a call could be admitted, for timeout errors. */
-  protected retryAfterHint(): number | undefined {
-    return undefined;
   }
 
   protected baseSnapshot(limit: number): Snapshot {

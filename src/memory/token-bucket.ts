@@ -137,8 +137,7 @@ export class MemoryTokenBucket extends BaseStage {
   }
 
   #timeout(timeoutMs: number, retryAfterMs: number) {
-    const e = this.timeoutError(timeoutMs);
-    (e as { retryAfterMs: number | undefined }).retryAfterMs = retryAfterMs;
+    const e = this.timeoutError(timeoutMs, retryAfterMs);
     this.log.warn({ timeoutMs, retryAfterMs }, "admission timed out");
     return e;
   }

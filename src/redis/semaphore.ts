@@ -3,7 +3,7 @@ import { tooCostly } from "../admit.js";
 import { BaseStage, BaseTicket, type WaitFor } from "../base/stage.js";
 import { Waiter, WaitList } from "../base/wait-list.js";
 import { type Clock, type ClockTimer, unrefTimer } from "../clock.js";
-import { AdmitTimeoutError, isFloodgateError, LeaseLostError, ShedError } from "../errors.js";
+import { isFloodgateError, LeaseLostError, ShedError } from "../errors.js";
 import type { SemaphoreOptions } from "../options.js";
 import type {
   AdmitOptions,
@@ -232,7 +232,7 @@ export abstract class RedisPermitStage extends BaseStage {
     }
     this.timedOut++;
     this.log.warn({ timeoutMs: o.timeoutMs }, "admission timed out");
-    throw new AdmitTimeoutError(this.name, `${this.kind} "${this.name}": not admitted within timeoutMs (0)`);
+    throw this.timeoutError(0);
   }
 
   async #tryOnce(cost: number): Promise<Ticket | undefined> {

@@ -2,7 +2,6 @@ import { randomBytes } from "node:crypto";
 import { tooCostly } from "../admit.js";
 import { BaseTicket } from "../base/stage.js";
 import type { Waiter } from "../base/wait-list.js";
-import { AdmitTimeoutError } from "../errors.js";
 import type { TokenBucketOptions } from "../options.js";
 import type { AdmitOptions, Outcome, StageKind, Ticket, TryAdmitOptions } from "../types.js";
 import { parseOptions, tokenBucketSchema } from "../validate.js";
@@ -121,13 +120,7 @@ export class RedisTokenBucket extends RedisLineStage<RedisLine> {
     if (timeoutMs !== undefined && Number(waitMs) > timeoutMs - elapsed) {
       this.timedOut++;
       this.log.warn({ timeoutMs, retryAfterMs: Number(waitMs) }, "admission timed out");
-      throw new AdmitTimeoutError(
-        this.name,
-        `tokenBucket "${this.name}": not admitted within timeoutMs (${timeoutMs})`,
-        {
-          retryAfterMs: Number(waitMs),
-        },
-      );
+      throw this.timeoutError(timeoutMs, Number(waitMs));
     }
     const rest = timeoutMs === undefined ? o : { ...o, timeoutMs: timeoutMs - elapsed };
     const promise = this.wait(line, cost, key, rest);
