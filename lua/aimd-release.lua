@@ -9,7 +9,7 @@
 -- KEYS[3] qexp     ZSET  member -> waiter expiry (ms)
 -- KEYS[4] meta     HASH  used, seq, limit, epoch
 --
--- ARGV[1] now      ms, or "" for the server's TIME (unused: a release decides nothing by time)
+-- ARGV[1] now      ms, or "" for the server's TIME (read only when someone is in line)
 -- ARGV[2] member   "<id>:<cost>"
 -- ARGV[3] channel  pub/sub channel to wake waiters on
 -- ARGV[4] outcome  "success" | "dropped" | "ignored" | "refund"
@@ -18,9 +18,10 @@
 -- ARGV[7] max      highest limit
 -- ARGV[8] ratio    backoff ratio in [0.5, 1)
 -- ARGV[9] slow     "1" when the call ran longer than slowCallMs (counts as a drop)
+-- ARGV[10] leaseMs longest lease a grant made here starts with, ms
 --
--- Returns {released, limit, epoch, used, woken}: woken = the waiter told (by PUBLISH on
--- `channel`) to ask again, or "".
+-- Returns {released, limit, epoch, used, grants}: grants = the waiters granted the freed permits
+-- (floodgate_grant_heads), each as the message PUBLISHed on `channel`.
 local holders     = KEYS[1]
 local queue       = KEYS[2]
 local qexp        = KEYS[3]
@@ -34,7 +35,7 @@ local maxLimit    = tonumber(ARGV[7])
 local ratio       = tonumber(ARGV[8])
 local slow        = ARGV[9] == '1'
 
-local state = redis.call('HMGET', meta, 'limit', 'epoch', 'used')
+local state = redis.call('HMGET', meta, 'limit', 'epoch', 'used', 'quarantine')
 local limit = tonumber(state[1]) or maxLimit
 local epoch = tonumber(state[2]) or 0
 local used  = tonumber(state[3]) or 0
@@ -56,10 +57,14 @@ if released == 1 then used = used - floodgate_cost(member) end
 if used < 0 then used = 0 end
 redis.call('HSET', meta, 'used', used, 'limit', limit, 'epoch', epoch)
 
-local woken = ''
+local grants = {}
 local head = redis.call('ZRANGE', queue, 0, 0)[1]
 if head and used + floodgate_cost(head) <= limit then
-  redis.call('PUBLISH', channel, head)
-  woken = head
+  local now = floodgate_now(ARGV[1])
+  if (tonumber(state[4]) or 0) <= now then
+    grants, used = floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now,
+      tonumber(ARGV[10]), channel, epoch)
+    redis.call('HSET', meta, 'used', used)
+  end
 end
-return {released, limit, epoch, used, woken}
+return {released, limit, epoch, used, grants}

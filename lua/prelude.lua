@@ -90,3 +90,34 @@ end
 local function floodgate_cost(member)
   return tonumber(string.match(member, ':(%d+)$')) or 1
 end
+
+-- Grant on release: give the waiters at the head of the line their permits while they fit, so a
+-- freed permit goes straight to the next waiter with no round trip of its own. `head` is the
+-- first member in line. Each grant moves the waiter from the line into holders with a lease that
+-- ends when its place in line would have (at most `leaseCapMs`), until its process claims it and
+-- renews it to a full lease; a waiter whose process died so gives the permit back as soon as its
+-- place in line would have. Each is told with PUBLISH "<member>|<fence>|<epoch>|<leaseLeftMs>".
+-- Returns the messages sent and the permits now used. At most 64 grants per call.
+local function floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now, leaseCapMs, channel, epoch)
+  local sent = {}
+  local n = 0
+  while head and n < 64 do
+    local cost = floodgate_cost(head)
+    if used + cost > limit then break end
+    local expiry = tonumber(redis.call('ZSCORE', qexp, head))
+    redis.call('ZREM', queue, head)
+    redis.call('ZREM', qexp, head)
+    if expiry and expiry > now then
+      expiry = math.min(expiry, now + leaseCapMs)
+      redis.call('ZADD', holders, expiry, head)
+      used = used + cost
+      local fence = redis.call('HINCRBY', meta, 'seq', 1)
+      local message = head .. '|' .. fence .. '|' .. epoch .. '|' .. (expiry - now)
+      redis.call('PUBLISH', channel, message)
+      n = n + 1
+      sent[n] = message
+    end
+    head = redis.call('ZRANGE', queue, 0, 0)[1]
+  end
+  return sent, used
+end

@@ -7,21 +7,23 @@
 -- KEYS[4] meta     HASH  used (permits held), seq (arrivals and fencing tokens), limit, epoch,
 --                       quarantine (ms: no grants before, after Redis lost its data)
 --
--- ARGV[1] now         ms, or "" for the server's TIME
--- ARGV[2] member      "<id>:<cost>", the cost in permits (integer >= 1)
--- ARGV[3] limit       permits, or "" to read `limit` from meta (AIMD)
--- ARGV[4] leaseMs     lease length, ms
--- ARGV[5] mode        "wait": line up when refused; "try": never line up
--- ARGV[6] waiterTtlMs how long a waiter in line stays without asking again, ms
--- ARGV[7] channel     pub/sub channel to wake waiters on
--- ARGV[8] initial     AIMD: limit to start from when meta has none; "" otherwise
--- ARGV[9] lastFence   the highest fencing token this process has seen, or 0
+-- ARGV[1]  now         ms, or "" for the server's TIME
+-- ARGV[2]  member      "<id>:<cost>", the cost in permits (integer >= 1)
+-- ARGV[3]  limit       permits, or "" to read `limit` from meta (AIMD)
+-- ARGV[4]  leaseMs     lease length, ms
+-- ARGV[5]  mode        "wait": line up when refused; "try": never line up
+-- ARGV[6]  waiterTtlMs how long a waiter in line stays without asking again, ms
+-- ARGV[7]  channel     pub/sub channel grants are announced on
+-- ARGV[8]  initial     AIMD: limit to start from when meta has none; "" otherwise
+-- ARGV[9]  lastFence   the highest fencing token this process has seen, or 0
+-- ARGV[10] again       "1" when `member` asked before (it may have been granted on a release)
 --
--- Returns {granted, fenceOrWaitMs, used, limit, epoch, woken, quarantineMs}:
+-- Returns {granted, fenceOrWaitMs, used, limit, epoch, grants, quarantineMs}:
 --   granted = 1: fenceOrWaitMs is the fencing token (increases with every grant)
 --   granted = 0: fenceOrWaitMs is ms until the nearest lease expires or the quarantine ends
 --                (-1: neither)
---   woken: the waiter told (by PUBLISH on `channel`) to ask again, or ""
+--   grants: the waiters this call granted at the head of the line (see floodgate_grant_heads),
+--           each as the message PUBLISHed on `channel`; `member` itself may be among them
 --   quarantineMs: > 0 while grants are held back because Redis lost this stage's data
 --
 -- Data loss (a restart without persistence, FLUSHALL, a failover to a stale replica) shows as a
@@ -57,16 +59,6 @@ if ARGV[3] == '' then
   end
 end
 
--- Tell the waiter at the head to ask again when it fits now; returns it, or "".
-local function wakeHead()
-  local head = redis.call('ZRANGE', queue, 0, 0)[1]
-  if head and used + floodgate_cost(head) <= limit then
-    redis.call('PUBLISH', channel, head)
-    return head
-  end
-  return ''
-end
-
 -- Quarantine after data loss: no grants until every lease of before could have ended.
 local quarantine = tonumber(state[5]) or 0
 if lastFence > (tonumber(state[4]) or 0) then
@@ -78,7 +70,23 @@ if quarantine > now then
     redis.call('ZADD', queue, redis.call('HINCRBY', meta, 'seq', 1), member)
   end
   if mode == 'wait' then redis.call('ZADD', qexp, now + waiterTtlMs, member) end
-  return {0, quarantine - now, used, limit, epoch, '', quarantine - now}
+  return {0, quarantine - now, used, limit, epoch, {}, quarantine - now}
+end
+
+-- Granted on someone's release while this call was on its way (or its message was lost): claim
+-- the permit with a full lease and a fencing token of its own. A grant left unclaimed past its
+-- end is taken back, and the member asks like a newcomer.
+if ARGV[10] == '1' then
+  local held = redis.call('ZSCORE', holders, member)
+  if held then
+    if tonumber(held) > now then
+      redis.call('ZADD', holders, now + leaseMs, member)
+      return {1, redis.call('HINCRBY', meta, 'seq', 1), used, limit, epoch, {}, 0}
+    end
+    redis.call('ZREM', holders, member)
+    used = math.max(0, used - cost)
+    redis.call('HSET', meta, 'used', used)
+  end
 end
 
 local head = redis.call('ZRANGE', queue, 0, 0)[1]
@@ -98,28 +106,35 @@ if used + cost > limit or (head and head ~= member) then
   end
 end
 
+local grants = {}
 if used + cost <= limit and (not head or head == member) then
   if redis.call('ZADD', holders, now + leaseMs, member) == 1 then used = used + cost end
-  local woken = ''
   if head then
     redis.call('ZREM', queue, member)
     redis.call('ZREM', qexp, member)
+    head = redis.call('ZRANGE', queue, 0, 0)[1]
   end
   local fence = redis.call('HINCRBY', meta, 'seq', 1)
+  if head then
+    grants, used = floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now, leaseMs, channel, epoch)
+  end
   redis.call('HSET', meta, 'used', used)
-  if head then woken = wakeHead() end
-  return {1, fence, used, limit, epoch, woken, 0}
+  return {1, fence, used, limit, epoch, grants, 0}
 end
 
-local woken = ''
 if mode == 'wait' then
   if not redis.call('ZSCORE', queue, member) then
     redis.call('ZADD', queue, redis.call('HINCRBY', meta, 'seq', 1), member)
   end
   redis.call('ZADD', qexp, now + waiterTtlMs, member)
-  woken = wakeHead()
+  -- Room made by reaping (or a raised limit) goes to the head of the line.
+  head = head or member
+  if used + floodgate_cost(head) <= limit then
+    grants, used = floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now, leaseMs, channel, epoch)
+    redis.call('HSET', meta, 'used', used)
+  end
 end
 local first = redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')
 local waitMs = -1
 if first[2] then waitMs = math.max(0, tonumber(first[2]) - now) end
-return {0, waitMs, used, limit, epoch, woken, 0}
+return {0, waitMs, used, limit, epoch, grants, 0}

@@ -1,20 +1,23 @@
--- semaphore-release: give back lease `member`, or take waiter `member` out of the line.
+-- semaphore-release: give back lease `member`, or take waiter `member` out of the line, then
+-- grant the freed permits to the head of the line (floodgate_grant_heads).
 -- Idempotent: a member that holds nothing (released twice, or reaped after its lease ran out)
 -- frees nothing, so a late or foreign release never frees someone else's permit.
 --
 -- KEYS[1] holders  ZSET  member "<lease id>:<cost>" -> lease expiry (ms)
 -- KEYS[2] queue    ZSET  member -> arrival sequence
 -- KEYS[3] qexp     ZSET  member -> waiter expiry (ms)
--- KEYS[4] meta     HASH  used, seq, limit, epoch
+-- KEYS[4] meta     HASH  used, seq, limit, epoch, quarantine
 --
--- ARGV[1] now      ms, or "" for the server's TIME (unused: a release decides nothing by time)
+-- ARGV[1] now      ms, or "" for the server's TIME (read only when someone is in line)
 -- ARGV[2] member   "<id>:<cost>"
 -- ARGV[3] limit    permits, or "" to read `limit` from meta
--- ARGV[4] channel  pub/sub channel to wake waiters on
+-- ARGV[4] channel  pub/sub channel grants are announced on
+-- ARGV[5] what     "lease": `member` is a granted lease (never in line); "any": it may be either
+-- ARGV[6] leaseMs  longest lease a grant made here starts with, ms
 --
--- Returns {released, dequeued, used, woken}: released = 1 when the lease was held and is now
--- freed, dequeued = 1 when the member was in line and is no longer, woken = the waiter told (by
--- PUBLISH on `channel`) to ask again, or "".
+-- Returns {released, dequeued, used, grants}: released = 1 when the lease was held and is now
+-- freed, dequeued = 1 when the member was in line and is no longer, grants = the waiters granted
+-- here, each as the message PUBLISHed on `channel`.
 local holders = KEYS[1]
 local queue   = KEYS[2]
 local qexp    = KEYS[3]
@@ -30,20 +33,26 @@ if released == 1 then
     used = 0
     redis.call('HSET', meta, 'used', 0)
   end
-else
-  used = tonumber(redis.call('HGET', meta, 'used')) or 0
 end
-local dequeued = redis.call('ZREM', queue, member)
-if dequeued == 1 then redis.call('ZREM', qexp, member) end
+local dequeued = 0
+if ARGV[5] ~= 'lease' then
+  dequeued = redis.call('ZREM', queue, member)
+  if dequeued == 1 then redis.call('ZREM', qexp, member) end
+end
 
-local limit = tonumber(ARGV[3])
-local woken = ''
+local grants = {}
 local head = redis.call('ZRANGE', queue, 0, 0)[1]
 if head then
-  if ARGV[3] == '' then limit = tonumber(redis.call('HGET', meta, 'limit')) or 0 end
-  if used + floodgate_cost(head) <= limit then
-    redis.call('PUBLISH', channel, head)
-    woken = head
+  local state = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'quarantine')
+  used = tonumber(state[1]) or 0
+  local limit = tonumber(ARGV[3]) or tonumber(state[2]) or 0
+  local now = floodgate_now(ARGV[1])
+  if (tonumber(state[4]) or 0) <= now and used + floodgate_cost(head) <= limit then
+    grants, used = floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now,
+      tonumber(ARGV[6]), channel, tonumber(state[3]) or 0)
+    redis.call('HSET', meta, 'used', used)
   end
+elseif not used then
+  used = tonumber(redis.call('HGET', meta, 'used')) or 0
 end
-return {released, dequeued, used, woken}
+return {released, dequeued, used, grants}

@@ -50,9 +50,10 @@ export class RedisAimd extends RedisPermitStage {
       this.#max,
       this.#ratio,
       slow ? "1" : "0",
+      this.settings.leaseMs,
     ]);
     this.limit = Number(reply[1]);
-    this.wake(reply[4]);
+    this.granted(reply[4]);
     if (this.limit !== before) {
       const level = this.limit < before ? "warn" : "debug";
       this.log[level]({ from: before, to: this.limit, outcome, slow }, "limit changed");

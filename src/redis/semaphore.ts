@@ -39,6 +39,10 @@ class RedisWaiter extends Waiter {
   id = "";
   busy = false;
   again = false;
+  /** Has asked Redis before, so a release may have granted it already. */
+  asked = false;
+  /** Granted (by its own acquire or on someone's release). */
+  granted = false;
   retry: ClockTimer | undefined = undefined;
 }
 
@@ -52,6 +56,8 @@ export class LeaseTicket extends BaseTicket {
   renewTimer: ClockTimer | undefined = undefined;
   renewing = false;
   renewedAt = 0;
+  /** Length of the lease as of `renewedAt`, ms: shorter for a grant made on a release. */
+  validMs = 0;
 }
 
 /** Reply of `semaphore-acquire`. */
@@ -61,7 +67,7 @@ type AcquireReply = [
   used: number,
   limit: number,
   epoch: number,
-  woken: string,
+  grants: string[],
   quarantineMs: number,
 ];
 
@@ -135,7 +141,7 @@ export abstract class RedisPermitStage extends BaseStage {
     return t.controller.signal;
   }
 
-  #acquire(id: string, mode: "wait" | "try"): Promise<AcquireReply> {
+  #acquire(id: string, mode: "wait" | "try", again: boolean): Promise<AcquireReply> {
     return this.link.run(this.name, "semaphore-acquire", this.keys, [
       this.link.now(),
       id,
@@ -146,6 +152,7 @@ export abstract class RedisPermitStage extends BaseStage {
       this.channel,
       this.settings.limit === undefined ? this.settings.initial : "",
       this.#lastFence,
+      again ? "1" : "",
     ]);
   }
 
@@ -163,9 +170,16 @@ export abstract class RedisPermitStage extends BaseStage {
   /** Give back lease or waiter `id` in the background (a lost reply, an abandoned wait). */
   #forget(id: string, waitedMs = 0): void {
     this.link
-      .run(this.name, "semaphore-release", this.keys, [this.link.now(), id, this.#limitArg(), this.channel])
+      .run(this.name, "semaphore-release", this.keys, [
+        this.link.now(),
+        id,
+        this.#limitArg(),
+        this.channel,
+        "any",
+        this.settings.leaseMs,
+      ])
       .then(
-        (reply) => this.wake(reply[3]),
+        (reply) => this.granted(reply[3]),
         (error) => {
           // Redis is away (a dropped connection, a pause): ask again shortly, for as long as the
           // lease could still be held, so a lost reply does not keep a permit for a whole lease.
@@ -180,21 +194,39 @@ export abstract class RedisPermitStage extends BaseStage {
   }
 
   /**
-   * A script told waiter `id` to ask again. When it waits in this process, ask now rather than
-   * when the pub/sub message arrives (which then finds nothing to do).
+   * A script granted permits to the waiters at the head of the line. Those waiting in this
+   * process take them now rather than when the pub/sub message arrives (which then finds
+   * nothing to do).
    */
-  protected wake(id: unknown): void {
-    if (typeof id !== "string" || id === "") return;
-    const w = this.#byId.get(id);
-    if (w) this.#attempt(w);
+  protected granted(grants: unknown): void {
+    if (!Array.isArray(grants)) return;
+    for (const message of grants) this.#onGrant(message);
   }
 
-  #lease(ticket: BaseTicket, reply: AcquireReply, id: string): Ticket {
+  /**
+   * A grant announced as "<member>|<fence>|<epoch>|<leaseLeftMs>". A member not waiting here
+   * (another process's, or one that left: its give-back frees the grant) is ignored.
+   */
+  #onGrant(message: unknown): void {
+    if (typeof message !== "string") return;
+    const bar = message.indexOf("|");
+    const w = bar < 0 ? undefined : this.#byId.get(message.slice(0, bar));
+    if (!w?.list) return;
+    const [, fence, epoch, left] = message.split("|");
+    this.#byId.delete(w.id);
+    this.#clearRetry(w);
+    w.granted = true;
+    this.#lastFence = Math.max(this.#lastFence, Number(fence));
+    this.#lease(this.grant(w, this.waitFor), Number(fence), Number(epoch), w.id, Number(left));
+  }
+
+  #lease(ticket: BaseTicket, fence: number, epoch: number, id: string, validMs: number): Ticket {
     const t = ticket as LeaseTicket;
     t.leaseId = id;
-    t.fence = Number(reply[1]);
-    t.epoch = Number(reply[4]);
+    t.fence = fence;
+    t.epoch = epoch;
     t.renewedAt = this.clock.now();
+    t.validMs = validMs;
     this.#scheduleRenew(t);
     return t;
   }
@@ -239,19 +271,20 @@ export abstract class RedisPermitStage extends BaseStage {
     const id = memberId(cost);
     let reply: AcquireReply;
     try {
-      reply = await this.#acquire(id, "try");
+      reply = await this.#acquire(id, "try", false);
     } catch (error) {
       if (isFloodgateError(error, "BACKEND_UNAVAILABLE") && maybeSent(error)) this.#forget(id);
       throw error;
     }
     this.#saw(reply);
+    this.granted(reply[5]);
     if (Number(reply[0]) !== 1) return undefined;
     if (this.closed) {
       this.#forget(id);
       throw this.closedSignal.reason;
     }
-    this.wake(reply[5]);
-    return this.#lease(this.issue(cost, "", undefined, this.waitFor), reply, id);
+    const ticket = this.issue(cost, "", undefined, this.waitFor);
+    return this.#lease(ticket, Number(reply[1]), Number(reply[4]), id, this.settings.leaseMs);
   }
 
   tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
@@ -276,25 +309,30 @@ export abstract class RedisPermitStage extends BaseStage {
     w.busy = true;
     w.again = false;
     this.#clearRetry(w);
-    this.#acquire(w.id, "wait").then(
+    const again = w.asked;
+    w.asked = true;
+    this.#acquire(w.id, "wait", again).then(
       (reply) => {
         w.busy = false;
         this.#saw(reply);
-        const granted = Number(reply[0]) === 1;
         if (!w.list) {
           // Aborted, timed out or closed while the call was out: give back the lease it got, or
-          // its place in line (else it would hold up everyone behind it until it expires).
-          this.#forget(w.id);
-          this.wake(reply[5]);
+          // its place in line (else it would hold up everyone behind it until it expires). A
+          // waiter granted on a release meanwhile keeps its ticket; this reply only renewed it.
+          if (!w.granted) this.#forget(w.id);
+          this.granted(reply[5]);
           return;
         }
-        if (granted) {
+        if (Number(reply[0]) === 1) {
           this.#byId.delete(w.id);
-          this.#lease(this.grant(w, this.waitFor), reply, w.id);
-          this.wake(reply[5]);
+          w.granted = true;
+          const ticket = this.grant(w, this.waitFor);
+          this.#lease(ticket, Number(reply[1]), Number(reply[4]), w.id, this.settings.leaseMs);
+          this.granted(reply[5]);
           return;
         }
-        this.wake(reply[5]);
+        this.granted(reply[5]);
+        if (!w.list) return;
         if (w.again) return this.#attempt(w);
         if (!this.#listening) {
           this.#listen().then(
@@ -319,10 +357,7 @@ export abstract class RedisPermitStage extends BaseStage {
 
   #listen(): Promise<void> {
     this.#subscribed ??= this.link
-      .listen(this.channel, (id) => {
-        const w = this.#byId.get(id);
-        if (w) this.#attempt(w);
-      })
+      .listen(this.channel, (message) => this.#onGrant(message))
       .then(
         () => {
           this.#listening = true;
@@ -366,9 +401,8 @@ export abstract class RedisPermitStage extends BaseStage {
   }
 
   #scheduleRenew(t: LeaseTicket): void {
-    const leaseMs = this.settings.leaseMs;
     t.renewTimer = unrefTimer(
-      this.clock.setTimeout(() => this.#renew(t), Math.max(1, Math.floor(leaseMs * 0.8))),
+      this.clock.setTimeout(() => this.#renew(t), Math.max(1, Math.floor(t.validMs * 0.8))),
     );
   }
 
@@ -384,6 +418,7 @@ export abstract class RedisPermitStage extends BaseStage {
           if (t.released) return;
           if (Number(ok) === 1) {
             t.renewedAt = this.clock.now();
+            t.validMs = this.settings.leaseMs;
             this.#scheduleRenew(t);
           } else {
             this.#lost(t);
@@ -392,9 +427,9 @@ export abstract class RedisPermitStage extends BaseStage {
         (error: unknown) => {
           t.renewing = false;
           if (t.released) return;
-          if (this.clock.now() - t.renewedAt >= this.settings.leaseMs) return this.#lost(t, error);
+          if (this.clock.now() - t.renewedAt >= t.validMs) return this.#lost(t, error);
           this.log.warn({ err: error, lease: t.leaseId }, "lease renewal failed; retrying");
-          const retryMs = Math.max(1, Math.min(1000, Math.floor(this.settings.leaseMs / 10)));
+          const retryMs = Math.max(1, Math.min(1000, Math.floor(t.validMs / 10)));
           t.renewTimer = unrefTimer(this.clock.setTimeout(() => this.#renew(t), retryMs));
         },
       );
@@ -437,8 +472,10 @@ export abstract class RedisPermitStage extends BaseStage {
       t.leaseId,
       this.#limitArg(),
       this.channel,
+      "lease",
+      this.settings.leaseMs,
     ]);
-    this.wake(reply[3]);
+    this.granted(reply[3]);
     return Number(reply[0]) === 1;
   }
 

@@ -1,0 +1,322 @@
+import { redis, scriptSource } from "floodgate/redis";
+import type { Redis } from "ioredis";
+import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
+import { redisUrl } from "../contract/backends.js";
+import { closeClient, connectedClient, randomPrefix, until } from "./helpers.js";
+
+/**
+ * Grant on release: a release hands the freed permits to the waiters at the head of the line in
+ * the same script, so a waiter that had to wait costs no round trip more than one that did not.
+ * The scripts are called directly here with explicit times, so every lease end is exact.
+ */
+describe("grants made on release (scripts)", () => {
+  let client: Redis;
+  beforeAll(async () => {
+    client = await connectedClient(redisUrl());
+  });
+  afterAll(async () => {
+    await closeClient(client);
+  });
+
+  function stage(label: string) {
+    const prefix = randomPrefix(label);
+    const key = (part: string) => `${prefix}{s}:${part}`;
+    const keys = [key("holders"), key("queue"), key("qexp"), key("meta")];
+    const channel = key("wake");
+    return {
+      keys,
+      channel,
+      key,
+      /** semaphore-acquire; returns the reply. */
+      acquire(
+        now: number,
+        member: string,
+        limit: number | "",
+        opts: { again?: boolean; mode?: string } = {},
+      ) {
+        return client.eval(
+          scriptSource("semaphore-acquire"),
+          4,
+          ...keys,
+          now,
+          member,
+          limit,
+          30_000,
+          opts.mode ?? "wait",
+          3_000,
+          channel,
+          limit === "" ? 4 : "",
+          0,
+          opts.again ? "1" : "",
+        ) as Promise<[number, number, number, number, number, string[], number]>;
+      },
+      release(now: number, member: string, limit: number | "", what = "lease") {
+        return client.eval(
+          scriptSource("semaphore-release"),
+          4,
+          ...keys,
+          now,
+          member,
+          limit,
+          channel,
+          what,
+          30_000,
+        ) as Promise<[number, number, number, string[]]>;
+      },
+      expiry(member: string) {
+        return client.zscore(keys[0]!, member).then((s) => (s === null ? undefined : Number(s)));
+      },
+      used() {
+        return client.hget(keys[3]!, "used").then(Number);
+      },
+    };
+  }
+
+  it("moves the head waiter into holders on release, with a lease that ends when its place in line would have", async () => {
+    const s = stage("handoff");
+    expect((await s.acquire(1000, "h:1", 1))[0]).toBe(1);
+    const refused = await s.acquire(1000, "w:1", 1);
+    expect(refused[0]).toBe(0);
+    const [released, , used, grants] = await s.release(2000, "h:1", 1);
+    expect(released).toBe(1);
+    expect(used).toBe(1);
+    expect(grants).toHaveLength(1);
+    const [member, fence, epoch, left] = grants[0]!.split("|");
+    expect(member).toBe("w:1");
+    expect(Number(fence)).toBeGreaterThan(0);
+    expect(epoch).toBe("0");
+    // Its place in line ran to 1000 + 3000: the grant lasts until then unless claimed.
+    expect(Number(left)).toBe(2000);
+    expect(await s.expiry("w:1")).toBe(4000);
+    expect(await client.zcard(s.keys[1]!)).toBe(0);
+    expect(await client.zcard(s.keys[2]!)).toBe(0);
+  });
+
+  it("lets the waiter claim the grant with a full lease and a newer fencing token", async () => {
+    const s = stage("claim");
+    await s.acquire(1000, "h:1", 1);
+    await s.acquire(1000, "w:1", 1);
+    const [, , , grants] = await s.release(2000, "h:1", 1);
+    const fence = Number(grants[0]!.split("|")[1]);
+    const claim = await s.acquire(2500, "w:1", 1, { again: true });
+    expect(claim[0]).toBe(1);
+    expect(claim[1]).toBeGreaterThan(fence);
+    expect(await s.expiry("w:1")).toBe(2500 + 30_000);
+    expect(await s.used()).toBe(1);
+  });
+
+  it("takes back a grant nobody claimed once the waiter's place in line would have ended", async () => {
+    const s = stage("unclaimed");
+    await s.acquire(1000, "h:1", 1);
+    await s.acquire(1000, "dead:1", 1); // its process dies: it never asks again
+    await s.release(2000, "h:1", 1);
+    expect(await s.expiry("dead:1")).toBe(4000);
+    // Before that end the permit is still the dead waiter's.
+    expect((await s.acquire(3999, "x:1", 1))[0]).toBe(0);
+    // After it, the next caller gets it: the grant ended where its wait would have.
+    const next = await s.acquire(4001, "x:1", 1, { again: true });
+    expect(next[0]).toBe(1);
+    expect(await s.expiry("dead:1")).toBeUndefined();
+    expect(await s.used()).toBe(1);
+  });
+
+  it("treats a grant asked for after its end like a newcomer, counting it once", async () => {
+    const s = stage("late-claim");
+    await s.acquire(1000, "h:1", 1);
+    await s.acquire(1000, "w:1", 1);
+    await s.release(2000, "h:1", 1);
+    const late = await s.acquire(4001, "w:1", 1, { again: true });
+    expect(late[0]).toBe(1);
+    expect(await s.expiry("w:1")).toBe(4001 + 30_000);
+    expect(await s.used()).toBe(1);
+  });
+
+  it("grants every waiter that fits in one release, in order, and stops at the first that does not", async () => {
+    const s = stage("burst");
+    await s.acquire(1000, "big:3", 4);
+    await s.acquire(1000, "one:1", 4);
+    for (const m of ["a:1", "b:2", "c:2", "d:1"]) expect((await s.acquire(1000, m, 4))[0]).toBe(0);
+    const [, , used, grants] = await s.release(1100, "big:3", 4);
+    // 3 permits freed: a (1) and b (2) fit; c (2) does not, and d (1) must not overtake it.
+    expect(grants.map((g) => g.split("|")[0])).toEqual(["a:1", "b:2"]);
+    expect(used).toBe(4);
+    expect(await s.used()).toBe(4);
+    expect(await client.zrange(s.keys[1]!, 0, -1)).toEqual(["c:2", "d:1"]);
+  });
+
+  it("keeps a large waiter at the head ahead of a stream of small releases", async () => {
+    const s = stage("heavy");
+    await s.acquire(1000, "h1:1", 3);
+    await s.acquire(1000, "h2:1", 3);
+    await s.acquire(1000, "h3:1", 3);
+    await s.acquire(1000, "heavy:3", 3);
+    await s.acquire(1000, "small:1", 3);
+    expect((await s.release(1100, "h1:1", 3))[3]).toEqual([]);
+    expect((await s.release(1100, "h2:1", 3))[3]).toEqual([]);
+    const [, , , grants] = await s.release(1100, "h3:1", 3);
+    expect(grants.map((g) => g.split("|")[0])).toEqual(["heavy:3"]);
+  });
+
+  it("drops a waiter whose place in line already ran out instead of granting it", async () => {
+    const s = stage("stale");
+    await s.acquire(1000, "h:1", 1);
+    await s.acquire(1000, "stale:1", 1);
+    await s.acquire(3000, "fresh:1", 1);
+    const [, , , grants] = await s.release(4500, "h:1", 1);
+    expect(grants.map((g) => g.split("|")[0])).toEqual(["fresh:1"]);
+    expect(await s.expiry("stale:1")).toBeUndefined();
+  });
+
+  it("grants nothing while the stage is in quarantine", async () => {
+    const s = stage("quarantine");
+    await s.acquire(1000, "h:1", 1);
+    await s.acquire(1000, "w:1", 1);
+    await client.hset(s.keys[3]!, "quarantine", 5000);
+    expect((await s.release(2000, "h:1", 1))[3]).toEqual([]);
+    expect(await client.zrange(s.keys[1]!, 0, -1)).toEqual(["w:1"]);
+  });
+
+  it("gives the permits of a waiter that left back to the next one in line", async () => {
+    const s = stage("left");
+    await s.acquire(1000, "h:1", 1);
+    await s.acquire(1000, "gone:1", 1);
+    await s.acquire(1000, "next:1", 1);
+    await s.release(2000, "h:1", 1); // granted to gone:1, which has already left
+    const [released, , , grants] = await s.release(2001, "gone:1", 1, "any");
+    expect(released).toBe(1);
+    expect(grants.map((g) => g.split("|")[0])).toEqual(["next:1"]);
+  });
+
+  it("announces each grant on the stage's channel", async () => {
+    const s = stage("publish");
+    const sub = await connectedClient(redisUrl());
+    try {
+      const heard: string[] = [];
+      sub.on("message", (_channel: string, message: string) => heard.push(message));
+      await sub.subscribe(s.channel);
+      await s.acquire(1000, "h:1", 1);
+      await s.acquire(1000, "w:1", 1);
+      const [, , , grants] = await s.release(2000, "h:1", 1);
+      await until(() => heard.length === 1, { timeoutMs: 5000, message: "no grant was published" });
+      expect(heard).toEqual(grants);
+    } finally {
+      await closeClient(sub);
+    }
+  });
+});
+
+/** Two backends on two connections stand for two processes. */
+describe("grants made on release (stages)", () => {
+  const clients: Redis[] = [];
+  afterEach(async () => {
+    await Promise.all(clients.splice(0).map(closeClient));
+  });
+
+  async function backend(prefix: string, pollMs = 60_000) {
+    const client = await connectedClient(redisUrl());
+    clients.push(client);
+    return redis(client, { prefix, pollMs });
+  }
+
+  async function evalCalls(): Promise<number> {
+    const info = await clients[0]!.info("commandstats");
+    let calls = 0;
+    for (const m of info.matchAll(/^cmdstat_(?:evalsha|eval):calls=(\d+)/gm)) calls += Number(m[1]);
+    return calls;
+  }
+
+  it("costs two round trips per admission that had to wait: its acquire and its release", async () => {
+    const prefix = randomPrefix("trips");
+    const a = (await backend(prefix)).semaphore("trips", { limit: 1 });
+    const b = (await backend(prefix)).semaphore("trips", { limit: 1 });
+    // Warm up: subscribe both.
+    let held = await a.admit();
+    let waiting = b.admit();
+    await until(async () => (await clients[0]!.zcard(`${prefix}{trips}:queue`)) === 1, {
+      timeoutMs: 5000,
+      message: "b did not line up",
+    });
+    await held.release("success");
+    held = await waiting;
+    waiting = a.admit();
+    await until(async () => (await clients[0]!.zcard(`${prefix}{trips}:queue`)) === 1, {
+      timeoutMs: 5000,
+      message: "a did not line up",
+    });
+    await new Promise((r) => setTimeout(r, 100)); // let the subscriptions settle
+    // 20 handoffs between the two, each one a wait.
+    const before = await evalCalls();
+    const rounds = 20;
+    const sems = [a, b];
+    for (let i = 0; i < rounds; i++) {
+      await held.release("success");
+      held = await waiting;
+      const next = sems[i % 2]!;
+      waiting = next.admit();
+      await until(async () => (await clients[0]!.zcard(`${prefix}{trips}:queue`)) === 1, {
+        timeoutMs: 5000,
+        intervalMs: 2,
+        message: "the next waiter did not line up",
+      });
+    }
+    const calls = (await evalCalls()) - before;
+    // Each round: one release, one acquire that lines up. The grant itself costs nothing.
+    expect(calls).toBe(2 * rounds);
+    await held.release("success");
+    await (await waiting).release("success");
+  });
+
+  it("hands a waiter in the releasing process its permit from the release reply", async () => {
+    const prefix = randomPrefix("local");
+    const sem = (await backend(prefix)).semaphore("local", { limit: 1 });
+    const held = await sem.admit();
+    const waiting = sem.admit();
+    await until(async () => (await clients[0]!.zcard(`${prefix}{local}:queue`)) === 1, {
+      timeoutMs: 5000,
+      message: "the waiter did not line up",
+    });
+    await new Promise((r) => setTimeout(r, 50));
+    const before = await evalCalls();
+    await held.release("success");
+    const ticket = await waiting;
+    expect(await evalCalls()).toBe(before + 1);
+    expect(sem.snapshot().inFlight).toBe(1);
+    await ticket.release("success");
+    expect(await clients[0]!.zcard(`${prefix}{local}:holders`)).toBe(0);
+  });
+
+  it("claims a grant whose message was lost on the waiter's next poll, with a full lease", async () => {
+    const prefix = randomPrefix("lost");
+    const holder = (await backend(prefix)).semaphore("lost", { limit: 1, leaseMs: 20_000 });
+    // Its grant message is lost, so only its poll can find the grant.
+    const client = await connectedClient(redisUrl());
+    clients.push(client);
+    // Its pub/sub connection will be killed and must not come back.
+    const deaf = await connectedClient(redisUrl(), { retryStrategy: () => null, autoResubscribe: false });
+    clients.push(deaf);
+    const waiter = redis(client, { prefix, pollMs: 100, subscriber: deaf }).semaphore("lost", {
+      limit: 1,
+      leaseMs: 20_000,
+    });
+    const held = await holder.admit();
+    const pending = waiter.admit();
+    await until(async () => (await clients[0]!.zcard(`${prefix}{lost}:queue`)) === 1, {
+      timeoutMs: 5000,
+      message: "the waiter did not line up",
+    });
+    await until(async () => (await clients[0]!.pubsub("NUMSUB", `${prefix}{lost}:wake`))[1] === 1, {
+      timeoutMs: 5000,
+      message: "the waiter never subscribed",
+    });
+    await clients[0]!.client("KILL", "TYPE", "pubsub");
+    await held.release("success"); // its grant message goes nowhere
+    const ticket = await pending;
+    const [member, score] = await clients[0]!.zrange(`${prefix}{lost}:holders`, 0, 0, "WITHSCORES");
+    expect(member).toBeDefined();
+    const time = await clients[0]!.time();
+    const nowMs = Number(time[0]) * 1000 + Math.floor(Number(time[1]) / 1000);
+    // Claimed: a full lease from the claim, not the rest of its place in line (at most 300 ms).
+    expect(Number(score) - nowMs).toBeGreaterThan(10_000);
+    await ticket.release("success");
+  });
+});
