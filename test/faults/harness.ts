@@ -1,0 +1,192 @@
+import { isFloodgateError, type Stage, type Ticket } from "floodgate";
+import { stageKey } from "floodgate/redis";
+import type { Redis } from "ioredis";
+import { expect } from "vitest";
+import { sleep, until } from "../redis/helpers.js";
+import { haveRedisServer, INSTALL_HINT, RedisProcess } from "../setup/redis-server.js";
+
+/** Longest wait for one Redis reply in the fault scenarios, ms. */
+export const COMMAND_TIMEOUT_MS = 300;
+/** Longest a waiter goes without asking Redis again, ms (jittered ×0.5–1.5). */
+export const POLL_MS = 100;
+/**
+ * Slack on every timing bound, ms: timers and replies on a busy two-core machine shared with
+ * other test files and benchmarks run late by this much at worst (measured well below it).
+ */
+export const SLACK_MS = 700;
+
+/** A redis-server of this file's own on a free loopback port; fails with an install hint when there is none. */
+export async function startRedis(port: number, extraArgs: string[] = []): Promise<RedisProcess> {
+  // These scenarios stop, hang and restart a server of their own, so they need the binary even with REDIS_URL.
+  if (!haveRedisServer()) throw new Error(`redis-server was not found on the PATH. ${INSTALL_HINT}`);
+  const server = new RedisProcess(port, extraArgs);
+  await server.start();
+  return server;
+}
+
+/** Records every unhandled rejection of this process until `stop()`. */
+export function recordUnhandled(): { seen: unknown[]; stop(): void } {
+  const seen: unknown[] = [];
+  const onRejection = (reason: unknown) => seen.push(reason);
+  process.on("unhandledRejection", onRejection);
+  return { seen, stop: () => process.off("unhandledRejection", onRejection) };
+}
+
+/** The ioredis offline queue: commands held while not connected, to replay later. */
+export function offlineQueueLength(client: Redis): number {
+  return (client as unknown as { offlineQueue: { length: number } }).offlineQueue.length;
+}
+
+/** Commands sent on the connection and still waiting for a reply. */
+export function commandQueueLength(client: Redis): number {
+  return client.commandQueue.length;
+}
+
+/** The value below which `q` of the sorted `values` fall (nearest rank). */
+export function percentile(values: readonly number[], q: number): number {
+  if (values.length === 0) return Number.NaN;
+  const sorted = [...values].sort((a, b) => a - b);
+  return sorted[Math.min(sorted.length - 1, Math.max(0, Math.ceil(q * sorted.length) - 1))]!;
+}
+
+/** `p50 x ms, max y ms (n)`, for the printed figures. */
+export function spread(values: readonly number[]): string {
+  const f = (n: number) => n.toFixed(0);
+  return `p50 ${f(percentile(values, 0.5))} ms, max ${f(Math.max(...values))} ms (n=${values.length})`;
+}
+
+/** One call made by `Load`: when it started and ended (performance.now()), and how it went. */
+export interface Call {
+  startedAt: number;
+  endedAt: number;
+  ok: boolean;
+  error?: unknown;
+}
+
+/**
+ * Callers that loop through `run` until stopped, each call doing `serviceMs` of pretend work
+ * inside the admission, while an oracle counts the work running at once (what a provider would
+ * see). A caller refused because Redis is away backs off `backoffMs` before the next call.
+ */
+export class Load {
+  readonly calls: Call[] = [];
+  /** Work running now, and the most ever at once. */
+  readonly oracle = { now: 0, peak: 0 };
+  #stopped = false;
+  #callers: Promise<void>[] = [];
+
+  constructor(
+    readonly run: (work: (ticket: Ticket) => Promise<void>) => Promise<unknown>,
+    readonly callers: number,
+    readonly serviceMs = 20,
+    readonly backoffMs = 20,
+  ) {}
+
+  start(): this {
+    for (let i = 0; i < this.callers; i++) this.#callers.push(this.#caller());
+    return this;
+  }
+
+  async #caller(): Promise<void> {
+    const work = async () => {
+      this.oracle.peak = Math.max(this.oracle.peak, ++this.oracle.now);
+      try {
+        await sleep(this.serviceMs);
+      } finally {
+        this.oracle.now--;
+      }
+    };
+    while (!this.#stopped) {
+      const call: Call = { startedAt: performance.now(), endedAt: 0, ok: false };
+      try {
+        await this.run(work);
+        call.ok = true;
+      } catch (error) {
+        call.error = error;
+      }
+      call.endedAt = performance.now();
+      this.calls.push(call);
+      if (!call.ok) await sleep(this.backoffMs);
+    }
+  }
+
+  /** Calls that started in [from, to). */
+  between(from: number, to = Number.POSITIVE_INFINITY): Call[] {
+    return this.calls.filter((c) => c.startedAt >= from && c.startedAt < to);
+  }
+
+  /** Calls that failed, other than with `BackendUnavailableError`. */
+  otherFailures(): Call[] {
+    return this.calls.filter((c) => !c.ok && !isFloodgateError(c.error, "BACKEND_UNAVAILABLE"));
+  }
+
+  /** Wait for the first success of a call started at or after `from`; its end time. */
+  async firstSuccessAfter(from: number, timeoutMs: number): Promise<number> {
+    const found = await until(() => this.calls.find((c) => c.ok && c.startedAt >= from), {
+      timeoutMs,
+      message: "no call succeeded after the fault was healed",
+    });
+    return found.endedAt;
+  }
+
+  async stop(): Promise<void> {
+    this.#stopped = true;
+    await Promise.all(this.#callers);
+  }
+}
+
+/** Describe a failure for an assertion message. */
+export function describeError(error: unknown): string {
+  if (error instanceof Error) return `${error.name}: ${error.message}`;
+  return String(error);
+}
+
+/** The Redis server's clock in milliseconds, as the scripts read it. */
+export async function serverNow(client: Redis): Promise<number> {
+  const [seconds, micros] = await client.time();
+  return Number(seconds) * 1000 + Math.floor(Number(micros) / 1000);
+}
+
+/**
+ * After a fault: wait (within `timeoutMs`, shorter than a lease) until the semaphore's Redis
+ * state holds no live lease and no waiter, then prove the count exact: exactly `limit` permits
+ * can be taken, not one more, and giving them back leaves nothing held.
+ */
+export async function expectExactPermits(
+  raw: Redis,
+  prefix: string,
+  name: string,
+  sem: Stage,
+  limit: number,
+  timeoutMs: number,
+): Promise<void> {
+  const holders = stageKey(prefix, name, "holders");
+  const queue = stageKey(prefix, name, "queue");
+  await until(
+    async () => {
+      const now = await serverNow(raw);
+      const [[, live], [, waiting]] = (await raw
+        .multi()
+        .zcount(holders, `(${now}`, "+inf")
+        .zcard(queue)
+        .exec()) as [[unknown, number], [unknown, number]];
+      return live === 0 && waiting === 0;
+    },
+    { timeoutMs, message: `a lease or a waiter of "${name}" was left behind in Redis after the fault` },
+  );
+  expect(sem.snapshot()).toMatchObject({ inFlight: 0, waiting: 0 });
+  const taken: Ticket[] = [];
+  for (let i = 0; i < limit; i++) {
+    const ticket = await sem.tryAdmit();
+    expect(ticket, `permit ${i + 1} of ${limit} after the fault`).toBeDefined();
+    taken.push(ticket!);
+  }
+  expect(await sem.tryAdmit(), `a permit beyond the limit of ${limit}`).toBeUndefined();
+  const meta = stageKey(prefix, name, "meta");
+  expect(await raw.zcard(holders)).toBe(limit);
+  expect(await raw.hget(meta, "used")).toBe(String(limit));
+  await Promise.all(taken.map((t) => t.release("success")));
+  expect(await raw.zcard(holders)).toBe(0);
+  expect(await raw.hget(meta, "used")).toBe("0");
+  expect(sem.snapshot()).toMatchObject({ inFlight: 0, waiting: 0 });
+}
