@@ -1,0 +1,148 @@
+import { Gate, isFloodgateError } from "floodgate";
+import { redis, stageKey } from "floodgate/redis";
+import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
+import { connectedClient, randomPrefix, sleep, until, within } from "../redis/helpers.js";
+import { freePort, type RedisProcess } from "../setup/redis-server.js";
+import {
+  type Call,
+  COMMAND_TIMEOUT_MS,
+  commandQueueLength,
+  describeError,
+  expectExactPermits,
+  Load,
+  offlineQueueLength,
+  POLL_MS,
+  recordUnhandled,
+  SLACK_MS,
+  spread,
+  startRedis,
+} from "./harness.js";
+
+const LIMIT = 3;
+/** Long enough that a lease left behind by the hang would still be live when the counts are checked. */
+const LEASE_MS = 8_000;
+const SLEEP_S = 1.5;
+const NEW_CALL_BOUND_MS = COMMAND_TIMEOUT_MS + SLACK_MS;
+/** A waiter may sleep one jittered poll first; a gate failing part-way waits for its refund too. */
+const IN_FLIGHT_BOUND_MS = POLL_MS * 1.5 + 2 * COMMAND_TIMEOUT_MS + SLACK_MS;
+const RECOVERY_BOUND_MS = 3_000;
+
+/**
+ * `DEBUG SLEEP`: Redis stops answering while every connection stays open, then runs everything
+ * it was sent, late. Its own server, because `DEBUG` is off by default since Redis 7.
+ */
+describe("a Redis that hangs while connected (DEBUG SLEEP)", () => {
+  let server: RedisProcess;
+  const cleanups: (() => Promise<unknown> | unknown)[] = [];
+
+  beforeAll(async () => {
+    server = await startRedis(await freePort(), ["--enable-debug-command", "yes"]);
+  });
+
+  afterAll(async () => {
+    await server?.stop();
+  });
+
+  afterEach(async () => {
+    for (const cleanup of cleanups.splice(0).reverse()) await cleanup();
+  });
+
+  it("fails callers closed within the command timeout, recovers when Redis wakes, and counts exactly", async () => {
+    const unhandled = recordUnhandled();
+    cleanups.push(() => unhandled.stop());
+    const connect = async () => {
+      const client = await connectedClient(server.url, { retryStrategy: () => 50 });
+      cleanups.push(() => client.disconnect());
+      return client;
+    };
+    const [main, subscriber, raw, admin] = await Promise.all([connect(), connect(), connect(), connect()]);
+    const prefix = randomPrefix("faults-debug-sleep");
+    const backend = redis(main, {
+      prefix,
+      subscriber,
+      commandTimeoutMs: COMMAND_TIMEOUT_MS,
+      pollMs: POLL_MS,
+    });
+    cleanups.push(() => within(backend.close(), 5_000, "backend.close()"));
+    const sem = backend.semaphore("sem", { limit: LIMIT, leaseMs: LEASE_MS });
+    const bucket = backend.tokenBucket("rate", { capacity: 5, refillPerSecond: 80 });
+    const gate = new Gate([bucket, sem]);
+    const load = new Load((work) => gate.run(work, { timeoutMs: 10_000 }), 6, 20);
+    cleanups.push(() => load.stop());
+    load.start();
+    await until(() => load.calls.filter((c) => c.ok).length >= 10, {
+      timeoutMs: 5_000,
+      message: "the load never got going",
+    });
+
+    let offline = 0;
+    let pending = 0;
+    const sampler = setInterval(() => {
+      offline = Math.max(offline, offlineQueueLength(main), offlineQueueLength(subscriber));
+      pending = Math.max(pending, commandQueueLength(main));
+    }, 10);
+    cleanups.push(() => clearInterval(sampler));
+
+    const faultAt = performance.now();
+    const hang = admin.call("DEBUG", "SLEEP", String(SLEEP_S));
+    // Let the DEBUG command reach Redis before the probes go out.
+    await sleep(20);
+    const probes = await Promise.all(
+      (
+        [
+          ["sem.tryAdmit()", () => sem.tryAdmit()],
+          ["sem.admit()", () => sem.admit({ timeoutMs: 5_000 })],
+          ["bucket.admit()", () => bucket.admit({ key: "probe", timeoutMs: 5_000 })],
+          ["gate.run()", () => gate.run(() => "sent", { timeoutMs: 5_000 })],
+        ] as const
+      ).map(async ([what, call]) => {
+        const startedAt = performance.now();
+        const error = await within(
+          (call() as Promise<unknown>).then((v) => new Error(`${what} resolved ${String(v)}`)),
+          5_000,
+          what,
+        ).catch((e) => e);
+        const took = performance.now() - startedAt;
+        expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), `${what}: ${describeError(error)}`).toBe(true);
+        expect(took, `${what} failed closed after ${took.toFixed(0)} ms`).toBeLessThan(NEW_CALL_BOUND_MS);
+        return took;
+      }),
+    );
+    expect(await within(hang, 10_000, "DEBUG SLEEP")).toBe("OK");
+    const wokeAt = performance.now();
+    const firstOk = await load.firstSuccessAfter(wokeAt, RECOVERY_BOUND_MS + 2_000);
+    await sleep(500);
+    await load.stop();
+    clearInterval(sampler);
+
+    expect(load.otherFailures().map((c) => describeError(c.error))).toEqual([]);
+    // Every call that failed did so in time; a call sent during the hang and answered after it
+    // may succeed (Redis ran it late), which is fine: it was admitted by Redis, once.
+    const late = (c: Call, bound: number) => !c.ok && c.endedAt - Math.max(c.startedAt, faultAt) > bound;
+    expect(load.between(faultAt, wokeAt).filter((c) => late(c, NEW_CALL_BOUND_MS))).toEqual([]);
+    const outAtFault = load.calls.filter((c) => c.startedAt < faultAt && c.endedAt > faultAt);
+    expect(outAtFault.filter((c) => late(c, IN_FLIGHT_BOUND_MS))).toEqual([]);
+    expect(load.between(faultAt + 20, wokeAt - SLEEP_S * 1000 * 0.5).filter((c) => c.ok)).toEqual([]);
+    expect(offline).toBe(0);
+    await until(() => commandQueueLength(main) === 0, {
+      timeoutMs: 2_000,
+      message: "commands sent during the hang still wait for replies after it",
+    });
+    expect(firstOk - wokeAt).toBeLessThan(RECOVERY_BOUND_MS);
+    expect(load.oracle.peak).toBeLessThanOrEqual(LIMIT);
+    // The acquires Redis ran late, for callers that had given up, are given back (well before
+    // their lease would have run out), and nothing is counted twice.
+    await expectExactPermits(raw, prefix, "sem", sem, LIMIT, 2_500);
+    expect(gate.snapshot()).toMatchObject({ inFlight: 0, waiting: 0 });
+    expect(await raw.zcard(stageKey(prefix, "sem", "qexp"))).toBe(0);
+    expect(unhandled.seen.map(describeError)).toEqual([]);
+
+    const failed = load.calls.filter((c) => !c.ok && c.endedAt > faultAt);
+    console.log(
+      `DEBUG SLEEP ${SLEEP_S} s: new calls fail closed ${spread(probes)}; load calls failed ${failed.length}, ` +
+        `fault → typed error ${spread(failed.map((c) => c.endedAt - Math.max(c.startedAt, faultAt)))}; ` +
+        `wake → first success ${(firstOk - wokeAt).toFixed(0)} ms; offline queue max ${offline}, ` +
+        `pending replies max ${pending}; peak ${load.oracle.peak}/${LIMIT}`,
+    );
+  });
+});
