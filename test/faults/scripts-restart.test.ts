@@ -1,0 +1,193 @@
+import { Gate } from "floodgate";
+import { redis } from "floodgate/redis";
+import type { Redis } from "ioredis";
+import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
+import { connectedClient, randomPrefix, sleep, until, within } from "../redis/helpers.js";
+import { freePort, type RedisProcess } from "../setup/redis-server.js";
+import {
+  describeError,
+  expectExactPermits,
+  Load,
+  offlineQueueLength,
+  POLL_MS,
+  recordUnhandled,
+  SLACK_MS,
+  spread,
+  startRedis,
+} from "./harness.js";
+
+const LIMIT = 3;
+/** Short, so the quarantine after each restart (Redis came back empty) is short too. */
+const LEASE_MS = 1_000;
+/** The library's default: a slow reply on a busy machine is not what this file is about. */
+const COMMAND_TIMEOUT_MS = 2_000;
+const CALLERS = 6;
+const FLUSH_PHASE_MS = 3_000;
+const RESTARTS = 3;
+/** Redis is down this long on each restart. */
+const DOWN_MS = 300;
+
+/** Every error in `error`'s cause chain, as text. */
+function chain(error: unknown): string {
+  const parts: string[] = [];
+  for (let e = error, depth = 0; e !== undefined && depth < 5; depth++) {
+    parts.push(describeError(e));
+    e = e instanceof Error ? e.cause : undefined;
+  }
+  return parts.join(" <- ");
+}
+
+/** How many NOSCRIPT replies Redis has sent since it started (its error statistics). */
+async function noscriptReplies(admin: Redis): Promise<number> {
+  const info = await admin.info("errorstats");
+  return Number(/errorstat_NOSCRIPT:count=(\d+)/.exec(info)?.[1] ?? 0);
+}
+
+/**
+ * Scripts vanish under a running fleet: `SCRIPT FLUSH` again and again, and redis-server stopped
+ * (SIGKILL) and started again on the same port, empty, while callers keep going through a Gate of
+ * every kind of Redis stage. A missing script must never reach a caller.
+ */
+describe("SCRIPT FLUSH and Redis restarts under load", () => {
+  let server: RedisProcess;
+  let port: number;
+  const cleanups: (() => Promise<unknown> | unknown)[] = [];
+
+  beforeAll(async () => {
+    port = await freePort();
+    server = await startRedis(port);
+  });
+
+  afterAll(async () => {
+    await server?.stop();
+  });
+
+  afterEach(async () => {
+    for (const cleanup of cleanups.splice(0).reverse()) await cleanup();
+  });
+
+  it("loses no call to a missing script, and fails calls only with BackendUnavailableError while Redis is down", async () => {
+    const unhandled = recordUnhandled();
+    cleanups.push(() => unhandled.stop());
+    const connect = async () => {
+      const client = await connectedClient(server.url, { retryStrategy: () => 50 });
+      cleanups.push(() => client.disconnect());
+      return client;
+    };
+    const [main, subscriber, admin] = await Promise.all([connect(), connect(), connect()]);
+    const prefix = randomPrefix("faults-scripts");
+    const backend = redis(main, {
+      prefix,
+      subscriber,
+      commandTimeoutMs: COMMAND_TIMEOUT_MS,
+      pollMs: POLL_MS,
+    });
+    cleanups.push(() => within(backend.close(), 5_000, "backend.close()"));
+    const sem = backend.semaphore("sem", { limit: LIMIT, leaseMs: LEASE_MS });
+    const gate = new Gate([
+      backend.tokenBucket("rate", { capacity: 10, refillPerSecond: 500 }),
+      backend.intervalGate("hosts", { minIntervalMs: 2 }),
+      sem,
+      backend.aimd("adaptive", { initial: LIMIT, max: LIMIT, leaseMs: LEASE_MS }),
+    ]);
+    // Calls hold their permits past 80% of the lease now and then, so renewals run too.
+    let n = 0;
+    const load = new Load(
+      (work) =>
+        gate.run(
+          async (ticket) => {
+            await work(ticket);
+            if (++n % 40 === 0) await sleep(LEASE_MS * 0.9);
+          },
+          { host: "provider.test", timeoutMs: 15_000 },
+        ),
+      CALLERS,
+      10,
+    );
+    cleanups.push(() => load.stop());
+
+    let flushes = 0;
+    let flushing = true;
+    const flusher = (async () => {
+      while (flushing) {
+        await sleep(30 + Math.random() * 50);
+        try {
+          await admin.script("FLUSH");
+          flushes++;
+        } catch {
+          // Redis is restarting; the admin connection comes back by itself.
+        }
+      }
+    })();
+    cleanups.push(async () => {
+      flushing = false;
+      await flusher;
+    });
+    let offline = 0;
+    const sampler = setInterval(() => {
+      offline = Math.max(offline, offlineQueueLength(main), offlineQueueLength(subscriber));
+    }, 10);
+    cleanups.push(() => clearInterval(sampler));
+
+    // Scripts flushed again and again, Redis up throughout: every call succeeds.
+    const startedAt = performance.now();
+    load.start();
+    await sleep(FLUSH_PHASE_MS);
+    const flushPhaseEnd = performance.now();
+    const flushPhase = load.between(startedAt, flushPhaseEnd);
+    const flushPhaseFlushes = flushes;
+    const noscript = await noscriptReplies(admin);
+    expect(flushPhase.filter((c) => !c.ok).map((c) => chain(c.error))).toEqual([]);
+    expect(flushPhase.length).toBeGreaterThan(20);
+    // The flushes did bite: Redis answered NOSCRIPT, and the client sent the script again.
+    expect(noscript).toBeGreaterThan(0);
+
+    // Restarts, flushes still going: down windows fail closed, typed; everything else succeeds.
+    const windows: { down: number; up: number }[] = [];
+    const recoveries: number[] = [];
+    for (let i = 0; i < RESTARTS; i++) {
+      const down = performance.now();
+      await server.stop();
+      await sleep(DOWN_MS);
+      await server.start();
+      const up = performance.now();
+      windows.push({ down, up });
+      await until(() => main.status === "ready" && subscriber.status === "ready", {
+        timeoutMs: 5_000,
+        message: "the clients did not reconnect to the restarted Redis",
+      });
+      // Redis came back empty, so each permit stage holds grants back for one lease (quarantine);
+      // the Gate meets its two permit stages one after the other.
+      recoveries.push((await load.firstSuccessAfter(up, 2 * LEASE_MS + 5_000)) - up);
+      await sleep(300);
+    }
+    flushing = false;
+    await flusher;
+    await load.stop();
+    clearInterval(sampler);
+
+    const failed = load.calls.filter((c) => !c.ok);
+    const untyped = load.otherFailures().map((c) => chain(c.error));
+    expect(untyped, "calls that failed other than with BackendUnavailableError").toEqual([]);
+    expect(failed.map((c) => chain(c.error)).filter((m) => /NOSCRIPT/i.test(m))).toEqual([]);
+    // A failure overlaps a down window (stop, then until the clients are back, plus slack).
+    const inWindow = (c: { startedAt: number; endedAt: number }) =>
+      windows.some((w) => c.endedAt >= w.down && c.startedAt <= w.up + SLACK_MS);
+    expect(failed.filter((c) => !inWindow(c)).map((c) => chain(c.error))).toEqual([]);
+    expect(failed.length).toBeGreaterThan(0); // the restarts did bite
+    expect(offline).toBe(0);
+    expect(load.oracle.peak).toBeLessThanOrEqual(LIMIT);
+    expect(Math.max(...recoveries)).toBeLessThan(2 * LEASE_MS + 3_000);
+    const raw = await connect();
+    await expectExactPermits(raw, prefix, "sem", sem, LIMIT, 2 * LEASE_MS + 2_000);
+    expect(gate.snapshot()).toMatchObject({ inFlight: 0, waiting: 0 });
+    expect(unhandled.seen.map(describeError)).toEqual([]);
+
+    console.log(
+      `SCRIPT FLUSH ×${flushes} (${flushPhaseFlushes} with Redis up, ${noscript} NOSCRIPT replies sent again ` +
+        `transparently) and ${RESTARTS} restarts: ${load.calls.length} calls, ${failed.length} failed closed ` +
+        `(all BackendUnavailableError, all in a down window), 0 NOSCRIPT; restart → first success ` +
+        `${spread(recoveries)} (two permit stages' quarantines of ${LEASE_MS} ms each included); peak ${load.oracle.peak}/${LIMIT}`,
+    );
+  });
+});
