@@ -11,11 +11,11 @@ local host    = KEYS[1]
 local now     = floodgate_now(ARGV[1])
 local spacing = tonumber(ARGV[2])
 
-local nextAt = tonumber(redis.call('HGET', host, 'nextAt') or '-1')
+local previous = redis.call('HGET', host, 'nextAt') or ''
+local nextAt = tonumber(previous ~= '' and previous or '-1')
 if nextAt > now then
   return {0, string.format('%.17g', nextAt - now)}
 end
-local previous = redis.call('HGET', host, 'nextAt') or ''
 local claimed = string.format('%.17g', now + spacing)
 redis.call('HSET', host, 'nextAt', claimed)
 redis.call('PEXPIRE', host, math.ceil(spacing) + 1000)

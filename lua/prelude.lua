@@ -1,4 +1,6 @@
--- floodgate prelude, put in front of every script.
+-- floodgate prelude: definitions shared by the scripts. In front of each script go only the
+-- definitions it uses (src/redis/scripts.ts finds them), so a script pays for nothing else.
+
 -- ARGV[1] is always the time in milliseconds to decide with, or "" to read the Redis server's
 -- clock (TIME). Workers' own clocks never decide a lease or a refill; tests pass a fake time.
 local function floodgate_now(arg)
@@ -69,21 +71,45 @@ local function floodgate_wait_ms(s, capacity, refillPerSecond, recoveryMs, cost,
   return math.max(0, math.ceil(y - at - 1e-9))
 end
 
--- Read a bucket hash; a missing key is a fresh bucket holding `initial` tokens.
+-- Read a bucket hash, and its latest grant id (`last`, false when none); a missing key is a
+-- fresh bucket holding `initial` tokens. `whole` marks a state whose every field must be written.
 local function floodgate_bucket(key, initial, now)
-  local v = redis.call('HMGET', key, 'tokens', 'updatedAt', 'factor', 'penalizedAt')
-  if not v[1] then return { tokens = initial, updatedAt = now, factor = 1, penalizedAt = now } end
-  return { tokens = tonumber(v[1]), updatedAt = tonumber(v[2]), factor = tonumber(v[3]), penalizedAt = tonumber(v[4]) }
+  local v = redis.call('HMGET', key, 'tokens', 'updatedAt', 'factor', 'penalizedAt', 'last')
+  if not v[1] then
+    return { tokens = initial, updatedAt = now, factor = 1, penalizedAt = now, whole = true }, v[5]
+  end
+  return { tokens = tonumber(v[1]), updatedAt = tonumber(v[2]), factor = tonumber(v[3]),
+    penalizedAt = tonumber(v[4]), whole = false }, v[5]
 end
 
--- Write a bucket back, to expire once it would be full again anyway (an idle key costs nothing).
-local function floodgate_save_bucket(key, s, capacity, refillPerSecond, recoveryMs)
-  redis.call('HSET', key, 'tokens', string.format('%.17g', s.tokens), 'updatedAt', s.updatedAt,
-    'factor', string.format('%.17g', s.factor), 'penalizedAt', s.penalizedAt)
+-- Write a bucket back in one HSET, with `last` set to `grant` unless it is nil, and let it expire
+-- once it would be full again anyway (an idle key costs nothing). Only tokens and updatedAt are
+-- written unless `s.whole`: a take, refund or settle never moves factor or penalizedAt. Numbers
+-- are written with every digit (%.17g) so they read back exactly; formatting them here is
+-- cheaper than letting redis.call convert them.
+local function floodgate_save_bucket(key, s, capacity, refillPerSecond, recoveryMs, grant)
+  local tokens = string.format('%.17g', s.tokens)
+  local updatedAt = string.format('%.17g', s.updatedAt)
+  if s.whole then
+    local factor = string.format('%.17g', s.factor)
+    local penalizedAt = string.format('%.17g', s.penalizedAt)
+    if grant then
+      redis.call('HSET', key, 'tokens', tokens, 'updatedAt', updatedAt, 'factor', factor,
+        'penalizedAt', penalizedAt, 'last', grant)
+    else
+      redis.call('HSET', key, 'tokens', tokens, 'updatedAt', updatedAt, 'factor', factor,
+        'penalizedAt', penalizedAt)
+    end
+  elseif grant then
+    redis.call('HSET', key, 'tokens', tokens, 'updatedAt', updatedAt, 'last', grant)
+  else
+    redis.call('HSET', key, 'tokens', tokens, 'updatedAt', updatedAt)
+  end
   -- Time until idle is at most the refill at the slowest (penalised) rate, or the recovery.
   local fillMs = (capacity - s.tokens) * 1000 / refillPerSecond
   if s.factor < 1 then fillMs = math.max(fillMs / s.factor, recoveryMs) end
-  redis.call('PEXPIRE', key, math.ceil(fillMs) + 1000)
+  local ttl = math.ceil(fillMs) + 1000
+  redis.call('PEXPIRE', key, ttl < 1e15 and string.format('%d', ttl) or ttl)
 end
 
 -- A lease or waiter member is "<id>:<cost>": its cost travels with it, so no side table.

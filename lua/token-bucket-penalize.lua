@@ -25,6 +25,6 @@ local s = floodgate_bucket(bucket, initial, now)
 local t = math.max(now, s.updatedAt)
 local tokens = floodgate_tokens_at(s, capacity, refillPerSecond, recoveryMs, t)
 local next = math.max(minFactor, math.min(1, floodgate_rate_factor(s, recoveryMs, t) * factor))
-s = { tokens = tokens, updatedAt = t, factor = next, penalizedAt = t }
+s = { tokens = tokens, updatedAt = t, factor = next, penalizedAt = t, whole = true }
 floodgate_save_bucket(bucket, s, capacity, refillPerSecond, recoveryMs)
 return math.floor(next * 1000)

@@ -25,12 +25,12 @@ local delta           = tonumber(ARGV[5])
 local initial         = tonumber(ARGV[6])
 local grant           = ARGV[7]
 
-local s = floodgate_bucket(bucket, initial, now)
+local s, last = floodgate_bucket(bucket, initial, now)
 local tokens = floodgate_tokens_at(s, capacity, refillPerSecond, recoveryMs, now)
 if delta > 0 then
   s.tokens = tokens - delta
 else
-  if redis.call('HGET', bucket, 'last') ~= grant then return 'unchanged' end
+  if last ~= grant then return 'unchanged' end
   s.tokens = math.min(capacity, tokens - delta)
 end
 s.updatedAt = math.max(now, s.updatedAt)

@@ -28,6 +28,5 @@ if tokens + 1e-9 < cost then
 end
 s.tokens = math.max(0, tokens - cost)
 s.updatedAt = math.max(now, s.updatedAt)
-floodgate_save_bucket(bucket, s, capacity, refillPerSecond, recoveryMs)
-redis.call('HSET', bucket, 'last', grant)
+floodgate_save_bucket(bucket, s, capacity, refillPerSecond, recoveryMs, grant)
 return {1, 0}

@@ -4,7 +4,7 @@ import { fileURLToPath } from "node:url";
 
 /**
  * Every Lua script floodgate runs, with its number of KEYS. Each lives in `lua/<name>.lua`; the
- * shared prelude (`lua/prelude.lua`: reading `now`) is put in front when it is loaded.
+ * definitions of the shared prelude (`lua/prelude.lua`) that it uses are put in front of it.
  */
 export const SCRIPTS = {
   "semaphore-acquire": 4,
@@ -34,9 +34,99 @@ function read(name: ScriptName | "prelude"): string {
   return source;
 }
 
-/** The full text sent to Redis for `name`: prelude, then the script. */
+/** A top-level definition of the prelude: its name, its text (with the comment above it), what it uses. */
+interface Definition {
+  name: string;
+  text: string;
+  uses: Set<string>;
+}
+
+/** Lua code with comments and string literals blanked out, so only code is scanned for names. */
+function codeOnly(lua: string): string {
+  return lua.replace(
+    /--\[(=*)\[[\s\S]*?\]\1\]|--[^\n]*|"(?:\\[\s\S]|[^"\\\n])*"|'(?:\\[\s\S]|[^'\\\n])*'|\[(=*)\[[\s\S]*?\]\2\]/g,
+    " ",
+  );
+}
+
+/** Every identifier in the code of `lua`. */
+function identifiers(lua: string): Set<string> {
+  return new Set(codeOnly(lua).match(/[A-Za-z_][A-Za-z0-9_]*/g) ?? []);
+}
+
+/**
+ * The prelude cut into its top-level definitions, in file order: each `local function name(...)`
+ * up to its closing `end` at the start of a line, or each one-line `local name = ...`, with the
+ * comment lines right above it. Any other top-level code is kept as a definition every script
+ * gets (named ""); comments between definitions are left out.
+ */
+function preludeDefinitions(): Definition[] {
+  const lines = read("prelude").split("\n");
+  const definitions: Definition[] = [];
+  let comment: string[] = [];
+  for (let i = 0; i < lines.length; i++) {
+    const line = lines[i]!;
+    if (line.startsWith("--")) {
+      comment.push(line);
+      continue;
+    }
+    if (line.trim() === "") {
+      comment = [];
+      continue;
+    }
+    const fn = /^local\s+function\s+([A-Za-z_][A-Za-z0-9_]*)\s*\(/.exec(line);
+    const value = fn ? undefined : /^local\s+([A-Za-z_][A-Za-z0-9_]*)\s*=/.exec(line);
+    let end = i;
+    if (fn) while (end < lines.length - 1 && !/^end\b/.test(lines[end]!)) end++;
+    const body = lines.slice(i, end + 1);
+    const name = fn?.[1] ?? value?.[1] ?? "";
+    const uses = identifiers(body.join("\n"));
+    uses.delete(name);
+    definitions.push({ name, text: [...comment, ...body].join("\n"), uses });
+    comment = [];
+    i = end;
+  }
+  return definitions;
+}
+
+let definitions: Definition[] | undefined;
+
+/**
+ * The prelude definitions `body` needs: those it names, and those they name in turn, in the
+ * prelude's order (so each is defined before the ones that use it).
+ */
+function preludeFor(body: string): string {
+  definitions ??= preludeDefinitions();
+  const byName = new Map(definitions.map((d) => [d.name, d]));
+  const needed = new Set<string>([""]);
+  const pending = [...identifiers(body)];
+  for (let id = pending.pop(); id !== undefined; id = pending.pop()) {
+    const d = byName.get(id);
+    if (!d || needed.has(id)) continue;
+    needed.add(id);
+    pending.push(...d.uses);
+  }
+  return definitions
+    .filter((d) => needed.has(d.name))
+    .map((d) => `${d.text}\n`)
+    .join("");
+}
+
+const full = new Map<ScriptName, string>();
+
+/**
+ * The full text sent to Redis for `name`: the prelude definitions it uses (found by scanning the
+ * script, so a script carries no closures it never calls), then the script.
+ */
 export function scriptSource(name: ScriptName): string {
-  return `${read("prelude")}\n${read(name)}`;
+  let source = full.get(name);
+  if (source === undefined) {
+    const body = read(name);
+    const prelude = preludeFor(body);
+    source = prelude === "" ? body : `${prelude}\n${body}`;
+    full.set(name, source);
+  }
+  return source;
 }
 
 /** SHA1 of the script as Redis names it (what `SCRIPT LOAD` returns). */

@@ -3,6 +3,14 @@ import { join } from "node:path";
 import { commandName, redis, SCRIPTS, type ScriptName, scriptSha, scriptSource } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import {
+  type BucketConfig,
+  type BucketState,
+  penalize,
+  refund,
+  take,
+  waitMs,
+} from "../../src/algorithms/token-bucket.js";
 import { redisUrl } from "../contract/backends.js";
 import { closeClient, connectedClient, ROOT, randomPrefix } from "./helpers.js";
 
@@ -55,6 +63,43 @@ describe("Lua scripts on disk", () => {
   });
 });
 
+describe("the prelude in front of each script", () => {
+  /** Code without comments: the `floodgate_*` names it calls, and those it defines. */
+  function prelude(name: ScriptName) {
+    const code = scriptSource(name).replace(/--[^\n]*/g, "");
+    const defined = [...code.matchAll(/^local function (floodgate_\w+)/gm)].map((m) => m[1]!);
+    const named = new Set(code.match(/floodgate_\w+/g) ?? []);
+    return { code, defined, named };
+  }
+
+  it.each(names)("%s defines every prelude function it calls, before calling it", (name) => {
+    const { code, defined, named } = prelude(name);
+    for (const fn of named) expect(defined, `${fn} in ${name}`).toContain(fn);
+    for (const fn of defined) {
+      const definition = code.indexOf(`local function ${fn}(`);
+      const uses = [...code.matchAll(new RegExp(`\\b${fn}\\(`, "g"))].map((m) => m.index!);
+      expect(
+        uses.every((at) => at >= definition),
+        `${fn} is called before it is defined in ${name}`,
+      ).toBe(true);
+    }
+  });
+
+  it.each(names)("%s carries no prelude function it never calls", (name) => {
+    const { code, defined } = prelude(name);
+    for (const fn of defined) {
+      const calls = code.match(new RegExp(`\\b${fn}\\(`, "g"))?.length ?? 0;
+      expect(calls, `${fn} is only defined in ${name}`).toBeGreaterThan(1);
+    }
+  });
+
+  it("ends each script with the script itself, unchanged", () => {
+    for (const name of names) {
+      expect(scriptSource(name).endsWith(readFileSync(join(LUA_DIR, `${name}.lua`), "utf8"))).toBe(true);
+    }
+  });
+});
+
 describe("Lua scripts on Redis", () => {
   let client: Redis;
   let admin: Redis;
@@ -86,6 +131,83 @@ describe("Lua scripts on Redis", () => {
     const sha = await admin.script("LOAD", scriptSource(name));
     expect(sha).toBe(scriptSha(name));
     expect(scriptSha(name)).toMatch(/^[0-9a-f]{40}$/);
+  });
+
+  it("runs the token bucket exactly as src/algorithms/token-bucket.ts does, step for step", async () => {
+    const backend = redis(client, { prefix: randomPrefix("bucket-math") });
+    const run = (name: ScriptName, key: string, ...args: (string | number)[]) =>
+      (client as unknown as Record<string, (...a: unknown[]) => Promise<unknown>>)[commandName(name)]!(
+        key,
+        ...args,
+      );
+    const c: BucketConfig = { capacity: 10, refillPerSecond: 3.7, recoveryMs: 5000 };
+    const key = `${randomPrefix("bucket-math")}b`;
+    const args = (now: number) => [now, c.capacity, c.refillPerSecond, c.recoveryMs] as const;
+    const stored = async (): Promise<BucketState> => {
+      const [tokens, updatedAt, factor, penalizedAt] = await client.hmget(
+        key,
+        "tokens",
+        "updatedAt",
+        "factor",
+        "penalizedAt",
+      );
+      return {
+        tokens: Number(tokens),
+        updatedAt: Number(updatedAt),
+        factor: Number(factor),
+        penalizedAt: Number(penalizedAt),
+      };
+    };
+    let seed = 7;
+    const random = () => {
+      seed = (seed * 1103515245 + 12345) % 2 ** 31;
+      return seed / 2 ** 31;
+    };
+    let s: BucketState | undefined;
+    let now = 1_000_000;
+    try {
+      for (let step = 0; step < 400; step++) {
+        const where = `step ${step} at ${now}`;
+        const r = random();
+        if (r < 0.1 && s) {
+          await run("token-bucket-penalize", key, ...args(now), 0.5, 0.1, c.capacity);
+          s = penalize(s, c, 0.5, 0.1, now);
+        } else {
+          const cost = 1 + Math.floor(random() * 4);
+          const grant = `g${step}`;
+          const [taken, wait] = (await run(
+            "token-bucket-take",
+            key,
+            ...args(now),
+            cost,
+            c.capacity,
+            grant,
+          )) as number[];
+          const before: BucketState = s ?? {
+            tokens: c.capacity,
+            updatedAt: now,
+            factor: 1,
+            penalizedAt: now,
+          };
+          const next = take(before, c, cost, now);
+          expect(taken === 1, where).toBe(next !== undefined);
+          if (next) {
+            s = next;
+            if (random() < 0.2) {
+              await run("token-bucket-refund", key, ...args(now), cost, c.capacity, grant);
+              s = refund(s, c, cost, now);
+            }
+          } else {
+            expect(wait, where).toBe(waitMs(before, c, cost, now));
+          }
+        }
+        if (s) expect(await stored(), where).toEqual(s);
+        // Mostly forward, sometimes standing still, now and then a step back.
+        now += Math.floor(random() * 900) - (random() < 0.05 ? 300 : 0);
+      }
+    } finally {
+      await backend.close();
+    }
   });
 
   it("keeps admitting after SCRIPT FLUSH (the client resends the script on NOSCRIPT)", async () => {
