@@ -1,7 +1,7 @@
-import type { Clock } from "../clock.js";
+import type { Clock, ClockTimer } from "../clock.js";
 import { BackendUnavailableError } from "../errors.js";
 import type { Logger } from "../types.js";
-import { commandName, defineScripts, type ScriptName } from "./scripts.js";
+import { commandName, defineScripts, SCRIPTS, type ScriptName } from "./scripts.js";
 
 /** The part of an ioredis client (`Redis` or `Cluster`) floodgate uses. */
 export interface RedisClientLike {
@@ -38,10 +38,64 @@ class Subscriber {
 
 const subscribers = new WeakMap<RedisClientLike, Subscriber>();
 
+/** The ioredis command each script is defined under, looked up once. */
+const COMMANDS = Object.fromEntries(
+  Object.keys(SCRIPTS).map((name) => [name, commandName(name as ScriptName)]),
+) as Record<ScriptName, string>;
+
+/**
+ * The scripts whose calls may be held back to the end of the turn and sent with others: the
+ * token bucket's and the interval gate's, which many callers run at once for one key or host.
+ */
+const CORKED: ReadonlySet<ScriptName> = new Set(
+  (Object.keys(SCRIPTS) as ScriptName[]).filter((name) => /^(token-bucket|interval-gate)-/.test(name)),
+);
+
+type ScriptCommand = (this: RedisClientLike, ...args: unknown[]) => Promise<unknown>;
+
+/** The part of a socket that can hold writes back and send them together. */
+interface Corkable {
+  cork(): void;
+  uncork(): void;
+}
+
+/** A script call waiting for its reply, in a list ordered by deadline. */
+class Call {
+  prev: Call | undefined = undefined;
+  next: Call | undefined = undefined;
+  done = false;
+  constructor(
+    readonly stage: string,
+    readonly script: ScriptName,
+    readonly deadline: number,
+    readonly resolve: (value: unknown) => void,
+    readonly reject: (error: unknown) => void,
+  ) {}
+}
+
+function uncork(stream: Corkable): void {
+  stream.uncork();
+}
+
 export class RedisLink {
   #subscriber: Subscriber | undefined;
   readonly #mine = new Map<string, WakeHandler>();
   #closed = false;
+  /**
+   * Calls waiting for a reply, oldest first. Every call has the same timeout, so this is also
+   * deadline order, and one timer (for the oldest) times them all out instead of one per call.
+   */
+  #first: Call | undefined = undefined;
+  #last: Call | undefined = undefined;
+  #timer: ClockTimer | undefined = undefined;
+  /** The socket held back until the current turn of the event loop ends, if any. */
+  #corked: Corkable | undefined = undefined;
+  readonly #sweep = () => this.#timeOut();
+  readonly #uncorked = () => {
+    const stream = this.#corked;
+    this.#corked = undefined;
+    if (stream) uncork(stream);
+  };
 
   constructor(
     readonly client: RedisClientLike,
@@ -79,38 +133,31 @@ export class RedisLink {
     keys: readonly string[],
     args: readonly (string | number)[],
   ): Promise<any> {
-    const client = this.client as unknown as Record<string, (...a: unknown[]) => Promise<unknown>>;
-    if (this.client.status !== "ready") {
-      const error = new BackendUnavailableError(
-        stage,
-        `Redis is not connected (status "${this.client.status}")`,
-      );
+    const client = this.client;
+    if (client.status !== "ready") {
+      const error = new BackendUnavailableError(stage, `Redis is not connected (status "${client.status}")`);
       unsent.add(error);
       return Promise.reject(error);
     }
     return new Promise((resolve, reject) => {
-      let done = false;
-      const timer = this.clock.setTimeout(() => {
-        if (done) return;
-        done = true;
-        reject(
-          new BackendUnavailableError(
-            stage,
-            `Redis did not answer ${script} within ${this.commandTimeoutMs} ms`,
-          ),
-        );
-      }, this.commandTimeoutMs);
-      client[commandName(script)]!.call(this.client, ...keys, ...args).then(
+      const call = new Call(stage, script, this.clock.now() + this.commandTimeoutMs, resolve, reject);
+      // While replies are awaited, more calls are likely to come in this same turn: hold the
+      // socket's writes back until the turn ends and send them with one system call. Only for
+      // the token bucket and interval gate, whose callers are known to gain from it.
+      if (this.#first !== undefined && this.#corked === undefined && CORKED.has(script)) this.#cork();
+      this.#push(call);
+      const command = (client as unknown as Record<string, ScriptCommand>)[COMMANDS[script]]!;
+      const sent =
+        keys.length === 1 ? command.call(client, keys[0], ...args) : command.call(client, ...keys, ...args);
+      sent.then(
         (value) => {
-          if (done) return;
-          done = true;
-          this.clock.clearTimeout(timer);
+          if (call.done) return;
+          this.#remove(call);
           resolve(value);
         },
         (error: unknown) => {
-          if (done) return;
-          done = true;
-          this.clock.clearTimeout(timer);
+          if (call.done) return;
+          this.#remove(call);
           reject(
             isConnectionError(error)
               ? new BackendUnavailableError(stage, `Redis failed: ${message(error)}`, { cause: error })
@@ -119,6 +166,59 @@ export class RedisLink {
         },
       );
     });
+  }
+
+  /** Hold the client's socket writes back until the end of this turn of the event loop. */
+  #cork(): void {
+    const stream = (this.client as { stream?: Partial<Corkable> }).stream;
+    if (typeof stream?.cork !== "function" || typeof stream.uncork !== "function") return;
+    stream.cork();
+    this.#corked = stream as Corkable;
+    process.nextTick(this.#uncorked);
+  }
+
+  #push(call: Call): void {
+    if (this.#last === undefined) {
+      this.#first = call;
+      this.#timer = this.clock.setTimeout(this.#sweep, this.commandTimeoutMs);
+    } else {
+      this.#last.next = call;
+      call.prev = this.#last;
+    }
+    this.#last = call;
+  }
+
+  /** Take a settled call out of the list; the timer goes when nothing is left to time. */
+  #remove(call: Call): void {
+    call.done = true;
+    const { prev, next } = call;
+    if (prev) prev.next = next;
+    else this.#first = next;
+    if (next) next.prev = prev;
+    else this.#last = prev;
+    call.prev = call.next = undefined;
+    if (this.#first === undefined && this.#timer !== undefined) {
+      this.clock.clearTimeout(this.#timer);
+      this.#timer = undefined;
+    }
+  }
+
+  /** Fail every call past its deadline; wait for the next one's. */
+  #timeOut(): void {
+    this.#timer = undefined;
+    const now = this.clock.now();
+    for (let call = this.#first; call !== undefined && call.deadline <= now; call = this.#first) {
+      this.#remove(call);
+      call.reject(
+        new BackendUnavailableError(
+          call.stage,
+          `Redis did not answer ${call.script} within ${this.commandTimeoutMs} ms`,
+        ),
+      );
+    }
+    if (this.#first !== undefined && this.#timer === undefined) {
+      this.#timer = this.clock.setTimeout(this.#sweep, this.#first.deadline - now);
+    }
   }
 
   /** Call `handler` with every message on `channel`; resolves once subscribed. */
