@@ -249,6 +249,9 @@ export abstract class RedisPermitStage extends BaseStage {
     const w = this.waiters.tail as RedisWaiter;
     w.id = memberId(cost);
     this.#byId.set(w.id, w);
+    // Subscribe for grants now, while this first acquire is out: a waiter refused before the
+    // subscription is up must ask once more once it is (a grant may have gone unheard).
+    if (!this.#subscribed && this.link.client.status === "ready") this.#listen().catch(() => {});
     this.#attempt(w);
     return promise;
   }
