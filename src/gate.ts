@@ -1,4 +1,6 @@
 import { admitOptions } from "./admit.js";
+import { callWith, RESOLVED } from "./base/run.js";
+import type { BaseTicket } from "./base/stage.js";
 import { type Clock, systemClock } from "./clock.js";
 import { ClosedError, InvalidOptionsError } from "./errors.js";
 import { stageLogger } from "./logger.js";
@@ -8,6 +10,7 @@ import type {
   IntervalGateStage,
   Logger,
   Outcome,
+  RunOptions,
   Snapshot,
   Stage,
   StageKind,
@@ -26,61 +29,14 @@ export interface GateOptions {
   logger?: Logger;
 }
 
-/** How a call ended, for `classify`. */
-export type Settled<T> = { ok: true; value: T } | { ok: false; error: unknown };
-
-/** Options for `gate.run(fn, options)` and `gate.enqueue(fn, options)`. */
-export interface RunOptions<T = unknown> extends AdmitOptions {
-  /**
-   * Turn the call's result into an outcome. An outcome recorded on the ticket inside `fn` wins.
-   * @default `defaultClassify`: a value or error with status 429 or 503, or a timeout error, is
-   * `dropped`; another value is `success`; another error is `ignored`.
-   */
-  classify?: (settled: Settled<T>) => Outcome;
-}
+export { defaultClassify } from "./base/run.js";
+export type { RunOptions, Settled } from "./types.js";
 
 /** A job accepted by `gate.enqueue`. */
 export interface Job<T> {
   /** Settles with the call's result once it has run. */
   readonly done: Promise<T>;
 }
-
-const TIMEOUT_CODES = new Set([
-  "ETIMEDOUT",
-  "ESOCKETTIMEDOUT",
-  "UND_ERR_CONNECT_TIMEOUT",
-  "UND_ERR_HEADERS_TIMEOUT",
-  "UND_ERR_BODY_TIMEOUT",
-]);
-
-function statusOf(value: unknown): number | undefined {
-  if (typeof value !== "object" || value === null) return undefined;
-  const v = value as { status?: unknown; statusCode?: unknown };
-  const status = typeof v.status === "number" ? v.status : v.statusCode;
-  return typeof status === "number" ? status : undefined;
-}
-
-/**
- * The default outcome of a call: a response (or an error) with status 429 or 503 and timeout
- * errors are `dropped`; other results are `success`, other errors `ignored`.
- */
-export function defaultClassify(settled: Settled<unknown>): Outcome {
-  if (settled.ok) {
-    const status = statusOf(settled.value);
-    return status === 429 || status === 503 ? "dropped" : "success";
-  }
-  const error = settled.error;
-  const status = statusOf(error);
-  if (status === 429 || status === 503) return "dropped";
-  if (typeof error === "object" && error !== null) {
-    const { name, code } = error as { name?: unknown; code?: unknown };
-    if (name === "TimeoutError" || (typeof code === "string" && TIMEOUT_CODES.has(code))) return "dropped";
-  }
-  return "ignored";
-}
-
-const RESOLVED: Promise<void> = Promise.resolve();
-const noop = () => {};
 
 /** The tickets a gate holds for one call, released together in reverse order. */
 class GateTicket implements Ticket {
@@ -150,17 +106,25 @@ function checkOutcome(name: string, outcome: unknown): void {
   }
 }
 
+const noop = () => {};
+
 /** Release (or, with no outcome, refund) tickets last to first; resolves when all are done. */
 function settleAll(tickets: readonly Ticket[], outcome: Outcome | undefined): Promise<void> {
-  if (tickets.length === 0) return RESOLVED;
   if (tickets.length === 1) return outcome ? tickets[0]!.release(outcome) : tickets[0]!.refund();
-  const pending: Promise<void>[] = [];
+  // In memory every release is done at once: no promise to gather.
+  let pending: Promise<void>[] | undefined;
   for (let i = tickets.length - 1; i >= 0; i--) {
     const t = tickets[i]!;
-    pending.push(outcome ? t.release(outcome) : t.refund());
+    const p = outcome ? t.release(outcome) : t.refund();
+    if (p === RESOLVED) continue;
+    if (pending) pending.push(p);
+    else pending = [p];
   }
-  return Promise.all(pending).then(noop);
+  return pending ? Promise.all(pending).then(noop) : RESOLVED;
 }
+
+/** A stage that can say at once, without a promise, whether it admits (the memory stages). */
+type SyncStage = Stage & Required<Pick<BaseTicket["owner"], "tryAdmitSync">>;
 
 /**
  * An ordered list of stages that admits a call only when every stage has. Stages are acquired in
@@ -205,7 +169,14 @@ export class Gate implements Stage {
     while (leading < this.stages.length && this.stages[leading]!.holds === "wait") leading++;
     this.#leading = leading;
     this.#holdsWait = this.stages.some((s) => s.holds === "wait");
+    let sync = 0;
+    while (sync < this.stages.length && typeof (this.stages[sync] as SyncStage).tryAdmitSync === "function")
+      sync++;
+    this.#syncPrefix = sync;
   }
+
+  /** Leading stages that can admit synchronously (memory stages). */
+  readonly #syncPrefix: number;
 
   /** The clock the gate measures `timeoutMs` with; helpers (retries) wait on it too. */
   get clock(): Clock {
@@ -234,8 +205,37 @@ export class Gate implements Stage {
     return { key: o.key, host: o.host, cost, signal: o.signal, timeoutMs, costs: o.costs };
   }
 
-  /** Admit stages `from` to `to - 1` into `held`; on failure refund everything held and rethrow. */
-  async #acquire(held: Ticket[], from: number, to: number, o: AdmitOptions, deadline: number): Promise<void> {
+  /**
+   * Admit the leading memory stages that admit at once into `held`, with no promise in between;
+   * returns how many did. The first that would wait (or refuse, or throw) is left to `#acquire`.
+   */
+  #admitSync(held: Ticket[], o: AdmitOptions): number {
+    const stages = this.stages;
+    const n = this.#syncPrefix;
+    const costs = o.costs;
+    let i = 0;
+    for (; i < n; i++) {
+      const stage = stages[i] as SyncStage;
+      const cost = (costs == null ? undefined : costs[stage.name]) ?? o.cost;
+      const ticket = stage.tryAdmitSync(o, cost ?? 1);
+      if (ticket === undefined) break;
+      held.push(ticket);
+    }
+    return i;
+  }
+
+  /**
+   * Admit stages `from` to `to - 1` into `held`; on failure refund everything held and rethrow.
+   * With `start`, the call then starts: the result is its ticket.
+   */
+  async #acquire(
+    held: Ticket[],
+    from: number,
+    to: number,
+    o: AdmitOptions,
+    deadline: number,
+    start: boolean,
+  ): Promise<GateTicket | undefined> {
     this.#waiting++;
     try {
       for (let i = from; i < to; i++) {
@@ -254,6 +254,11 @@ export class Gate implements Stage {
     } finally {
       this.#waiting--;
     }
+    return start ? this.#started(held, o) : undefined;
+  }
+
+  #deadline(o: AdmitOptions): number {
+    return o.timeoutMs === undefined ? Number.POSITIVE_INFINITY : this.#clock.now() + o.timeoutMs;
   }
 
   /** Bounded queues give their slot back once the call has passed every later stage. */
@@ -271,13 +276,23 @@ export class Gate implements Stage {
     return new GateTicket(this, o.cost ?? 1, call);
   }
 
-  async admit(options?: AdmitOptions): Promise<Ticket> {
-    const o = this.#options(options);
-    const deadline = o.timeoutMs === undefined ? Number.POSITIVE_INFINITY : this.#clock.now() + o.timeoutMs;
-    if (o.signal?.aborted) throw o.signal.reason;
+  /**
+   * Admit every stage in order. Memory stages that admit at once do so without a promise in
+   * between; the first stage that has to wait is awaited, and the rest after it.
+   */
+  admit(options?: AdmitOptions): Promise<Ticket> {
+    let o: AdmitOptions;
+    try {
+      o = this.#options(options);
+    } catch (error) {
+      return Promise.reject(error);
+    }
+    if (o.signal?.aborted) return Promise.reject(o.signal.reason);
     const held: Ticket[] = [];
-    await this.#acquire(held, 0, this.stages.length, o, deadline);
-    return this.#started(held, o);
+    const n = this.stages.length;
+    const from = this.#admitSync(held, o);
+    if (from === n) return Promise.resolve(this.#started(held, o));
+    return this.#acquire(held, from, n, o, this.#deadline(o), true) as Promise<Ticket>;
   }
 
   async tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
@@ -304,40 +319,30 @@ export class Gate implements Stage {
   /**
    * Admit, run `fn`, release with the outcome. `fn` gets the ticket: hand `ticket.signal` to the
    * call, or `ticket.record("dropped")` when a response says the server is overloaded. Rejects
-   * as `admit` does; otherwise settles as `fn` does.
+   * as `admit` does; otherwise settles as `fn` does. When every stage admits at once (memory
+   * stages with room), `fn` is called before `run` returns.
    */
-  async run<T>(fn: (ticket: Ticket) => T | PromiseLike<T>, options?: RunOptions<T>): Promise<T> {
+  run<T>(fn: (ticket: Ticket) => T | PromiseLike<T>, options?: RunOptions<T>): Promise<T> {
     if (typeof fn !== "function") {
-      throw new InvalidOptionsError(this.name, "fn", `gate "${this.name}": run needs a function`);
+      return Promise.reject(
+        new InvalidOptionsError(this.name, "fn", `gate "${this.name}": run needs a function`),
+      );
     }
-    const ticket = (await this.admit(options)) as GateTicket;
-    return this.#call(ticket, fn, options?.classify);
-  }
-
-  async #call<T>(
-    ticket: GateTicket,
-    fn: (ticket: Ticket) => T | PromiseLike<T>,
-    classify: ((settled: Settled<T>) => Outcome) | undefined,
-  ): Promise<T> {
-    const judge = (classify ?? defaultClassify) as (s: Settled<T>) => Outcome;
-    let settled: Settled<T>;
+    let o: RunOptions<T>;
     try {
-      settled = { ok: true, value: await fn(ticket) };
+      o = this.#options(options) as RunOptions<T>;
     } catch (error) {
-      settled = { ok: false, error };
+      return Promise.reject(error);
     }
-    let outcome = ticket.recorded;
-    if (outcome === undefined) {
-      try {
-        outcome = judge(settled);
-      } catch (error) {
-        this.#log.warn({ err: error }, "classify threw; outcome ignored");
-        outcome = "ignored";
-      }
-    }
-    await ticket.release(outcome).catch((e) => this.#log.warn({ err: e }, "release failed"));
-    if (settled.ok) return settled.value;
-    throw settled.error;
+    if (o.signal?.aborted) return Promise.reject(o.signal.reason);
+    const classify = o.classify;
+    const held: Ticket[] = [];
+    const n = this.stages.length;
+    const from = this.#admitSync(held, o);
+    if (from === n) return callWith(this.#started(held, o), fn, classify, this.#log);
+    return this.#acquire(held, from, n, o, this.#deadline(o), true).then((ticket) =>
+      callWith(ticket!, fn, classify, this.#log),
+    );
   }
 
   /**
@@ -350,14 +355,14 @@ export class Gate implements Stage {
     if (typeof fn !== "function") {
       throw new InvalidOptionsError(this.name, "fn", `gate "${this.name}": enqueue needs a function`);
     }
-    const o = this.#options(options);
+    const o = this.#options(options) as RunOptions<T>;
     if (o.signal?.aborted) throw o.signal.reason;
-    const deadline = o.timeoutMs === undefined ? Number.POSITIVE_INFINITY : this.#clock.now() + o.timeoutMs;
+    const deadline = this.#deadline(o);
     const held: Ticket[] = [];
-    await this.#acquire(held, 0, this.#leading, o, deadline);
+    await this.#acquire(held, 0, this.#leading, o, deadline, false);
     const done = (async () => {
-      await this.#acquire(held, this.#leading, this.stages.length, o, deadline);
-      return this.#call(this.#started(held, o), fn, options?.classify);
+      const ticket = await this.#acquire(held, this.#leading, this.stages.length, o, deadline, true);
+      return callWith(ticket!, fn, o.classify, this.#log);
     })();
     // A job nobody awaits must not crash the process; its failure is logged instead.
     done.catch((error) => this.#log.warn({ err: error }, "enqueued job failed"));

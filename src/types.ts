@@ -43,6 +43,19 @@ export interface AdmitOptions {
   timeoutMs?: number;
 }
 
+/** How a call ended, for `classify`. */
+export type Settled<T> = { ok: true; value: T } | { ok: false; error: unknown };
+
+/** Options for `stage.run(fn, options)`, `gate.run(fn, options)` and `gate.enqueue(fn, options)`. */
+export interface RunOptions<T = unknown> extends AdmitOptions {
+  /**
+   * Turn the call's result into an outcome. An outcome recorded on the ticket inside `fn` wins.
+   * @default `defaultClassify`: a value or error with status 429 or 503, or a timeout error, is
+   * `dropped`; another value is `success`; another error is `ignored`.
+   */
+  classify?: (settled: Settled<T>) => Outcome;
+}
+
 /** Options for an admission that never waits. */
 export type TryAdmitOptions = Pick<AdmitOptions, "key" | "host" | "cost" | "costs">;
 
@@ -142,6 +155,12 @@ export interface Stage extends AsyncDisposable {
   admit(options?: AdmitOptions): Promise<Ticket>;
   /** Admit only if that needs no wait; resolves `undefined` when refused. */
   tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined>;
+  /**
+   * Admit, call `fn` with the ticket, release the ticket with the call's outcome, and settle as
+   * `fn` does. Rejects as `admit` does, and then `fn` is never called. Every stage floodgate
+   * builds has it (memory and Redis); a stage of your own may leave it out.
+   */
+  run?<T>(fn: (ticket: Ticket) => T | PromiseLike<T>, options?: RunOptions<T>): Promise<T>;
   /** The stage's numbers now. */
   snapshot(): Snapshot;
   /**

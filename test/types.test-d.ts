@@ -3,6 +3,7 @@ import type {
   IntervalGateOptions,
   MemoryBackendOptions,
   QueueOptions,
+  RunOptions,
   SemaphoreOptions,
   Stage,
   Ticket,
@@ -56,6 +57,17 @@ describe("public shapes", () => {
     expectTypeOf(gate.enqueue(() => "x"))
       .resolves.toHaveProperty("done")
       .toEqualTypeOf<Promise<string>>();
+  });
+  it("stage.run returns what the function returns and hands it the ticket", () => {
+    const b = memory();
+    const sem = b.semaphore("s", { limit: 1 });
+    expectTypeOf(sem.run(async () => 42)).toEqualTypeOf<Promise<number>>();
+    expectTypeOf(sem.run((ticket) => ticket.stage)).toEqualTypeOf<Promise<string>>();
+    expectTypeOf(b.tokenBucket("t", { capacity: 1, refillPerSecond: 1 }).run)
+      .parameter(1)
+      .toEqualTypeOf<RunOptions<unknown> | undefined>();
+    // A stage of your own may leave run out, so on the Stage interface it is optional.
+    expectTypeOf<Stage["run"]>().toExtend<((...args: never[]) => unknown) | undefined>();
   });
   it("refuses options of the wrong shape at compile time", () => {
     const b = memory();

@@ -6,15 +6,18 @@ import type {
   AdmitOptions,
   Logger,
   Outcome,
+  RunOptions,
   Snapshot,
   Stage,
   StageKind,
   Ticket,
   TryAdmitOptions,
 } from "../types.js";
-import { Waiter, type WaiterOwner, type WaitList } from "./wait-list.js";
+import { callWith, RESOLVED } from "./run.js";
+import { WaitEntry, Waiter, type WaiterOwner, type WaitList } from "./wait-list.js";
 
-const RESOLVED: Promise<void> = Promise.resolve();
+/** A wait list of any kind of entry. */
+type AnyList = WaitList<WaitEntry>;
 
 /** What a wait is for, which decides the snapshot counter it adds to. */
 export type WaitFor = "token" | "permit" | "queue";
@@ -86,6 +89,40 @@ export class BaseTicket implements Ticket {
   }
 }
 
+/** A waiting `run` call: the function to call once granted, or the error that ended the wait. */
+class CallWaiter<T> extends WaitEntry {
+  resolve!: (w: CallWaiter<T>) => void;
+  ticket: BaseTicket | undefined = undefined;
+  error: unknown = undefined;
+
+  constructor(
+    override readonly owner: BaseStage,
+    cost: number,
+    key: string,
+    enqueuedAt: number,
+    readonly fn: (ticket: Ticket) => T | PromiseLike<T>,
+    readonly classify: RunOptions<T>["classify"],
+  ) {
+    super(owner, cost, key, enqueuedAt);
+  }
+
+  deliver(ticket: Ticket): void {
+    this.ticket = ticket as BaseTicket;
+    this.resolve(this);
+  }
+
+  refuse(error: unknown): void {
+    this.error = error;
+    this.resolve(this);
+  }
+}
+
+/** Runs in the waiting caller's context once its wait is over. */
+function startCall<T>(w: CallWaiter<T>): Promise<T> {
+  if (w.ticket === undefined) throw w.error;
+  return w.owner.callTicket(w.ticket, w.fn, w.classify);
+}
+
 function checkOutcome(stage: BaseStage, outcome: unknown): void {
   if (outcome !== "success" && outcome !== "dropped" && outcome !== "ignored") {
     throw new InvalidOptionsError(
@@ -150,6 +187,37 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   abstract tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined>;
   abstract snapshot(): Snapshot;
 
+  /**
+   * A ticket at once when `admit` with these (already checked) options and this `cost` would
+   * grant one without waiting; `undefined`, with nothing changed, in every other case (a wait, a
+   * refusal, a bad cost, a closed stage). Memory stages have it; a `Gate` uses it to admit every
+   * stage in one go, and `run` to call `fn` without a promise in between.
+   */
+  tryAdmitSync?(o: AdmitOptions, cost: unknown): BaseTicket | undefined;
+
+  /**
+   * Admit, call `fn` with the ticket, release it with the call's outcome (the one recorded on the
+   * ticket, else `classify`'s) and settle as `fn` does. When the stage admits at once, `fn` is
+   * called before `run` returns; otherwise once the wait is over, in the caller's context.
+   */
+  run<T>(fn: (ticket: Ticket) => T | PromiseLike<T>, options?: RunOptions<T>): Promise<T> {
+    if (typeof fn !== "function") {
+      return Promise.reject(
+        new InvalidOptionsError(this.name, "fn", `${this.kind} "${this.name}": run needs a function`),
+      );
+    }
+    let o: RunOptions<T>;
+    try {
+      o = this.check(options) as RunOptions<T>;
+    } catch (error) {
+      return Promise.reject(error);
+    }
+    const classify = o.classify;
+    const now = this.tryAdmitSync?.(o, o.cost ?? 1);
+    if (now !== undefined) return callWith(now, fn, classify, this.log);
+    return this.admit(o).then((ticket) => callWith(ticket as BaseTicket, fn, classify, this.log));
+  }
+
   /** Give back what `ticket` holds. Called once per ticket; may finish asynchronously. */
   abstract releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): void | Promise<void>;
 
@@ -165,10 +233,10 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   }
 
   /** A waiter left its list without being granted; the ones behind it may now fit. */
-  protected abstract afterWaiterGone(list: WaitList, waiter: Waiter): void;
+  protected abstract afterWaiterGone(list: AnyList, waiter: WaitEntry): void;
 
   /** Every wait list the stage has, for `close()`. */
-  protected abstract lists(): Iterable<WaitList>;
+  protected abstract lists(): Iterable<AnyList>;
 
   /** Check admit options and the closed flag. Throws synchronously; callers turn it into a rejection. */
   protected check(options: AdmitOptions | undefined): AdmitOptions {
@@ -214,6 +282,39 @@ export abstract class BaseStage implements Stage, WaiterOwner {
    * rejects at once. `retryAfterMs` (when known) goes on the timeout error.
    */
   protected wait(list: WaitList, cost: number, key: string, o: AdmitOptions): Promise<Ticket> {
+    const refused = this.refusal(cost, key, o);
+    if (refused) return refused;
+    const w = this.newWaiter(cost, key, this.clock.now());
+    this.enter(list, w, o);
+    return w.promise;
+  }
+
+  /**
+   * As `wait`, for `run`: once granted, `fn` is called with the ticket in the caller's context
+   * and the ticket released after it. The entry holds the function itself: no ticket promise
+   * and no suspended function per waiting call.
+   */
+  protected waitToRun<T>(
+    list: AnyList,
+    cost: number,
+    key: string,
+    o: RunOptions<T>,
+    fn: (ticket: Ticket) => T | PromiseLike<T>,
+  ): Promise<T> {
+    const refused = this.refusal(cost, key, o);
+    if (refused) return refused;
+    const w = new CallWaiter<T>(this, cost, key, this.clock.now(), fn, o.classify);
+    // The grant resolves this promise; the reaction registered here, in the caller's context,
+    // calls `fn` there.
+    const granted = new Promise<CallWaiter<T>>((resolve) => {
+      w.resolve = resolve;
+    });
+    this.enter(list, w, o);
+    return granted.then(startCall) as Promise<T>;
+  }
+
+  /** A wait that ends before it starts: an aborted signal, or `timeoutMs: 0`. */
+  private refusal(cost: number, key: string, o: AdmitOptions): Promise<never> | undefined {
     const signal = o.signal;
     if (signal?.aborted) return Promise.reject(signal.reason);
     const timeoutMs = o.timeoutMs;
@@ -222,32 +323,46 @@ export abstract class BaseStage implements Stage, WaiterOwner {
       this.log.warn({ key, cost, timeoutMs }, "admission timed out");
       return Promise.reject(this.timeoutError(0));
     }
-    const w = this.newWaiter(cost, key, this.clock.now());
+    return undefined;
+  }
+
+  /** Line `w` up on `list` with its abort listener and its timeout (never 0 here). */
+  private enter(list: AnyList, w: WaitEntry, o: AdmitOptions): void {
     list.push(w);
     this.waiting++;
+    const signal = o.signal;
     if (signal) {
       w.signal = signal;
       signal.addEventListener("abort", w, { once: true });
     }
+    const timeoutMs = o.timeoutMs;
     if (timeoutMs !== undefined && timeoutMs !== Number.POSITIVE_INFINITY) {
       w.timer = this.clock.setTimeout(() => this.timeoutWaiter(w, timeoutMs), timeoutMs);
     }
-    return w.promise;
+  }
+
+  /** Call `fn` with a granted ticket and release it after; see `run`. */
+  callTicket<T>(
+    ticket: BaseTicket,
+    fn: (ticket: Ticket) => T | PromiseLike<T>,
+    classify: RunOptions<T>["classify"],
+  ): Promise<T> {
+    return callWith(ticket, fn, classify, this.log);
   }
 
   /** Hand `w` its ticket: unlink it, drop its listener and timer, resolve. */
-  protected grant(w: Waiter, waitFor: WaitFor): BaseTicket {
+  protected grant(w: WaitEntry, waitFor: WaitFor): BaseTicket {
     this.unlink(w);
     const ticket = this.issue(w.cost, w.key, w.enqueuedAt, waitFor);
-    w.resolve(ticket);
+    w.deliver(ticket);
     return ticket;
   }
 
   /** Reject a waiter with `error` (a backend failure) and take it off its list. */
-  protected failWaiter(w: Waiter, error: unknown): void {
+  protected failWaiter(w: WaitEntry, error: unknown): void {
     if (!w.list) return;
     this.unlink(w);
-    w.reject(error);
+    w.refuse(error);
   }
 
   /** Make the waiter object; a backend may keep more per waiter. */
@@ -255,7 +370,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     return new Waiter(this, cost, key, now);
   }
 
-  private unlink(w: Waiter): void {
+  private unlink(w: WaitEntry): void {
     w.list?.remove(w);
     this.waiting--;
     if (w.signal) {
@@ -268,17 +383,17 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     }
   }
 
-  abortWaiter(w: Waiter): void {
+  abortWaiter(w: WaitEntry): void {
     const list = w.list;
     if (!list) return;
     const reason = w.signal?.reason;
     this.unlink(w);
     this.aborted++;
-    w.reject(reason);
+    w.refuse(reason);
     this.afterWaiterGone(list, w);
   }
 
-  private timeoutWaiter(w: Waiter, timeoutMs: number): void {
+  private timeoutWaiter(w: WaitEntry, timeoutMs: number): void {
     if (!w.list) return;
     w.timer = undefined;
     // Capacity that becomes free at this very instant still counts as in time.
@@ -287,13 +402,13 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     else this.expire(w, timeoutMs);
   }
 
-  private expire(w: Waiter, timeoutMs: number): void {
+  private expire(w: WaitEntry, timeoutMs: number): void {
     const list = w.list;
     if (!list) return;
     this.unlink(w);
     this.timedOut++;
     this.log.warn({ key: w.key, cost: w.cost, timeoutMs }, "admission timed out");
-    w.reject(this.timeoutError(timeoutMs));
+    w.refuse(this.timeoutError(timeoutMs));
     this.afterWaiterGone(list, w);
   }
 
@@ -301,7 +416,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
    * Grant whatever on `list` is due now; time-driven stages override it. A promise means the
    * answer is on its way (a Redis call); the timeout waits for it.
    */
-  protected grantDue(_list: WaitList, _key: string): Promise<void> | undefined {
+  protected grantDue(_list: AnyList, _key: string): Promise<void> | undefined {
     return undefined;
   }
 
@@ -339,7 +454,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     for (const list of this.lists()) {
       for (let w = list.head; w; w = list.head) {
         this.unlink(w);
-        w.reject(new ClosedError(this.name));
+        w.refuse(new ClosedError(this.name));
       }
     }
     this.onClose();

@@ -3,31 +3,32 @@ import type { Ticket } from "../types.js";
 
 /** Receives a waiter's abort (as an `EventListener` object, so no closure per waiter). */
 export interface WaiterOwner {
-  abortWaiter(waiter: Waiter): void;
+  abortWaiter(waiter: WaitEntry): void;
 }
 
-/** One caller waiting for admission. Lives in exactly one `WaitList` until granted or gone. */
-export class Waiter {
-  prev: Waiter | null = null;
-  next: Waiter | null = null;
-  list: WaitList | null = null;
-  resolve!: (ticket: Ticket) => void;
-  reject!: (error: unknown) => void;
+/**
+ * One caller's place in a `WaitList`, granted or sent away by its stage. What the caller gets
+ * on either is up to the subclass: a `Waiter` resolves a promise of the ticket.
+ */
+export abstract class WaitEntry {
+  prev: WaitEntry | null = null;
+  next: WaitEntry | null = null;
+  list: WaitList<any> | null = null;
   signal: AbortSignal | undefined = undefined;
   timer: ClockTimer | undefined = undefined;
-  readonly promise: Promise<Ticket>;
 
   constructor(
     readonly owner: WaiterOwner,
     readonly cost: number,
     readonly key: string,
     readonly enqueuedAt: number,
-  ) {
-    this.promise = new Promise<Ticket>((resolve, reject) => {
-      this.resolve = resolve;
-      this.reject = reject;
-    });
-  }
+  ) {}
+
+  /** The wait is over: here is the ticket. Called once, after the entry left its list. */
+  abstract deliver(ticket: Ticket): void;
+
+  /** The wait ended without a ticket (abort, timeout, close, a backend error). */
+  abstract refuse(error: unknown): void;
 
   /** The abort listener. */
   handleEvent(): void {
@@ -35,13 +36,36 @@ export class Waiter {
   }
 }
 
+/** One caller waiting for admission, on a promise of its ticket. */
+export class Waiter extends WaitEntry {
+  resolve!: (ticket: Ticket) => void;
+  reject!: (error: unknown) => void;
+  readonly promise: Promise<Ticket>;
+
+  constructor(owner: WaiterOwner, cost: number, key: string, enqueuedAt: number) {
+    super(owner, cost, key, enqueuedAt);
+    this.promise = new Promise<Ticket>((resolve, reject) => {
+      this.resolve = resolve;
+      this.reject = reject;
+    });
+  }
+
+  deliver(ticket: Ticket): void {
+    this.resolve(ticket);
+  }
+
+  refuse(error: unknown): void {
+    this.reject(error);
+  }
+}
+
 /** A FIFO of waiters with O(1) removal from anywhere, so an aborted waiter leaves at once. */
-export class WaitList {
-  head: Waiter | null = null;
-  tail: Waiter | null = null;
+export class WaitList<W extends WaitEntry = Waiter> {
+  head: W | null = null;
+  tail: W | null = null;
   size = 0;
 
-  push(w: Waiter): void {
+  push(w: W): void {
     w.list = this;
     w.prev = this.tail;
     w.next = null;
@@ -51,12 +75,12 @@ export class WaitList {
     this.size++;
   }
 
-  remove(w: Waiter): void {
+  remove(w: W): void {
     if (w.list !== this) return;
     if (w.prev) w.prev.next = w.next;
-    else this.head = w.next;
+    else this.head = w.next as W | null;
     if (w.next) w.next.prev = w.prev;
-    else this.tail = w.prev;
+    else this.tail = w.prev as W | null;
     w.prev = w.next = null;
     w.list = null;
     this.size--;

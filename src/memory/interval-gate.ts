@@ -101,6 +101,15 @@ export class MemoryIntervalGate extends BaseStage {
     return promise;
   }
 
+  override tryAdmitSync(o: AdmitOptions, cost: unknown): BaseTicket | undefined {
+    if (this.closed || !Number.isInteger(cost) || (cost as number) < 0 || o.signal?.aborted) return undefined;
+    const host = o.host ?? DEFAULT_HOST;
+    const now = this.clock.now();
+    const h = this.#host(host, now);
+    if (h.size !== 0 || h.nextAt > now) return undefined;
+    return this.#start(h, cost as number, host, now);
+  }
+
   tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
     try {
       const o = this.check(options);

@@ -2,7 +2,7 @@ import type { WaitFor } from "../base/stage.js";
 import type { Clock } from "../clock.js";
 import { ShedError } from "../errors.js";
 import type { QueueOptions } from "../options.js";
-import type { AdmitOptions, Snapshot, StageKind, Ticket } from "../types.js";
+import type { Snapshot, StageKind } from "../types.js";
 import { parseOptions, queueSchema } from "../validate.js";
 import { PermitStage } from "./semaphore.js";
 
@@ -24,8 +24,8 @@ export class MemoryQueue extends PermitStage {
     this.init(o.logger);
   }
 
-  protected override whenBusy(cost: number, o: AdmitOptions): Promise<Ticket> {
-    if (this.whenFull === "block") return this.wait(this.waiters, cost, "", o);
+  protected override shedding(): Promise<never> | undefined {
+    if (this.whenFull === "block") return undefined;
     this.shed++;
     this.log.warn({ depth: this.used, maxSize: this.limit }, "queue full, shed");
     return Promise.reject(

@@ -3,7 +3,15 @@ import { BaseStage, type BaseTicket, type WaitFor } from "../base/stage.js";
 import { WaitList } from "../base/wait-list.js";
 import type { Clock } from "../clock.js";
 import type { SemaphoreOptions } from "../options.js";
-import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket, TryAdmitOptions } from "../types.js";
+import type {
+  AdmitOptions,
+  Outcome,
+  RunOptions,
+  Snapshot,
+  StageKind,
+  Ticket,
+  TryAdmitOptions,
+} from "../types.js";
 import { parseOptions, semaphoreSchema } from "../validate.js";
 
 /**
@@ -41,12 +49,51 @@ export abstract class PermitStage extends BaseStage {
       this.used += cost;
       return Promise.resolve(this.issue(cost, "", undefined, this.waitFor));
     }
-    return this.whenBusy(cost, o);
+    return this.shedding() ?? this.wait(this.waiters, cost, "", o);
   }
 
-  /** No room now: wait (a queue may shed instead). */
-  protected whenBusy(cost: number, o: AdmitOptions): Promise<Ticket> {
-    return this.wait(this.waiters, cost, "", o);
+  override tryAdmitSync(o: AdmitOptions, cost: unknown): BaseTicket | undefined {
+    if (
+      this.closed ||
+      this.waiters.size !== 0 ||
+      !Number.isInteger(cost) ||
+      (cost as number) < 0 ||
+      (cost as number) > this.maxCost() ||
+      this.used + (cost as number) > this.limit ||
+      o.signal?.aborted
+    ) {
+      return undefined;
+    }
+    this.used += cost as number;
+    return this.issue(cost as number, "", undefined, this.waitFor);
+  }
+
+  /** What a call that finds no room gets instead of a place in line: a shedding queue's error. */
+  protected shedding(): Promise<never> | undefined {
+    return undefined;
+  }
+
+  /**
+   * Admit, call `fn`, release with the outcome. With room, `fn` is called before `run` returns;
+   * otherwise the waiting call holds `fn` itself and calls it, in the caller's context, once
+   * granted.
+   */
+  override run<T>(fn: (ticket: Ticket) => T | PromiseLike<T>, options?: RunOptions<T>): Promise<T> {
+    if (typeof fn !== "function") return super.run(fn, options);
+    let o: RunOptions<T>;
+    try {
+      o = this.check(options) as RunOptions<T>;
+    } catch (error) {
+      return Promise.reject(error);
+    }
+    const cost = o.cost ?? 1;
+    if (cost > this.maxCost())
+      return Promise.reject(tooCostly(this.kind, this.name, cost, this.maxCost(), "limit"));
+    if (this.waiters.size === 0 && this.used + cost <= this.limit) {
+      this.used += cost;
+      return this.callTicket(this.issue(cost, "", undefined, this.waitFor), fn, o.classify);
+    }
+    return this.shedding() ?? this.waitToRun(this.waiters, cost, "", o, fn);
   }
 
   tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {

@@ -120,6 +120,23 @@ export class MemoryTokenBucket extends BaseStage {
     return promise;
   }
 
+  override tryAdmitSync(o: AdmitOptions, cost: unknown): BaseTicket | undefined {
+    if (
+      this.closed ||
+      !Number.isInteger(cost) ||
+      (cost as number) < 0 ||
+      (cost as number) > this.#config.capacity ||
+      o.signal?.aborted
+    ) {
+      return undefined;
+    }
+    const key = o.key ?? DEFAULT_KEY;
+    const now = this.clock.now();
+    const b = this.#bucket(key, now);
+    if (b.size !== 0 || !this.#take(b, cost as number, now)) return undefined;
+    return this.#issue(b, cost as number, key);
+  }
+
   tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
     try {
       const o = this.check(options);

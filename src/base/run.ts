@@ -1,0 +1,137 @@
+import type { Logger, Outcome, Settled, Ticket } from "../types.js";
+
+/** The promise every release that has nothing left to wait for returns. */
+export const RESOLVED: Promise<void> = Promise.resolve();
+
+const TIMEOUT_CODES = new Set([
+  "ETIMEDOUT",
+  "ESOCKETTIMEDOUT",
+  "UND_ERR_CONNECT_TIMEOUT",
+  "UND_ERR_HEADERS_TIMEOUT",
+  "UND_ERR_BODY_TIMEOUT",
+]);
+
+function statusOf(value: unknown): number | undefined {
+  if (typeof value !== "object" || value === null) return undefined;
+  const v = value as { status?: unknown; statusCode?: unknown };
+  const status = typeof v.status === "number" ? v.status : v.statusCode;
+  return typeof status === "number" ? status : undefined;
+}
+
+function valueOutcome(value: unknown): Outcome {
+  const status = statusOf(value);
+  return status === 429 || status === 503 ? "dropped" : "success";
+}
+
+function errorOutcome(error: unknown): Outcome {
+  const status = statusOf(error);
+  if (status === 429 || status === 503) return "dropped";
+  if (typeof error === "object" && error !== null) {
+    const { name, code } = error as { name?: unknown; code?: unknown };
+    if (name === "TimeoutError" || (typeof code === "string" && TIMEOUT_CODES.has(code))) return "dropped";
+  }
+  return "ignored";
+}
+
+/**
+ * The default outcome of a call: a response (or an error) with status 429 or 503 and timeout
+ * errors are `dropped`; other results are `success`, other errors `ignored`.
+ */
+export function defaultClassify(settled: Settled<unknown>): Outcome {
+  return settled.ok ? valueOutcome(settled.value) : errorOutcome(settled.error);
+}
+
+/** A ticket whose recorded outcome can be read: the ones stages and gates hand out. */
+export interface RecordingTicket extends Ticket {
+  readonly recorded: Outcome | undefined;
+}
+
+type Classify<T> = ((settled: Settled<T>) => Outcome) | undefined;
+
+/** The outcome to release with: the recorded one, else `classify`'s (a throw counts as `ignored`). */
+function outcomeOf<T>(
+  ticket: RecordingTicket,
+  ok: boolean,
+  value: unknown,
+  classify: Classify<T>,
+  log: Logger,
+) {
+  const recorded = ticket.recorded;
+  if (recorded !== undefined) return recorded;
+  try {
+    // The default rule needs no `Settled` object; a classify of the caller's gets one.
+    if (classify == null) return ok ? valueOutcome(value) : errorOutcome(value);
+    return classify(ok ? { ok: true, value: value as T } : { ok: false, error: value });
+  } catch (error) {
+    log.warn({ err: error }, "classify threw; outcome ignored");
+    return "ignored";
+  }
+}
+
+/**
+ * Release `ticket` after its call, then hand back the call's result: returns the value or throws
+ * the error, or, when the release has to wait (a Redis call), a promise of either.
+ */
+function finish<T>(
+  ticket: RecordingTicket,
+  ok: boolean,
+  value: unknown,
+  classify: Classify<T>,
+  log: Logger,
+): T | Promise<T> {
+  const released = ticket.release(outcomeOf(ticket, ok, value, classify, log));
+  if (released !== RESOLVED) {
+    return released
+      .catch((e) => log.warn({ err: e }, "release failed"))
+      .then(() => {
+        if (ok) return value as T;
+        throw value;
+      });
+  }
+  if (ok) return value as T;
+  throw value;
+}
+
+/**
+ * Call `fn` with an admitted `ticket`, release the ticket with the outcome (the one recorded in
+ * `fn`, else `classify`'s) and settle as `fn` did. `fn` is called at once, in the caller's
+ * context; a release that fails is logged, not thrown.
+ */
+export function callWith<T>(
+  ticket: RecordingTicket,
+  fn: (ticket: Ticket) => T | PromiseLike<T>,
+  classify: Classify<T>,
+  log: Logger,
+): Promise<T> {
+  let result: T | PromiseLike<T>;
+  try {
+    result = fn(ticket);
+  } catch (error) {
+    return settleNow(ticket, false, error, classify, log);
+  }
+  if (
+    result !== null &&
+    (typeof result === "object" || typeof result === "function") &&
+    typeof (result as PromiseLike<T>).then === "function"
+  ) {
+    return Promise.resolve(result).then(
+      (value) => finish(ticket, true, value, classify, log),
+      (error: unknown) => finish<T>(ticket, false, error, classify, log),
+    );
+  }
+  return settleNow(ticket, true, result, classify, log);
+}
+
+function settleNow<T>(
+  ticket: RecordingTicket,
+  ok: boolean,
+  value: unknown,
+  classify: Classify<T>,
+  log: Logger,
+): Promise<T> {
+  try {
+    return Promise.resolve(finish(ticket, ok, value, classify, log));
+  } catch (error) {
+    return Promise.reject(error);
+  }
+}
