@@ -187,6 +187,27 @@ describe("grants made on release (scripts)", () => {
     expect(grants.map((g) => g.split("|")[0])).toEqual(["next:1"]);
   });
 
+  it("frees nothing on a second, late or foreign release, and never evicts a live holder", async () => {
+    const s = stage("foreign");
+    await s.acquire(1000, "a:1", 2);
+    await s.acquire(1000, "b:1", 2);
+    expect((await s.release(1100, "a:1", 2))[0]).toBe(1);
+    // Twice: the second frees nothing.
+    expect((await s.release(1100, "a:1", 2))[0]).toBe(0);
+    // Foreign: an id that never held anything, with any cost.
+    expect((await s.release(1100, "stranger:2", 2, "any"))[0]).toBe(0);
+    expect(await s.used()).toBe(1);
+    // Late: b's lease runs out and its permit goes to c; b's release then frees nothing of c's.
+    expect((await s.acquire(1000 + 30_001, "c:1", 2))[0]).toBe(1);
+    expect((await s.acquire(1000 + 30_001, "d:1", 2))[0]).toBe(1);
+    expect(await s.expiry("b:1")).toBeUndefined();
+    expect((await s.release(1000 + 30_002, "b:1", 2))[0]).toBe(0);
+    expect(await s.used()).toBe(2);
+    expect(await s.expiry("c:1")).toBeDefined();
+    expect(await s.expiry("d:1")).toBeDefined();
+    expect((await s.acquire(1000 + 30_003, "e:1", 2, { mode: "try" }))[0]).toBe(0);
+  });
+
   it("announces each grant on the stage's channel", async () => {
     const s = stage("publish");
     const sub = await connectedClient(redisUrl());
