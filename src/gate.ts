@@ -1,6 +1,6 @@
 import { admitOptions } from "./admit.js";
 import { callWith, RESOLVED } from "./base/run.js";
-import type { BaseTicket } from "./base/stage.js";
+import { type BaseStage, type BaseTicket, RunWaiter } from "./base/stage.js";
 import { type Clock, systemClock } from "./clock.js";
 import { ClosedError, InvalidOptionsError } from "./errors.js";
 import { stageLogger } from "./logger.js";
@@ -124,7 +124,21 @@ function settleAll(tickets: readonly Ticket[], outcome: Outcome | undefined): Pr
 }
 
 /** A stage that can say at once, without a promise, whether it admits (the memory stages). */
-type SyncStage = Stage & Required<Pick<BaseTicket["owner"], "tryAdmitSync">>;
+type SyncStage = Stage & Required<Pick<BaseStage, "tryAdmitSync">>;
+
+/** A stage a gate's call can wait at as a `RunWaiter` (the memory permit stages). */
+type LineStage = BaseStage & Required<Pick<BaseStage, "waitInGate">>;
+
+/** What a gate's call waiting at one of its stages needs to go on. */
+interface GateWait<T> {
+  readonly held: Ticket[];
+  /** Index of the stage it waits at. */
+  readonly index: number;
+  readonly o: RunOptions<T>;
+  readonly deadline: number;
+  /** The call to make once every stage has admitted; none for `admit`, which hands out the ticket. */
+  readonly fn: ((ticket: Ticket) => T | PromiseLike<T>) | undefined;
+}
 
 /**
  * An ordered list of stages that admits a call only when every stage has. Stages are acquired in
@@ -209,11 +223,11 @@ export class Gate implements Stage {
    * Admit the leading memory stages that admit at once into `held`, with no promise in between;
    * returns how many did. The first that would wait (or refuse, or throw) is left to `#acquire`.
    */
-  #admitSync(held: Ticket[], o: AdmitOptions): number {
+  #admitSync(held: Ticket[], o: AdmitOptions, from: number): number {
     const stages = this.stages;
     const n = this.#syncPrefix;
     const costs = o.costs;
-    let i = 0;
+    let i = from;
     for (; i < n; i++) {
       const stage = stages[i] as SyncStage;
       const cost = (costs == null ? undefined : costs[stage.name]) ?? o.cost;
@@ -290,10 +304,96 @@ export class Gate implements Stage {
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
     const held: Ticket[] = [];
     const n = this.stages.length;
-    const from = this.#admitSync(held, o);
+    const from = this.#admitSync(held, o, 0);
     if (from === n) return Promise.resolve(this.#started(held, o));
-    return this.#acquire(held, from, n, o, this.#deadline(o), true) as Promise<Ticket>;
+    return this.#waitFrom<Ticket>(held, from, o, this.#deadline(o), undefined);
   }
+
+  /**
+   * Admit stages `from` on, the first of which has to wait, then make the call (or, with no
+   * `fn`, hand out the ticket). A memory permit stage takes the call in its line as an entry
+   * that goes on by itself; any other stage is awaited.
+   */
+  #waitFrom<T>(
+    held: Ticket[],
+    from: number,
+    o: RunOptions<T>,
+    deadline: number,
+    fn: ((ticket: Ticket) => T | PromiseLike<T>) | undefined,
+  ): Promise<T> {
+    const stage = this.stages[from] as LineStage;
+    if (typeof stage.waitInGate === "function") {
+      const costs = o.costs;
+      const cost = (costs == null ? undefined : costs[stage.name]) ?? o.cost ?? 1;
+      const timeoutMs =
+        deadline === Number.POSITIVE_INFINITY ? undefined : Math.max(0, deadline - this.#clock.now());
+      const waiting = stage.waitInGate(
+        new Gate.#Waiter<T>(stage, cost, this, held, from, o, deadline, fn),
+        o,
+        timeoutMs,
+      );
+      if (waiting !== undefined) {
+        this.#waiting++;
+        return waiting;
+      }
+    }
+    const acquired = this.#acquire(held, from, this.stages.length, o, deadline, true);
+    if (fn === undefined) return acquired as Promise<T>;
+    return acquired.then((ticket) => callWith(ticket!, fn, o.classify, this.#log));
+  }
+
+  /** A call's wait at stage `w.index` is over: go on to the next stages, then make the call. */
+  #resume<T>(w: GateWait<T>, ticket: Ticket): T | Promise<T> {
+    this.#waiting--;
+    const { held, o } = w;
+    held.push(ticket);
+    // A permit that arrives just after an abort is given back at once.
+    if (o.signal?.aborted) return this.#giveUp(held, o, o.signal.reason);
+    if (this.#closed) return this.#giveUp(held, o, new ClosedError(this.name));
+    const n = this.stages.length;
+    const from = this.#admitSync(held, o, w.index + 1);
+    if (from < n) return this.#waitFrom(held, from, o, w.deadline, w.fn);
+    const started = this.#started(held, o);
+    return w.fn ? callWith(started, w.fn, o.classify, this.#log) : (started as T);
+  }
+
+  /** A call's wait ended in `error`: count it, give back what it holds, and rethrow. */
+  #giveUp<T>(held: Ticket[], o: RunOptions<T>, error: unknown): never | Promise<never> {
+    if (o.signal?.aborted && error === o.signal.reason) this.#aborted++;
+    else if ((error as { code?: unknown })?.code === "ADMIT_TIMEOUT") this.#timedOut++;
+    const refunded = settleAll(held.splice(0), undefined);
+    if (refunded === RESOLVED) throw error;
+    return refunded
+      .catch((e) => this.#log.warn({ err: e }, "refund failed"))
+      .then(() => {
+        throw error;
+      });
+  }
+
+  /** A gate's call waiting in a memory stage's line. */
+  static readonly #Waiter = class GateWaiter<T> extends RunWaiter<T> implements GateWait<T> {
+    constructor(
+      stage: BaseStage,
+      cost: number,
+      readonly gate: Gate,
+      readonly held: Ticket[],
+      readonly index: number,
+      readonly o: RunOptions<T>,
+      readonly deadline: number,
+      readonly fn: ((ticket: Ticket) => T | PromiseLike<T>) | undefined,
+    ) {
+      super(stage, cost, "", Number.NaN);
+    }
+
+    start(ticket: BaseTicket): T | Promise<T> {
+      return this.gate.#resume(this, ticket);
+    }
+
+    fail(error: unknown): Promise<T> {
+      this.gate.#waiting--;
+      return this.gate.#giveUp(this.held, this.o, error);
+    }
+  };
 
   async tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
     const o = this.#options(options);
@@ -338,11 +438,9 @@ export class Gate implements Stage {
     const classify = o.classify;
     const held: Ticket[] = [];
     const n = this.stages.length;
-    const from = this.#admitSync(held, o);
+    const from = this.#admitSync(held, o, 0);
     if (from === n) return callWith(this.#started(held, o), fn, classify, this.#log);
-    return this.#acquire(held, from, n, o, this.#deadline(o), true).then((ticket) =>
-      callWith(ticket!, fn, classify, this.#log),
-    );
+    return this.#waitFrom(held, from, o, this.#deadline(o), fn);
   }
 
   /**

@@ -89,12 +89,35 @@ export class BaseTicket implements Ticket {
   }
 }
 
-/** A waiting `run` call: the function to call once granted, or the error that ended the wait. */
-class CallWaiter<T> extends WaitEntry {
-  resolve!: (w: CallWaiter<T>) => void;
+/**
+ * A waiting call that goes on by itself once its wait is over: the entry holds what to do next
+ * (call a function, admit the next stages of a gate), so no ticket promise and no suspended
+ * function is kept per waiting call. `start` and `fail` run in the waiting caller's context.
+ */
+export abstract class RunWaiter<T> extends WaitEntry {
+  resolve!: (w: RunWaiter<T>) => void;
   ticket: BaseTicket | undefined = undefined;
   error: unknown = undefined;
 
+  deliver(ticket: Ticket): void {
+    this.ticket = ticket as BaseTicket;
+    this.resolve(this);
+  }
+
+  refuse(error: unknown): void {
+    this.error = error;
+    this.resolve(this);
+  }
+
+  /** The wait is over with `ticket`: go on; the result settles the caller's promise. */
+  abstract start(ticket: BaseTicket): T | PromiseLike<T>;
+
+  /** The wait ended with `error`: clean up, then throw (or reject with) it. */
+  abstract fail(error: unknown): T | PromiseLike<T>;
+}
+
+/** A waiting `stage.run` call. */
+class CallWaiter<T> extends RunWaiter<T> {
   constructor(
     override readonly owner: BaseStage,
     cost: number,
@@ -106,21 +129,18 @@ class CallWaiter<T> extends WaitEntry {
     super(owner, cost, key, enqueuedAt);
   }
 
-  deliver(ticket: Ticket): void {
-    this.ticket = ticket as BaseTicket;
-    this.resolve(this);
+  start(ticket: BaseTicket): Promise<T> {
+    return this.owner.callTicket(ticket, this.fn, this.classify);
   }
 
-  refuse(error: unknown): void {
-    this.error = error;
-    this.resolve(this);
+  fail(error: unknown): never {
+    throw error;
   }
 }
 
 /** Runs in the waiting caller's context once its wait is over. */
-function startCall<T>(w: CallWaiter<T>): Promise<T> {
-  if (w.ticket === undefined) throw w.error;
-  return w.owner.callTicket(w.ticket, w.fn, w.classify);
+function startCall<T>(w: RunWaiter<T>): T | PromiseLike<T> {
+  return w.ticket === undefined ? w.fail(w.error) : w.start(w.ticket);
 }
 
 function checkOutcome(stage: BaseStage, outcome: unknown): void {
@@ -194,6 +214,15 @@ export abstract class BaseStage implements Stage, WaiterOwner {
    * stage in one go, and `run` to call `fn` without a promise in between.
    */
   tryAdmitSync?(o: AdmitOptions, cost: unknown): BaseTicket | undefined;
+
+  /**
+   * For a `Gate` whose call must wait here: line `w` up (its `cost` set, for `timeoutMs`, which
+   * the gate works out from its deadline) as `admit` would, and return the promise that settles
+   * as `w` goes on. `undefined`, with nothing changed, when `admit` would not simply wait (a
+   * closed stage, a bad cost, an aborted signal, `timeoutMs: 0`, a queue that sheds); the gate
+   * then calls `admit`. Memory permit stages have it.
+   */
+  waitInGate?<T>(w: RunWaiter<T>, o: AdmitOptions, timeoutMs: number | undefined): Promise<T> | undefined;
 
   /**
    * Admit, call `fn` with the ticket, release it with the call's outcome (the one recorded on the
@@ -285,7 +314,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     const refused = this.refusal(cost, key, o);
     if (refused) return refused;
     const w = this.newWaiter(cost, key, this.clock.now());
-    this.enter(list, w, o);
+    this.enter(list, w, o.signal, o.timeoutMs);
     return w.promise;
   }
 
@@ -304,12 +333,24 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     const refused = this.refusal(cost, key, o);
     if (refused) return refused;
     const w = new CallWaiter<T>(this, cost, key, this.clock.now(), fn, o.classify);
-    // The grant resolves this promise; the reaction registered here, in the caller's context,
-    // calls `fn` there.
-    const granted = new Promise<CallWaiter<T>>((resolve) => {
+    return this.lineUp(list, w, o.signal, o.timeoutMs);
+  }
+
+  /**
+   * Put `w` on `list` (with `signal` and `timeoutMs`, which is not 0) and return the promise that
+   * settles as `w` goes on once granted. The grant resolves an inner promise; the reaction
+   * registered here, in the caller's context, goes on there.
+   */
+  protected lineUp<T>(
+    list: AnyList,
+    w: RunWaiter<T>,
+    signal: AbortSignal | undefined,
+    timeoutMs: number | undefined,
+  ): Promise<T> {
+    const granted = new Promise<RunWaiter<T>>((resolve) => {
       w.resolve = resolve;
     });
-    this.enter(list, w, o);
+    this.enter(list, w, signal, timeoutMs);
     return granted.then(startCall) as Promise<T>;
   }
 
@@ -327,15 +368,18 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   }
 
   /** Line `w` up on `list` with its abort listener and its timeout (never 0 here). */
-  private enter(list: AnyList, w: WaitEntry, o: AdmitOptions): void {
+  private enter(
+    list: AnyList,
+    w: WaitEntry,
+    signal: AbortSignal | undefined,
+    timeoutMs: number | undefined,
+  ): void {
     list.push(w);
     this.waiting++;
-    const signal = o.signal;
     if (signal) {
       w.signal = signal;
       signal.addEventListener("abort", w, { once: true });
     }
-    const timeoutMs = o.timeoutMs;
     if (timeoutMs !== undefined && timeoutMs !== Number.POSITIVE_INFINITY) {
       w.timer = this.clock.setTimeout(() => this.timeoutWaiter(w, timeoutMs), timeoutMs);
     }

@@ -21,7 +21,8 @@ export abstract class WaitEntry {
     readonly owner: WaiterOwner,
     readonly cost: number,
     readonly key: string,
-    readonly enqueuedAt: number,
+    /** When the wait began, on the stage's clock (a gate's waiter gets it from the stage). */
+    public enqueuedAt: number,
   ) {}
 
   /** The wait is over: here is the ticket. Called once, after the entry left its list. */

@@ -24,6 +24,10 @@ export class MemoryQueue extends PermitStage {
     this.init(o.logger);
   }
 
+  protected override get blocks(): boolean {
+    return this.whenFull === "block";
+  }
+
   protected override shedding(): Promise<never> | undefined {
     if (this.whenFull === "block") return undefined;
     this.shed++;

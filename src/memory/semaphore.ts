@@ -1,5 +1,5 @@
 import { tooCostly } from "../admit.js";
-import { BaseStage, type BaseTicket, type WaitFor } from "../base/stage.js";
+import { BaseStage, type BaseTicket, type RunWaiter, type WaitFor } from "../base/stage.js";
 import { WaitList } from "../base/wait-list.js";
 import type { Clock } from "../clock.js";
 import type { SemaphoreOptions } from "../options.js";
@@ -66,6 +66,33 @@ export abstract class PermitStage extends BaseStage {
     }
     this.used += cost as number;
     return this.issue(cost as number, "", undefined, this.waitFor);
+  }
+
+  override waitInGate<T>(
+    w: RunWaiter<T>,
+    o: AdmitOptions,
+    timeoutMs: number | undefined,
+  ): Promise<T> | undefined {
+    const cost = w.cost;
+    if (
+      this.closed ||
+      !this.blocks ||
+      !Number.isInteger(cost) ||
+      cost < 0 ||
+      cost > this.maxCost() ||
+      timeoutMs === 0 ||
+      o.signal?.aborted ||
+      (this.waiters.size === 0 && this.used + cost <= this.limit)
+    ) {
+      return undefined;
+    }
+    w.enqueuedAt = this.clock.now();
+    return this.lineUp(this.waiters, w, o.signal, timeoutMs);
+  }
+
+  /** Whether a call that finds no room waits for it (a queue may shed instead). */
+  protected get blocks(): boolean {
+    return true;
   }
 
   /** What a call that finds no room gets instead of a place in line: a shedding queue's error. */
