@@ -15,5 +15,5 @@ local previous = tonumber(ARGV[3] ~= '' and ARGV[3] or '-1')
 local state = redis.call('HMGET', host, 'nextAt', 'pausedUntil')
 if state[1] ~= claimed then return 0 end
 local pausedUntil = tonumber(state[2] or '-1')
-redis.call('HSET', host, 'nextAt', string.format('%.17g', math.max(previous, pausedUntil)))
+redis.call('HSET', host, 'nextAt', floodgate_num(math.max(previous, pausedUntil)))
 return 1

@@ -14,9 +14,9 @@ local spacing = tonumber(ARGV[2])
 local previous = redis.call('HGET', host, 'nextAt') or ''
 local nextAt = tonumber(previous ~= '' and previous or '-1')
 if nextAt > now then
-  return {0, string.format('%.17g', nextAt - now)}
+  return {0, floodgate_num(nextAt - now)}
 end
-local claimed = string.format('%.17g', now + spacing)
+local claimed = floodgate_num(now + spacing)
 redis.call('HSET', host, 'nextAt', claimed)
-redis.call('PEXPIRE', host, math.ceil(spacing) + 1000)
+redis.call('PEXPIRE', host, floodgate_num(math.ceil(spacing) + 1000))
 return {1, previous, claimed}

@@ -23,7 +23,7 @@ local cost            = tonumber(ARGV[5])
 local initial         = tonumber(ARGV[6])
 local grant           = ARGV[7]
 
-local s, last = floodgate_bucket(bucket, initial, now)
+local s, last = floodgate_bucket(bucket, initial, now, true)
 if last ~= grant then return -1 end
 s.tokens = math.min(capacity, floodgate_tokens_at(s, capacity, refillPerSecond, recoveryMs, now) + cost)
 s.updatedAt = math.max(now, s.updatedAt)

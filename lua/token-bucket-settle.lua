@@ -25,7 +25,7 @@ local delta           = tonumber(ARGV[5])
 local initial         = tonumber(ARGV[6])
 local grant           = ARGV[7]
 
-local s, last = floodgate_bucket(bucket, initial, now)
+local s, last = floodgate_bucket(bucket, initial, now, true)
 local tokens = floodgate_tokens_at(s, capacity, refillPerSecond, recoveryMs, now)
 if delta > 0 then
   s.tokens = tokens - delta
