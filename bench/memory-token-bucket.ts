@@ -1,8 +1,9 @@
 /**
  * Memory token bucket take: N takes, one awaited after another, spread over 1 key or 10k keys,
- * with buckets large enough never to refuse. floodgate's `admit` + `release` (and `tryAdmit`)
- * against rate-limiter-flexible's `RateLimiterMemory.consume` and limiter's
- * `RateLimiter.removeTokens` (one limiter per key, in a Map, as limiter has no keys of its own).
+ * with buckets large enough never to refuse. floodgate's `admit` + `release` (and `tryAdmit`, and
+ * `run` with a function that returns at once) against rate-limiter-flexible's
+ * `RateLimiterMemory.consume` and limiter's `RateLimiter.removeTokens` (one limiter per key, in a
+ * Map, as limiter has no keys of its own).
  */
 import { memory } from "floodgate";
 import { RateLimiter } from "limiter";
@@ -38,6 +39,16 @@ function contenders(n: number, keys: readonly string[]): Contender[] {
           const ticket = await bucket.admit({ key: keys[i % k]! });
           await ticket.release("success");
         }
+        return rate(n, started);
+      },
+    },
+    {
+      name: "floodgate tokenBucket.run",
+      async run() {
+        const bucket = memory().tokenBucket("rate", { capacity: MAX, refillPerSecond: 1e9 });
+        const call = () => 1;
+        const started = performance.now();
+        for (let i = 0; i < n; i++) await bucket.run(call, { key: keys[i % k]! });
         return rate(n, started);
       },
     },
@@ -98,13 +109,15 @@ export const memoryTokenBucket: Benchmark = {
       });
       const admit = pairedRatio(figures.get("floodgate tokenBucket admit + release")!, rlf);
       const tryAdmit = pairedRatio(figures.get("floodgate tokenBucket tryAdmit")!, rlf);
+      const run = pairedRatio(figures.get("floodgate tokenBucket.run")!, rlf);
       table(
         `Memory token bucket take, ${si(n)} takes over ${si(k)} key${k === 1 ? "" : "s"} (median of ${count} rounds)`,
         ["contender", "takes/s (median)", "min – max", "vs rate-limiter-flexible"],
         rows,
         [
           `Target ≥ 1.5× rate-limiter-flexible: admit + release ${verdict(admit >= 1.5, times(admit))}; ` +
-            `tryAdmit ${verdict(tryAdmit >= 1.5, times(tryAdmit))}.`,
+            `tryAdmit ${verdict(tryAdmit >= 1.5, times(tryAdmit))}; ` +
+            `run (with a function that returns at once) ${verdict(run >= 1.5, times(run))}.`,
         ],
       );
     }
