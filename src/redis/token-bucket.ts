@@ -35,6 +35,11 @@ export class RedisTokenBucket extends RedisLineStage<RedisLine> {
   readonly #initial: number;
   readonly #penaltyFactor: number | undefined;
   readonly #minFactor: number;
+  /** ARGV[2..4] of every bucket script and the fresh key's tokens, as sent (ioredis sends `String(n)`). */
+  readonly #capacityArg: string;
+  readonly #refillArg: string;
+  readonly #recoveryArg: string;
+  readonly #initialArg: string;
 
   constructor(name: string, options: TokenBucketOptions, ctx: RedisContext) {
     super(name, ctx);
@@ -47,7 +52,24 @@ export class RedisTokenBucket extends RedisLineStage<RedisLine> {
     this.#initial = o.initialTokens ?? o.capacity;
     this.#penaltyFactor = o.penalty ? (o.penalty.factor ?? 0.5) : undefined;
     this.#minFactor = o.penalty?.minFactor ?? 0.1;
+    this.#capacityArg = String(this.#capacity);
+    this.#refillArg = String(this.#refill);
+    this.#recoveryArg = String(this.#recoveryMs);
+    this.#initialArg = String(this.#initial);
     this.init(o.logger ?? ctx.logger);
+  }
+
+  /** The arguments of a take or a refund: now, the bucket's settings, `cost`, the fresh key's tokens, `grant`. */
+  #args(cost: number, grant: string): string[] {
+    return [
+      this.#link.now(),
+      this.#capacityArg,
+      this.#refillArg,
+      this.#recoveryArg,
+      String(cost),
+      this.#initialArg,
+      grant,
+    ];
   }
 
   protected newLine(key: string): RedisLine {
@@ -61,12 +83,7 @@ export class RedisTokenBucket extends RedisLineStage<RedisLine> {
 
   #take(line: RedisLine, cost: number, grant: string): Promise<[number, number]> {
     return this.#link
-      .run(
-        this.name,
-        "token-bucket-take",
-        [line.redisKey],
-        [this.#link.now(), this.#capacity, this.#refill, this.#recoveryMs, cost, this.#initial, grant],
-      )
+      .run(this.name, "token-bucket-take", [line.redisKey], this.#args(cost, grant))
       .catch((error: unknown) => {
         // The take may still run once Redis answers; the refund then undoes it (and does
         // nothing if it never ran, or if another grant came after it).
@@ -175,12 +192,7 @@ export class RedisTokenBucket extends RedisLineStage<RedisLine> {
 
   #refundAt(redisKey: string, cost: number, grant: string): Promise<unknown> {
     return this.#link
-      .run(
-        this.name,
-        "token-bucket-refund",
-        [redisKey],
-        [this.#link.now(), this.#capacity, this.#refill, this.#recoveryMs, cost, this.#initial, grant],
-      )
+      .run(this.name, "token-bucket-refund", [redisKey], this.#args(cost, grant))
       .catch((error) => this.log.warn({ err: error }, "refund failed"));
   }
 
