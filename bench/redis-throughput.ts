@@ -24,7 +24,7 @@ import {
   times,
   verdict,
 } from "./lib.js";
-import { closedLoop, connect, freshPrefix } from "./redis-clients.js";
+import { closedLoop, commandStats, connect, freshPrefix } from "./redis-clients.js";
 
 const MAX = 2 ** 31 - 1;
 
@@ -35,6 +35,18 @@ interface Timed extends Contender {
   /** CPU µs per operation: of redis-server (INFO cpu) and of this process. */
   redisCpu: number[];
   clientCpu: number[];
+  /** Microseconds Redis spent running scripts (EVALSHA/EVAL in INFO commandstats), per operation. */
+  scriptUsec: number[];
+}
+
+const SCRIPT_CALLS = ["evalsha", "eval"];
+
+/** Microseconds of script time in INFO commandstats so far. */
+async function scriptUsec(client: Redis): Promise<number> {
+  const stats = await commandStats(client);
+  let usec = 0;
+  for (const name of SCRIPT_CALLS) usec += stats.get(name)?.usec ?? 0;
+  return usec;
 }
 
 type Op = () => Promise<unknown>;
@@ -53,14 +65,17 @@ function timed(
     p99: [],
     redisCpu: [],
     clientCpu: [],
+    scriptUsec: [],
     async run(round) {
       const made = make();
       const [op, close] = Array.isArray(made) ? made : [made, undefined];
+      const script0 = await scriptUsec(info);
       const cpu0 = await serverCpu(info);
       const own0 = process.cpuUsage();
       const r = await closedLoop(callers, seconds, op);
       const own = process.cpuUsage(own0);
       const cpu1 = await serverCpu(info);
+      const script1 = await scriptUsec(info);
       await close?.();
       if (round >= 0) {
         const n = r.latencies.length;
@@ -68,6 +83,7 @@ function timed(
         t.p99.push(percentile(r.latencies, 99));
         t.redisCpu.push(((cpu1 - cpu0) * 1e6) / n);
         t.clientCpu.push((own.user + own.system) / n);
+        t.scriptUsec.push((script1 - script0) / n);
       }
       return r.rate;
     },
@@ -250,7 +266,12 @@ export const redisTokenBucket: Benchmark = {
           figures.get("floodgate redis tokenBucket")!,
           figures.get("ioredis PING (floor)")!,
         );
-        const notes = [`Target ≥ 0.9× PING: ${verdict(fg >= 0.9, times(fg))}.`];
+        const script = (name: string) => median(list.find((x) => x.name === name)!.scriptUsec).toFixed(1);
+        const notes = [
+          `Target ≥ 0.9× PING: ${verdict(fg >= 0.9, times(fg))}.`,
+          `Script time inside Redis per take (INFO commandstats, EVALSHA): floodgate ${script("floodgate redis tokenBucket")} µs, ` +
+            `rate-limiter-flexible ${script("rate-limiter-flexible RateLimiterRedis")} µs; part of the redis-server CPU column.`,
+        ];
         report(
           `Redis token bucket take, ${callers} caller${callers === 1 ? "" : "s"}, ${s} s per figure (median of ${count} rounds)`,
           list,
