@@ -12,6 +12,7 @@ export const SCRIPTS = {
   "semaphore-renew": 1,
   "aimd-release": 4,
   "token-bucket-take": 1,
+  "token-bucket-take-many": 1,
   "token-bucket-refund": 1,
   "token-bucket-penalize": 1,
   "token-bucket-settle": 1,

@@ -10,6 +10,24 @@ import { type Attempt, RedisLine, RedisLineStage } from "./line-stage.js";
 import { maybeSent, type RedisLink } from "./link.js";
 import type { RedisContext } from "./semaphore.js";
 
+/** A take waiting to go out with the other takes of its key made in the same turn. */
+interface PendingTake {
+  cost: number;
+  grant: string;
+  resolve(reply: [number, number]): void;
+  reject(error: unknown): void;
+}
+
+/** A key's line, with its takes out and those gathered to go out together. */
+class BucketLine extends RedisLine {
+  /** Take calls sent and not yet answered. */
+  out = 0;
+  batch: PendingTake[] | undefined = undefined;
+  readonly done = (): void => {
+    this.out--;
+  };
+}
+
 /** A ticket that knows its grant, so a refund can tell whether it is still the latest. */
 class GrantTicket extends BaseTicket {
   grant = "";
@@ -25,7 +43,7 @@ let grants = 0;
  * the caller sleeps that long rather than polling. This process's waiters for a key are served
  * first in, first out; idle keys expire in Redis once they would be full again.
  */
-export class RedisTokenBucket extends RedisLineStage<RedisLine> {
+export class RedisTokenBucket extends RedisLineStage<BucketLine> {
   readonly kind: StageKind = "tokenBucket";
   readonly #link: RedisLink;
   readonly #prefix: string;
@@ -72,8 +90,8 @@ export class RedisTokenBucket extends RedisLineStage<RedisLine> {
     ];
   }
 
-  protected newLine(key: string): RedisLine {
-    return new RedisLine(stageKey(this.#prefix, this.name, `b:${key}`));
+  protected newLine(key: string): BucketLine {
+    return new BucketLine(stageKey(this.#prefix, this.name, `b:${key}`));
   }
 
   /** A fresh grant id: this process's random prefix and a counter. */
@@ -81,16 +99,74 @@ export class RedisTokenBucket extends RedisLineStage<RedisLine> {
     return `${GRANT_PREFIX}${++grants}`;
   }
 
-  #take(line: RedisLine, cost: number, grant: string): Promise<[number, number]> {
-    return this.#link
-      .run(this.name, "token-bucket-take", [line.redisKey], this.#args(cost, grant))
-      .catch((error: unknown) => {
-        // The take may still run once Redis answers; the refund then undoes it (and does
-        // nothing if it never ran, or if another grant came after it).
-        if (maybeSent(error)) void this.#refundAt(line.redisKey, cost, grant);
-        throw error;
+  /**
+   * Take `cost` for one caller: at once when no take of this key is out, else with the key's
+   * other takes of this turn of the event loop, in one script call that runs them in order.
+   */
+  #take(line: BucketLine, cost: number, grant: string): Promise<[number, number]> {
+    let reply: Promise<[number, number]>;
+    if (line.out === 0) {
+      line.out++;
+      reply = this.#link.run(this.name, "token-bucket-take", [line.redisKey], this.#args(cost, grant));
+      reply.then(line.done, line.done);
+    } else {
+      reply = new Promise((resolve, reject) => {
+        if (line.batch === undefined) {
+          line.batch = [];
+          process.nextTick(this.#sendBatch, line);
+        }
+        line.batch.push({ cost, grant, resolve, reject });
       });
+    }
+    return reply.catch((error: unknown) => {
+      // The take may still run once Redis answers; the refund then undoes it (and does
+      // nothing if it never ran, or if another grant came after it).
+      if (maybeSent(error)) void this.#refundAt(line.redisKey, cost, grant);
+      throw error;
+    });
   }
+
+  /** Send the takes `line` gathered this turn: one alone as a plain take, more in one call. */
+  readonly #sendBatch = (line: BucketLine): void => {
+    const batch = line.batch!;
+    line.batch = undefined;
+    line.out++;
+    if (batch.length === 1) {
+      const t = batch[0]!;
+      const reply = this.#link.run(
+        this.name,
+        "token-bucket-take",
+        [line.redisKey],
+        this.#args(t.cost, t.grant),
+      );
+      reply.then(line.done, line.done);
+      reply.then(t.resolve, t.reject);
+      return;
+    }
+    const args: string[] = [
+      this.#link.now(),
+      this.#capacityArg,
+      this.#refillArg,
+      this.#recoveryArg,
+      this.#initialArg,
+    ];
+    for (const t of batch) args.push(String(t.cost), t.grant);
+    const reply: Promise<number[]> = this.#link.run(
+      this.name,
+      "token-bucket-take-many",
+      [line.redisKey],
+      args,
+    );
+    reply.then(line.done, line.done);
+    reply.then(
+      (replies) => {
+        for (let i = 0; i < batch.length; i++) batch[i]!.resolve([replies[2 * i]!, replies[2 * i + 1]!]);
+      },
+      (error: unknown) => {
+        for (const t of batch) t.reject(error);
+      },
+    );
+  };
 
   protected override newTicket(cost: number, key: string, now: number): BaseTicket {
     return new GrantTicket(this, cost, key, now);
@@ -120,7 +196,7 @@ export class RedisTokenBucket extends RedisLineStage<RedisLine> {
    * Nobody of this process waits for the key: take straight away (many such calls may be out at
    * once). On a refusal, refuse at once a wait longer than timeoutMs, else line up.
    */
-  async #direct(line: RedisLine, key: string, cost: number, o: AdmitOptions): Promise<Ticket> {
+  async #direct(line: BucketLine, key: string, cost: number, o: AdmitOptions): Promise<Ticket> {
     const startedAt = this.clock.now();
     const grant = this.#grantId();
     const [taken, waitMs] = await this.#take(line, cost, grant);
@@ -173,7 +249,7 @@ export class RedisTokenBucket extends RedisLineStage<RedisLine> {
     }
   }
 
-  protected async attempt(line: RedisLine, head: Waiter): Promise<Attempt> {
+  protected async attempt(line: BucketLine, head: Waiter): Promise<Attempt> {
     const grant = this.#grantId();
     const [taken, waitMs] = await this.#take(line, head.cost, grant);
     if (Number(taken) !== 1) return { granted: false, waitMs: Number(waitMs) };

@@ -1,6 +1,7 @@
 import { readdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import { commandName, redis, SCRIPTS, type ScriptName, scriptSha, scriptSource } from "floodgate/redis";
+import { FakeClock } from "floodgate/testing";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import {
@@ -172,6 +173,37 @@ describe("Lua scripts on Redis", () => {
         if (r < 0.1 && s) {
           await run("token-bucket-penalize", key, ...args(now), 0.5, 0.1, c.capacity);
           s = penalize(s, c, 0.5, 0.1, now);
+        } else if (r < 0.35) {
+          // Several callers at once: as if each had taken in turn at the same time.
+          const takes = Array.from({ length: 2 + Math.floor(random() * 4) }, (_, i) => ({
+            cost: 1 + Math.floor(random() * 4),
+            grant: `g${step}.${i}`,
+          }));
+          const replies = (await run(
+            "token-bucket-take-many",
+            key,
+            ...args(now),
+            c.capacity,
+            ...takes.flatMap((t) => [t.cost, t.grant]),
+          )) as number[];
+          let last: string | undefined;
+          takes.forEach((t, i) => {
+            const before: BucketState = s ?? {
+              tokens: c.capacity,
+              updatedAt: now,
+              factor: 1,
+              penalizedAt: now,
+            };
+            const next = take(before, c, t.cost, now);
+            expect(replies[2 * i] === 1, `${where}, caller ${i}`).toBe(next !== undefined);
+            if (next) {
+              s = next;
+              last = t.grant;
+            } else {
+              expect(replies[2 * i + 1], `${where}, caller ${i}`).toBe(waitMs(before, c, t.cost, now));
+            }
+          });
+          if (last) expect(await client.hget(key, "last"), where).toBe(last);
         } else {
           const cost = 1 + Math.floor(random() * 4);
           const grant = `g${step}`;
@@ -205,6 +237,29 @@ describe("Lua scripts on Redis", () => {
         // Mostly forward, sometimes standing still, now and then a step back.
         now += Math.floor(random() * 900) - (random() < 0.05 ? 300 : 0);
       }
+    } finally {
+      await backend.close();
+    }
+  });
+
+  it("sends the takes many callers make of one key at once in few script calls, granted in call order", async () => {
+    const backend = redis(client, {
+      prefix: randomPrefix("take-many"),
+      clock: new FakeClock(),
+      time: "clock",
+    });
+    try {
+      const bucket = backend.tokenBucket("many", { capacity: 20, refillPerSecond: 0.001 });
+      const calls = async () => {
+        const info = await admin.info("commandstats");
+        return Number(/^cmdstat_evalsha:calls=(\d+)/m.exec(info)?.[1] ?? 0);
+      };
+      const before = await calls();
+      const tickets = await Promise.all(Array.from({ length: 50 }, () => bucket.tryAdmit()));
+      const sent = (await calls()) - before;
+      expect(tickets.map((t) => t !== undefined)).toEqual(Array.from({ length: 50 }, (_, i) => i < 20));
+      expect(sent).toBeLessThanOrEqual(3);
+      await expect(bucket.tryAdmit()).resolves.toBeUndefined();
     } finally {
       await backend.close();
     }
