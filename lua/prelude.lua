@@ -79,13 +79,15 @@ local function floodgate_num(x)
 end
 
 -- Read a bucket hash, and its latest grant id (`last`, false when none, read only when `withLast`);
--- a missing key is a fresh bucket holding `initial` tokens. `whole` marks a state whose every
--- field must be written; `storedAt` is updatedAt as stored, so an unchanged one is not rewritten.
-local function floodgate_bucket(key, initial, now, withLast)
-  local v
+-- a missing key is a fresh bucket holding `initial` tokens. `read`, when given, is the reply of
+-- an HMGET of tokens, updatedAt, factor, penalizedAt already made. `whole` marks a state whose
+-- every field must be written; `storedAt` is updatedAt as stored, so an unchanged one is not
+-- rewritten.
+local function floodgate_bucket(key, initial, now, withLast, read)
+  local v = read
   if withLast then
     v = redis.call('HMGET', key, 'tokens', 'updatedAt', 'factor', 'penalizedAt', 'last')
-  else
+  elseif not v then
     v = redis.call('HMGET', key, 'tokens', 'updatedAt', 'factor', 'penalizedAt')
   end
   if not v[1] then

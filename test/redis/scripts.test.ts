@@ -167,10 +167,14 @@ describe("Lua scripts on Redis", () => {
     let s: BucketState | undefined;
     let now = 1_000_000;
     try {
-      for (let step = 0; step < 400; step++) {
+      for (let step = 0; step < 1000; step++) {
         const where = `step ${step} at ${now}`;
         const r = random();
-        if (r < 0.1 && s) {
+        if (r < 0.03) {
+          // The key expires: a fresh, never penalised bucket again.
+          await client.del(key);
+          s = undefined;
+        } else if (r < 0.1 && s) {
           await run("token-bucket-penalize", key, ...args(now), 0.5, 0.1, c.capacity);
           s = penalize(s, c, 0.5, 0.1, now);
         } else if (r < 0.35) {
