@@ -17,6 +17,8 @@
 -- ARGV[8]  initial     AIMD: limit to start from when meta has none; "" otherwise
 -- ARGV[9]  lastFence   the highest fencing token this process has seen, or 0
 -- ARGV[10] again       "1" when `member` asked before (it may have been granted on a release)
+-- ARGV[11] member2     more callers of this turn, each a member and its "again" flag (ARGV[12]),
+--                      and so on: each is decided in turn, exactly as if each had called alone
 --
 -- Returns {granted, fenceOrWaitMs, used, limit, epoch, grants, quarantineMs}:
 --   granted = 1: fenceOrWaitMs is the fencing token (increases with every grant)
@@ -25,6 +27,7 @@
 --   grants: the waiters this call granted at the head of the line (see floodgate_grant_heads),
 --           each as the message PUBLISHed on `channel`; `member` itself may be among them
 --   quarantineMs: > 0 while grants are held back because Redis lost this stage's data
+-- With more than one member, returns one such reply per member, in order.
 --
 -- Data loss (a restart without persistence, FLUSHALL, a failover to a stale replica) shows as a
 -- fencing sequence below one a process has already seen. Leases held then are forgotten while
@@ -38,107 +41,113 @@ local queue       = KEYS[2]
 local qexp        = KEYS[3]
 local meta        = KEYS[4]
 local now         = floodgate_now(ARGV[1])
-local member      = ARGV[2]
 local leaseMs     = tonumber(ARGV[4])           -- ms
 local mode        = ARGV[5]                     -- "wait" | "try"
 local waiterTtlMs = tonumber(ARGV[6])           -- ms
 local channel     = ARGV[7]
-local cost        = floodgate_cost(member)      -- permits
 local lastFence   = tonumber(ARGV[9]) or 0
 
-local state = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'seq', 'quarantine')
-local used  = tonumber(state[1]) or 0
-local limit = tonumber(ARGV[3])
-local epoch = 0
-if ARGV[3] == '' then
-  limit = tonumber(state[2])
-  epoch = tonumber(state[3]) or 0
-  if limit == nil then
-    limit = tonumber(ARGV[8])
-    redis.call('HSET', meta, 'limit', limit, 'epoch', 0)
-  end
-end
-
--- Quarantine after data loss: no grants until every lease of before could have ended.
-local quarantine = tonumber(state[5]) or 0
-if lastFence > (tonumber(state[4]) or 0) then
-  quarantine = now + leaseMs
-  redis.call('HSET', meta, 'seq', lastFence, 'quarantine', quarantine)
-end
-if quarantine > now then
-  if mode == 'wait' and not redis.call('ZSCORE', queue, member) then
-    redis.call('ZADD', queue, redis.call('HINCRBY', meta, 'seq', 1), member)
-  end
-  if mode == 'wait' then redis.call('ZADD', qexp, now + waiterTtlMs, member) end
-  return {0, quarantine - now, used, limit, epoch, {}, quarantine - now}
-end
-
--- Granted on someone's release while this call was on its way (or its message was lost): claim
--- the permit with a full lease and a fencing token of its own. A grant left unclaimed past its
--- end is taken back, and the member asks like a newcomer.
-if ARGV[10] == '1' then
-  local held = redis.call('ZSCORE', holders, member)
-  if held then
-    if tonumber(held) > now then
-      redis.call('ZADD', holders, now + leaseMs, member)
-      return {1, redis.call('HINCRBY', meta, 'seq', 1), used, limit, epoch, {}, 0}
+local function acquire(member, again)
+  local cost = floodgate_cost(member)      -- permits
+  local state = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'seq', 'quarantine')
+  local used  = tonumber(state[1]) or 0
+  local limit = tonumber(ARGV[3])
+  local epoch = 0
+  if ARGV[3] == '' then
+    limit = tonumber(state[2])
+    epoch = tonumber(state[3]) or 0
+    if limit == nil then
+      limit = tonumber(ARGV[8])
+      redis.call('HSET', meta, 'limit', limit, 'epoch', 0)
     end
-    redis.call('ZREM', holders, member)
-    used = math.max(0, used - cost)
-    redis.call('HSET', meta, 'used', used)
   end
-end
 
-local head = redis.call('ZRANGE', queue, 0, 0)[1]
-if used + cost > limit or (head and head ~= member) then
-  -- Something stands in the way: first take back the leases of dead holders and drop waiters
-  -- that stopped asking.
-  local dead = floodgate_expired(holders, now)
-  if #dead > 0 then
-    for i = 1, #dead do used = used - floodgate_cost(dead[i]) end
-    if used < 0 or redis.call('ZCARD', holders) == 0 then used = 0 end
-    redis.call('HSET', meta, 'used', used)
+  -- Quarantine after data loss: no grants until every lease of before could have ended.
+  local quarantine = tonumber(state[5]) or 0
+  if lastFence > (tonumber(state[4]) or 0) then
+    quarantine = now + leaseMs
+    redis.call('HSET', meta, 'seq', lastFence, 'quarantine', quarantine)
   end
-  local gone = floodgate_expired(qexp, now)
-  if #gone > 0 then
-    redis.call('ZREM', queue, unpack(gone))
-    head = redis.call('ZRANGE', queue, 0, 0)[1]
+  if quarantine > now then
+    if mode == 'wait' and not redis.call('ZSCORE', queue, member) then
+      redis.call('ZADD', queue, redis.call('HINCRBY', meta, 'seq', 1), member)
+    end
+    if mode == 'wait' then redis.call('ZADD', qexp, now + waiterTtlMs, member) end
+    return {0, quarantine - now, used, limit, epoch, {}, quarantine - now}
   end
-end
 
-local grants = {}
-if used + cost <= limit and (not head or head == member) then
-  if redis.call('ZADD', holders, now + leaseMs, member) == 1 then used = used + cost end
-  if head then
-    redis.call('ZREM', queue, member)
-    redis.call('ZREM', qexp, member)
-    head = redis.call('ZRANGE', queue, 0, 0)[1]
+  -- Granted on someone's release while this call was on its way (or its message was lost): claim
+  -- the permit with a full lease and a fencing token of its own. A grant left unclaimed past its
+  -- end is taken back, and the member asks like a newcomer.
+  if again == '1' then
+    local held = redis.call('ZSCORE', holders, member)
+    if held then
+      if tonumber(held) > now then
+        redis.call('ZADD', holders, now + leaseMs, member)
+        return {1, redis.call('HINCRBY', meta, 'seq', 1), used, limit, epoch, {}, 0}
+      end
+      redis.call('ZREM', holders, member)
+      used = math.max(0, used - cost)
+      redis.call('HSET', meta, 'used', used)
+    end
   end
-  if head then
-    local fence = redis.call('HINCRBY', meta, 'seq', 1)
-    grants, used = floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now, leaseMs, channel, epoch)
-    redis.call('HSET', meta, 'used', used)
+
+  local head = redis.call('ZRANGE', queue, 0, 0)[1]
+  if used + cost > limit or (head and head ~= member) then
+    -- Something stands in the way: first take back the leases of dead holders and drop waiters
+    -- that stopped asking.
+    local dead = floodgate_expired(holders, now)
+    if #dead > 0 then
+      for i = 1, #dead do used = used - floodgate_cost(dead[i]) end
+      if used < 0 or redis.call('ZCARD', holders) == 0 then used = 0 end
+      redis.call('HSET', meta, 'used', used)
+    end
+    local gone = floodgate_expired(qexp, now)
+    if #gone > 0 then
+      redis.call('ZREM', queue, unpack(gone))
+      head = redis.call('ZRANGE', queue, 0, 0)[1]
+    end
+  end
+
+  local grants = {}
+  if used + cost <= limit and (not head or head == member) then
+    if redis.call('ZADD', holders, now + leaseMs, member) == 1 then used = used + cost end
+    if head then
+      redis.call('ZREM', queue, member)
+      redis.call('ZREM', qexp, member)
+      head = redis.call('ZRANGE', queue, 0, 0)[1]
+    end
+    if head then
+      local fence = redis.call('HINCRBY', meta, 'seq', 1)
+      grants, used = floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now, leaseMs, channel, epoch)
+      redis.call('HSET', meta, 'used', used)
+      return {1, fence, used, limit, epoch, grants, 0}
+    end
+    -- Nobody else in line: the count and the fencing sequence go in one write.
+    local fence = (tonumber(state[4]) or 0) + 1
+    redis.call('HSET', meta, 'used', used, 'seq', fence)
     return {1, fence, used, limit, epoch, grants, 0}
   end
-  -- Nobody else in line: the count and the fencing sequence go in one write.
-  local fence = (tonumber(state[4]) or 0) + 1
-  redis.call('HSET', meta, 'used', used, 'seq', fence)
-  return {1, fence, used, limit, epoch, grants, 0}
+
+  if mode == 'wait' then
+    if not redis.call('ZSCORE', queue, member) then
+      redis.call('ZADD', queue, redis.call('HINCRBY', meta, 'seq', 1), member)
+    end
+    redis.call('ZADD', qexp, now + waiterTtlMs, member)
+    -- Room made by reaping (or a raised limit) goes to the head of the line.
+    head = head or member
+    if used + floodgate_cost(head) <= limit then
+      grants, used = floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now, leaseMs, channel, epoch)
+      redis.call('HSET', meta, 'used', used)
+    end
+  end
+  local first = redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')
+  local waitMs = -1
+  if first[2] then waitMs = math.max(0, tonumber(first[2]) - now) end
+  return {0, waitMs, used, limit, epoch, grants, 0}
 end
 
-if mode == 'wait' then
-  if not redis.call('ZSCORE', queue, member) then
-    redis.call('ZADD', queue, redis.call('HINCRBY', meta, 'seq', 1), member)
-  end
-  redis.call('ZADD', qexp, now + waiterTtlMs, member)
-  -- Room made by reaping (or a raised limit) goes to the head of the line.
-  head = head or member
-  if used + floodgate_cost(head) <= limit then
-    grants, used = floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now, leaseMs, channel, epoch)
-    redis.call('HSET', meta, 'used', used)
-  end
-end
-local first = redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')
-local waitMs = -1
-if first[2] then waitMs = math.max(0, tonumber(first[2]) - now) end
-return {0, waitMs, used, limit, epoch, grants, 0}
+if #ARGV <= 10 then return acquire(ARGV[2], ARGV[10]) end
+local replies = { acquire(ARGV[2], ARGV[10]) }
+for i = 11, #ARGV, 2 do replies[#replies + 1] = acquire(ARGV[i], ARGV[i + 1]) end
+return replies

@@ -14,45 +14,54 @@
 -- ARGV[4] channel  pub/sub channel grants are announced on
 -- ARGV[5] what     "lease": `member` is a granted lease (never in line); "any": it may be either
 -- ARGV[6] leaseMs  longest lease a grant made here starts with, ms
+-- ARGV[7] member2  more releases of this turn, each a member and its "what" (ARGV[8]), and so
+--                  on: each is done in turn, exactly as if each had called alone
 --
 -- Returns {released, dequeued, used, grants}: released = 1 when the lease was held and is now
 -- freed, dequeued = 1 when the member was in line and is no longer, grants = the waiters granted
--- here, each as the message PUBLISHed on `channel`.
+-- here, each as the message PUBLISHed on `channel`. With more than one member, returns one such
+-- reply per member, in order.
 local holders = KEYS[1]
 local queue   = KEYS[2]
 local qexp    = KEYS[3]
 local meta    = KEYS[4]
-local member  = ARGV[2]
 local channel = ARGV[4]
 
-local used
-local released = redis.call('ZREM', holders, member)
-if released == 1 then
-  used = redis.call('HINCRBY', meta, 'used', -floodgate_cost(member))
-  if used < 0 then
-    used = 0
-    redis.call('HSET', meta, 'used', 0)
+local function release(member, what)
+  local used
+  local released = redis.call('ZREM', holders, member)
+  if released == 1 then
+    used = redis.call('HINCRBY', meta, 'used', -floodgate_cost(member))
+    if used < 0 then
+      used = 0
+      redis.call('HSET', meta, 'used', 0)
+    end
   end
-end
-local dequeued = 0
-if ARGV[5] ~= 'lease' then
-  dequeued = redis.call('ZREM', queue, member)
-  if dequeued == 1 then redis.call('ZREM', qexp, member) end
+  local dequeued = 0
+  if what ~= 'lease' then
+    dequeued = redis.call('ZREM', queue, member)
+    if dequeued == 1 then redis.call('ZREM', qexp, member) end
+  end
+
+  local grants = {}
+  local head = redis.call('ZRANGE', queue, 0, 0)[1]
+  if head then
+    local state = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'quarantine')
+    used = tonumber(state[1]) or 0
+    local limit = tonumber(ARGV[3]) or tonumber(state[2]) or 0
+    local now = floodgate_now(ARGV[1])
+    if (tonumber(state[4]) or 0) <= now and used + floodgate_cost(head) <= limit then
+      grants, used = floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now,
+        tonumber(ARGV[6]), channel, tonumber(state[3]) or 0)
+      redis.call('HSET', meta, 'used', used)
+    end
+  elseif not used then
+    used = tonumber(redis.call('HGET', meta, 'used')) or 0
+  end
+  return {released, dequeued, used, grants}
 end
 
-local grants = {}
-local head = redis.call('ZRANGE', queue, 0, 0)[1]
-if head then
-  local state = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'quarantine')
-  used = tonumber(state[1]) or 0
-  local limit = tonumber(ARGV[3]) or tonumber(state[2]) or 0
-  local now = floodgate_now(ARGV[1])
-  if (tonumber(state[4]) or 0) <= now and used + floodgate_cost(head) <= limit then
-    grants, used = floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now,
-      tonumber(ARGV[6]), channel, tonumber(state[3]) or 0)
-    redis.call('HSET', meta, 'used', used)
-  end
-elseif not used then
-  used = tonumber(redis.call('HGET', meta, 'used')) or 0
-end
-return {released, dequeued, used, grants}
+if #ARGV <= 6 then return release(ARGV[2], ARGV[5]) end
+local replies = { release(ARGV[2], ARGV[5]) }
+for i = 7, #ARGV, 2 do replies[#replies + 1] = release(ARGV[i], ARGV[i + 1]) end
+return replies

@@ -15,6 +15,7 @@ import type {
   TryAdmitOptions,
 } from "../types.js";
 import { parseOptions, semaphoreSchema } from "../validate.js";
+import { ScriptBatch } from "./batch.js";
 import { stageKey } from "./keys.js";
 import { maybeSent, type RedisLink } from "./link.js";
 
@@ -101,6 +102,8 @@ export abstract class RedisPermitStage extends BaseStage {
   protected readonly channel: string;
   protected limit: number;
   readonly #ctx: RedisContext;
+  readonly #waits = this.#acquireBatch("wait");
+  readonly #tries = this.#acquireBatch("try");
   readonly #byId = new Map<string, RedisWaiter>();
   #subscribed: Promise<void> | undefined;
   /** Highest fencing token seen: a sequence below it in Redis means Redis lost its data. */
@@ -142,19 +145,42 @@ export abstract class RedisPermitStage extends BaseStage {
   }
 
   #acquire(id: string, mode: "wait" | "try", again: boolean): Promise<AcquireReply> {
-    return this.link.run(this.name, "semaphore-acquire", this.keys, [
-      this.link.now(),
-      id,
-      this.#limitArg(),
-      this.settings.leaseMs,
-      mode,
-      this.#ctx.pollMs * 3,
-      this.channel,
-      this.settings.limit === undefined ? this.settings.initial : "",
-      this.#lastFence,
-      again ? "1" : "",
-    ]);
+    return (mode === "wait" ? this.#waits : this.#tries).run(id, again ? "1" : "");
   }
+
+  /** Acquires of one mode; a crowd of callers goes in one script call per turn. */
+  #acquireBatch(mode: "wait" | "try"): ScriptBatch {
+    return new ScriptBatch((pairs) => {
+      const args: (string | number)[] = [
+        this.link.now(),
+        pairs[0]!,
+        this.#limitArg(),
+        this.settings.leaseMs,
+        mode,
+        this.#ctx.pollMs * 3,
+        this.channel,
+        this.settings.limit === undefined ? this.settings.initial : "",
+        this.#lastFence,
+        pairs[1]!,
+      ];
+      for (let i = 2; i < pairs.length; i++) args.push(pairs[i]!);
+      return this.link.run(this.name, "semaphore-acquire", this.keys, args);
+    });
+  }
+
+  /** Releases of leases; a crowd of them goes in one script call per turn. */
+  readonly #releases = new ScriptBatch((pairs) => {
+    const args: (string | number)[] = [
+      this.link.now(),
+      pairs[0]!,
+      this.#limitArg(),
+      this.channel,
+      pairs[1]!,
+      this.settings.leaseMs,
+    ];
+    for (let i = 2; i < pairs.length; i++) args.push(pairs[i]!);
+    return this.link.run(this.name, "semaphore-release", this.keys, args);
+  });
 
   /** Note what a reply says about the stage: its limit, the newest fence, a quarantine. */
   #saw(reply: AcquireReply): void {
@@ -249,9 +275,6 @@ export abstract class RedisPermitStage extends BaseStage {
     const w = this.waiters.tail as RedisWaiter;
     w.id = memberId(cost);
     this.#byId.set(w.id, w);
-    // Subscribe for grants now, while this first acquire is out: a waiter refused before the
-    // subscription is up must ask once more once it is (a grant may have gone unheard).
-    if (!this.#subscribed && this.link.client.status === "ready") this.#listen().catch(() => {});
     this.#attempt(w);
     return promise;
   }
@@ -470,14 +493,7 @@ export abstract class RedisPermitStage extends BaseStage {
 
   /** Run the release script; resolves true when the lease was still held. */
   protected async giveBack(t: LeaseTicket, _outcome: Outcome, _refund: boolean): Promise<boolean> {
-    const reply = await this.link.run(this.name, "semaphore-release", this.keys, [
-      this.link.now(),
-      t.leaseId,
-      this.#limitArg(),
-      this.channel,
-      "lease",
-      this.settings.leaseMs,
-    ]);
+    const reply = await this.#releases.run(t.leaseId, "lease");
     this.granted(reply[3]);
     return Number(reply[0]) === 1;
   }

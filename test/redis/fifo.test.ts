@@ -88,7 +88,8 @@ describe("waiting across processes", () => {
     // The release grants the head in the same script: one round trip, whatever the line.
     expect(after - before).toBe(1);
     await first.release("success");
-    for (const w of waits) await (await w).release("success");
+    // The rest are granted in their order in Redis: release each as it comes.
+    await Promise.all(waits.map((w) => w.then((t) => t.release("success"))));
   });
 
   it("covers a lost subscription with the slow poll", async () => {
@@ -101,6 +102,7 @@ describe("waiting across processes", () => {
       autoResubscribe: false,
     });
     clients.push(holderClient, waiterClient, subscriber);
+    const subscriberId = await subscriber.client("ID");
     const holder = redis(holderClient, { prefix }).semaphore("poll", { limit: 1 });
     const waiter = redis(waiterClient, { prefix, pollMs: 200, subscriber }).semaphore("poll", { limit: 1 });
     const held = await holder.admit();
@@ -109,7 +111,8 @@ describe("waiting across processes", () => {
       timeoutMs: 5000,
       message: "the waiter never subscribed",
     });
-    await holderClient.client("KILL", "TYPE", "pubsub");
+    // Kill this one connection only: other tests share the server.
+    await holderClient.client("KILL", "ID", String(subscriberId));
     await held.release("success"); // the wake-up message goes nowhere
     let granted = false;
     void pending.then(() => {

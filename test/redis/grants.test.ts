@@ -315,6 +315,7 @@ describe("grants made on release (stages)", () => {
     // Its pub/sub connection will be killed and must not come back.
     const deaf = await connectedClient(redisUrl(), { retryStrategy: () => null, autoResubscribe: false });
     clients.push(deaf);
+    const deafId = await deaf.client("ID");
     const waiter = redis(client, { prefix, pollMs: 100, subscriber: deaf }).semaphore("lost", {
       limit: 1,
       leaseMs: 20_000,
@@ -329,7 +330,8 @@ describe("grants made on release (stages)", () => {
       timeoutMs: 5000,
       message: "the waiter never subscribed",
     });
-    await clients[0]!.client("KILL", "TYPE", "pubsub");
+    // Kill this one connection only: other tests share the server.
+    await clients[0]!.client("KILL", "ID", String(deafId));
     await held.release("success"); // its grant message goes nowhere
     const ticket = await pending;
     const [member, score] = await clients[0]!.zrange(`${prefix}{lost}:holders`, 0, 0, "WITHSCORES");

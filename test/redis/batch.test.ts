@@ -1,0 +1,129 @@
+import { redis, scriptSource } from "floodgate/redis";
+import type { Redis } from "ioredis";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { redisUrl } from "../contract/backends.js";
+import { closeClient, connectedClient, randomPrefix, until } from "./helpers.js";
+
+/**
+ * Acquires and releases of one stage made in the same turn of the event loop, while another is
+ * out, go to Redis as one script call that decides them in turn exactly as separate calls would.
+ */
+describe("calls of one turn in one script call", () => {
+  let client: Redis;
+  beforeAll(async () => {
+    client = await connectedClient(redisUrl());
+  });
+  afterAll(async () => {
+    await closeClient(client);
+  });
+
+  function keysOf(prefix: string) {
+    const key = (part: string) => `${prefix}{s}:${part}`;
+    return [key("holders"), key("queue"), key("qexp"), key("meta")];
+  }
+
+  async function dump(keys: string[]) {
+    return {
+      holders: await client.zrange(keys[0]!, 0, -1, "WITHSCORES"),
+      queue: await client.zrange(keys[1]!, 0, -1, "WITHSCORES"),
+      qexp: await client.zrange(keys[2]!, 0, -1, "WITHSCORES"),
+      meta: await client.hgetall(keys[3]!),
+    };
+  }
+
+  const acquireArgs = (now: number, member: string, again = "") => [
+    now,
+    member,
+    3,
+    30_000,
+    "wait",
+    3_000,
+    "ch",
+    "",
+    0,
+    again,
+  ];
+  const releaseArgs = (now: number, member: string) => [now, member, 3, "ch", "lease", 30_000];
+
+  it("decides many members in one acquire and release exactly as one call each", async () => {
+    const one = keysOf(randomPrefix("one"));
+    const many = keysOf(randomPrefix("many"));
+    const members = ["a:1", "b:2", "c:1", "d:1", "e:2"];
+    const singles: unknown[] = [];
+    for (const m of members) {
+      singles.push(await client.eval(scriptSource("semaphore-acquire"), 4, ...one, ...acquireArgs(1000, m)));
+    }
+    const pairs = members.slice(1).flatMap((m) => [m, ""]);
+    const batched = await client.eval(
+      scriptSource("semaphore-acquire"),
+      4,
+      ...many,
+      ...acquireArgs(1000, members[0]!),
+      ...pairs,
+    );
+    expect(batched).toEqual(singles);
+    expect(await dump(many)).toEqual(await dump(one));
+
+    // Release a and c (in the same turn): b's grant goes to d, then the rest as it fits.
+    const singleReleases: unknown[] = [];
+    for (const m of ["a:1", "b:2"]) {
+      singleReleases.push(
+        await client.eval(scriptSource("semaphore-release"), 4, ...one, ...releaseArgs(1100, m)),
+      );
+    }
+    const batchedReleases = await client.eval(
+      scriptSource("semaphore-release"),
+      4,
+      ...many,
+      ...releaseArgs(1100, "a:1"),
+      "b:2",
+      "lease",
+    );
+    expect(batchedReleases).toEqual(singleReleases);
+    expect(await dump(many)).toEqual(await dump(one));
+  });
+
+  it("sends a crowd of admissions and releases as a few script calls, with exact counts", async () => {
+    const prefix = randomPrefix("crowd");
+    const own = await connectedClient(redisUrl());
+    try {
+      const sem = redis(own, { prefix, pollMs: 60_000 }).semaphore("crowd", { limit: 10 });
+      const calls = async () => {
+        const info = await client.info("commandstats");
+        let n = 0;
+        for (const m of info.matchAll(/^cmdstat_(?:evalsha|eval):calls=(\d+)/gm)) n += Number(m[1]);
+        return n;
+      };
+      // Warm-up: scripts loaded, and the stage subscribed for grants (one caller waits once).
+      const warm = await Promise.all(Array.from({ length: 10 }, () => sem.admit()));
+      const extra = sem.admit();
+      await until(async () => (await client.pubsub("NUMSUB", `${prefix}{crowd}:wake`))[1] === 1, {
+        timeoutMs: 5000,
+        message: "the waiter never subscribed",
+      });
+      await Promise.all(warm.map((t) => t.release("success")));
+      await (await extra).release("success");
+      const before = await calls();
+      const tickets = await Promise.all(Array.from({ length: 10 }, () => sem.admit()));
+      // One call for the first, one for the nine that came in the same turn.
+      expect((await calls()) - before).toBe(2);
+      expect(sem.snapshot().inFlight).toBe(10);
+      expect(await client.hget(`${prefix}{crowd}:meta`, "used")).toBe("10");
+      const waiting = Array.from({ length: 10 }, () => sem.admit());
+      const mid = await calls();
+      await Promise.all(tickets.map((t) => t.release("success")));
+      const next = await Promise.all(waiting);
+      // The waiters lined up in two calls, the releases took two more and granted every waiter;
+      // the waiters needed no call of their own to take their permits.
+      expect((await calls()) - mid).toBeLessThanOrEqual(4);
+      expect(sem.snapshot().inFlight).toBe(10);
+      expect(await client.zcard(`${prefix}{crowd}:holders`)).toBe(10);
+      expect(await client.zcard(`${prefix}{crowd}:queue`)).toBe(0);
+      await Promise.all(next.map((t) => t.release("success")));
+      expect(await client.zcard(`${prefix}{crowd}:holders`)).toBe(0);
+      expect(await client.hget(`${prefix}{crowd}:meta`, "used")).toBe("0");
+    } finally {
+      await closeClient(own);
+    }
+  });
+});
