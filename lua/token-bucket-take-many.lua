@@ -40,5 +40,6 @@ for i = 6, #ARGV, 2 do
     replies[#replies + 1] = 0
   end
 end
-if last then floodgate_save_bucket(bucket, s, capacity, refillPerSecond, recoveryMs, last) end
+-- A key seen for the first time starts refilling now, granted or not.
+if last or s.whole then floodgate_save_bucket(bucket, s, capacity, refillPerSecond, recoveryMs, last) end
 return replies

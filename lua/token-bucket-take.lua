@@ -46,6 +46,8 @@ end
 local s = floodgate_bucket(bucket, initial, now, false, v)
 local tokens = floodgate_tokens_at(s, capacity, refillPerSecond, recoveryMs, now)
 if tokens + 1e-9 < cost then
+  -- A key seen for the first time starts refilling now, granted or not.
+  if s.whole then floodgate_save_bucket(bucket, s, capacity, refillPerSecond, recoveryMs, nil) end
   return {0, floodgate_wait_ms(s, capacity, refillPerSecond, recoveryMs, cost, now)}
 end
 s.tokens = math.max(0, tokens - cost)

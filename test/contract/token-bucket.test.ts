@@ -22,6 +22,19 @@ describe.each(backends)("token bucket on $name", (backend) => {
     expect(bucket.snapshot().tokenWaitMs).toBe(500 + 1000 + 1500);
   });
 
+  it("refills a key that starts below the cost from its first call on", async () => {
+    const bucket = make({ capacity: 5, refillPerSecond: 10, initialTokens: 0 });
+    const first = track(bucket.admit());
+    await clock.advance(99);
+    expect(first.settled).toBe(false);
+    await clock.advance(1);
+    expect(first.settled).toBe(true);
+    // A refused try counts as the first call too: the key refills from then.
+    expect(await bucket.tryAdmit({ key: "late", cost: 2 })).toBeUndefined();
+    await clock.advance(200);
+    expect(await bucket.tryAdmit({ key: "late", cost: 2 })).toBeDefined();
+  });
+
   it("keeps one bucket per key", async () => {
     const bucket = make({ capacity: 1, refillPerSecond: 1 });
     await bucket.admit({ key: "acme" });
