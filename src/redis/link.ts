@@ -1,7 +1,7 @@
 import type { Clock, ClockTimer } from "../clock.js";
 import { BackendUnavailableError } from "../errors.js";
 import type { Logger } from "../types.js";
-import { commandName, defineScripts, SCRIPTS, type ScriptName } from "./scripts.js";
+import { commandName, defineScripts, SCRIPTS, type ScriptName, scriptSource } from "./scripts.js";
 
 /** The part of an ioredis client (`Redis` or `Cluster`) floodgate uses. */
 export interface RedisClientLike {
@@ -149,22 +149,30 @@ export class RedisLink {
       const command = (client as unknown as Record<string, ScriptCommand>)[COMMANDS[script]]!;
       const sent =
         keys.length === 1 ? command.call(client, keys[0], ...args) : command.call(client, ...keys, ...args);
-      sent.then(
-        (value) => {
-          if (call.done) return;
-          this.#remove(call);
-          resolve(value);
-        },
-        (error: unknown) => {
-          if (call.done) return;
-          this.#remove(call);
-          reject(
-            isConnectionError(error)
-              ? new BackendUnavailableError(stage, `Redis failed: ${message(error)}`, { cause: error })
-              : error,
-          );
-        },
-      );
+      const answered = (value: unknown) => {
+        if (call.done) return;
+        this.#remove(call);
+        resolve(value);
+      };
+      const failed = (error: unknown) => {
+        if (call.done) return;
+        this.#remove(call);
+        reject(
+          isConnectionError(error)
+            ? new BackendUnavailableError(stage, `Redis failed: ${message(error)}`, { cause: error })
+            : error,
+        );
+      };
+      sent.then(answered, (error: unknown) => {
+        // The script was not run: its cache was flushed again before the client's own resend
+        // (which it tries once). Send the body itself, which cannot miss.
+        if (!call.done && message(error).startsWith("NOSCRIPT")) {
+          const evalScript = (client as unknown as { eval: ScriptCommand }).eval;
+          evalScript.call(client, scriptSource(script), keys.length, ...keys, ...args).then(answered, failed);
+          return;
+        }
+        failed(error);
+      });
     });
   }
 
