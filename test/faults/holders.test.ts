@@ -8,8 +8,7 @@ import { describeError, SLACK_MS, serverNow, spread } from "./harness.js";
 type Backend = ReturnType<typeof redis>;
 
 const LEASE_MS = 1_000;
-/** `Child` runs fixtures from test/redis/fixtures/; this one lives beside this file. */
-const HOLDER = "../../faults/fixtures/holder.ts";
+const HOLDER = "holder.ts";
 
 /**
  * Holders in processes of their own, killed or frozen: what the rest of the fleet sees, timed.
