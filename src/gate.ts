@@ -183,11 +183,15 @@ export class Gate implements Stage {
     while (leading < this.stages.length && this.stages[leading]!.holds === "wait") leading++;
     this.#leading = leading;
     this.#holdsWait = this.stages.some((s) => s.holds === "wait");
+    this.#callStages = this.stages.filter((s) => s.holds !== "wait").length;
     let sync = 0;
     while (sync < this.stages.length && typeof (this.stages[sync] as SyncStage).tryAdmitSync === "function")
       sync++;
     this.#syncPrefix = sync;
   }
+
+  /** Stages whose ticket a call holds while it runs (all but bounded queues). */
+  readonly #callStages: number;
 
   /** Leading stages that can admit synchronously (memory stages). */
   readonly #syncPrefix: number;
@@ -279,11 +283,13 @@ export class Gate implements Stage {
   #started(held: Ticket[], o: AdmitOptions): GateTicket {
     let call = held;
     if (this.#holdsWait) {
-      call = [];
+      const stages = this.stages;
       for (let i = held.length - 1; i >= 0; i--) {
-        if (this.stages[i]!.holds === "wait") void held[i]!.release("success");
+        if (stages[i]!.holds === "wait") void held[i]!.release("success");
       }
-      for (let i = 0; i < held.length; i++) if (this.stages[i]!.holds !== "wait") call.push(held[i]!);
+      // Every stage is held here: the call keeps the ones that hold a call, in an array of that size.
+      call = new Array<Ticket>(this.#callStages);
+      for (let i = 0, j = 0; i < held.length; i++) if (stages[i]!.holds !== "wait") call[j++] = held[i]!;
     }
     this.inFlight++;
     this.#admitted++;

@@ -45,7 +45,10 @@ export class MemoryAimd extends PermitStage {
   override releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): void {
     this.used -= ticket.cost;
     if (!refund && outcome !== "ignored") {
-      const slow = this.clock.now() - ticket.admittedAt > this.#slowCallMs;
+      // Without `slowCallMs` no call is slow: the clock is not read.
+      const slow =
+        this.#slowCallMs !== Number.POSITIVE_INFINITY &&
+        this.clock.now() - ticket.admittedAt > this.#slowCallMs;
       const before = this.#state;
       this.#state = aimdStep(before, this.#config, {
         dropped: outcome === "dropped" || slow,

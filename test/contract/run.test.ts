@@ -12,7 +12,7 @@ import { FakeClock } from "floodgate/testing";
 import { beforeEach, describe, expect, it } from "vitest";
 import { backends, track, useBackend } from "./backends.js";
 
-/** `stage.run`, which every stage floodgate builds has. */
+/** `stage.run`, which memory stages and Redis stages built to fail closed (these backends) have. */
 function run<T>(
   stage: Stage,
   fn: (ticket: Ticket) => T | PromiseLike<T>,
