@@ -148,6 +148,36 @@ local function acquire(member, again)
 end
 
 if #ARGV <= 10 then return acquire(ARGV[2], ARGV[10]) end
-local replies = { acquire(ARGV[2], ARGV[10]) }
-for i = 11, #ARGV, 2 do replies[#replies + 1] = acquire(ARGV[i], ARGV[i + 1]) end
+
+-- Many callers. While nobody is in line, no quarantine holds and they fit, the first ones are
+-- granted with one read and one write of meta (what one call each would have done); the first
+-- that does not fit, or asks again, and every one after it, go the general way.
+local members = { ARGV[2] }
+local agains = { ARGV[10] }
+for i = 11, #ARGV, 2 do
+  members[#members + 1] = ARGV[i]
+  agains[#agains + 1] = ARGV[i + 1]
+end
+local replies = {}
+local state = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'seq', 'quarantine')
+local limit = tonumber(ARGV[3]) or tonumber(state[2])
+local seq = tonumber(state[4]) or 0
+local next = 1
+if limit and lastFence <= seq and (tonumber(state[5]) or 0) <= now
+    and not redis.call('ZRANGE', queue, 0, 0)[1] then
+  local used = tonumber(state[1]) or 0
+  local epoch = 0
+  if ARGV[3] == '' then epoch = tonumber(state[3]) or 0 end
+  while next <= #members and agains[next] ~= '1' do
+    local member = members[next]
+    local cost = floodgate_cost(member)
+    if used + cost > limit then break end
+    if redis.call('ZADD', holders, now + leaseMs, member) == 1 then used = used + cost end
+    seq = seq + 1
+    replies[next] = {1, seq, used, limit, epoch, {}, 0}
+    next = next + 1
+  end
+  if next > 1 then redis.call('HSET', meta, 'used', used, 'seq', seq) end
+end
+for i = next, #members do replies[i] = acquire(members[i], agains[i]) end
 return replies

@@ -62,6 +62,49 @@ local function release(member, what)
 end
 
 if #ARGV <= 6 then return release(ARGV[2], ARGV[5]) end
-local replies = { release(ARGV[2], ARGV[5]) }
-for i = 7, #ARGV, 2 do replies[#replies + 1] = release(ARGV[i], ARGV[i + 1]) end
+
+local leasesOnly = ARGV[5] == 'lease'
+for i = 8, #ARGV, 2 do leasesOnly = leasesOnly and ARGV[i] == 'lease' end
+if not leasesOnly then
+  local replies = { release(ARGV[2], ARGV[5]) }
+  for i = 7, #ARGV, 2 do replies[#replies + 1] = release(ARGV[i], ARGV[i + 1]) end
+  return replies
+end
+
+-- Many leases given back: free them all with one write of `used`, then grant the head of the
+-- line what is free now, as the last of them would have. Each reply says whether its lease was
+-- held; the grants go with the last.
+local replies = {}
+local freed = 0
+local function free(member)
+  local released = redis.call('ZREM', holders, member)
+  if released == 1 then freed = freed + floodgate_cost(member) end
+  replies[#replies + 1] = {released, 0, 0, {}}
+end
+free(ARGV[2])
+for i = 7, #ARGV, 2 do free(ARGV[i]) end
+local used
+if freed > 0 then
+  used = redis.call('HINCRBY', meta, 'used', -freed)
+  if used < 0 then
+    used = 0
+    redis.call('HSET', meta, 'used', 0)
+  end
+end
+local last = replies[#replies]
+local head = redis.call('ZRANGE', queue, 0, 0)[1]
+if head then
+  local state = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'quarantine')
+  used = tonumber(state[1]) or 0
+  local limit = tonumber(ARGV[3]) or tonumber(state[2]) or 0
+  local now = floodgate_now(ARGV[1])
+  if (tonumber(state[4]) or 0) <= now and used + floodgate_cost(head) <= limit then
+    last[4], used = floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now,
+      tonumber(ARGV[6]), channel, tonumber(state[3]) or 0)
+    redis.call('HSET', meta, 'used', used)
+  end
+elseif not used then
+  used = tonumber(redis.call('HGET', meta, 'used')) or 0
+end
+for i = 1, #replies do replies[i][3] = used end
 return replies

@@ -64,7 +64,7 @@ describe("calls of one turn in one script call", () => {
     expect(batched).toEqual(singles);
     expect(await dump(many)).toEqual(await dump(one));
 
-    // Release a and c (in the same turn): b's grant goes to d, then the rest as it fits.
+    // Release a and b in the same turn: c and d are granted, e (cost 2) still waits.
     const singleReleases: unknown[] = [];
     for (const m of ["a:1", "b:2"]) {
       singleReleases.push(
@@ -79,7 +79,64 @@ describe("calls of one turn in one script call", () => {
       "b:2",
       "lease",
     );
-    expect(batchedReleases).toEqual(singleReleases);
+    // Each says whether its lease was held; the grants all come, in order, with the last.
+    type ReleaseReply = [number, number, number, string[]];
+    const flat = (replies: ReleaseReply[]) => replies.flatMap((r) => r[3]);
+    expect((batchedReleases as ReleaseReply[]).map((r) => r[0])).toEqual(
+      (singleReleases as ReleaseReply[]).map((r) => r[0]),
+    );
+    expect(flat(batchedReleases as ReleaseReply[])).toEqual(flat(singleReleases as ReleaseReply[]));
+    expect(flat(batchedReleases as ReleaseReply[])).toHaveLength(2);
+    expect(await dump(many)).toEqual(await dump(one));
+  });
+
+  it.each([
+    [
+      "someone already in line",
+      async (keys: string[]) => {
+        await client.eval(scriptSource("semaphore-acquire"), 4, ...keys, ...acquireArgs(900, "h:3"));
+        await client.eval(scriptSource("semaphore-acquire"), 4, ...keys, ...acquireArgs(900, "w:1"));
+      },
+    ],
+    [
+      "a quarantine",
+      async (keys: string[]) => {
+        await client.hset(keys[3]!, "quarantine", 5000);
+      },
+    ],
+    [
+      "a member asking again",
+      async (keys: string[]) => {
+        await client.eval(scriptSource("semaphore-acquire"), 4, ...keys, ...acquireArgs(900, "h:3"));
+        await client.eval(scriptSource("semaphore-acquire"), 4, ...keys, ...acquireArgs(900, "b:2"));
+        await client.eval(scriptSource("semaphore-release"), 4, ...keys, ...releaseArgs(950, "h:3"));
+      },
+    ],
+  ])("decides a batch exactly as one call each with %s", async (_, setup) => {
+    const one = keysOf(randomPrefix("one"));
+    const many = keysOf(randomPrefix("many"));
+    await setup(one);
+    await setup(many);
+    const members: [string, string][] = [
+      ["a:1", ""],
+      ["b:2", "1"],
+      ["c:1", ""],
+      ["d:1", ""],
+    ];
+    const singles: unknown[] = [];
+    for (const [m, again] of members) {
+      singles.push(
+        await client.eval(scriptSource("semaphore-acquire"), 4, ...one, ...acquireArgs(1000, m, again)),
+      );
+    }
+    const batched = await client.eval(
+      scriptSource("semaphore-acquire"),
+      4,
+      ...many,
+      ...acquireArgs(1000, members[0]![0], members[0]![1]),
+      ...members.slice(1).flat(),
+    );
+    expect(batched).toEqual(singles);
     expect(await dump(many)).toEqual(await dump(one));
   });
 
