@@ -138,6 +138,12 @@ class CallWaiter<T> extends RunWaiter<T> {
   }
 }
 
+/** The resolve function of the promise `capture` was last handed to (no closure per waiter). */
+let captured: ((value: never) => void) | undefined;
+function capture(resolve: (value: never) => void): void {
+  captured = resolve;
+}
+
 /** Runs in the waiting caller's context once its wait is over. */
 function startCall<T>(w: RunWaiter<T>): T | PromiseLike<T> {
   return w.ticket === undefined ? w.fail(w.error) : w.start(w.ticket);
@@ -347,9 +353,9 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     signal: AbortSignal | undefined,
     timeoutMs: number | undefined,
   ): Promise<T> {
-    const granted = new Promise<RunWaiter<T>>((resolve) => {
-      w.resolve = resolve;
-    });
+    const granted = new Promise<RunWaiter<T>>(capture);
+    w.resolve = captured as (w: RunWaiter<T>) => void;
+    captured = undefined;
     this.enter(list, w, signal, timeoutMs);
     return granted.then(startCall) as Promise<T>;
   }

@@ -37,6 +37,14 @@ export abstract class WaitEntry {
   }
 }
 
+/** The resolving functions of the promise `capture` was last handed to (no closure per waiter). */
+let capturedResolve: ((ticket: Ticket) => void) | undefined;
+let capturedReject: ((error: unknown) => void) | undefined;
+function capture(resolve: (ticket: Ticket) => void, reject: (error: unknown) => void): void {
+  capturedResolve = resolve;
+  capturedReject = reject;
+}
+
 /** One caller waiting for admission, on a promise of its ticket. */
 export class Waiter extends WaitEntry {
   resolve!: (ticket: Ticket) => void;
@@ -45,10 +53,10 @@ export class Waiter extends WaitEntry {
 
   constructor(owner: WaiterOwner, cost: number, key: string, enqueuedAt: number) {
     super(owner, cost, key, enqueuedAt);
-    this.promise = new Promise<Ticket>((resolve, reject) => {
-      this.resolve = resolve;
-      this.reject = reject;
-    });
+    this.promise = new Promise<Ticket>(capture);
+    this.resolve = capturedResolve!;
+    this.reject = capturedReject!;
+    capturedResolve = capturedReject = undefined;
   }
 
   deliver(ticket: Ticket): void {
