@@ -157,9 +157,9 @@ export interface Stage extends AsyncDisposable {
   tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined>;
   /**
    * Admit, call `fn` with the ticket, release the ticket with the call's outcome, and settle as
-   * `fn` does. Rejects as `admit` does, and then `fn` is never called. Memory stages and Redis
-   * stages built with `onBackendError: "fail-closed"` have it; a stage of your own may leave it
-   * out (a `Gate` admits and releases such a stage itself).
+   * `fn` does. Rejects as `admit` does, and then `fn` is never called. Every stage floodgate
+   * builds has it; a stage of your own may leave it out (a `Gate` admits and releases such a
+   * stage itself).
    */
   run?<T>(fn: (ticket: Ticket) => T | PromiseLike<T>, options?: RunOptions<T>): Promise<T>;
   /** The stage's numbers now. */

@@ -1,10 +1,12 @@
+import { callWith, type RecordingTicket } from "../base/run.js";
 import type { Clock } from "../clock.js";
-import { isFloodgateError } from "../errors.js";
+import { InvalidOptionsError, isFloodgateError } from "../errors.js";
 import type {
   AdmitOptions,
   IntervalGateStage,
   Logger,
   Outcome,
+  RunOptions,
   Snapshot,
   Stage,
   StageKind,
@@ -19,8 +21,9 @@ const NEVER = new AbortController().signal;
 export const RETRY_REDIS_MS = 1000;
 
 /** A ticket for a call let through with no limit (`fail-open`). */
-class OpenTicket implements Ticket {
+class OpenTicket implements RecordingTicket {
   released = false;
+  recorded: Outcome | undefined = undefined;
   constructor(
     readonly stage: string,
     readonly cost: number,
@@ -28,7 +31,9 @@ class OpenTicket implements Ticket {
   get signal(): AbortSignal {
     return NEVER;
   }
-  record(_outcome: Outcome): void {}
+  record(outcome: Outcome): void {
+    this.recorded = outcome;
+  }
   release(_outcome?: Outcome): Promise<void> {
     this.released = true;
     return RESOLVED;
@@ -120,6 +125,18 @@ export class FallbackStage implements IntervalGateStage {
 
   tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
     return this.#route(options, false);
+  }
+
+  /** As `stage.run`: admit (from Redis or the fallback), call `fn`, release with its outcome. */
+  run<T>(fn: (ticket: Ticket) => T | PromiseLike<T>, options?: RunOptions<T>): Promise<T> {
+    if (typeof fn !== "function") {
+      return Promise.reject(
+        new InvalidOptionsError(this.name, "fn", `${this.kind} "${this.name}": run needs a function`),
+      );
+    }
+    return this.admit(options).then((ticket) =>
+      callWith(ticket as RecordingTicket, fn, options?.classify, this.log),
+    );
   }
 
   async pause(host: string, ms: number): Promise<void> {

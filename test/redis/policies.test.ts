@@ -1,5 +1,5 @@
 import { Writable } from "node:stream";
-import { BackendUnavailableError, isFloodgateError } from "floodgate";
+import { BackendUnavailableError, isFloodgateError, type Ticket } from "floodgate";
 import { redis } from "floodgate/redis";
 import { FakeClock } from "floodgate/testing";
 import { Redis } from "ioredis";
@@ -76,6 +76,34 @@ describe("when Redis cannot be reached", () => {
     expect(sem.snapshot().admitted).toBe(3);
     await new Promise((r) => setImmediate(r));
     expect(lines.filter((l) => l.msg === "Redis unavailable; switching to fallback")).toHaveLength(1);
+  });
+
+  it("runs a call with stage.run through either fallback, releasing it with its outcome", async () => {
+    for (const onBackendError of ["fail-open", "local"] as const) {
+      const client = await deadClient();
+      clients.push(client);
+      const sem = redis(client, { clock: new FakeClock() }).semaphore(`run-${onBackendError}`, {
+        limit: 1,
+        onBackendError,
+      });
+      expect(sem.run).toBeTypeOf("function");
+      let seen: Ticket | undefined;
+      const value = await sem.run!((ticket) => {
+        seen = ticket;
+        ticket.record("dropped");
+        return 42;
+      });
+      expect(value).toBe(42);
+      expect(seen?.released).toBe(true);
+      await expect(
+        sem.run!(() => {
+          throw new Error("boom");
+        }),
+      ).rejects.toThrow("boom");
+      expect(sem.snapshot().inFlight).toBe(0);
+      expect(sem.snapshot().admitted).toBe(2);
+      await expect(sem.run!(undefined as never)).rejects.toMatchObject({ field: "fn" });
+    }
   });
 
   it("holds this process to its share of the limit with local", async () => {
