@@ -143,8 +143,10 @@ end
 -- first member in line. Each grant moves the waiter from the line into holders with a lease that
 -- ends when its place in line would have (at most `leaseCapMs`), until its process claims it and
 -- renews it to a full lease; a waiter whose process died so gives the permit back as soon as its
--- place in line would have. Each is told with PUBLISH "<member>|<fence>|<epoch>|<leaseLeftMs>".
--- Returns the messages sent and the permits now used. At most 64 grants per call.
+-- place in line would have. Each is told with PUBLISH "<member>|<fence>|<epoch>|<leaseLeftMs>" on
+-- `channel`:<token> when the member is "<token>-<n>:<cost>" (the channel of its own process, so
+-- a grant wakes no other process), else on `channel`. Returns the messages sent and the permits
+-- now used. At most 64 grants per call.
 local function floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now, leaseCapMs, channel, epoch)
   local sent = {}
   local n = 0
@@ -160,7 +162,8 @@ local function floodgate_grant_heads(holders, queue, qexp, meta, head, used, lim
       used = used + cost
       local fence = redis.call('HINCRBY', meta, 'seq', 1)
       local message = head .. '|' .. fence .. '|' .. epoch .. '|' .. (expiry - now)
-      redis.call('PUBLISH', channel, message)
+      local token = string.match(head, '^(%x+)%-')
+      redis.call('PUBLISH', token and (channel .. ':' .. token) or channel, message)
       n = n + 1
       sent[n] = message
     end

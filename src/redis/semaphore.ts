@@ -1,4 +1,4 @@
-import { randomUUID } from "node:crypto";
+import { randomBytes } from "node:crypto";
 import { tooCostly } from "../admit.js";
 import { BaseStage, BaseTicket, type WaitFor } from "../base/stage.js";
 import { Waiter, WaitList } from "../base/wait-list.js";
@@ -18,11 +18,6 @@ import { parseOptions, semaphoreSchema } from "../validate.js";
 import { ScriptBatch } from "./batch.js";
 import { stageKey } from "./keys.js";
 import { maybeSent, type RedisLink } from "./link.js";
-
-/** A lease or waiter member: a unique id, and the cost it holds so no side table is needed. */
-function memberId(cost: number): string {
-  return `${randomUUID()}:${cost}`;
-}
 
 /** What a Redis stage needs from its backend. */
 export interface RedisContext {
@@ -99,7 +94,14 @@ export abstract class RedisPermitStage extends BaseStage {
   protected readonly link: RedisLink;
   protected readonly settings: PermitSettings;
   protected readonly keys: readonly string[];
+  /** Base of the grant channels: a grant goes to `${channel}:${token}` of its waiter's process. */
   protected readonly channel: string;
+  /**
+   * Names this stage's members and its grant channel: random, so members never collide across
+   * processes, and grants reach only the process whose waiter they are for.
+   */
+  readonly #token = randomBytes(8).toString("hex");
+  #members = 0;
   protected limit: number;
   readonly #ctx: RedisContext;
   readonly #waits = this.#acquireBatch("wait");
@@ -120,6 +122,14 @@ export abstract class RedisPermitStage extends BaseStage {
     const key = (part: string) => stageKey(ctx.prefix, name, part);
     this.keys = [key("holders"), key("queue"), key("qexp"), key("meta")];
     this.channel = key("wake");
+  }
+
+  /**
+   * A lease or waiter member, `<token>-<n>:<cost>`: unique, naming the process's grant channel,
+   * and carrying its cost so no side table is needed.
+   */
+  #memberId(cost: number): string {
+    return `${this.#token}-${++this.#members}:${cost}`;
   }
 
   /** ARGV[4] of acquire: the fixed limit, or "" for the one kept in Redis. */
@@ -273,7 +283,7 @@ export abstract class RedisPermitStage extends BaseStage {
     if (this.settings.whenFull === "shed" || o.timeoutMs === 0) return this.#once(cost, o);
     const promise = this.wait(this.waiters, cost, "", o);
     const w = this.waiters.tail as RedisWaiter;
-    w.id = memberId(cost);
+    w.id = this.#memberId(cost);
     this.#byId.set(w.id, w);
     this.#attempt(w);
     return promise;
@@ -294,7 +304,7 @@ export abstract class RedisPermitStage extends BaseStage {
   }
 
   async #tryOnce(cost: number): Promise<Ticket | undefined> {
-    const id = memberId(cost);
+    const id = this.#memberId(cost);
     let reply: AcquireReply;
     try {
       reply = await this.#acquire(id, "try", false);
@@ -383,7 +393,7 @@ export abstract class RedisPermitStage extends BaseStage {
 
   #listen(): Promise<void> {
     this.#subscribed ??= this.link
-      .listen(this.channel, (message) => this.#onGrant(message))
+      .listen(`${this.channel}:${this.#token}`, (message) => this.#onGrant(message))
       .then(
         () => {
           this.#listening = true;

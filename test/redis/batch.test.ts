@@ -154,7 +154,7 @@ describe("calls of one turn in one script call", () => {
       // Warm-up: scripts loaded, and the stage subscribed for grants (one caller waits once).
       const warm = await Promise.all(Array.from({ length: 10 }, () => sem.admit()));
       const extra = sem.admit();
-      await until(async () => (await client.pubsub("NUMSUB", `${prefix}{crowd}:wake`))[1] === 1, {
+      await until(async () => (await client.pubsub("CHANNELS", `${prefix}{crowd}:wake:*`)).length === 1, {
         timeoutMs: 5000,
         message: "the waiter never subscribed",
       });

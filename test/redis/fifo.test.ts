@@ -107,7 +107,7 @@ describe("waiting across processes", () => {
     const waiter = redis(waiterClient, { prefix, pollMs: 200, subscriber }).semaphore("poll", { limit: 1 });
     const held = await holder.admit();
     const pending = waiter.admit();
-    await until(async () => (await holderClient.pubsub("NUMSUB", `${prefix}{poll}:wake`))[1] === 1, {
+    await until(async () => (await holderClient.pubsub("CHANNELS", `${prefix}{poll}:wake:*`)).length === 1, {
       timeoutMs: 5000,
       message: "the waiter never subscribed",
     });

@@ -287,6 +287,36 @@ describe("grants made on release (stages)", () => {
     await (await waiting).release("success");
   });
 
+  it("sends each grant only to the process of the waiter it is for", async () => {
+    const prefix = randomPrefix("own");
+    const holder = (await backend(prefix)).semaphore("own", { limit: 1 });
+    const b = (await backend(prefix)).semaphore("own", { limit: 1 });
+    const c = (await backend(prefix)).semaphore("own", { limit: 1 });
+    const spy = await connectedClient(redisUrl());
+    clients.push(spy);
+    const heard: [string, string][] = [];
+    spy.on("pmessage", (_pattern: string, channel: string, message: string) =>
+      heard.push([channel, message]),
+    );
+    await spy.psubscribe(`${prefix}{own}:wake:*`);
+    const held = await holder.admit();
+    const waitB = b.admit();
+    const waitC = c.admit();
+    await until(async () => (await clients[0]!.pubsub("CHANNELS", `${prefix}{own}:wake:*`)).length === 2, {
+      timeoutMs: 5000,
+      message: "the two waiting processes did not both subscribe",
+    });
+    await held.release("success");
+    const first = await Promise.race([waitB, waitC]);
+    await until(() => heard.length === 1, { timeoutMs: 5000, message: "no grant was published" });
+    const [channel, message] = heard[0]!;
+    const token = message.split("-")[0]!;
+    expect(channel).toBe(`${prefix}{own}:wake:${token}`);
+    expect(message.startsWith((first as unknown as { leaseId: string }).leaseId)).toBe(true);
+    await first.release("success");
+    for (const t of await Promise.all([waitB, waitC])) if (t !== first) await t.release("success");
+  });
+
   it("hands a waiter in the releasing process its permit from the release reply", async () => {
     const prefix = randomPrefix("local");
     const sem = (await backend(prefix)).semaphore("local", { limit: 1 });
@@ -326,7 +356,7 @@ describe("grants made on release (stages)", () => {
       timeoutMs: 5000,
       message: "the waiter did not line up",
     });
-    await until(async () => (await clients[0]!.pubsub("NUMSUB", `${prefix}{lost}:wake`))[1] === 1, {
+    await until(async () => (await clients[0]!.pubsub("CHANNELS", `${prefix}{lost}:wake:*`)).length === 1, {
       timeoutMs: 5000,
       message: "the waiter never subscribed",
     });
