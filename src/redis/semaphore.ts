@@ -83,9 +83,10 @@ export interface PermitSettings {
  * Permits shared through Redis by every process that names the same stage. Leases live in a
  * sorted set scored by expiry and are reaped inside the acquire script, so a dead holder's
  * permits come back by themselves; a running holder renews its lease at 80% of `leaseMs`.
- * Waiters line up in Redis in arrival order across processes. A release wakes the waiter at the
- * head through pub/sub; a timer at the nearest lease expiry covers crashed holders, and a slow
- * jittered poll covers a lost message.
+ * Waiters line up in Redis in arrival order across processes. A release grants the freed permits
+ * to the head of the line in its own script and tells each waiter's process through pub/sub (or
+ * in its reply, for waiters of the releasing process); a timer at the nearest lease expiry covers
+ * crashed holders, and a slow jittered poll covers a lost message (its acquire claims the grant).
  */
 export abstract class RedisPermitStage extends BaseStage {
   override readonly backend = "redis";
