@@ -27,37 +27,46 @@ local qexp    = KEYS[3]
 local meta    = KEYS[4]
 local channel = ARGV[4]
 
+-- Take `by` permits off the count; returns the permits still used.
+local function lower(by)
+  local used = redis.call('HINCRBY', meta, 'used', -by)
+  if used < 0 then
+    used = 0
+    redis.call('HSET', meta, 'used', 0)
+  end
+  return used
+end
+
+-- Grant the head of the line what is free now. `used` is the count when known (else read).
+-- Returns the grants made and the permits used after them.
+local function grantFreed(used)
+  local head = redis.call('ZRANGE', queue, 0, 0)[1]
+  if not head then
+    return {}, used or tonumber(redis.call('HGET', meta, 'used')) or 0
+  end
+  local state = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'quarantine')
+  used = tonumber(state[1]) or 0
+  local limit = tonumber(ARGV[3]) or tonumber(state[2]) or 0
+  local now = floodgate_now(ARGV[1])
+  if (tonumber(state[4]) or 0) > now or used + floodgate_cost(head) > limit then return {}, used end
+  local grants
+  grants, used = floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now,
+    tonumber(ARGV[6]), channel, tonumber(state[3]) or 0)
+  redis.call('HSET', meta, 'used', used)
+  return grants, used
+end
+
 local function release(member, what)
   local used
   local released = redis.call('ZREM', holders, member)
-  if released == 1 then
-    used = redis.call('HINCRBY', meta, 'used', -floodgate_cost(member))
-    if used < 0 then
-      used = 0
-      redis.call('HSET', meta, 'used', 0)
-    end
-  end
+  if released == 1 then used = lower(floodgate_cost(member)) end
   local dequeued = 0
   if what ~= 'lease' then
     dequeued = redis.call('ZREM', queue, member)
     if dequeued == 1 then redis.call('ZREM', qexp, member) end
   end
-
-  local grants = {}
-  local head = redis.call('ZRANGE', queue, 0, 0)[1]
-  if head then
-    local state = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'quarantine')
-    used = tonumber(state[1]) or 0
-    local limit = tonumber(ARGV[3]) or tonumber(state[2]) or 0
-    local now = floodgate_now(ARGV[1])
-    if (tonumber(state[4]) or 0) <= now and used + floodgate_cost(head) <= limit then
-      grants, used = floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now,
-        tonumber(ARGV[6]), channel, tonumber(state[3]) or 0)
-      redis.call('HSET', meta, 'used', used)
-    end
-  elseif not used then
-    used = tonumber(redis.call('HGET', meta, 'used')) or 0
-  end
+  local grants
+  grants, used = grantFreed(used)
   return {released, dequeued, used, grants}
 end
 
@@ -84,27 +93,8 @@ end
 free(ARGV[2])
 for i = 7, #ARGV, 2 do free(ARGV[i]) end
 local used
-if freed > 0 then
-  used = redis.call('HINCRBY', meta, 'used', -freed)
-  if used < 0 then
-    used = 0
-    redis.call('HSET', meta, 'used', 0)
-  end
-end
+if freed > 0 then used = lower(freed) end
 local last = replies[#replies]
-local head = redis.call('ZRANGE', queue, 0, 0)[1]
-if head then
-  local state = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'quarantine')
-  used = tonumber(state[1]) or 0
-  local limit = tonumber(ARGV[3]) or tonumber(state[2]) or 0
-  local now = floodgate_now(ARGV[1])
-  if (tonumber(state[4]) or 0) <= now and used + floodgate_cost(head) <= limit then
-    last[4], used = floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now,
-      tonumber(ARGV[6]), channel, tonumber(state[3]) or 0)
-    redis.call('HSET', meta, 'used', used)
-  end
-elseif not used then
-  used = tonumber(redis.call('HGET', meta, 'used')) or 0
-end
+last[4], used = grantFreed(used)
 for i = 1, #replies do replies[i][3] = used end
 return replies

@@ -3,7 +3,8 @@ import type { Logger, Outcome, Settled, Ticket } from "../types.js";
 /** The promise every release that has nothing left to wait for returns. */
 export const RESOLVED: Promise<void> = Promise.resolve();
 
-const TIMEOUT_CODES = new Set([
+/** Error codes of a call that timed out (Node and undici): the server may be overloaded. */
+export const TIMEOUT_CODES: ReadonlySet<string> = new Set([
   "ETIMEDOUT",
   "ESOCKETTIMEDOUT",
   "UND_ERR_CONNECT_TIMEOUT",

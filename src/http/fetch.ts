@@ -1,3 +1,4 @@
+import { TIMEOUT_CODES } from "../base/run.js";
 import { type Clock, systemClock } from "../clock.js";
 import { InvalidOptionsError, isFloodgateError } from "../errors.js";
 import type { Gate, Settled } from "../gate.js";
@@ -144,13 +145,6 @@ const OPTION_KEYS = new Set(["key", "timeoutMs", "maxPauseMs", "now", "clock", "
 const CALL_KEYS = new Set(["key", "host", "cost", "costs", "timeoutMs", "retry"]);
 /** Failures that say nothing about the server: the name did not resolve. */
 const DNS_CODES = new Set(["ENOTFOUND", "EAI_AGAIN", "EAI_NONAME", "EAI_FAIL"]);
-const TIMEOUT_CODES = new Set([
-  "ETIMEDOUT",
-  "ESOCKETTIMEDOUT",
-  "UND_ERR_CONNECT_TIMEOUT",
-  "UND_ERR_HEADERS_TIMEOUT",
-  "UND_ERR_BODY_TIMEOUT",
-]);
 
 function fail(field: string, message: string): never {
   throw new InvalidOptionsError(undefined, field, `wrapFetch: ${message}`);
