@@ -9,11 +9,13 @@ import {
   commandQueueLength,
   describeError,
   expectExactPermits,
+  IN_FLIGHT_BOUND_MS,
   Load,
+  NEW_CALL_BOUND_MS,
   offlineQueueLength,
   POLL_MS,
+  RECOVERY_BOUND_MS,
   recordUnhandled,
-  SLACK_MS,
   spread,
   startRedis,
 } from "./harness.js";
@@ -22,10 +24,6 @@ const LIMIT = 3;
 /** Long enough that a lease left behind by the hang would still be live when the counts are checked. */
 const LEASE_MS = 8_000;
 const SLEEP_S = 1.5;
-const NEW_CALL_BOUND_MS = COMMAND_TIMEOUT_MS + SLACK_MS;
-/** A waiter may sleep one jittered poll first; a gate failing part-way waits for its refund too. */
-const IN_FLIGHT_BOUND_MS = POLL_MS * 1.5 + 2 * COMMAND_TIMEOUT_MS + SLACK_MS;
-const RECOVERY_BOUND_MS = 3_000;
 
 /**
  * `DEBUG SLEEP`: Redis stops answering while every connection stays open, then runs everything

@@ -14,6 +14,22 @@ export const POLL_MS = 100;
  * other test files and benchmarks run late by this much at worst (measured well below it).
  */
 export const SLACK_MS = 700;
+/** A new call fails closed within this: one command timeout (the first stage's), plus slack. */
+export const NEW_CALL_BOUND_MS = COMMAND_TIMEOUT_MS + SLACK_MS;
+/**
+ * A call already out when the fault starts settles within this: a waiter may sleep one jittered
+ * poll before it asks again, and a gate that fails part-way waits for its refund (a second
+ * command timeout) before it rejects.
+ */
+export const IN_FLIGHT_BOUND_MS = POLL_MS * 1.5 + 2 * COMMAND_TIMEOUT_MS + SLACK_MS;
+/** From the fault's end to the first admitted call: a reconnect (50 ms apart) and one round trip, plus slack. */
+export const RECOVERY_BOUND_MS = 3_000;
+
+/** How many NOSCRIPT replies Redis has sent since it started (its error statistics). */
+export async function noscriptReplies(admin: Redis): Promise<number> {
+  const info = await admin.info("errorstats");
+  return Number(/errorstat_NOSCRIPT:count=(\d+)/.exec(info)?.[1] ?? 0);
+}
 
 /** A redis-server of this file's own on a free loopback port; fails with an install hint when there is none. */
 export async function startRedis(port: number, extraArgs: string[] = []): Promise<RedisProcess> {

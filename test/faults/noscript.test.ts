@@ -3,7 +3,7 @@ import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { closeClient, connectedClient, randomPrefix } from "../redis/helpers.js";
 import { freePort, type RedisProcess } from "../setup/redis-server.js";
-import { startRedis } from "./harness.js";
+import { noscriptReplies, startRedis } from "./harness.js";
 
 /**
  * `SCRIPT FLUSH` with no pause between flushes: the client's own resend after NOSCRIPT can
@@ -25,16 +25,11 @@ describe("script cache flushed without a pause", () => {
     await server?.stop();
   });
 
-  async function noscriptReplies(): Promise<number> {
-    const info = await admin.info("errorstats");
-    return Number(/errorstat_NOSCRIPT:count=(\d+)/.exec(info)?.[1] ?? 0);
-  }
-
   it("loses no call to a missing script", async () => {
     const backend = redis(client, { prefix: randomPrefix("noscript"), commandTimeoutMs: 5000 });
     const bucket = backend.tokenBucket("b", { capacity: 1000, refillPerSecond: 1000 });
     const sem = backend.semaphore("s", { limit: 1000 });
-    const before = await noscriptReplies();
+    const before = await noscriptReplies(admin);
     let flushing = true;
     const flusher = (async () => {
       let flushes = 0;
@@ -62,7 +57,7 @@ describe("script cache flushed without a pause", () => {
     );
     flushing = false;
     const flushes = await flusher;
-    const missed = (await noscriptReplies()) - before;
+    const missed = (await noscriptReplies(admin)) - before;
     expect(errors).toEqual([]);
     expect(calls).toBeGreaterThan(100);
     expect(flushes).toBeGreaterThan(10);

@@ -10,11 +10,13 @@ import {
   commandQueueLength,
   describeError,
   expectExactPermits,
+  IN_FLIGHT_BOUND_MS,
   Load,
+  NEW_CALL_BOUND_MS,
   offlineQueueLength,
   POLL_MS,
+  RECOVERY_BOUND_MS,
   recordUnhandled,
-  SLACK_MS,
   spread,
   startRedis,
 } from "./harness.js";
@@ -27,16 +29,6 @@ const CAPACITY = 5;
 const REFILL_PER_SECOND = 80;
 const CALLERS = 6;
 const FAULT_MS = 1_500;
-/** A new call fails closed within this: one command timeout (the first stage's), plus slack. */
-const NEW_CALL_BOUND_MS = COMMAND_TIMEOUT_MS + SLACK_MS;
-/**
- * A call already out when the fault starts settles within this: a waiter may sleep one jittered
- * poll before it asks again, and a gate that fails part-way waits for its refund (a second
- * command timeout) before it rejects.
- */
-const IN_FLIGHT_BOUND_MS = POLL_MS * 1.5 + 2 * COMMAND_TIMEOUT_MS + SLACK_MS;
-/** From heal to the first admitted call: a reconnect (50 ms apart) and one round trip, plus slack. */
-const RECOVERY_BOUND_MS = 3_000;
 
 type Fault = "refused (reset)" | "refused (port closed)" | "black-holed" | "black-holed, then cut" | "cut";
 

@@ -1,6 +1,5 @@
 import { Gate } from "floodgate";
 import { redis } from "floodgate/redis";
-import type { Redis } from "ioredis";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import { connectedClient, randomPrefix, sleep, until, within } from "../redis/helpers.js";
 import { freePort, type RedisProcess } from "../setup/redis-server.js";
@@ -8,6 +7,7 @@ import {
   describeError,
   expectExactPermits,
   Load,
+  noscriptReplies,
   offlineQueueLength,
   POLL_MS,
   recordUnhandled,
@@ -35,12 +35,6 @@ function chain(error: unknown): string {
     e = e instanceof Error ? e.cause : undefined;
   }
   return parts.join(" <- ");
-}
-
-/** How many NOSCRIPT replies Redis has sent since it started (its error statistics). */
-async function noscriptReplies(admin: Redis): Promise<number> {
-  const info = await admin.info("errorstats");
-  return Number(/errorstat_NOSCRIPT:count=(\d+)/.exec(info)?.[1] ?? 0);
 }
 
 /**
