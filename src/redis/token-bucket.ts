@@ -5,27 +5,20 @@ import type { Waiter } from "../base/wait-list.js";
 import type { TokenBucketOptions } from "../options.js";
 import type { AdmitOptions, Outcome, StageKind, Ticket, TryAdmitOptions } from "../types.js";
 import { parseOptions, tokenBucketSchema } from "../validate.js";
+import { ScriptBatch } from "./batch.js";
 import { stageKey } from "./keys.js";
 import { type Attempt, RedisLine, RedisLineStage } from "./line-stage.js";
 import { maybeSent, type RedisLink } from "./link.js";
 import type { RedisContext } from "./semaphore.js";
 
-/** A take waiting to go out with the other takes of its key made in the same turn. */
-interface PendingTake {
-  cost: number;
-  grant: string;
-  resolve(reply: [number, number]): void;
-  reject(error: unknown): void;
-}
-
-/** A key's line, with its takes out and those gathered to go out together. */
+/** A key's line, with its takes: those made while another is out go together. */
 class BucketLine extends RedisLine {
-  /** Take calls sent and not yet answered. */
-  out = 0;
-  batch: PendingTake[] | undefined = undefined;
-  readonly done = (): void => {
-    this.out--;
-  };
+  constructor(
+    redisKey: string,
+    readonly takes: ScriptBatch,
+  ) {
+    super(redisKey);
+  }
 }
 
 /** A ticket that knows its grant, so a refund can tell whether it is still the latest. */
@@ -78,7 +71,7 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
   }
 
   /** The arguments of a take or a refund: now, the bucket's settings, `cost`, the fresh key's tokens, `grant`. */
-  #args(cost: number, grant: string): string[] {
+  #args(cost: number | string, grant: string): string[] {
     return [
       this.#link.now(),
       this.#capacityArg,
@@ -91,7 +84,8 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
   }
 
   protected newLine(key: string): BucketLine {
-    return new BucketLine(stageKey(this.#prefix, this.name, `b:${key}`));
+    const redisKey = stageKey(this.#prefix, this.name, `b:${key}`);
+    return new BucketLine(redisKey, new ScriptBatch((pairs) => this.#sendTakes(redisKey, pairs)));
   }
 
   /** A fresh grant id: this process's random prefix and a counter. */
@@ -104,21 +98,7 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
    * other takes of this turn of the event loop, in one script call that runs them in order.
    */
   #take(line: BucketLine, cost: number, grant: string): Promise<[number, number]> {
-    let reply: Promise<[number, number]>;
-    if (line.out === 0) {
-      line.out++;
-      reply = this.#link.run(this.name, "token-bucket-take", [line.redisKey], this.#args(cost, grant));
-      reply.then(line.done, line.done);
-    } else {
-      reply = new Promise((resolve, reject) => {
-        if (line.batch === undefined) {
-          line.batch = [];
-          process.nextTick(this.#sendBatch, line);
-        }
-        line.batch.push({ cost, grant, resolve, reject });
-      });
-    }
-    return reply.catch((error: unknown) => {
+    return line.takes.run(String(cost), grant).catch((error: unknown) => {
       // The take may still run once Redis answers; the refund then undoes it (and does
       // nothing if it never ran, or if another grant came after it).
       if (maybeSent(error)) void this.#refundAt(line.redisKey, cost, grant);
@@ -126,22 +106,10 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
     });
   }
 
-  /** Send the takes `line` gathered this turn: one alone as a plain take, more in one call. */
-  readonly #sendBatch = (line: BucketLine): void => {
-    const batch = line.batch!;
-    line.batch = undefined;
-    line.out++;
-    if (batch.length === 1) {
-      const t = batch[0]!;
-      const reply = this.#link.run(
-        this.name,
-        "token-bucket-take",
-        [line.redisKey],
-        this.#args(t.cost, t.grant),
-      );
-      reply.then(line.done, line.done);
-      reply.then(t.resolve, t.reject);
-      return;
+  /** Send takes of `redisKey` (pairs of cost and grant): one alone as a plain take, more in one call. */
+  #sendTakes(redisKey: string, pairs: string[]): Promise<unknown> {
+    if (pairs.length === 2) {
+      return this.#link.run(this.name, "token-bucket-take", [redisKey], this.#args(pairs[0]!, pairs[1]!));
     }
     const args: string[] = [
       this.#link.now(),
@@ -149,24 +117,14 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
       this.#refillArg,
       this.#recoveryArg,
       this.#initialArg,
+      ...pairs,
     ];
-    for (const t of batch) args.push(String(t.cost), t.grant);
-    const reply: Promise<number[]> = this.#link.run(
-      this.name,
-      "token-bucket-take-many",
-      [line.redisKey],
-      args,
-    );
-    reply.then(line.done, line.done);
-    reply.then(
-      (replies) => {
-        for (let i = 0; i < batch.length; i++) batch[i]!.resolve([replies[2 * i]!, replies[2 * i + 1]!]);
-      },
-      (error: unknown) => {
-        for (const t of batch) t.reject(error);
-      },
-    );
-  };
+    return this.#link.run(this.name, "token-bucket-take-many", [redisKey], args).then((replies: number[]) => {
+      const each = new Array<[number, number]>(pairs.length / 2);
+      for (let i = 0; i < each.length; i++) each[i] = [replies[2 * i]!, replies[2 * i + 1]!];
+      return each;
+    });
+  }
 
   protected override newTicket(cost: number, key: string, now: number): BaseTicket {
     return new GrantTicket(this, cost, key, now);
