@@ -123,6 +123,11 @@ function settleAll(tickets: readonly Ticket[], outcome: Outcome | undefined): Pr
   return pending ? Promise.all(pending).then(noop) : RESOLVED;
 }
 
+/** The cost of a call at `stage`: its entry in `costs`, else `cost`. */
+function costAt(stage: Stage, o: AdmitOptions): number | undefined {
+  return o.costs?.[stage.name] ?? o.cost;
+}
+
 /** A stage that can say at once, without a promise, whether it admits (the memory stages). */
 type SyncStage = Stage & Required<Pick<BaseStage, "tryAdmitSync">>;
 
@@ -217,7 +222,7 @@ export class Gate implements Stage {
   }
 
   #stageOptions(stage: Stage, o: AdmitOptions, deadline: number): AdmitOptions {
-    const cost = o.costs?.[stage.name] ?? o.cost;
+    const cost = costAt(stage, o);
     const timeoutMs =
       deadline === Number.POSITIVE_INFINITY ? undefined : Math.max(0, deadline - this.#clock.now());
     return { key: o.key, host: o.host, cost, signal: o.signal, timeoutMs, costs: o.costs };
@@ -230,12 +235,10 @@ export class Gate implements Stage {
   #admitSync(held: Ticket[], o: AdmitOptions, from: number): number {
     const stages = this.stages;
     const n = this.#syncPrefix;
-    const costs = o.costs;
     let i = from;
     for (; i < n; i++) {
       const stage = stages[i] as SyncStage;
-      const cost = (costs == null ? undefined : costs[stage.name]) ?? o.cost;
-      const ticket = stage.tryAdmitSync(o, cost ?? 1);
+      const ticket = stage.tryAdmitSync(o, costAt(stage, o) ?? 1);
       if (ticket === undefined) break;
       held.push(ticket);
     }
@@ -329,8 +332,7 @@ export class Gate implements Stage {
   ): Promise<T> {
     const stage = this.stages[from] as LineStage;
     if (typeof stage.waitInGate === "function") {
-      const costs = o.costs;
-      const cost = (costs == null ? undefined : costs[stage.name]) ?? o.cost ?? 1;
+      const cost = costAt(stage, o) ?? 1;
       const timeoutMs =
         deadline === Number.POSITIVE_INFINITY ? undefined : Math.max(0, deadline - this.#clock.now());
       const waiting = stage.waitInGate(
@@ -405,7 +407,7 @@ export class Gate implements Stage {
     const o = this.#options(options);
     const held: Ticket[] = [];
     for (const stage of this.stages) {
-      const cost = o.costs?.[stage.name] ?? o.cost;
+      const cost = costAt(stage, o);
       let t: Ticket | undefined;
       try {
         t = await stage.tryAdmit({ key: o.key, host: o.host, cost });

@@ -73,10 +73,6 @@ class Call {
   ) {}
 }
 
-function uncork(stream: Corkable): void {
-  stream.uncork();
-}
-
 export class RedisLink {
   #subscriber: Subscriber | undefined;
   readonly #mine = new Map<string, WakeHandler>();
@@ -94,7 +90,7 @@ export class RedisLink {
   readonly #uncorked = () => {
     const stream = this.#corked;
     this.#corked = undefined;
-    if (stream) uncork(stream);
+    stream?.uncork();
   };
 
   constructor(
