@@ -2,7 +2,7 @@ import { redis, scriptSource } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { redisUrl } from "../contract/backends.js";
-import { closeClient, connectedClient, randomPrefix, until } from "./helpers.js";
+import { closeClient, connectedClient, evalCalls, randomPrefix, until } from "./helpers.js";
 
 /**
  * Acquires and releases of one stage made in the same turn of the event loop, while another is
@@ -145,12 +145,7 @@ describe("calls of one turn in one script call", () => {
     const own = await connectedClient(redisUrl());
     try {
       const sem = redis(own, { prefix, pollMs: 60_000 }).semaphore("crowd", { limit: 10 });
-      const calls = async () => {
-        const info = await client.info("commandstats");
-        let n = 0;
-        for (const m of info.matchAll(/^cmdstat_(?:evalsha|eval):calls=(\d+)/gm)) n += Number(m[1]);
-        return n;
-      };
+      const calls = () => evalCalls(client);
       // Warm-up: scripts loaded, and the stage subscribed for grants (one caller waits once).
       const warm = await Promise.all(Array.from({ length: 10 }, () => sem.admit()));
       const extra = sem.admit();

@@ -2,7 +2,7 @@ import { redis } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { afterEach, describe, expect, it } from "vitest";
 import { redisUrl } from "../contract/backends.js";
-import { closeClient, connectedClient, randomPrefix, until } from "./helpers.js";
+import { closeClient, connectedClient, evalCalls, randomPrefix, sleep, until } from "./helpers.js";
 
 /**
  * Two backends on two connections stand for two processes: the waiting line lives in Redis, so
@@ -23,13 +23,6 @@ describe("waiting across processes", () => {
       backends.push(redis(client, { prefix, pollMs: 60_000 }));
     }
     return backends;
-  }
-
-  async function evalCalls(client: Redis): Promise<number> {
-    const info = await client.info("commandstats");
-    let calls = 0;
-    for (const m of info.matchAll(/^cmdstat_(?:evalsha|eval):calls=(\d+)/gm)) calls += Number(m[1]);
-    return calls;
   }
 
   it("grants in arrival order across processes, so a newcomer cannot jump the line", async () => {
@@ -80,7 +73,7 @@ describe("waiting across processes", () => {
       message: "the waiters did not line up",
     });
     // Let the first wave of subscriptions settle so no retry is still under way.
-    await new Promise((r) => setTimeout(r, 200));
+    await sleep(200);
     const before = await evalCalls(clients[0]!);
     await held.release("success");
     const first = await Promise.race(waits);

@@ -2,7 +2,7 @@ import { redis, scriptSource } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import { redisUrl } from "../contract/backends.js";
-import { closeClient, connectedClient, randomPrefix, until } from "./helpers.js";
+import { closeClient, connectedClient, evalCalls, randomPrefix, sleep, until } from "./helpers.js";
 
 /**
  * Grant on release: a release hands the freed permits to the waiters at the head of the line in
@@ -239,13 +239,6 @@ describe("grants made on release (stages)", () => {
     return redis(client, { prefix, pollMs });
   }
 
-  async function evalCalls(): Promise<number> {
-    const info = await clients[0]!.info("commandstats");
-    let calls = 0;
-    for (const m of info.matchAll(/^cmdstat_(?:evalsha|eval):calls=(\d+)/gm)) calls += Number(m[1]);
-    return calls;
-  }
-
   it("costs two round trips per admission that had to wait: its acquire and its release", async () => {
     const prefix = randomPrefix("trips");
     const a = (await backend(prefix)).semaphore("trips", { limit: 1 });
@@ -264,9 +257,9 @@ describe("grants made on release (stages)", () => {
       timeoutMs: 5000,
       message: "a did not line up",
     });
-    await new Promise((r) => setTimeout(r, 100)); // let the subscriptions settle
+    await sleep(100); // the subscriptions' follow-up acquires land
     // 20 handoffs between the two, each one a wait.
-    const before = await evalCalls();
+    const before = await evalCalls(clients[0]!);
     const rounds = 20;
     const sems = [a, b];
     for (let i = 0; i < rounds; i++) {
@@ -280,7 +273,7 @@ describe("grants made on release (stages)", () => {
         message: "the next waiter did not line up",
       });
     }
-    const calls = (await evalCalls()) - before;
+    const calls = (await evalCalls(clients[0]!)) - before;
     // Each round: one release, one acquire that lines up. The grant itself costs nothing.
     expect(calls).toBe(2 * rounds);
     await held.release("success");
@@ -326,11 +319,11 @@ describe("grants made on release (stages)", () => {
       timeoutMs: 5000,
       message: "the waiter did not line up",
     });
-    await new Promise((r) => setTimeout(r, 50));
-    const before = await evalCalls();
+    await sleep(50); // the subscription's follow-up acquire lands
+    const before = await evalCalls(clients[0]!);
     await held.release("success");
     const ticket = await waiting;
-    expect(await evalCalls()).toBe(before + 1);
+    expect(await evalCalls(clients[0]!)).toBe(before + 1);
     expect(sem.snapshot().inFlight).toBe(1);
     await ticket.release("success");
     expect(await clients[0]!.zcard(`${prefix}{local}:holders`)).toBe(0);

@@ -234,3 +234,11 @@ export class Child {
     await gone;
   }
 }
+
+/** Script calls (EVALSHA and EVAL) Redis has run since its statistics were last reset. */
+export async function evalCalls(client: Redis): Promise<number> {
+  const info = await client.info("commandstats");
+  let calls = 0;
+  for (const m of info.matchAll(/^cmdstat_(?:evalsha|eval):calls=(\d+)/gm)) calls += Number(m[1]);
+  return calls;
+}
