@@ -503,6 +503,7 @@ export class Gate implements Stage {
       tokenWaitMs: sum("tokenWaitMs"),
       permitWaitMs: sum("permitWaitMs"),
       queueWaitMs: sum("queueWaitMs"),
+      leasesLost: sum("leasesLost"),
       limit: stages.reduce((n, s) => Math.min(n, s.limit), Number.POSITIVE_INFINITY),
       stages,
     };

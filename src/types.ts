@@ -130,6 +130,11 @@ export interface Snapshot {
   permitWaitMs: number;
   /** Total milliseconds producers waited for a queue slot. */
   queueWaitMs: number;
+  /**
+   * Leases that ran out before their ticket was released (a frozen or cut-off holder); each is a
+   * call that may have overlapped the next holder. Always 0 in memory.
+   */
+  leasesLost: number;
   /** Current concurrency limit (semaphore, AIMD, queue size); `Infinity` where none applies. */
   limit: number;
 }

@@ -183,6 +183,8 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   protected tokenWaitMs = 0;
   protected permitWaitMs = 0;
   protected queueWaitMs = 0;
+  /** Leases that ran out before their ticket was released; see `Snapshot.leasesLost`. */
+  protected leasesLost = 0;
 
   constructor(
     readonly name: string,
@@ -494,6 +496,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
       tokenWaitMs: this.tokenWaitMs,
       permitWaitMs: this.permitWaitMs,
       queueWaitMs: this.queueWaitMs,
+      leasesLost: this.leasesLost,
       limit,
     };
   }

@@ -164,6 +164,7 @@ export class FallbackStage implements IntervalGateStage {
       s.tokenWaitMs += l.tokenWaitMs;
       s.permitWaitMs += l.permitWaitMs;
       s.queueWaitMs += l.queueWaitMs;
+      s.leasesLost += l.leasesLost;
     }
     s.admitted += this.#open;
     return s;
