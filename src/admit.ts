@@ -1,33 +1,119 @@
 import { InvalidOptionsError } from "./errors.js";
-import type { AdmitOptions, StageKind } from "./types.js";
+import type { AdmitOptions, RunOptions, StageKind } from "./types.js";
+import { isArray, messageOf, show } from "./validate.js";
+
+/**
+ * Longest wait floodgate deals in, in milliseconds: `Number.MAX_SAFE_INTEGER` (about 285,000
+ * years). A longer spacing, pause or refill wait is treated as this long, on both backends, so
+ * that every timer and every Redis TTL stays a whole, finite number.
+ */
+export const LONGEST_MS = Number.MAX_SAFE_INTEGER;
 
 const EMPTY: AdmitOptions = Object.freeze({});
 
-/** The options of one admission, checked once. Cheap on the common path (`undefined` options). */
-export function admitOptions(kind: StageKind, name: string, options: AdmitOptions | undefined): AdmitOptions {
+function fail(kind: StageKind, name: string, field: string, rule: string, got: unknown): never {
+  throw new InvalidOptionsError(name, field, `${kind} "${name}": ${field} ${rule} (got ${show(got)})`);
+}
+
+/** `options[field]`, or an error naming the field when reading it throws (a getter, a Proxy). */
+function read(kind: StageKind, name: string, options: object, field: string): unknown {
+  try {
+    return (options as Record<string, unknown>)[field];
+  } catch (error) {
+    throw new InvalidOptionsError(
+      name,
+      field,
+      `${kind} "${name}": ${field} could not be read (${messageOf(error)})`,
+    );
+  }
+}
+
+function isCount(n: unknown): n is number {
+  return typeof n === "number" && Number.isInteger(n) && n >= 0;
+}
+
+/** A signal as the stages use it: an object with `aborted`, `addEventListener`, `removeEventListener`. */
+function isSignal(v: unknown): v is AbortSignal {
+  if (typeof v !== "object" || v === null) return false;
+  try {
+    const s = v as AbortSignal;
+    return (
+      typeof s.aborted === "boolean" &&
+      typeof s.addEventListener === "function" &&
+      typeof s.removeEventListener === "function"
+    );
+  } catch {
+    return false;
+  }
+}
+
+function checkName(kind: StageKind, name: string, field: string, v: unknown): string | undefined {
+  if (v === undefined || (typeof v === "string" && v.length > 0)) return v;
+  fail(kind, name, field, "must be a non-empty string", v);
+}
+
+/** `costs` checked and copied into an object with no prototype, so no stage name finds `toString`. */
+function checkCosts(kind: StageKind, name: string, v: unknown): Readonly<Record<string, number>> | undefined {
+  if (v === undefined) return undefined;
+  if (typeof v !== "object" || v === null || isArray(v)) {
+    fail(kind, name, "costs", "must be an object of integers >= 0 by stage name", v);
+  }
+  let keys: string[];
+  try {
+    keys = Object.keys(v);
+  } catch (error) {
+    throw new InvalidOptionsError(
+      name,
+      "costs",
+      `${kind} "${name}": costs could not be read (${messageOf(error)})`,
+    );
+  }
+  const out: Record<string, number> = Object.create(null);
+  for (const k of keys) {
+    const n = read(kind, name, v, k);
+    if (!isCount(n)) fail(kind, name, `costs.${k}`, "must be an integer >= 0", n);
+    out[k] = n + 0;
+  }
+  return out;
+}
+
+/**
+ * The options of one admission (or run), checked once and copied: every field must have its
+ * documented type (`undefined` means "not given"; `null` is refused like any other wrong value),
+ * and the copy is what the stage reads afterwards, so a getter is read once. Cheap on the common
+ * path (`undefined` options). Throws `InvalidOptionsError` naming the field; callers turn it into
+ * a rejection.
+ */
+export function admitOptions(kind: StageKind, name: string, options: AdmitOptions | undefined): RunOptions {
   if (options === undefined) return EMPTY;
-  if (typeof options !== "object" || options === null) {
-    throw new InvalidOptionsError(name, "options", `${kind} "${name}": admit options must be an object`);
+  if (typeof options !== "object" || options === null || isArray(options)) {
+    fail(kind, name, "options", "must be an object", options);
   }
-  const { cost, timeoutMs, signal } = options;
-  if (cost !== undefined && !(Number.isInteger(cost) && cost >= 0)) {
-    throw new InvalidOptionsError(
-      name,
-      "cost",
-      `${kind} "${name}": cost must be an integer >= 0 (got ${cost})`,
-    );
+  const key = checkName(kind, name, "key", read(kind, name, options, "key"));
+  const host = checkName(kind, name, "host", read(kind, name, options, "host"));
+  const cost = read(kind, name, options, "cost");
+  if (cost !== undefined && !isCount(cost)) fail(kind, name, "cost", "must be an integer >= 0", cost);
+  const costs = checkCosts(kind, name, read(kind, name, options, "costs"));
+  const signal = read(kind, name, options, "signal");
+  if (signal !== undefined && !isSignal(signal)) fail(kind, name, "signal", "must be an AbortSignal", signal);
+  const timeoutMs = read(kind, name, options, "timeoutMs");
+  if (timeoutMs !== undefined && !(typeof timeoutMs === "number" && timeoutMs >= 0)) {
+    fail(kind, name, "timeoutMs", "must be a number >= 0 or Infinity", timeoutMs);
   }
-  if (timeoutMs !== undefined && !(timeoutMs >= 0)) {
-    throw new InvalidOptionsError(
-      name,
-      "timeoutMs",
-      `${kind} "${name}": timeoutMs must be a number >= 0 or Infinity (got ${timeoutMs})`,
-    );
+  const classify = read(kind, name, options, "classify");
+  if (classify !== undefined && typeof classify !== "function") {
+    fail(kind, name, "classify", "must be a function (settled) => outcome", classify);
   }
-  if (signal !== undefined && (typeof signal !== "object" || typeof signal.addEventListener !== "function")) {
-    throw new InvalidOptionsError(name, "signal", `${kind} "${name}": signal must be an AbortSignal`);
-  }
-  return options;
+  return {
+    key,
+    host,
+    // `-0` counts as 0.
+    cost: cost === undefined ? undefined : (cost as number) + 0,
+    costs,
+    signal: signal as AbortSignal | undefined,
+    timeoutMs: timeoutMs === undefined ? undefined : (timeoutMs as number) + 0,
+    classify: classify as RunOptions["classify"],
+  };
 }
 
 /** A cost above what the stage can ever grant is refused at once, never waited on. */
@@ -35,20 +121,76 @@ export function tooCostly(kind: StageKind, name: string, cost: number, most: num
   return new InvalidOptionsError(
     name,
     "cost",
-    `${kind} "${name}": cost must be <= ${what} (${most}) (got ${cost}); it could never be admitted`,
+    `${kind} "${name}": cost must be <= ${what} (${most}) (got ${show(cost)}); it could never be admitted`,
   );
 }
 
-/** The arguments of `pause(host, ms)`, checked; the error naming the bad one, or undefined. */
-export function pauseError(name: string, host: unknown, ms: unknown): InvalidOptionsError | undefined {
+/**
+ * What `ticket.settle(actual)` was given, checked: an integer >= 0, or a record of them by stage
+ * name (copied into an object with no prototype). Throws `InvalidOptionsError` naming `actual`.
+ */
+export function settleValue(
+  kind: StageKind,
+  name: string,
+  actual: unknown,
+): number | Readonly<Record<string, number>> {
+  const rule = "must be an integer >= 0 or a record of them by stage name";
+  if (typeof actual === "number") {
+    if (!isCount(actual)) fail(kind, name, "actual", "must be an integer >= 0", actual);
+    return actual + 0;
+  }
+  if (typeof actual !== "object" || actual === null || isArray(actual))
+    fail(kind, name, "actual", rule, actual);
+  let keys: string[];
+  try {
+    keys = Object.keys(actual);
+  } catch (error) {
+    throw new InvalidOptionsError(
+      name,
+      "actual",
+      `${kind} "${name}": actual could not be read (${messageOf(error)})`,
+    );
+  }
+  const out: Record<string, number> = Object.create(null);
+  for (const k of keys) {
+    let n: unknown;
+    try {
+      n = (actual as Record<string, unknown>)[k];
+    } catch (error) {
+      throw new InvalidOptionsError(
+        name,
+        "actual",
+        `${kind} "${name}": actual.${k} could not be read (${messageOf(error)})`,
+      );
+    }
+    if (!isCount(n)) fail(kind, name, "actual", rule, actual);
+    out[k] = n + 0;
+  }
+  return out;
+}
+
+/**
+ * The arguments of `pause(host, ms)`, checked; the error naming the bad one, or undefined. `ms`
+ * may be any finite number >= 0; one above `LONGEST_MS` pauses for `LONGEST_MS`.
+ */
+export function pauseError(
+  name: string,
+  host: unknown,
+  ms: unknown,
+  kind: StageKind = "intervalGate",
+): InvalidOptionsError | undefined {
   if (typeof host !== "string" || host.length === 0) {
-    return new InvalidOptionsError(name, "host", `intervalGate "${name}": host must be a non-empty string`);
+    return new InvalidOptionsError(
+      name,
+      "host",
+      `${kind} "${name}": host must be a non-empty string (got ${show(host)})`,
+    );
   }
   if (typeof ms !== "number" || !(ms >= 0) || !Number.isFinite(ms)) {
     return new InvalidOptionsError(
       name,
       "ms",
-      `intervalGate "${name}": pause ms must be a finite number >= 0 (got ${String(ms)})`,
+      `${kind} "${name}": pause ms must be a finite number >= 0 (got ${show(ms)})`,
     );
   }
   return undefined;

@@ -1,6 +1,6 @@
-import { admitOptions } from "./admit.js";
+import { admitOptions, pauseError, settleValue } from "./admit.js";
 import { callWith, RESOLVED } from "./base/run.js";
-import { type BaseStage, type BaseTicket, RunWaiter } from "./base/stage.js";
+import { type BaseStage, type BaseTicket, outcomeError, RunWaiter } from "./base/stage.js";
 import { type Clock, systemClock } from "./clock.js";
 import { ClosedError, InvalidOptionsError } from "./errors.js";
 import { stageLogger } from "./logger.js";
@@ -17,7 +17,7 @@ import type {
   Ticket,
   TryAdmitOptions,
 } from "./types.js";
-import { gateSchema, parseOptions } from "./validate.js";
+import { gateSchema, isArray, messageOf, parseOptions, show } from "./validate.js";
 
 /** Options for `new Gate(stages, options)`. */
 export interface GateOptions {
@@ -64,12 +64,16 @@ class GateTicket implements Ticket {
   }
 
   record(outcome: Outcome): void {
-    checkOutcome(this.gate.name, outcome);
+    const invalid = outcomeError("gate", this.gate.name, outcome);
+    if (invalid) throw invalid;
     this.recorded = outcome;
   }
 
   release(outcome?: Outcome): Promise<void> {
-    if (outcome !== undefined) checkOutcome(this.gate.name, outcome);
+    if (outcome !== undefined) {
+      const invalid = outcomeError("gate", this.gate.name, outcome);
+      if (invalid) return Promise.reject(invalid);
+    }
     if (this.released) return RESOLVED;
     this.released = true;
     this.gate.inFlight--;
@@ -83,8 +87,14 @@ class GateTicket implements Ticket {
     return settleAll(this.held, undefined);
   }
 
+  /**
+   * Check `actual` once, then settle every stage ticket with it: each stage that prices by cost
+   * (a token bucket) re-prices at its number, and every other stage ignores it. The gate
+   * ticket's own `cost` never changes.
+   */
   async settle(actual: number | Readonly<Record<string, number>>): Promise<void> {
-    await Promise.all(this.held.map((t) => t.settle(actual)));
+    const value = settleValue("gate", this.gate.name, actual);
+    await Promise.all(this.held.map((t) => t.settle(value)));
   }
 
   close(): Promise<void> {
@@ -93,16 +103,6 @@ class GateTicket implements Ticket {
 
   [Symbol.asyncDispose](): Promise<void> {
     return this.release();
-  }
-}
-
-function checkOutcome(name: string, outcome: unknown): void {
-  if (outcome !== "success" && outcome !== "dropped" && outcome !== "ignored") {
-    throw new InvalidOptionsError(
-      name,
-      "outcome",
-      `gate "${name}": outcome must be "success", "dropped" or "ignored" (got ${String(outcome)})`,
-    );
   }
 }
 
@@ -126,6 +126,57 @@ function settleAll(tickets: readonly Ticket[], outcome: Outcome | undefined): Pr
 /** The cost of a call at `stage`: its entry in `costs`, else `cost`. */
 function costAt(stage: Stage, o: AdmitOptions): number | undefined {
   return o.costs?.[stage.name] ?? o.cost;
+}
+
+/** The `name` option when it can be read as a string, for messages about the other options. */
+function nameOf(options: unknown): string | undefined {
+  try {
+    const name = (options as GateOptions | null | undefined)?.name;
+    return typeof name === "string" && name.length > 0 ? name : undefined;
+  } catch {
+    return undefined;
+  }
+}
+
+/** The stages, copied, each checked to be a stage; throws `InvalidOptionsError` naming the bad one. */
+function checkStages(stages: unknown): Stage[] {
+  if (!isArray(stages)) {
+    throw new InvalidOptionsError(
+      undefined,
+      "stages",
+      `gate: stages must be an array of stages (got ${show(stages)})`,
+    );
+  }
+  let list: Stage[];
+  try {
+    list = Array.from(stages as Stage[]);
+  } catch (error) {
+    throw new InvalidOptionsError(
+      undefined,
+      "stages",
+      `gate: stages could not be read (${messageOf(error)})`,
+    );
+  }
+  list.forEach((s, i) => {
+    let ok = false;
+    try {
+      ok =
+        typeof s === "object" &&
+        s !== null &&
+        typeof s.admit === "function" &&
+        typeof s.snapshot === "function";
+    } catch {
+      ok = false;
+    }
+    if (!ok) {
+      throw new InvalidOptionsError(
+        undefined,
+        `stages.${i}`,
+        `gate: stages.${i} must be a stage (got ${show(s)})`,
+      );
+    }
+  });
+  return list;
 }
 
 /** A stage that can say at once, without a promise, whether it admits (the memory stages). */
@@ -171,17 +222,9 @@ export class Gate implements Stage {
   #aborted = 0;
 
   constructor(stages: readonly Stage[], options: GateOptions = {}) {
-    const o = parseOptions(gateSchema, "gate", options?.name, options);
-    if (!Array.isArray(stages)) {
-      throw new InvalidOptionsError(undefined, "stages", "gate: stages must be an array of stages");
-    }
-    stages.forEach((s, i) => {
-      if (!s || typeof (s as Stage).admit !== "function" || typeof (s as Stage).snapshot !== "function") {
-        throw new InvalidOptionsError(undefined, `stages.${i}`, `gate: stages.${i} must be a stage`);
-      }
-    });
+    const o = parseOptions(gateSchema, "gate", nameOf(options), options);
     this.name = o.name ?? "gate";
-    this.stages = [...stages];
+    this.stages = checkStages(stages);
     this.#clock = o.clock ?? systemClock;
     this.#log = stageLogger(o.logger, this.name, "gate", "gate");
     let leading = 0;
@@ -475,8 +518,13 @@ export class Gate implements Stage {
     return { done };
   }
 
-  /** Pause `host` on every interval gate in this gate (and in gates nested in it). */
+  /**
+   * Pause `host` on every interval gate in this gate (and in gates nested in it). Bad arguments
+   * reject with `InvalidOptionsError`, whether or not the gate has an interval gate.
+   */
   async pause(host: string, ms: number): Promise<void> {
+    const invalid = pauseError(this.name, host, ms, "gate");
+    if (invalid) throw invalid;
     const pending: Promise<void>[] = [];
     for (const stage of this.stages) {
       if (stage instanceof Gate || stage.kind === "intervalGate") {

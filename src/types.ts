@@ -20,25 +20,31 @@ export type Outcome = "success" | "dropped" | "ignored";
 /** The kinds of stage floodgate ships. */
 export type StageKind = "semaphore" | "tokenBucket" | "queue" | "intervalGate" | "aimd" | "gate";
 
-/** Options for one admission. Every field is optional; a stage reads the ones it needs. */
+/**
+ * Options for one admission. Every field is optional; a stage reads the ones it needs. Each
+ * field given is checked by its type on every stage: `undefined` means "not given", and anything
+ * else of the wrong type (`null`, a string for a number, a BigInt) rejects the call with
+ * `InvalidOptionsError` naming the field. No value is ever coerced.
+ */
 export interface AdmitOptions {
-  /** Token bucket key (supplier, account). @default "default" */
+  /** Token bucket key (supplier, account). A non-empty string. @default "default" */
   key?: string;
-  /** Host for interval gates. @default "default" */
+  /** Host for interval gates. A non-empty string. @default "default" */
   host?: string;
   /** Weight of the call: permits for a semaphore, tokens for a bucket. An integer >= 0. @default 1 */
   cost?: number;
   /**
    * For a `Gate`: the cost at each stage by stage name, overriding `cost` there. An LLM call
-   * costs 1 request but 1200 tokens: `{ costs: { tpm: 1200 } }`.
+   * costs 1 request but 1200 tokens: `{ costs: { tpm: 1200 } }`. An object whose every value is
+   * an integer >= 0.
    */
   costs?: Readonly<Record<string, number>>;
   /** Abort the wait. The promise rejects with `signal.reason` unchanged and nothing stays held. */
   signal?: AbortSignal;
   /**
-   * Longest time to wait, in milliseconds. On expiry the wait rejects with `AdmitTimeoutError` and
-   * holds nothing; the limit is never forced. `0` means "only if free right now"; `undefined` or
-   * `Infinity` wait for ever.
+   * Longest time to wait, in milliseconds: a number >= 0. On expiry the wait rejects with
+   * `AdmitTimeoutError` and holds nothing; the limit is never forced. `0` means "only if free
+   * right now"; `undefined` or `Infinity` wait for ever.
    */
   timeoutMs?: number;
 }
@@ -95,7 +101,10 @@ export interface Ticket extends AsyncDisposable {
    * bucket never ends up fuller than if the right cost had been asked). Stages that bound
    * concurrency rather than volume ignore it. On a gate ticket, a number settles every stage and
    * a record settles stages by name: `ticket.settle({ tpm: usage.total_tokens })`.
-   * `actual` is an integer >= 0.
+   * `actual` is an integer >= 0 (or a record of them); anything else rejects with
+   * `InvalidOptionsError` naming `actual`, on every stage. A semaphore, queue or AIMD ticket
+   * keeps its `cost`: its release gives back exactly what it took, whatever was settled. A
+   * debt too large to be paid back in `Number.MAX_SAFE_INTEGER` ms is waited on that long.
    */
   settle(actual: number | Readonly<Record<string, number>>): Promise<void>;
   /** Same as `release()`. */
@@ -181,6 +190,9 @@ export interface IntervalGateStage extends Stage {
   /**
    * Let no call start to `host` for `ms` milliseconds from now (a Retry-After). Never shortens an
    * earlier pause or the current spacing. On Redis it pauses the host for the whole fleet.
+   * `host` is a non-empty string and `ms` a finite number >= 0; one above
+   * `Number.MAX_SAFE_INTEGER` pauses that long. Never throws: bad arguments reject with
+   * `InvalidOptionsError`, on both backends.
    */
   pause(host: string, ms: number): Promise<void>;
 }

@@ -129,6 +129,7 @@ export const redisBackendSchema = z.strictObject({
   time: z.enum(["server", "clock"], { error: 'must be "server" or "clock"' }).optional(),
   commandTimeoutMs: int(1).optional(),
   pollMs: int(10).optional(),
+  livenessMs: int(100).optional(),
   onBackendError: onBackendError.optional(),
   random: random.optional(),
   subscriber: z
@@ -142,15 +143,63 @@ export const redisBackendSchema = z.strictObject({
     .optional(),
 });
 
-function show(value: unknown): string {
-  if (typeof value === "string") return JSON.stringify(value);
-  if (typeof value === "function") return "a function";
-  if (typeof value === "number" || typeof value === "boolean" || value == null) return String(value);
+/** Longest text of a value quoted in a message. */
+const SHOWN = 120;
+
+/**
+ * A short description of any value for an error message: strings quoted, numbers as written
+ * (`-0`, `NaN`), BigInts with their `n`, symbols by description, functions as "a function", other
+ * objects as JSON when they have one. Never throws, whatever the value (a BigInt, a Proxy, an
+ * object whose `toString`, `valueOf`, `toJSON` or getters throw): what cannot be shown safely is
+ * shown by its kind.
+ */
+export function show(value: unknown): string {
   try {
-    return JSON.stringify(value) ?? String(value);
+    switch (typeof value) {
+      case "string":
+        return JSON.stringify(value.length > SHOWN ? `${value.slice(0, SHOWN)}…` : value);
+      case "number":
+        return Object.is(value, -0) ? "-0" : String(value);
+      case "bigint":
+        return `${value}n`;
+      case "symbol":
+        return String(value);
+      case "function":
+        return "a function";
+      case "undefined":
+      case "boolean":
+        return String(value);
+    }
+    if (value === null) return "null";
+    if (Array.isArray(value)) {
+      const json = JSON.stringify(value);
+      return json.length > SHOWN ? "an array" : json;
+    }
+    const json = JSON.stringify(value);
+    if (json !== undefined && json.length <= SHOWN) return json;
   } catch {
-    return String(value);
+    // A Proxy, a getter or a toJSON that throws, a BigInt or a cycle inside: shown by kind.
   }
+  return "an object";
+}
+
+/** `Array.isArray`, false for a revoked Proxy (which makes it throw). */
+export function isArray(value: unknown): value is unknown[] {
+  try {
+    return Array.isArray(value);
+  } catch {
+    return false;
+  }
+}
+
+/** A thrown value's message for another message; never throws. */
+export function messageOf(error: unknown): string {
+  try {
+    if (error instanceof Error) return String(error.message);
+  } catch {
+    // A message getter that throws.
+  }
+  return show(error);
 }
 
 function valueAt(input: unknown, path: readonly PropertyKey[]): unknown {
@@ -171,14 +220,24 @@ export function parseOptions<S extends z.ZodType>(
   input: unknown,
 ): z.output<S> {
   const where = name === undefined ? kind : `${kind} "${name}"`;
-  if (typeof input !== "object" || input === null || Array.isArray(input)) {
+  if (typeof input !== "object" || input === null || isArray(input)) {
     throw new InvalidOptionsError(
       name,
       "options",
       `${where}: options must be an object (got ${show(input)})`,
     );
   }
-  const result = schema.safeParse(input);
+  let result: ReturnType<typeof schema.safeParse>;
+  try {
+    result = schema.safeParse(input);
+  } catch (error) {
+    // A getter or Proxy trap of the options threw while they were read.
+    throw new InvalidOptionsError(
+      name,
+      "options",
+      `${where}: options could not be read (${messageOf(error)})`,
+    );
+  }
   if (result.success) return result.data;
   const issues = result.error.issues;
   // An unknown option is most likely a typo of the missing one: name it first.
@@ -189,7 +248,12 @@ export function parseOptions<S extends z.ZodType>(
     throw new InvalidOptionsError(name, field, `${where}: unknown option "${field}"`);
   }
   const field = issue.path.join(".");
-  const got = valueAt(input, issue.path);
+  let got: unknown;
+  try {
+    got = valueAt(input, issue.path);
+  } catch {
+    got = undefined;
+  }
   throw new InvalidOptionsError(name, field, `${where}: ${field} ${issue.message} (got ${show(got)})`);
 }
 

@@ -1,16 +1,38 @@
-import { ClosedError, InvalidOptionsError } from "../errors.js";
+import { ClosedError, InvalidOptionsError, isFloodgateError } from "../errors.js";
 import type { Stage, StageKind } from "../types.js";
-import { checkName } from "../validate.js";
+import { checkName, messageOf, show } from "../validate.js";
 
-/** Options data (not clock, logger or random) as a string that ignores key order. */
-function fingerprint(options: object): string {
-  return JSON.stringify(options, (key, value) => {
-    if (key === "clock" || key === "logger" || key === "random") return undefined;
-    if (value && typeof value === "object" && !Array.isArray(value)) {
-      return Object.fromEntries(Object.entries(value).sort(([a], [b]) => (a < b ? -1 : 1)));
-    }
-    return value;
-  });
+/**
+ * Options data (not clock, logger or random) as a string that ignores key order, or `undefined`
+ * when the options cannot be read as data (a BigInt, a cycle, a getter or Proxy that throws):
+ * those are not valid options, which building the stage then says.
+ */
+function fingerprint(options: object): string | undefined {
+  try {
+    return JSON.stringify(options, (key, value) => {
+      if (key === "clock" || key === "logger" || key === "random") return undefined;
+      if (value && typeof value === "object" && !Array.isArray(value)) {
+        return Object.fromEntries(Object.entries(value).sort(([a], [b]) => (a < b ? -1 : 1)));
+      }
+      return value;
+    });
+  } catch {
+    return undefined;
+  }
+}
+
+/** Build a stage; anything but a floodgate error on the way (a getter that threw) names the options. */
+function make<S>(kind: StageKind, name: string, build: () => S): S {
+  try {
+    return build();
+  } catch (error) {
+    if (isFloodgateError(error)) throw error;
+    throw new InvalidOptionsError(
+      name,
+      "options",
+      `${kind} "${name}": options could not be read (${messageOf(error)})`,
+    );
+  }
 }
 
 /**
@@ -22,14 +44,24 @@ export class StageRegistry {
   readonly #stages = new Map<string, { stage: Stage; fingerprint: string }>();
   #closed = false;
 
-  build<O extends object, S extends Stage>(kind: StageKind, name: string, options: O, make: () => S): S {
+  build<O extends object, S extends Stage>(kind: StageKind, name: string, options: O, build: () => S): S {
     checkName(kind, name);
     if (this.#closed) throw new ClosedError(name, `${kind} "${name}": the backend is closed`);
     if (typeof options !== "object" || options === null) {
-      throw new InvalidOptionsError(name, "options", `${kind} "${name}": options must be an object`);
+      throw new InvalidOptionsError(
+        name,
+        "options",
+        `${kind} "${name}": options must be an object (got ${show(options)})`,
+      );
     }
     const id = `${kind}:${name}`;
     const print = fingerprint(options);
+    if (print === undefined) {
+      // Not data: building says which option is wrong; options it somehow accepts are still refused.
+      const stage = make(kind, name, build);
+      void stage.close();
+      throw new InvalidOptionsError(name, "options", `${kind} "${name}": options must be plain data`);
+    }
     const existing = this.#stages.get(id);
     if (existing) {
       if (existing.fingerprint !== print) {
@@ -41,7 +73,7 @@ export class StageRegistry {
       }
       return existing.stage as S;
     }
-    const stage = make();
+    const stage = make(kind, name, build);
     this.#stages.set(id, { stage, fingerprint: print });
     return stage;
   }

@@ -1,4 +1,4 @@
-import { admitOptions } from "../admit.js";
+import { admitOptions, settleValue } from "../admit.js";
 import type { Clock } from "../clock.js";
 import { AdmitTimeoutError, ClosedError, InvalidOptionsError } from "../errors.js";
 import { enabled, stageLogger } from "../logger.js";
@@ -13,6 +13,7 @@ import type {
   Ticket,
   TryAdmitOptions,
 } from "../types.js";
+import { messageOf, show } from "../validate.js";
 import { callWith, RESOLVED } from "./run.js";
 import { WaitEntry, Waiter, type WaiterOwner, type WaitList } from "./wait-list.js";
 
@@ -48,7 +49,10 @@ export class BaseTicket implements Ticket {
   }
 
   release(outcome?: Outcome): Promise<void> {
-    if (outcome !== undefined) checkOutcome(this.owner, outcome);
+    if (outcome !== undefined) {
+      const invalid = outcomeError(this.owner.kind, this.owner.name, outcome);
+      if (invalid) return Promise.reject(invalid);
+    }
     if (this.released) return RESOLVED;
     this.released = true;
     this.owner.inFlight--;
@@ -62,22 +66,22 @@ export class BaseTicket implements Ticket {
     return this.owner.releaseTicket(this, "ignored", true) ?? RESOLVED;
   }
 
+  /**
+   * Checks `actual`, then hands the stage's own number to `settleTicket`. Only a stage that
+   * prices by cost (a token bucket) acts on it, and only such a stage changes `cost`: what a
+   * permit's release gives back never moves.
+   */
   settle(actual: number | Readonly<Record<string, number>>): Promise<void> {
-    const n = typeof actual === "number" ? actual : actual[this.owner.name];
-    if (n === undefined) return RESOLVED;
-    if (!(Number.isInteger(n) && n >= 0)) {
-      return Promise.reject(
-        new InvalidOptionsError(
-          this.owner.name,
-          "actual",
-          `${this.owner.kind} "${this.owner.name}": settle needs an integer >= 0 (got ${n})`,
-        ),
-      );
+    const owner = this.owner;
+    let n: number | undefined;
+    try {
+      const value = settleValue(owner.kind, owner.name, actual);
+      n = typeof value === "number" ? value : value[owner.name];
+    } catch (error) {
+      return Promise.reject(error);
     }
-    if (n === this.cost) return RESOLVED;
-    const estimated = this.cost;
-    this.cost = n;
-    return this.owner.settleTicket(this, estimated, n) ?? RESOLVED;
+    if (n === undefined) return RESOLVED;
+    return owner.settleTicket(this, n) ?? RESOLVED;
   }
 
   close(): Promise<void> {
@@ -149,14 +153,23 @@ function startCall<T>(w: RunWaiter<T>): T | PromiseLike<T> {
   return w.ticket === undefined ? w.fail(w.error) : w.start(w.ticket);
 }
 
+/** The error for an outcome that is not one of the three, or undefined. */
+export function outcomeError(
+  kind: StageKind,
+  name: string,
+  outcome: unknown,
+): InvalidOptionsError | undefined {
+  if (outcome === "success" || outcome === "dropped" || outcome === "ignored") return undefined;
+  return new InvalidOptionsError(
+    name,
+    "outcome",
+    `${kind} "${name}": outcome must be "success", "dropped" or "ignored" (got ${show(outcome)})`,
+  );
+}
+
 function checkOutcome(stage: BaseStage, outcome: unknown): void {
-  if (outcome !== "success" && outcome !== "dropped" && outcome !== "ignored") {
-    throw new InvalidOptionsError(
-      stage.name,
-      "outcome",
-      `${stage.kind} "${stage.name}": outcome must be "success", "dropped" or "ignored" (got ${String(outcome)})`,
-    );
-  }
+  const invalid = outcomeError(stage.kind, stage.name, outcome);
+  if (invalid) throw invalid;
 }
 
 /**
@@ -259,10 +272,11 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   abstract releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): void | Promise<void>;
 
   /**
-   * The call cost `actual` rather than the `estimated` it was admitted with. Only stages that
-   * bound volume (token buckets) act on it.
+   * The call cost `actual` (checked) rather than the `ticket.cost` it was admitted with. Only
+   * stages that price by cost (token buckets) act on it, and they alone set `ticket.cost` to it;
+   * every other stage ignores it, so what its release gives back never changes.
    */
-  settleTicket(_ticket: BaseTicket, _estimated: number, _actual: number): void | Promise<void> {}
+  settleTicket(_ticket: BaseTicket, _actual: number): void | Promise<void> {}
 
   /** The signal handed out as `ticket.signal`; aborts when the stage closes. */
   ticketSignal(_ticket: BaseTicket): AbortSignal {
@@ -385,8 +399,19 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     list.push(w);
     this.waiting++;
     if (signal) {
-      w.signal = signal;
-      signal.addEventListener("abort", w, { once: true });
+      try {
+        signal.addEventListener("abort", w, { once: true });
+        w.signal = signal;
+      } catch (error) {
+        // A signal that cannot be listened to: the wait ends at once, as if aborted, with an
+        // error naming it (the waiter is already in line, so it leaves the way an abort does).
+        const invalid = new InvalidOptionsError(
+          this.name,
+          "signal",
+          `${this.kind} "${this.name}": signal must be an AbortSignal (addEventListener threw: ${messageOf(error)})`,
+        );
+        queueMicrotask(() => this.dropWaiter(w, invalid));
+      }
     }
     if (timeoutMs !== undefined && timeoutMs !== Number.POSITIVE_INFINITY) {
       w.timer = this.clock.setTimeout(() => this.timeoutWaiter(w, timeoutMs), timeoutMs);
@@ -426,8 +451,13 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     w.list?.remove(w);
     this.waiting--;
     if (w.signal) {
-      w.signal.removeEventListener("abort", w);
+      const signal = w.signal;
       w.signal = undefined;
+      try {
+        signal.removeEventListener("abort", w);
+      } catch {
+        // A signal whose removeEventListener throws keeps a listener that finds no waiter.
+      }
     }
     if (w.timer !== undefined) {
       this.clock.clearTimeout(w.timer);
@@ -442,6 +472,15 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     this.unlink(w);
     this.aborted++;
     w.refuse(reason);
+    this.afterWaiterGone(list, w);
+  }
+
+  /** Take a waiter off its list with `error`, as an abort does, without counting an abort. */
+  private dropWaiter(w: WaitEntry, error: unknown): void {
+    const list = w.list;
+    if (!list) return;
+    this.unlink(w);
+    w.refuse(error);
     this.afterWaiterGone(list, w);
   }
 

@@ -3,6 +3,7 @@ import { type Clock, systemClock } from "../clock.js";
 import { InvalidOptionsError, isFloodgateError } from "../errors.js";
 import type { Gate, Settled } from "../gate.js";
 import type { Outcome, Ticket } from "../types.js";
+import { isArray } from "../validate.js";
 import { checkReserve, parseRateLimit, type ReserveOptions, reservePauseMs } from "./rate-limit.js";
 import {
   backoffMs,
@@ -18,7 +19,7 @@ import {
   sleep,
 } from "./retry.js";
 import { type HeadersLike, parseRetryAfter } from "./retry-after.js";
-import { checkCallShape, show } from "./show.js";
+import { checkCallShape, readingOptions, show } from "./show.js";
 
 export {
   parseRateLimit,
@@ -159,11 +160,23 @@ function checkOptions(gate: unknown, fetchImpl: unknown, options: unknown): Wrap
     fail("fetchImpl", `fetchImpl must be a function or undefined (got ${show(fetchImpl)})`);
   }
   if (options === undefined) return {};
-  if (typeof options !== "object" || options === null || Array.isArray(options)) {
+  if (typeof options !== "object" || options === null || isArray(options)) {
     fail("options", `options must be an object (got ${show(options)})`);
   }
-  for (const k of Object.keys(options)) if (!OPTION_KEYS.has(k)) fail(k, `unknown option "${k}"`);
-  const o = options as WrapFetchOptions;
+  return readingOptions("options", "options", fail, () => checkFields(options));
+}
+
+/** Check each option, reading each once into a copy (a getter is not read again later). */
+function checkFields(options: object): WrapFetchOptions {
+  const o: Record<string, unknown> = {};
+  for (const k of Object.keys(options)) {
+    if (!OPTION_KEYS.has(k)) fail(k, `unknown option "${k}"`);
+    o[k] = (options as Record<string, unknown>)[k];
+  }
+  return checkValues(o as WrapFetchOptions);
+}
+
+function checkValues(o: WrapFetchOptions): WrapFetchOptions {
   if (o.key !== undefined && typeof o.key !== "function") {
     fail("key", `key must be a function (url, init) => string | undefined (got ${show(o.key)})`);
   }
@@ -203,7 +216,12 @@ function checkOptions(gate: unknown, fetchImpl: unknown, options: unknown): Wrap
 function checkCall(call: unknown): FetchCallOptions | false {
   const c = checkCallShape(call, "init", CALL_KEYS, fail) as FetchCallOptions | false;
   if (c === false) return false;
-  if (c.retry !== undefined && c.retry !== false) checkRetry(c.retry, "floodgate.retry", fail);
+  const retry = c.retry;
+  if (retry !== undefined && retry !== false) {
+    readingOptions("floodgate.retry", "init.floodgate.retry", fail, () =>
+      checkRetry(retry, "floodgate.retry", fail),
+    );
+  }
   // cost, costs and timeoutMs are checked by the gate, which names the field.
   return c;
 }
@@ -284,22 +302,18 @@ function isCount(n: unknown): boolean {
   return typeof n === "number" && Number.isInteger(n) && n >= 0;
 }
 
-/** Check what `settle` returned. */
+/** Check what `settle` returned; a record is copied, so what is checked is what is settled. */
 function checkSettled(value: unknown): SettleValue {
   if (value === undefined || isCount(value)) return value as SettleValue;
-  if (typeof value === "object" && value !== null && !Array.isArray(value)) {
-    if (Object.values(value).every(isCount)) return value as SettleValue;
-  }
-  const got =
-    typeof value === "object" && value !== null && !Array.isArray(value)
-      ? `{ ${Object.entries(value)
-          .map(([k, v]) => `${k}: ${show(v)}`)
-          .join(", ")} }`
-      : show(value);
-  fail(
-    "settle",
-    `settle must return an integer >= 0, a record of them by stage name, or undefined (got ${got})`,
-  );
+  const rule = "settle must return an integer >= 0, a record of them by stage name, or undefined";
+  if (typeof value !== "object" || value === null || isArray(value))
+    fail("settle", `${rule} (got ${show(value)})`);
+  return readingOptions("settle", "what settle returned", fail, () => {
+    const entries = Object.entries(value);
+    if (entries.every(([, v]) => isCount(v))) return Object.fromEntries(entries) as SettleValue;
+    const got = `{ ${entries.map(([k, v]) => `${k}: ${show(v)}`).join(", ")} }`;
+    return fail("settle", `${rule} (got ${got})`);
+  });
 }
 
 /**

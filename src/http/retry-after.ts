@@ -114,8 +114,17 @@ function retryAfterMsValue(text: string): number | undefined {
   return DELTA.test(text) ? finiteCeil(Number(text)) : undefined;
 }
 
+/**
+ * Longest delay a header is read as, in milliseconds: `Number.MAX_SAFE_INTEGER`. A longer one
+ * (a 400-digit `Retry-After`) is a valid, very long delay, read as this; callers cap it further
+ * (`maxPauseMs`).
+ */
+const LONGEST_MS = Number.MAX_SAFE_INTEGER;
+
+/** A delay the header grammar accepted, rounded up, and capped rather than dropped when huge. */
 function finiteCeil(ms: number): number | undefined {
-  return Number.isFinite(ms) ? Math.ceil(ms) : undefined;
+  if (Number.isNaN(ms) || ms < 0) return undefined;
+  return Math.min(Math.ceil(ms), LONGEST_MS);
 }
 
 /**
@@ -154,9 +163,11 @@ function firstParsed(
  *   RFC 850 and asctime forms), as the time from `now` to that date; a date already passed gives
  *   `0` (the server allows a retry now).
  *
- * Malformed, negative or non-finite values are ignored: an unreadable `retry-after-ms` falls back
- * to `retry-after`, and with neither readable the result is `undefined`. Fractions round up to the
- * next whole millisecond. Never throws for any header content.
+ * Malformed or negative values are ignored: an unreadable `retry-after-ms` falls back to
+ * `retry-after`, and with neither readable the result is `undefined`. Fractions round up to the
+ * next whole millisecond. A well-formed value too large to hold (hundreds of digits) is read as
+ * `Number.MAX_SAFE_INTEGER` milliseconds, which `maxPauseMs` then caps. Never throws for any
+ * header content.
  *
  * @param headers a fetch `Headers` or a plain record of header values (string, string[] or undefined).
  * @param now wall-clock time in epoch milliseconds, used only for the HTTP-date form.

@@ -3,6 +3,7 @@ import type { Dispatcher } from "undici";
 import { InvalidOptionsError, isFloodgateError } from "../errors.js";
 import type { Gate } from "../gate.js";
 import type { AdmitOptions, Outcome, Ticket } from "../types.js";
+import { isArray } from "../validate.js";
 import {
   checkReserve,
   parseRateLimit,
@@ -11,7 +12,7 @@ import {
   reservePauseMs,
 } from "./rate-limit.js";
 import { type HeadersLike, parseRetryAfter } from "./retry-after.js";
-import { checkCallShape, show } from "./show.js";
+import { checkCallShape, readingOptions, show } from "./show.js";
 
 export {
   parseRateLimit,
@@ -102,11 +103,19 @@ function checkOptions(gate: unknown, options: unknown): InterceptorOptions {
     fail("gate", `gate must be a Gate (an object with admit and pause) (got ${show(gate)})`);
   }
   if (options === undefined) return {};
-  if (typeof options !== "object" || options === null || Array.isArray(options)) {
+  if (typeof options !== "object" || options === null || isArray(options)) {
     fail("options", `options must be an object (got ${show(options)})`);
   }
-  for (const k of Object.keys(options)) if (!OPTION_KEYS.has(k)) fail(k, `unknown option "${k}"`);
-  const o = options as InterceptorOptions;
+  return readingOptions("options", "options", fail, () => checkFields(options));
+}
+
+/** Check each option, reading each once into a copy (a getter is not read again later). */
+function checkFields(options: object): InterceptorOptions {
+  const o: InterceptorOptions = {};
+  for (const k of Object.keys(options)) {
+    if (!OPTION_KEYS.has(k)) fail(k, `unknown option "${k}"`);
+    (o as Record<string, unknown>)[k] = (options as Record<string, unknown>)[k];
+  }
   if (o.key !== undefined && typeof o.key !== "function") {
     fail("key", `key must be a function (opts) => string | undefined (got ${show(o.key)})`);
   }

@@ -1,4 +1,4 @@
-import { pauseError } from "../admit.js";
+import { LONGEST_MS, pauseError } from "../admit.js";
 import { afterPause, afterStart, delayMs, spacingMs } from "../algorithms/interval.js";
 import { KeyedStates } from "../base/keyed.js";
 import { BaseStage, BaseTicket } from "../base/stage.js";
@@ -70,7 +70,8 @@ export class MemoryIntervalGate extends BaseStage {
   /** Move the host's next slot on by one spacing; returns the slot it replaced. */
   #claim(h: HostSlot, now: number): number {
     const previous = h.nextAt;
-    h.nextAt = afterStart(now, spacingMs(this.#minIntervalMs, this.#jitterMs, this.#random()));
+    const spacing = spacingMs(this.#minIntervalMs, this.#jitterMs, this.#random());
+    h.nextAt = afterStart(now, Math.min(spacing, LONGEST_MS));
     return previous;
   }
 
@@ -125,11 +126,14 @@ export class MemoryIntervalGate extends BaseStage {
 
   /**
    * Let no call start to `host` for `ms` milliseconds from now (a Retry-After). A pause never
-   * shortens an earlier one or the current spacing.
+   * shortens an earlier one or the current spacing. `host` must be a non-empty string and `ms` a
+   * finite number >= 0 (above `LONGEST_MS`, about 285,000 years, it pauses that long); bad
+   * arguments reject with `InvalidOptionsError`, as on Redis.
    */
   pause(host: string, ms: number): Promise<void> {
     const invalid = pauseError(this.name, host, ms);
     if (invalid) return Promise.reject(invalid);
+    ms = Math.min(ms, LONGEST_MS);
     const now = this.clock.now();
     const h = this.#host(host, now);
     h.nextAt = afterPause(h.nextAt, now, ms);
@@ -166,7 +170,7 @@ export class MemoryIntervalGate extends BaseStage {
         h.timer = undefined;
         this.#drain(h, host);
       },
-      delayMs(h.nextAt, this.clock.now()),
+      Math.min(delayMs(h.nextAt, this.clock.now()), LONGEST_MS),
     );
   }
 

@@ -1,4 +1,4 @@
-import { tooCostly } from "../admit.js";
+import { LONGEST_MS, tooCostly } from "../admit.js";
 import {
   type BucketConfig,
   type BucketState,
@@ -173,7 +173,8 @@ export class MemoryTokenBucket extends BaseStage {
     }
     const head = b.head;
     if (!head) return;
-    const ms = waitMs(b, this.#config, head.cost, this.clock.now());
+    // A debt or a refill too slow to wait out is waited on for at most LONGEST_MS.
+    const ms = Math.min(waitMs(b, this.#config, head.cost, this.clock.now()), LONGEST_MS);
     b.timer = this.clock.setTimeout(() => {
       b.timer = undefined;
       this.#drain(b, key);
@@ -209,7 +210,11 @@ export class MemoryTokenBucket extends BaseStage {
     this.#drain(list as KeyBucket, key);
   }
 
-  override settleTicket(ticket: BaseTicket, estimated: number, actual: number): void {
+  /** Re-price the ticket at `actual`: charge the difference, or give it back while still the latest. */
+  override settleTicket(ticket: BaseTicket, actual: number): void {
+    const estimated = ticket.cost;
+    if (actual === estimated) return;
+    ticket.cost = actual;
     const now = this.clock.now();
     const b = this.#bucket(ticket.key, now);
     const tokens = tokensAt(b, this.#config, now);

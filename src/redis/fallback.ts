@@ -1,4 +1,6 @@
+import { admitOptions, pauseError, settleValue } from "../admit.js";
 import { callWith, type RecordingTicket } from "../base/run.js";
+import { outcomeError } from "../base/stage.js";
 import type { Clock } from "../clock.js";
 import { InvalidOptionsError, isFloodgateError } from "../errors.js";
 import type {
@@ -26,22 +28,35 @@ class OpenTicket implements RecordingTicket {
   recorded: Outcome | undefined = undefined;
   constructor(
     readonly stage: string,
+    readonly kind: StageKind,
     readonly cost: number,
   ) {}
   get signal(): AbortSignal {
     return NEVER;
   }
   record(outcome: Outcome): void {
+    const invalid = outcomeError(this.kind, this.stage, outcome);
+    if (invalid) throw invalid;
     this.recorded = outcome;
   }
-  release(_outcome?: Outcome): Promise<void> {
+  release(outcome?: Outcome): Promise<void> {
+    if (outcome !== undefined) {
+      const invalid = outcomeError(this.kind, this.stage, outcome);
+      if (invalid) return Promise.reject(invalid);
+    }
     this.released = true;
     return RESOLVED;
   }
   refund(): Promise<void> {
     return this.release();
   }
-  settle(_actual: number | Readonly<Record<string, number>>): Promise<void> {
+  /** Checks `actual` as every ticket does; nothing was taken, so nothing is re-priced. */
+  settle(actual: number | Readonly<Record<string, number>>): Promise<void> {
+    try {
+      settleValue(this.kind, this.stage, actual);
+    } catch (error) {
+      return Promise.reject(error);
+    }
     return RESOLVED;
   }
   close(): Promise<void> {
@@ -101,7 +116,7 @@ export class FallbackStage implements IntervalGateStage {
   #fallback(options: AdmitOptions | undefined, wait: boolean): Promise<Ticket | undefined> {
     if (this.policy === "fail-open") {
       this.#open++;
-      return Promise.resolve(new OpenTicket(this.name, options?.cost ?? 1));
+      return Promise.resolve(new OpenTicket(this.name, this.kind, options?.cost ?? 1));
     }
     return wait ? this.local!.admit(options) : this.local!.tryAdmit(options);
   }
@@ -120,11 +135,23 @@ export class FallbackStage implements IntervalGateStage {
   }
 
   admit(options?: AdmitOptions): Promise<Ticket> {
-    return this.#route(options, true) as Promise<Ticket>;
+    let o: AdmitOptions;
+    try {
+      o = admitOptions(this.kind, this.name, options);
+    } catch (error) {
+      return Promise.reject(error);
+    }
+    return this.#route(o, true) as Promise<Ticket>;
   }
 
   tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
-    return this.#route(options, false);
+    let o: AdmitOptions;
+    try {
+      o = admitOptions(this.kind, this.name, options);
+    } catch (error) {
+      return Promise.reject(error);
+    }
+    return this.#route(o, false);
   }
 
   /** As `stage.run`: admit (from Redis or the fallback), call `fn`, release with its outcome. */
@@ -134,12 +161,20 @@ export class FallbackStage implements IntervalGateStage {
         new InvalidOptionsError(this.name, "fn", `${this.kind} "${this.name}": run needs a function`),
       );
     }
-    return this.admit(options).then((ticket) =>
-      callWith(ticket as RecordingTicket, fn, options?.classify, this.log),
+    let o: RunOptions<T>;
+    try {
+      o = admitOptions(this.kind, this.name, options) as RunOptions<T>;
+    } catch (error) {
+      return Promise.reject(error);
+    }
+    return this.#route(o, true).then((ticket) =>
+      callWith(ticket as RecordingTicket, fn, o.classify, this.log),
     );
   }
 
   async pause(host: string, ms: number): Promise<void> {
+    const invalid = pauseError(this.name, host, ms);
+    if (invalid) throw invalid;
     const pauseOf = (s: Stage | undefined) => (s as IntervalGateStage | undefined)?.pause?.(host, ms);
     await pauseOf(this.local);
     try {

@@ -1,4 +1,4 @@
-import { pauseError } from "../admit.js";
+import { LONGEST_MS, pauseError } from "../admit.js";
 import { spacingMs } from "../algorithms/interval.js";
 import { BaseTicket } from "../base/stage.js";
 import type { Waiter } from "../base/wait-list.js";
@@ -57,7 +57,7 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
   }
 
   #take(line: HostLine): Promise<TakeReply> {
-    line.spacing ??= spacingMs(this.#minIntervalMs, this.#jitterMs, this.#random());
+    line.spacing ??= Math.min(spacingMs(this.#minIntervalMs, this.#jitterMs, this.#random()), LONGEST_MS);
     return this.#link
       .run(this.name, "interval-gate-take", [line.redisKey], [this.#link.now(), line.spacing])
       .then((reply: TakeReply) => {
@@ -117,14 +117,17 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
 
   /**
    * Let no call start to `host` for `ms` milliseconds from now, in every process sharing this
-   * Redis. Never shortens an earlier pause or the current spacing.
+   * Redis. Never shortens an earlier pause or the current spacing. `host` must be a non-empty
+   * string and `ms` a finite number >= 0 (above `LONGEST_MS`, about 285,000 years, it pauses that
+   * long); bad arguments reject with `InvalidOptionsError` before Redis is asked, as in memory.
    */
   pause(host: string, ms: number): Promise<void> {
     const invalid = pauseError(this.name, host, ms);
     if (invalid) return Promise.reject(invalid);
-    this.log.warn({ host, ms }, "host paused");
+    const pauseMs = Math.min(ms, LONGEST_MS);
+    this.log.warn({ host, ms: pauseMs }, "host paused");
     return this.#link
-      .run(this.name, "interval-gate-pause", [this.#key(host)], [this.#link.now(), ms])
+      .run(this.name, "interval-gate-pause", [this.#key(host)], [this.#link.now(), pauseMs])
       .then(() => this.redrain(host));
   }
 

@@ -262,7 +262,11 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
     return undefined;
   }
 
-  override settleTicket(ticket: BaseTicket, estimated: number, actual: number): Promise<void> {
+  /** Re-price the ticket at `actual`: charge the difference, or give it back while still the latest. */
+  override settleTicket(ticket: BaseTicket, actual: number): Promise<void> | undefined {
+    const estimated = ticket.cost;
+    if (actual === estimated) return undefined;
+    ticket.cost = actual;
     const key = ticket.key;
     return this.#link
       .run(

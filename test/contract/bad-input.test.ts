@@ -1,4 +1,4 @@
-import { InvalidOptionsError } from "floodgate";
+import { Gate, InvalidOptionsError } from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { describe, expect, it } from "vitest";
 import { backends, useBackend } from "./backends.js";
@@ -134,14 +134,92 @@ describe.each(backends)("bad options on $name", (backend) => {
       ["cost", { cost: 3 }],
       ["timeoutMs", { timeoutMs: -5 }],
       ["timeoutMs", { timeoutMs: Number.NaN }],
+      ["timeoutMs", { timeoutMs: null }],
+      ["timeoutMs", { timeoutMs: "5" }],
+      ["timeoutMs", { timeoutMs: true }],
+      ["timeoutMs", { timeoutMs: 10n }],
+      ["cost", { cost: 1n }],
+      ["cost", { cost: null }],
       ["signal", { signal: {} }],
+      ["signal", { signal: null }],
+      ["key", { key: "" }],
+      ["key", { key: 7 }],
+      ["host", { host: null }],
+      ["costs", { costs: [1] }],
+      ["costs.args", { costs: { args: -1 } }],
+      ["classify", { classify: "success" }],
     ] as const) {
-      const error = await sem.admit(options as never).catch((e) => e);
-      expect(error, JSON.stringify(options)).toBeInstanceOf(InvalidOptionsError);
-      expect(error.field).toBe(field);
+      // A promise-returning call never throws synchronously, whatever it is given.
+      const promise = sem.admit(options as never);
+      const error: unknown = await promise.catch((e) => e);
+      expect(error, String(Object.keys(options))).toBeInstanceOf(InvalidOptionsError);
+      const e = error as InvalidOptionsError;
+      expect(e.field).toBe(field);
+      expect(e.message).toContain(`semaphore "args": ${field} `);
+      expect(e.message).toMatch(/\(got .*\)/);
     }
+    expect(sem.snapshot()).toMatchObject({ waiting: 0, inFlight: 0 });
     const ticket = await sem.admit();
-    expect(() => ticket.release("maybe" as never)).toThrow(InvalidOptionsError);
+    await expect(ticket.release("maybe" as never)).rejects.toBeInstanceOf(InvalidOptionsError);
+    expect(() => ticket.record(Symbol("x") as never)).toThrow("(got Symbol(x))");
+    await expect(ticket.settle(null as never)).rejects.toMatchObject({ field: "actual" });
+    await expect(ticket.settle(undefined as never)).rejects.toMatchObject({ field: "actual" });
     await ticket.release("success");
+    // Both permits are still there.
+    const both = await Promise.all([sem.tryAdmit(), sem.tryAdmit()]);
+    expect(both.every(Boolean)).toBe(true);
+    expect(await sem.tryAdmit()).toBeUndefined();
+    for (const t of both) await t!.release();
+  });
+
+  it("names the field when an option is a BigInt, a Symbol or an object whose toString throws", () => {
+    const b = backend.make(new FakeClock());
+    const hostile = {
+      toString: () => {
+        throw new Error("no");
+      },
+      valueOf: () => {
+        throw new Error("no");
+      },
+    };
+    for (const [kind, field, value] of [
+      ["semaphore", "limit", 4n],
+      ["tokenBucket", "capacity", Symbol("cap")],
+      ["intervalGate", "minIntervalMs", hostile],
+      ["aimd", "initial", Object.create(null)],
+    ] as const) {
+      let error: unknown;
+      try {
+        (b[kind] as (name: string, options: unknown) => unknown)("hostile", {
+          ...GOOD[kind],
+          [field]: value,
+        });
+      } catch (e) {
+        error = e;
+      }
+      expect(error, `${kind}.${field}`).toBeInstanceOf(InvalidOptionsError);
+      expect((error as InvalidOptionsError).field).toBe(field);
+      expect((error as InvalidOptionsError).message).toMatch(/\(got .*\)$/);
+    }
+  });
+
+  it("rejects bad pause arguments on both backends alike, and a gate's pause too", async () => {
+    const b = backend.make(new FakeClock());
+    const hosts = b.intervalGate("pauses", { minIntervalMs: 10 });
+    const gate = new Gate([b.semaphore("pauses-sem", { limit: 1 })]);
+    for (const [host, ms, field] of [
+      ["", 5, "host"],
+      [7, 5, "host"],
+      ["h", -1, "ms"],
+      ["h", Number.NaN, "ms"],
+      ["h", Number.POSITIVE_INFINITY, "ms"],
+      ["h", 5n, "ms"],
+      ["h", "5", "ms"],
+    ] as const) {
+      for (const target of [hosts, gate]) {
+        const promise = target.pause(host as never, ms as never);
+        await expect(promise).rejects.toMatchObject({ code: "INVALID_OPTIONS", field });
+      }
+    }
   });
 });
