@@ -8,6 +8,7 @@
 -- KEYS[2] queue    ZSET  member -> arrival sequence
 -- KEYS[3] qexp     ZSET  member -> waiter expiry (ms)
 -- KEYS[4] meta     HASH  used, seq, limit, epoch
+-- KEYS[5] procs    ZSET  token of each waiting process -> end of its last sign of life (ms)
 --
 -- ARGV[1] now      ms, or "" for the server's TIME (read only when someone is in line)
 -- ARGV[2] member   "<id>:<cost>"
@@ -26,6 +27,7 @@ local holders     = KEYS[1]
 local queue       = KEYS[2]
 local qexp        = KEYS[3]
 local meta        = KEYS[4]
+local procs       = KEYS[5]
 local member      = ARGV[2]
 local channel     = ARGV[3]
 local outcome     = ARGV[4]
@@ -58,11 +60,11 @@ if used < 0 then used = 0 end
 redis.call('HSET', meta, 'used', used, 'limit', limit, 'epoch', epoch)
 
 local grants = {}
-local head = redis.call('ZRANGE', queue, 0, 0)[1]
-if head and used + floodgate_cost(head) <= limit then
+if redis.call('ZRANGE', queue, 0, 0)[1] then
   local now = floodgate_now(ARGV[1])
-  if (tonumber(state[4]) or 0) <= now then
-    grants, used = floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now,
+  local head = floodgate_live_head(queue, qexp, procs, now)
+  if head and used + floodgate_cost(head) <= limit and (tonumber(state[4]) or 0) <= now then
+    grants, used = floodgate_grant_heads(holders, queue, qexp, meta, procs, head, used, limit, now,
       tonumber(ARGV[10]), channel, epoch)
     redis.call('HSET', meta, 'used', used)
   end

@@ -138,34 +138,74 @@ local function floodgate_cost(member)
   return tonumber(string.match(member, ':(%d+)$')) or 1
 end
 
--- Grant on release: give the waiters at the head of the line their permits while they fit, so a
--- freed permit goes straight to the next waiter with no round trip of its own. `head` is the
--- first member in line. Each grant moves the waiter from the line into holders with a lease that
--- ends when its place in line would have (at most `leaseCapMs`), until its process claims it and
--- renews it to a full lease; a waiter whose process died so gives the permit back as soon as its
--- place in line would have. Each is told with PUBLISH "<member>|<fence>|<epoch>|<leaseLeftMs>" on
--- `channel`:<token> when the member is "<token>-<n>:<cost>" (the channel of its own process, so
--- a grant wakes no other process), else on `channel`. Returns the messages sent and the permits
--- now used. At most 64 grants per call.
-local function floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now, leaseCapMs, channel, epoch)
-  local sent = {}
-  local n = 0
-  while head and n < 64 do
-    local cost = floodgate_cost(head)
-    if used + cost > limit then break end
-    local expiry = tonumber(redis.call('ZSCORE', qexp, head))
+-- The process of a lease or waiter member "<token>-<n>:<cost>", or nil for a member without one.
+local function floodgate_token(member)
+  return string.match(member, '^(%x+)%-')
+end
+
+-- When the process `token` stops counting as alive (ms), from `procs` (a sorted set of each
+-- waiting process's token scored by the end of its last sign of life); 0 when it never said.
+local function floodgate_alive_until(procs, token)
+  return tonumber(redis.call('ZSCORE', procs, token)) or 0
+end
+
+-- The first waiter in line whose process is alive. Waiters of a process that stopped renewing
+-- its sign of life (killed, frozen) are taken out of the line on the way: they are never granted.
+-- A member without a process token has no sign of life to check and counts as alive.
+local function floodgate_live_head(queue, qexp, procs, now)
+  local head = redis.call('ZRANGE', queue, 0, 0)[1]
+  for _ = 1, 256 do
+    if not head then return nil end
+    local token = floodgate_token(head)
+    if not token or floodgate_alive_until(procs, token) > now then return head end
     redis.call('ZREM', queue, head)
     redis.call('ZREM', qexp, head)
-    if expiry and expiry > now then
-      expiry = math.min(expiry, now + leaseCapMs)
-      redis.call('ZADD', holders, expiry, head)
-      used = used + cost
-      local fence = redis.call('HINCRBY', meta, 'seq', 1)
-      local message = head .. '|' .. fence .. '|' .. epoch .. '|' .. (expiry - now)
-      local token = string.match(head, '^(%x+)%-')
-      redis.call('PUBLISH', token and (channel .. ':' .. token) or channel, message)
-      n = n + 1
-      sent[n] = message
+    head = redis.call('ZRANGE', queue, 0, 0)[1]
+  end
+  return head
+end
+
+-- Grant on release: give the waiters at the head of the line their permits while they fit, so a
+-- freed permit goes straight to the next waiter with no round trip of its own. `head` is the
+-- first member in line. A waiter whose process is no longer alive (see floodgate_live_head)
+-- leaves the line instead. Each grant moves the waiter from the line into holders with a lease
+-- that ends at the earliest of: when its place in line would have (qexp), `leaseCapMs` from now,
+-- and when its process stops counting as alive. Until its process claims it (its first renewal
+-- makes it a full lease), a grant to a process that died so comes back within that process's
+-- sign-of-life window. Each is told with PUBLISH "<member>|<fence>|<epoch>|<ends>|<now>" (the
+-- grant's end and the time of the grant, server ms: the waiter's process judges from them
+-- whether the grant is still good when the message reaches it) on `channel`:<token> when the
+-- member is "<token>-<n>:<cost>" (the channel of its own process, so a grant wakes no other
+-- process), else on `channel`. Returns the messages sent and the permits now used. At most 64
+-- grants per call.
+local function floodgate_grant_heads(holders, queue, qexp, meta, procs, head, used, limit, now, leaseCapMs, channel, epoch)
+  local sent = {}
+  local n = 0
+  local looked = 0
+  while head and n < 64 and looked < 256 do
+    looked = looked + 1
+    local token = floodgate_token(head)
+    local alive = token and floodgate_alive_until(procs, token)
+    if alive and alive <= now then
+      redis.call('ZREM', queue, head)
+      redis.call('ZREM', qexp, head)
+    else
+      local cost = floodgate_cost(head)
+      if used + cost > limit then break end
+      local expiry = tonumber(redis.call('ZSCORE', qexp, head))
+      redis.call('ZREM', queue, head)
+      redis.call('ZREM', qexp, head)
+      if expiry and expiry > now then
+        expiry = math.min(expiry, now + leaseCapMs)
+        if alive then expiry = math.min(expiry, alive) end
+        redis.call('ZADD', holders, expiry, head)
+        used = used + cost
+        local fence = redis.call('HINCRBY', meta, 'seq', 1)
+        local message = head .. '|' .. fence .. '|' .. epoch .. '|' .. floodgate_num(expiry) .. '|' .. floodgate_num(now)
+        redis.call('PUBLISH', token and (channel .. ':' .. token) or channel, message)
+        n = n + 1
+        sent[n] = message
+      end
     end
     head = redis.call('ZRANGE', queue, 0, 0)[1]
   end

@@ -6,6 +6,7 @@
 -- KEYS[3] qexp     ZSET  member -> waiter expiry (ms); a waiter not heard from is dropped
 -- KEYS[4] meta     HASH  used (permits held), seq (arrivals and fencing tokens), limit, epoch,
 --                       quarantine (ms: no grants before, after Redis lost its data)
+-- KEYS[5] procs    ZSET  token of each waiting process -> end of its last sign of life (ms)
 --
 -- ARGV[1]  now         ms, or "" for the server's TIME
 -- ARGV[2]  member      "<id>:<cost>", the cost in permits (integer >= 1)
@@ -17,13 +18,20 @@
 -- ARGV[8]  initial     AIMD: limit to start from when meta has none; "" otherwise
 -- ARGV[9]  lastFence   the highest fencing token this process has seen, or 0
 -- ARGV[10] again       "1" when `member` asked before (it may have been granted on a release)
--- ARGV[11] member2     more callers of this turn, each a member and its "again" flag (ARGV[12]),
+-- ARGV[11] livenessMs  "wait" mode: how long this call counts as a sign of life of the caller's
+--                      process (the token of `member`), ms
+-- ARGV[12] member2     more callers of this turn, each a member and its "again" flag (ARGV[13]),
 --                      and so on: each is decided in turn, exactly as if each had called alone
 --
--- Returns {granted, fenceOrWaitMs, used, limit, epoch, grants, quarantineMs}:
+-- Returns {granted, fenceOrWaitMs, used, limit, epoch, grants, quarantineMs, now}:
 --   granted = 1: fenceOrWaitMs is the fencing token (increases with every grant)
 --   granted = 0: fenceOrWaitMs is ms until the nearest lease expires or the quarantine ends
 --                (-1: neither)
+--   granted = -1: `member` asked again but is neither in line nor holding a grant that is still
+--                good (its grant ended unclaimed, or it was dropped from the line while its
+--                process was silent); it is not lined up again: the caller asks under a new
+--                member, so a member is granted at most once
+--   now: the time the call decided at (server ms), by which the caller judges grant messages
 --   grants: the waiters this call granted at the head of the line (see floodgate_grant_heads),
 --           each as the message PUBLISHed on `channel`; `member` itself may be among them
 --   quarantineMs: > 0 while grants are held back because Redis lost this stage's data
@@ -46,6 +54,14 @@ local mode        = ARGV[5]                     -- "wait" | "try"
 local waiterTtlMs = tonumber(ARGV[6])           -- ms
 local channel     = ARGV[7]
 local lastFence   = tonumber(ARGV[9]) or 0
+local procs       = KEYS[5]
+
+-- A caller that waits is a sign of life of its process: its waiters stay in line, and grants
+-- are made to them, only while it keeps giving one.
+if mode == 'wait' then
+  local token = floodgate_token(ARGV[2])
+  if token then redis.call('ZADD', procs, now + tonumber(ARGV[11]), token) end
+end
 
 local function acquire(member, again)
   local cost = floodgate_cost(member)      -- permits
@@ -73,29 +89,45 @@ local function acquire(member, again)
       redis.call('ZADD', queue, redis.call('HINCRBY', meta, 'seq', 1), member)
     end
     if mode == 'wait' then redis.call('ZADD', qexp, now + waiterTtlMs, member) end
-    return {0, quarantine - now, used, limit, epoch, {}, quarantine - now}
+    return {0, quarantine - now, used, limit, epoch, {}, quarantine - now, now}
   end
 
   -- Granted on someone's release while this call was on its way (or its message was lost): claim
   -- the permit with a full lease and a fencing token of its own. A grant left unclaimed past its
-  -- end is taken back, and the member asks like a newcomer.
+  -- end is taken back; a member neither holding nor in line is gone (see the reply).
+  local head
   if again == '1' then
     local held = redis.call('ZSCORE', holders, member)
+    local gone = false
     if held then
       if tonumber(held) > now then
         redis.call('ZADD', holders, now + leaseMs, member)
-        return {1, redis.call('HINCRBY', meta, 'seq', 1), used, limit, epoch, {}, 0}
+        return {1, redis.call('HINCRBY', meta, 'seq', 1), used, limit, epoch, {}, 0, now}
       end
       redis.call('ZREM', holders, member)
       used = math.max(0, used - cost)
       redis.call('HSET', meta, 'used', used)
+      gone = true
+    elseif not redis.call('ZSCORE', queue, member) then
+      gone = true
+    end
+    if gone then
+      redis.call('ZREM', qexp, member)
+      -- What the lapsed grant held goes to the head of the line.
+      local grants = {}
+      head = floodgate_live_head(queue, qexp, procs, now)
+      if head and used + floodgate_cost(head) <= limit then
+        grants, used = floodgate_grant_heads(holders, queue, qexp, meta, procs, head, used, limit, now, leaseMs, channel, epoch)
+        redis.call('HSET', meta, 'used', used)
+      end
+      return {-1, -1, used, limit, epoch, grants, 0, now}
     end
   end
 
-  local head = redis.call('ZRANGE', queue, 0, 0)[1]
+  head = redis.call('ZRANGE', queue, 0, 0)[1]
   if used + cost > limit or (head and head ~= member) then
-    -- Something stands in the way: first take back the leases of dead holders and drop waiters
-    -- that stopped asking.
+    -- Something stands in the way: first take back the leases of dead holders, drop waiters
+    -- that stopped asking and those whose process stopped giving a sign of life.
     local dead = floodgate_expired(holders, now)
     if #dead > 0 then
       for i = 1, #dead do used = used - floodgate_cost(dead[i]) end
@@ -103,10 +135,9 @@ local function acquire(member, again)
       redis.call('HSET', meta, 'used', used)
     end
     local gone = floodgate_expired(qexp, now)
-    if #gone > 0 then
-      redis.call('ZREM', queue, unpack(gone))
-      head = redis.call('ZRANGE', queue, 0, 0)[1]
-    end
+    if #gone > 0 then redis.call('ZREM', queue, unpack(gone)) end
+    floodgate_expired(procs, now)
+    if head and head ~= member then head = floodgate_live_head(queue, qexp, procs, now) end
   end
 
   local grants = {}
@@ -119,14 +150,14 @@ local function acquire(member, again)
     end
     if head then
       local fence = redis.call('HINCRBY', meta, 'seq', 1)
-      grants, used = floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now, leaseMs, channel, epoch)
+      grants, used = floodgate_grant_heads(holders, queue, qexp, meta, procs, head, used, limit, now, leaseMs, channel, epoch)
       redis.call('HSET', meta, 'used', used)
-      return {1, fence, used, limit, epoch, grants, 0}
+      return {1, fence, used, limit, epoch, grants, 0, now}
     end
     -- Nobody else in line: the count and the fencing sequence go in one write.
     local fence = (tonumber(state[4]) or 0) + 1
     redis.call('HSET', meta, 'used', used, 'seq', fence)
-    return {1, fence, used, limit, epoch, grants, 0}
+    return {1, fence, used, limit, epoch, grants, 0, now}
   end
 
   if mode == 'wait' then
@@ -137,24 +168,24 @@ local function acquire(member, again)
     -- Room made by reaping (or a raised limit) goes to the head of the line.
     head = head or member
     if used + floodgate_cost(head) <= limit then
-      grants, used = floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now, leaseMs, channel, epoch)
+      grants, used = floodgate_grant_heads(holders, queue, qexp, meta, procs, head, used, limit, now, leaseMs, channel, epoch)
       redis.call('HSET', meta, 'used', used)
     end
   end
   local first = redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')
   local waitMs = -1
   if first[2] then waitMs = math.max(0, tonumber(first[2]) - now) end
-  return {0, waitMs, used, limit, epoch, grants, 0}
+  return {0, waitMs, used, limit, epoch, grants, 0, now}
 end
 
-if #ARGV <= 10 then return acquire(ARGV[2], ARGV[10]) end
+if #ARGV <= 11 then return acquire(ARGV[2], ARGV[10]) end
 
 -- Many callers. While nobody is in line, no quarantine holds and they fit, the first ones are
 -- granted with one read and one write of meta (what one call each would have done); the first
 -- that does not fit, or asks again, and every one after it, go the general way.
 local members = { ARGV[2] }
 local agains = { ARGV[10] }
-for i = 11, #ARGV, 2 do
+for i = 12, #ARGV, 2 do
   members[#members + 1] = ARGV[i]
   agains[#agains + 1] = ARGV[i + 1]
 end
@@ -174,7 +205,7 @@ if limit and lastFence <= seq and (tonumber(state[5]) or 0) <= now
     if used + cost > limit then break end
     if redis.call('ZADD', holders, now + leaseMs, member) == 1 then used = used + cost end
     seq = seq + 1
-    replies[next] = {1, seq, used, limit, epoch, {}, 0}
+    replies[next] = {1, seq, used, limit, epoch, {}, 0, now}
     next = next + 1
   end
   if next > 1 then redis.call('HSET', meta, 'used', used, 'seq', seq) end

@@ -7,6 +7,7 @@
 -- KEYS[2] queue    ZSET  member -> arrival sequence
 -- KEYS[3] qexp     ZSET  member -> waiter expiry (ms)
 -- KEYS[4] meta     HASH  used, seq, limit, epoch, quarantine
+-- KEYS[5] procs    ZSET  token of each waiting process -> end of its last sign of life (ms)
 --
 -- ARGV[1] now      ms, or "" for the server's TIME (read only when someone is in line)
 -- ARGV[2] member   "<id>:<cost>"
@@ -25,6 +26,7 @@ local holders = KEYS[1]
 local queue   = KEYS[2]
 local qexp    = KEYS[3]
 local meta    = KEYS[4]
+local procs   = KEYS[5]
 local channel = ARGV[4]
 
 -- Take `by` permits off the count; returns the permits still used.
@@ -40,17 +42,18 @@ end
 -- Grant the head of the line what is free now. `used` is the count when known (else read).
 -- Returns the grants made and the permits used after them.
 local function grantFreed(used)
-  local head = redis.call('ZRANGE', queue, 0, 0)[1]
-  if not head then
+  if not redis.call('ZRANGE', queue, 0, 0)[1] then
     return {}, used or tonumber(redis.call('HGET', meta, 'used')) or 0
   end
   local state = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'quarantine')
   used = tonumber(state[1]) or 0
   local limit = tonumber(ARGV[3]) or tonumber(state[2]) or 0
   local now = floodgate_now(ARGV[1])
-  if (tonumber(state[4]) or 0) > now or used + floodgate_cost(head) > limit then return {}, used end
+  if (tonumber(state[4]) or 0) > now then return {}, used end
+  local head = floodgate_live_head(queue, qexp, procs, now)
+  if not head or used + floodgate_cost(head) > limit then return {}, used end
   local grants
-  grants, used = floodgate_grant_heads(holders, queue, qexp, meta, head, used, limit, now,
+  grants, used = floodgate_grant_heads(holders, queue, qexp, meta, procs, head, used, limit, now,
     tonumber(ARGV[6]), channel, tonumber(state[3]) or 0)
   redis.call('HSET', meta, 'used', used)
   return grants, used

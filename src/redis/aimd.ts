@@ -40,6 +40,7 @@ export class RedisAimd extends RedisPermitStage {
   protected override async giveBack(t: LeaseTicket, outcome: Outcome, refund: boolean): Promise<boolean> {
     const slow = this.clock.now() - t.admittedAt > this.#slowCallMs;
     const before = this.limit;
+    const sentAt = this.clock.now();
     const reply = await this.link.run(this.name, "aimd-release", this.keys, [
       this.link.now(),
       t.leaseId,
@@ -53,7 +54,7 @@ export class RedisAimd extends RedisPermitStage {
       this.settings.leaseMs,
     ]);
     this.limit = Number(reply[1]);
-    this.granted(reply[4]);
+    this.granted(reply[4], sentAt);
     if (this.limit !== before) {
       const level = this.limit < before ? "warn" : "debug";
       this.log[level]({ from: before, to: this.limit, outcome, slow }, "limit changed");

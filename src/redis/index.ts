@@ -44,6 +44,15 @@ export interface RedisBackendOptions extends StageOptions {
    * come through pub/sub; the poll only covers a lost message. An integer >= 10. @default 1000
    */
   pollMs?: number;
+  /**
+   * How long a process counts as alive after its last sign of life, ms. A process with waiters
+   * gives one with each wait and every `livenessMs / 3` (one call per stage, whatever its number
+   * of waiters); one that stops (killed, frozen, its event loop blocked that long) has its waiters
+   * taken out of the line and granted nothing, and a grant made to it just before comes back
+   * within this time. Held leases are not affected: they last `leaseMs`. An integer >= 100.
+   * @default 2000
+   */
+  livenessMs?: number;
   /** Randomness for jitter. @default Math.random */
   random?: () => number;
   /** Default `onBackendError` of every stage this backend builds. @default "fail-closed" */
@@ -102,6 +111,7 @@ export function redis(client: Redis | Cluster, options: RedisBackendOptions = {}
     logger,
     random: o.random ?? Math.random,
     pollMs: o.pollMs ?? 1000,
+    livenessMs: o.livenessMs ?? 2000,
   });
 
   /**

@@ -106,6 +106,20 @@ export class RedisLink {
     defineScripts(client);
   }
 
+  /**
+   * How far the time scripts decide with (the server's) is ahead of this process's clock, at
+   * most, ms; `undefined` until a script has said. A script that ran at server time `at` was sent
+   * at local time `sentAt` or later, so `at - sentAt` can only overstate it: a grant judged by it
+   * ends here no later than it ends on the server, even after this process was frozen (the
+   * monotonic clock runs on while a process is stopped).
+   */
+  serverAhead: number | undefined = undefined;
+
+  /** Note a script's time `at` (server ms), for a call sent at local time `sentAt`. */
+  sawServerTime(at: number, sentAt: number): void {
+    if (Number.isFinite(at)) this.serverAhead = at - sentAt;
+  }
+
   /** ARGV[1] of every script: the time to decide with, or "" for the server's clock. */
   now(): string {
     return this.useClockTime ? String(this.clock.now()) : "";

@@ -7,10 +7,10 @@ import { fileURLToPath } from "node:url";
  * definitions of the shared prelude (`lua/prelude.lua`) that it uses are put in front of it.
  */
 export const SCRIPTS = {
-  "semaphore-acquire": 4,
-  "semaphore-release": 4,
-  "semaphore-renew": 1,
-  "aimd-release": 4,
+  "semaphore-acquire": 5,
+  "semaphore-release": 5,
+  "semaphore-renew": 2,
+  "aimd-release": 5,
   "token-bucket-take": 1,
   "token-bucket-take-many": 1,
   "token-bucket-refund": 1,

@@ -28,7 +28,15 @@ export interface RedisContext {
   random: () => number;
   /** Longest a waiter goes without asking Redis again (covers a lost pub/sub message), ms. */
   pollMs: number;
+  /** How long a sign of life of this process lasts in Redis, ms (see `livenessMs`). */
+  livenessMs: number;
 }
+
+/**
+ * A grant message whose grant ends sooner than this (as judged here) is not taken on its word:
+ * the waiter claims it in Redis first, so no ticket goes out whose first renewal could not land.
+ */
+const CLAIM_MARGIN_MS = 50;
 
 /** A waiter with the id it is queued under in Redis. */
 class RedisWaiter extends Waiter {
@@ -51,9 +59,13 @@ export class LeaseTicket extends BaseTicket {
   controller: AbortController | undefined = undefined;
   renewTimer: ClockTimer | undefined = undefined;
   renewing = false;
-  renewedAt = 0;
-  /** Length of the lease as of `renewedAt`, ms: shorter for a grant made on a release. */
-  validMs = 0;
+  /**
+   * When the lease ends at the latest, on this process's clock: the lease's end on the server
+   * less the most the server's clock can be ahead. Past it the ticket is lost, whatever Redis
+   * has said.
+   */
+  validUntil = 0;
+  lost = false;
 }
 
 /** Reply of `semaphore-acquire`. */
@@ -65,6 +77,7 @@ type AcquireReply = [
   epoch: number,
   grants: string[],
   quarantineMs: number,
+  now: number,
 ];
 
 /** Settings that make a permit stage a semaphore, a bounded queue or an AIMD limiter. */
@@ -113,6 +126,13 @@ export abstract class RedisPermitStage extends BaseStage {
   #lastFence = 0;
   #quarantined = false;
   #listening = false;
+  /** When this process last sent a sign of life for this stage (a wait or a renewal). */
+  #signedAt = Number.NEGATIVE_INFINITY;
+  #heartbeat: ClockTimer | undefined = undefined;
+  /** KEYS of `semaphore-renew`: holders and procs. */
+  get #renewKeys(): string[] {
+    return [this.keys[0]!, this.keys[4]!];
+  }
 
   constructor(name: string, settings: PermitSettings, ctx: RedisContext) {
     super(name, ctx.clock);
@@ -121,7 +141,7 @@ export abstract class RedisPermitStage extends BaseStage {
     this.settings = settings;
     this.limit = settings.limit ?? settings.initial;
     const key = (part: string) => stageKey(ctx.prefix, name, part);
-    this.keys = [key("holders"), key("queue"), key("qexp"), key("meta")];
+    this.keys = [key("holders"), key("queue"), key("qexp"), key("meta"), key("procs")];
     this.channel = key("wake");
   }
 
@@ -146,12 +166,18 @@ export abstract class RedisPermitStage extends BaseStage {
     return new LeaseTicket(this, cost, key, now);
   }
 
+  /**
+   * The ticket's signal. Read after the lease has ended on this process's clock (the process was
+   * frozen, its renewals did not get through), it is already aborted with `LeaseLostError`, so
+   * `fetch(url, { signal: ticket.signal })` never sends a call on a lease that ran out.
+   */
   override ticketSignal(ticket: BaseTicket): AbortSignal {
     const t = ticket as LeaseTicket;
     if (!t.controller) {
       t.controller = new AbortController();
       if (this.closed) t.controller.abort(this.closedSignal.reason);
     }
+    if (!t.lost && !t.released && t.leaseId !== "" && this.clock.now() >= t.validUntil) this.#lost(t);
     return t.controller.signal;
   }
 
@@ -173,8 +199,10 @@ export abstract class RedisPermitStage extends BaseStage {
         this.settings.limit === undefined ? this.settings.initial : "",
         this.#lastFence,
         pairs[1]!,
+        this.#ctx.livenessMs,
       ];
       for (let i = 2; i < pairs.length; i++) args.push(pairs[i]!);
+      if (mode === "wait") this.#signedAt = this.clock.now();
       return this.link.run(this.name, "semaphore-acquire", this.keys, args);
     });
   }
@@ -193,8 +221,12 @@ export abstract class RedisPermitStage extends BaseStage {
     return this.link.run(this.name, "semaphore-release", this.keys, args);
   });
 
-  /** Note what a reply says about the stage: its limit, the newest fence, a quarantine. */
-  #saw(reply: AcquireReply): void {
+  /**
+   * Note what the reply of an acquire sent at `sentAt` says about the stage: its limit, the
+   * newest fence, a quarantine, and the server's time.
+   */
+  #saw(reply: AcquireReply, sentAt: number): void {
+    this.link.sawServerTime(Number(reply[7]), sentAt);
     this.limit = Number(reply[3]);
     const quarantineMs = Number(reply[6] ?? 0);
     if (quarantineMs > 0 && !this.#quarantined) {
@@ -206,6 +238,7 @@ export abstract class RedisPermitStage extends BaseStage {
 
   /** Give back lease or waiter `id` in the background (a lost reply, an abandoned wait). */
   #forget(id: string, waitedMs = 0): void {
+    const sentAt = this.clock.now();
     this.link
       .run(this.name, "semaphore-release", this.keys, [
         this.link.now(),
@@ -216,7 +249,7 @@ export abstract class RedisPermitStage extends BaseStage {
         this.settings.leaseMs,
       ])
       .then(
-        (reply) => this.granted(reply[3]),
+        (reply) => this.granted(reply[3], sentAt),
         (error) => {
           // Redis is away (a dropped connection, a pause): ask again shortly, for as long as the
           // lease could still be held, so a lost reply does not keep a permit for a whole lease.
@@ -235,35 +268,47 @@ export abstract class RedisPermitStage extends BaseStage {
    * process take them now rather than when the pub/sub message arrives (which then finds
    * nothing to do).
    */
-  protected granted(grants: unknown): void {
+  protected granted(grants: unknown, sentAt: number): void {
     if (!Array.isArray(grants)) return;
-    for (const message of grants) this.#onGrant(message);
+    for (const message of grants) this.#onGrant(message, sentAt);
   }
 
   /**
-   * A grant announced as "<member>|<fence>|<epoch>|<leaseLeftMs>". A member not waiting here
-   * (another process's, or one that left: its give-back frees the grant) is ignored.
+   * A grant announced as "<member>|<fence>|<epoch>|<ends>|<at>" (server ms). It ends here at
+   * `ends` less the most the server's clock can be ahead of this process's: `at` less `sentAt`
+   * for a grant in the reply of a call sent at `sentAt`, the link's latest such figure for a
+   * pub/sub message (`sentAt` undefined). A grant that has ended by then (this process was
+   * frozen, or the message came late) gives no ticket; one that ends too soon to be renewed in
+   * time is claimed in Redis first. A member not waiting here (another process's, or one that
+   * left: its give-back frees the grant) is ignored.
    */
-  #onGrant(message: unknown): void {
+  #onGrant(message: unknown, sentAt: number | undefined): void {
     if (typeof message !== "string") return;
     const bar = message.indexOf("|");
     const w = bar < 0 ? undefined : this.#byId.get(message.slice(0, bar));
     if (!w?.list) return;
-    const [, fence, epoch, left] = message.split("|");
+    const [, fence, epoch, ends, at] = message.split("|");
+    const ahead = sentAt === undefined ? this.link.serverAhead : Number(at) - sentAt;
+    const validUntil = ahead === undefined ? Number.NaN : Number(ends) - ahead;
+    if (!(validUntil - this.clock.now() >= CLAIM_MARGIN_MS)) {
+      // Ask Redis: it claims the grant if it still stands, or says the member is gone.
+      this.#attempt(w);
+      return;
+    }
     this.#byId.delete(w.id);
     this.#clearRetry(w);
     w.granted = true;
     this.#lastFence = Math.max(this.#lastFence, Number(fence));
-    this.#lease(this.grant(w, this.waitFor), Number(fence), Number(epoch), w.id, Number(left));
+    this.#lease(this.grant(w, this.waitFor), Number(fence), Number(epoch), w.id, validUntil);
+    this.#quiet();
   }
 
-  #lease(ticket: BaseTicket, fence: number, epoch: number, id: string, validMs: number): Ticket {
+  #lease(ticket: BaseTicket, fence: number, epoch: number, id: string, validUntil: number): Ticket {
     const t = ticket as LeaseTicket;
     t.leaseId = id;
     t.fence = fence;
     t.epoch = epoch;
-    t.renewedAt = this.clock.now();
-    t.validMs = validMs;
+    t.validUntil = validUntil;
     this.#scheduleRenew(t);
     return t;
   }
@@ -287,6 +332,7 @@ export abstract class RedisPermitStage extends BaseStage {
     w.id = this.#memberId(cost);
     this.#byId.set(w.id, w);
     this.#attempt(w);
+    this.#keepAlive();
     return promise;
   }
 
@@ -307,21 +353,22 @@ export abstract class RedisPermitStage extends BaseStage {
   async #tryOnce(cost: number): Promise<Ticket | undefined> {
     const id = this.#memberId(cost);
     let reply: AcquireReply;
+    const sentAt = this.clock.now();
     try {
       reply = await this.#acquire(id, "try", false);
     } catch (error) {
       if (isFloodgateError(error, "BACKEND_UNAVAILABLE") && maybeSent(error)) this.#forget(id);
       throw error;
     }
-    this.#saw(reply);
-    this.granted(reply[5]);
+    this.#saw(reply, sentAt);
+    this.granted(reply[5], sentAt);
     if (Number(reply[0]) !== 1) return undefined;
     if (this.closed) {
       this.#forget(id);
       throw this.closedSignal.reason;
     }
     const ticket = this.issue(cost, "", undefined, this.waitFor);
-    return this.#lease(ticket, Number(reply[1]), Number(reply[4]), id, this.settings.leaseMs);
+    return this.#lease(ticket, Number(reply[1]), Number(reply[4]), id, sentAt + this.settings.leaseMs);
   }
 
   tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
@@ -348,28 +395,41 @@ export abstract class RedisPermitStage extends BaseStage {
     this.#clearRetry(w);
     const again = w.asked;
     w.asked = true;
-    this.#acquire(w.id, "wait", again).then(
+    const id = w.id;
+    const sentAt = this.clock.now();
+    this.#acquire(id, "wait", again).then(
       (reply) => {
         w.busy = false;
-        this.#saw(reply);
+        this.#saw(reply, sentAt);
+        const granted = Number(reply[0]);
         if (!w.list) {
           // Aborted, timed out or closed while the call was out: give back the lease it got, or
           // its place in line (else it would hold up everyone behind it until it expires). A
           // waiter granted on a release meanwhile keeps its ticket; this reply only renewed it.
-          if (!w.granted) this.#forget(w.id);
-          this.granted(reply[5]);
+          if (!w.granted) this.#forget(id);
+          this.granted(reply[5], sentAt);
           return;
         }
-        if (Number(reply[0]) === 1) {
-          this.#byId.delete(w.id);
+        if (granted === 1) {
+          this.#byId.delete(id);
           w.granted = true;
           const ticket = this.grant(w, this.waitFor);
-          this.#lease(ticket, Number(reply[1]), Number(reply[4]), w.id, this.settings.leaseMs);
-          this.granted(reply[5]);
+          this.#lease(ticket, Number(reply[1]), Number(reply[4]), id, sentAt + this.settings.leaseMs);
+          this.#quiet();
+          this.granted(reply[5], sentAt);
           return;
         }
-        this.granted(reply[5]);
-        if (!w.list) return;
+        this.granted(reply[5], sentAt);
+        if (!w.list || w.busy) return;
+        if (granted === -1) {
+          // Its grant ended unclaimed, or it left the line while this process was silent: it
+          // lines up again as a new member, so no member is ever granted twice.
+          this.#byId.delete(id);
+          w.id = this.#memberId(w.cost);
+          this.#byId.set(w.id, w);
+          w.asked = false;
+          return this.#attempt(w);
+        }
         if (w.again) return this.#attempt(w);
         if (!this.#listening) {
           this.#listen().then(
@@ -382,19 +442,20 @@ export abstract class RedisPermitStage extends BaseStage {
       },
       (error: unknown) => {
         w.busy = false;
-        this.#byId.delete(w.id);
+        this.#byId.delete(id);
         // The acquire may still run once Redis answers: give back whatever it would take.
-        if (maybeSent(error)) this.#forget(w.id);
+        if (maybeSent(error)) this.#forget(id);
         if (!w.list) return;
         this.log.warn({ err: error }, "Redis unavailable; admission failed closed");
         this.failWaiter(w, error);
+        this.#quiet();
       },
     );
   }
 
   #listen(): Promise<void> {
     this.#subscribed ??= this.link
-      .listen(`${this.channel}:${this.#token}`, (message) => this.#onGrant(message))
+      .listen(`${this.channel}:${this.#token}`, (message) => this.#onGrant(message, undefined))
       .then(
         () => {
           this.#listening = true;
@@ -431,31 +492,47 @@ export abstract class RedisPermitStage extends BaseStage {
     this.#byId.delete(w.id);
     // An acquire still out will see the waiter gone and give back what it got.
     if (!w.busy) this.#forget(w.id);
+    this.#quiet();
   }
 
   protected lists(): Iterable<WaitList> {
     return [this.waiters];
   }
 
+  /** Renew at 80% of what is left of the lease. */
   #scheduleRenew(t: LeaseTicket): void {
+    const leftMs = t.validUntil - this.clock.now();
     t.renewTimer = unrefTimer(
-      this.clock.setTimeout(() => this.#renew(t), Math.max(1, Math.floor(t.validMs * 0.8))),
+      this.clock.setTimeout(() => this.#renew(t), Math.max(1, Math.floor(leftMs * 0.8))),
     );
   }
 
   #renew(t: LeaseTicket): void {
     t.renewTimer = undefined;
-    if (t.released || t.renewing) return;
+    if (t.released || t.renewing || t.lost) return;
+    // Frozen past the lease's end (the timer ran late): it is lost, whatever Redis would say.
+    if (this.clock.now() >= t.validUntil) {
+      this.#lost(t);
+      return;
+    }
     t.renewing = true;
+    const sentAt = this.clock.now();
+    this.#signedAt = sentAt;
     this.link
-      .run(this.name, "semaphore-renew", [this.keys[0]!], [this.link.now(), t.leaseId, this.settings.leaseMs])
+      .run(this.name, "semaphore-renew", this.#renewKeys, [
+        this.link.now(),
+        t.leaseId,
+        this.settings.leaseMs,
+        this.#token,
+        this.#ctx.livenessMs,
+      ])
       .then(
-        (ok) => {
+        (reply: [number, number]) => {
           t.renewing = false;
-          if (t.released) return;
-          if (Number(ok) === 1) {
-            t.renewedAt = this.clock.now();
-            t.validMs = this.settings.leaseMs;
+          this.link.sawServerTime(Number(reply[1]), sentAt);
+          if (t.released || t.lost) return;
+          if (Number(reply[0]) === 1) {
+            t.validUntil = sentAt + this.settings.leaseMs;
             this.#scheduleRenew(t);
           } else {
             this.#lost(t);
@@ -463,16 +540,21 @@ export abstract class RedisPermitStage extends BaseStage {
         },
         (error: unknown) => {
           t.renewing = false;
-          if (t.released) return;
-          if (this.clock.now() - t.renewedAt >= t.validMs) return this.#lost(t, error);
+          if (t.released || t.lost) return;
+          const leftMs = t.validUntil - this.clock.now();
+          if (leftMs <= 0) return this.#lost(t, error);
           this.log.warn({ err: error, lease: t.leaseId }, "lease renewal failed; retrying");
-          const retryMs = Math.max(1, Math.min(1000, Math.floor(t.validMs / 10)));
+          const retryMs = Math.max(1, Math.min(1000, Math.floor(leftMs / 10)));
           t.renewTimer = unrefTimer(this.clock.setTimeout(() => this.#renew(t), retryMs));
         },
       );
   }
 
+  /** The ticket's lease ran out before its release: abort its signal, once, and count it. */
   #lost(t: LeaseTicket, cause?: unknown): void {
+    if (t.lost) return;
+    t.lost = true;
+    this.leasesLost++;
     this.log.warn({ lease: t.leaseId, fence: t.fence }, "lease lost");
     this.ticketSignal(t);
     t.controller!.abort(
@@ -483,6 +565,49 @@ export abstract class RedisPermitStage extends BaseStage {
       ),
     );
   }
+
+  /**
+   * Waiters of this process stay in line only while it gives a sign of life (`livenessMs`): each
+   * wait gives one, and while any waiter is left this gives one every `livenessMs / 3` when
+   * nothing else has, with one call for all of them.
+   */
+  #keepAlive(): void {
+    if (this.#heartbeat !== undefined || this.closed) return;
+    const every = Math.max(1, Math.floor(this.#ctx.livenessMs / 3));
+    this.#heartbeat = unrefTimer(this.clock.setTimeout(this.#beat, every));
+  }
+
+  /** No waiter left: no sign of life is needed until the next one lines up. */
+  #quiet(): void {
+    if (this.waiters.size === 0 && this.#heartbeat !== undefined) {
+      this.clock.clearTimeout(this.#heartbeat);
+      this.#heartbeat = undefined;
+    }
+  }
+
+  readonly #beat = (): void => {
+    this.#heartbeat = undefined;
+    if (this.closed || this.waiters.size === 0) return;
+    const every = Math.max(1, Math.floor(this.#ctx.livenessMs / 3));
+    const now = this.clock.now();
+    if (now - this.#signedAt >= every) {
+      this.#signedAt = now;
+      this.link
+        .run(this.name, "semaphore-renew", this.#renewKeys, [
+          this.link.now(),
+          "",
+          0,
+          this.#token,
+          this.#ctx.livenessMs,
+        ])
+        .then(
+          (reply: [number, number]) => this.link.sawServerTime(Number(reply[1]), now),
+          (error: unknown) =>
+            this.log.warn({ err: error }, "could not give a sign of life; waiters may lose their place"),
+        );
+    }
+    this.#keepAlive();
+  };
 
   releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): Promise<void> | undefined {
     const t = ticket as LeaseTicket;
@@ -504,12 +629,17 @@ export abstract class RedisPermitStage extends BaseStage {
 
   /** Run the release script; resolves true when the lease was still held. */
   protected async giveBack(t: LeaseTicket, _outcome: Outcome, _refund: boolean): Promise<boolean> {
+    const sentAt = this.clock.now();
     const reply = await this.#releases.run(t.leaseId, "lease");
-    this.granted(reply[3]);
+    this.granted(reply[3], sentAt);
     return Number(reply[0]) === 1;
   }
 
   protected override onClose(): void {
+    if (this.#heartbeat !== undefined) {
+      this.clock.clearTimeout(this.#heartbeat);
+      this.#heartbeat = undefined;
+    }
     for (const w of this.#byId.values()) {
       this.#clearRetry(w);
       this.#forget(w.id);

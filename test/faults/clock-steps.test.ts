@@ -1,9 +1,9 @@
-import type { Clock, Ticket } from "floodgate";
+import { type Clock, LeaseLostError, type Ticket } from "floodgate";
 import { type LeaseTicket, type RedisBackendOptions, redis, stageKey } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { afterEach, beforeAll, describe, expect, it } from "vitest";
 import { redisUrl } from "../contract/backends.js";
-import { closeClient, connectedClient, randomPrefix, sleep, within } from "../redis/helpers.js";
+import { closeClient, connectedClient, randomPrefix, sleep, until, within } from "../redis/helpers.js";
 import { describeError, recordUnhandled, serverNow } from "./harness.js";
 
 type Backend = ReturnType<typeof redis>;
@@ -110,39 +110,50 @@ describe("worker clocks stepped ±10 s mid-run, with the server's clock deciding
 
       // Expiries, read after each step: never in the past (reaped early) nor beyond one lease.
       const leftAfterSteps: number[] = [];
-      const check = async () => {
+      const check = async (tickets: LeaseTicket[]) => {
         const [now, scores] = await Promise.all([
           serverNow(raw),
-          Promise.all(longHeld.map((t) => raw.zscore(holders, t.leaseId))),
+          Promise.all(tickets.map((t) => raw.zscore(holders, t.leaseId))),
         ]);
         for (const score of scores) {
           expect(score, "a long holder's lease vanished").not.toBeNull();
           leftAfterSteps.push(Number(score) - now);
         }
-        for (const t of longHeld) expect(t.signal.aborted).toBe(false);
+        for (const t of tickets) expect(t.signal.aborted).toBe(false);
       };
+      // Stepped back, and back again to where it was: the holders renew as if nothing happened.
+      const [aheadHeld, behindHeld, steadyHeld] = longHeld as [LeaseTicket, LeaseTicket, LeaseTicket];
       await sleep(leaseMs * 0.7);
-      ahead.step(STEP_MS);
       behind.step(-STEP_MS);
+      ahead.step(-STEP_MS);
       await sleep(leaseMs * 0.7);
-      await check();
-      ahead.step(-2 * STEP_MS);
-      behind.step(2 * STEP_MS);
+      await check(longHeld);
       await sleep(leaseMs * 0.7);
-      await check();
-      ahead.step(STEP_MS);
-      behind.step(-STEP_MS);
-      await sleep(leaseMs * 0.7);
-      await check();
-      // Nobody else got in while the three long holders held all three permits.
-      expect(oracle.grants).toBe(0);
-      expect(await raw.zcard(holders)).toBe(limit);
+      await check(longHeld);
+      // Stepped forward past the lease's end: from the process that is what a freeze looks like,
+      // so its holder is told at once that its lease is lost, and stops renewing it. Redis still
+      // has the lease until its own end: nothing is granted early.
+      ahead.step(2 * STEP_MS);
+      expect(aheadHeld.signal.aborted).toBe(true);
+      expect(aheadHeld.signal.reason).toBeInstanceOf(LeaseLostError);
+      oracle.now--;
+      const aheadEnd = Number(await raw.zscore(holders, aheadHeld.leaseId));
+      expect(aheadEnd).toBeGreaterThan(await serverNow(raw));
+      await check([behindHeld, steadyHeld]);
+      // Nobody else got in while the long holders held all three permits, until the lost lease
+      // ran out on the server.
+      await sleep(Math.max(0, aheadEnd - (await serverNow(raw)) - 100));
+      if ((await serverNow(raw)) < aheadEnd) expect(oracle.grants).toBe(0);
+      await until(() => oracle.grants > 0, { timeoutMs: 5_000, message: "the lost permit never came back" });
+      behind.step(STEP_MS);
+      ahead.step(-STEP_MS);
 
       // The long holders give back; the others take turns, the cap holding, clocks still stepping.
-      for (const t of longHeld) {
+      for (const t of [behindHeld, steadyHeld]) {
         oracle.now--;
         await t.release("success");
       }
+      await aheadHeld.release("success");
       await stepMidRun(ahead, behind, 150);
       await sleep(150);
       running = false;
@@ -151,6 +162,7 @@ describe("worker clocks stepped ±10 s mid-run, with the server's clock deciding
 
       expect(oracle.peak).toBeLessThanOrEqual(limit);
       expect(oracle.grants).toBeGreaterThan(10);
+      expect(sems[0]!.snapshot().leasesLost).toBeGreaterThanOrEqual(1);
       for (const left of leftAfterSteps) {
         expect(left).toBeGreaterThan(0);
         expect(left).toBeLessThanOrEqual(leaseMs);
@@ -159,7 +171,8 @@ describe("worker clocks stepped ±10 s mid-run, with the server's clock deciding
       expect(await raw.hget(stageKey(prefix, "sem", "meta"), "used")).toBe("0");
       expect(unhandled.seen.map(describeError)).toEqual([]);
       console.log(
-        `clock steps ±${STEP_MS / 1000} s: long holders kept their leases across 2.8 leases ` +
+        `clock steps ±${STEP_MS / 1000} s: long holders stepped back kept their leases across 2.1 leases, ` +
+          `the one stepped forward was told its lease was lost and its permit came back at the lease's end ` +
           `(lease left after each step ${Math.min(...leftAfterSteps)}–${Math.max(...leftAfterSteps)} ms of ${leaseMs}); ` +
           `${oracle.grants} later grants, peak ${oracle.peak}/${limit}`,
       );

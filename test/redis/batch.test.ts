@@ -19,7 +19,7 @@ describe("calls of one turn in one script call", () => {
 
   function keysOf(prefix: string) {
     const key = (part: string) => `${prefix}{s}:${part}`;
-    return [key("holders"), key("queue"), key("qexp"), key("meta")];
+    return [key("holders"), key("queue"), key("qexp"), key("meta"), key("procs")];
   }
 
   async function dump(keys: string[]) {
@@ -42,6 +42,7 @@ describe("calls of one turn in one script call", () => {
     "",
     0,
     again,
+    2_000,
   ];
   const releaseArgs = (now: number, member: string) => [now, member, 3, "ch", "lease", 30_000];
 
@@ -51,12 +52,12 @@ describe("calls of one turn in one script call", () => {
     const members = ["a:1", "b:2", "c:1", "d:1", "e:2"];
     const singles: unknown[] = [];
     for (const m of members) {
-      singles.push(await client.eval(scriptSource("semaphore-acquire"), 4, ...one, ...acquireArgs(1000, m)));
+      singles.push(await client.eval(scriptSource("semaphore-acquire"), 5, ...one, ...acquireArgs(1000, m)));
     }
     const pairs = members.slice(1).flatMap((m) => [m, ""]);
     const batched = await client.eval(
       scriptSource("semaphore-acquire"),
-      4,
+      5,
       ...many,
       ...acquireArgs(1000, members[0]!),
       ...pairs,
@@ -68,12 +69,12 @@ describe("calls of one turn in one script call", () => {
     const singleReleases: unknown[] = [];
     for (const m of ["a:1", "b:2"]) {
       singleReleases.push(
-        await client.eval(scriptSource("semaphore-release"), 4, ...one, ...releaseArgs(1100, m)),
+        await client.eval(scriptSource("semaphore-release"), 5, ...one, ...releaseArgs(1100, m)),
       );
     }
     const batchedReleases = await client.eval(
       scriptSource("semaphore-release"),
-      4,
+      5,
       ...many,
       ...releaseArgs(1100, "a:1"),
       "b:2",
@@ -94,8 +95,8 @@ describe("calls of one turn in one script call", () => {
     [
       "someone already in line",
       async (keys: string[]) => {
-        await client.eval(scriptSource("semaphore-acquire"), 4, ...keys, ...acquireArgs(900, "h:3"));
-        await client.eval(scriptSource("semaphore-acquire"), 4, ...keys, ...acquireArgs(900, "w:1"));
+        await client.eval(scriptSource("semaphore-acquire"), 5, ...keys, ...acquireArgs(900, "h:3"));
+        await client.eval(scriptSource("semaphore-acquire"), 5, ...keys, ...acquireArgs(900, "w:1"));
       },
     ],
     [
@@ -107,9 +108,9 @@ describe("calls of one turn in one script call", () => {
     [
       "a member asking again",
       async (keys: string[]) => {
-        await client.eval(scriptSource("semaphore-acquire"), 4, ...keys, ...acquireArgs(900, "h:3"));
-        await client.eval(scriptSource("semaphore-acquire"), 4, ...keys, ...acquireArgs(900, "b:2"));
-        await client.eval(scriptSource("semaphore-release"), 4, ...keys, ...releaseArgs(950, "h:3"));
+        await client.eval(scriptSource("semaphore-acquire"), 5, ...keys, ...acquireArgs(900, "h:3"));
+        await client.eval(scriptSource("semaphore-acquire"), 5, ...keys, ...acquireArgs(900, "b:2"));
+        await client.eval(scriptSource("semaphore-release"), 5, ...keys, ...releaseArgs(950, "h:3"));
       },
     ],
   ])("decides a batch exactly as one call each with %s", async (_, setup) => {
@@ -126,12 +127,12 @@ describe("calls of one turn in one script call", () => {
     const singles: unknown[] = [];
     for (const [m, again] of members) {
       singles.push(
-        await client.eval(scriptSource("semaphore-acquire"), 4, ...one, ...acquireArgs(1000, m, again)),
+        await client.eval(scriptSource("semaphore-acquire"), 5, ...one, ...acquireArgs(1000, m, again)),
       );
     }
     const batched = await client.eval(
       scriptSource("semaphore-acquire"),
-      4,
+      5,
       ...many,
       ...acquireArgs(1000, members[0]![0], members[0]![1]),
       ...members.slice(1).flat(),

@@ -21,7 +21,7 @@ describe("grants made on release (scripts)", () => {
   function stage(label: string) {
     const prefix = randomPrefix(label);
     const key = (part: string) => `${prefix}{s}:${part}`;
-    const keys = [key("holders"), key("queue"), key("qexp"), key("meta")];
+    const keys = [key("holders"), key("queue"), key("qexp"), key("meta"), key("procs")];
     const channel = key("wake");
     return {
       keys,
@@ -32,11 +32,11 @@ describe("grants made on release (scripts)", () => {
         now: number,
         member: string,
         limit: number | "",
-        opts: { again?: boolean; mode?: string } = {},
+        opts: { again?: boolean; mode?: string; livenessMs?: number } = {},
       ) {
         return client.eval(
           scriptSource("semaphore-acquire"),
-          4,
+          5,
           ...keys,
           now,
           member,
@@ -48,12 +48,13 @@ describe("grants made on release (scripts)", () => {
           limit === "" ? 4 : "",
           0,
           opts.again ? "1" : "",
-        ) as Promise<[number, number, number, number, number, string[], number]>;
+          opts.livenessMs ?? 2_000,
+        ) as Promise<[number, number, number, number, number, string[], number, number]>;
       },
       release(now: number, member: string, limit: number | "", what = "lease") {
         return client.eval(
           scriptSource("semaphore-release"),
-          4,
+          5,
           ...keys,
           now,
           member,
@@ -81,12 +82,14 @@ describe("grants made on release (scripts)", () => {
     expect(released).toBe(1);
     expect(used).toBe(1);
     expect(grants).toHaveLength(1);
-    const [member, fence, epoch, left] = grants[0]!.split("|");
+    const [member, fence, epoch, ends, at] = grants[0]!.split("|");
     expect(member).toBe("w:1");
     expect(Number(fence)).toBeGreaterThan(0);
     expect(epoch).toBe("0");
-    // Its place in line ran to 1000 + 3000: the grant lasts until then unless claimed.
-    expect(Number(left)).toBe(2000);
+    // Its place in line ran to 1000 + 3000: the grant lasts until then unless claimed. The
+    // message says when it ends and when it was made, in the server's time.
+    expect(Number(ends)).toBe(4000);
+    expect(Number(at)).toBe(2000);
     expect(await s.expiry("w:1")).toBe(4000);
     expect(await client.zcard(s.keys[1]!)).toBe(0);
     expect(await client.zcard(s.keys[2]!)).toBe(0);
@@ -120,14 +123,18 @@ describe("grants made on release (scripts)", () => {
     expect(await s.used()).toBe(1);
   });
 
-  it("treats a grant asked for after its end like a newcomer, counting it once", async () => {
+  it("refuses a grant claimed after its end and does not line its member up again", async () => {
     const s = stage("late-claim");
     await s.acquire(1000, "h:1", 1);
     await s.acquire(1000, "w:1", 1);
     await s.release(2000, "h:1", 1);
     const late = await s.acquire(4001, "w:1", 1, { again: true });
-    expect(late[0]).toBe(1);
-    expect(await s.expiry("w:1")).toBe(4001 + 30_000);
+    // Gone: the member is neither holding nor in line; the caller asks under a new member.
+    expect(late[0]).toBe(-1);
+    expect(await s.expiry("w:1")).toBeUndefined();
+    expect(await client.zcard(s.keys[1]!)).toBe(0);
+    expect(await s.used()).toBe(0);
+    expect((await s.acquire(4002, "w2:1", 1))[0]).toBe(1);
     expect(await s.used()).toBe(1);
   });
 

@@ -1,0 +1,229 @@
+import { type Clock, LeaseLostError } from "floodgate";
+import { redis, scriptSource } from "floodgate/redis";
+import type { Redis } from "ioredis";
+import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
+import { redisUrl } from "../contract/backends.js";
+import { closeClient, connectedClient, evalCalls, randomPrefix, until } from "./helpers.js";
+
+/**
+ * Waiters stay in line, and are granted, only while their process gives a sign of life; a grant
+ * message is judged by the time it ends before it becomes a ticket. The scripts are called
+ * directly with explicit times, so every end is exact; the stage tests then forge what a frozen
+ * or killed process would leave behind.
+ */
+describe("signs of life and grant ends (scripts)", () => {
+  let client: Redis;
+  beforeAll(async () => {
+    client = await connectedClient(redisUrl());
+  });
+  afterAll(async () => {
+    await closeClient(client);
+  });
+
+  function stage(label: string) {
+    const prefix = randomPrefix(label);
+    const key = (part: string) => `${prefix}{s}:${part}`;
+    const keys = [key("holders"), key("queue"), key("qexp"), key("meta"), key("procs")];
+    return {
+      keys,
+      acquire(now: number, member: string, limit: number, livenessMs = 2_000, again = false) {
+        return client.eval(
+          scriptSource("semaphore-acquire"),
+          5,
+          ...keys,
+          now,
+          member,
+          limit,
+          30_000,
+          "wait",
+          3_000,
+          key("wake"),
+          "",
+          0,
+          again ? "1" : "",
+          livenessMs,
+        ) as Promise<[number, number, number, number, number, string[], number, number]>;
+      },
+      release(now: number, member: string, limit: number) {
+        return client.eval(
+          scriptSource("semaphore-release"),
+          5,
+          ...keys,
+          now,
+          member,
+          limit,
+          key("wake"),
+          "lease",
+          30_000,
+        ) as Promise<[number, number, number, string[]]>;
+      },
+      sign(now: number, token: string, livenessMs: number) {
+        return client.eval(
+          scriptSource("semaphore-renew"),
+          2,
+          keys[0]!,
+          keys[4]!,
+          now,
+          "",
+          0,
+          token,
+          livenessMs,
+        );
+      },
+      expiry(member: string) {
+        return client.zscore(keys[0]!, member).then((s) => (s === null ? undefined : Number(s)));
+      },
+    };
+  }
+
+  it("grants nothing to a waiter whose process went silent, and gives the permit to the next one", async () => {
+    const s = stage("silent");
+    expect((await s.acquire(1000, "aa-1:1", 1))[0]).toBe(1);
+    expect((await s.acquire(1000, "bb-1:1", 1, 500))[0]).toBe(0); // alive until 1500
+    expect((await s.acquire(1000, "cc-1:1", 1, 5_000))[0]).toBe(0);
+    const [, , used, grants] = await s.release(2000, "aa-1:1", 1);
+    expect(grants.map((g) => g.split("|")[0])).toEqual(["cc-1:1"]);
+    expect(used).toBe(1);
+    expect(await client.zrange(s.keys[1]!, 0, -1)).toEqual([]);
+    expect(await s.expiry("bb-1:1")).toBeUndefined();
+  });
+
+  it("ends a grant no later than its waiter's process stops counting as alive", async () => {
+    const s = stage("ends");
+    await s.acquire(1000, "aa-1:1", 1);
+    await s.acquire(1000, "bb-1:1", 1, 2_000); // alive until 3000; its place in line until 4000
+    const [, , , grants] = await s.release(1500, "aa-1:1", 1);
+    const [, , , ends, at] = grants[0]!.split("|");
+    expect(Number(ends)).toBe(3000);
+    expect(Number(at)).toBe(1500);
+    expect(await s.expiry("bb-1:1")).toBe(3000);
+  });
+
+  it("keeps a waiter in line while its process gives signs of life with no call of its own", async () => {
+    const s = stage("beat");
+    await s.acquire(1000, "aa-1:1", 1);
+    await s.acquire(1000, "bb-1:1", 1, 2_000);
+    await s.sign(2500, "bb", 2_000); // alive until 4500
+    const [, , , grants] = await s.release(2900, "aa-1:1", 1);
+    expect(grants.map((g) => g.split("|")[0])).toEqual(["bb-1:1"]);
+  });
+
+  it("says a member is gone when it asks again after being dropped from the line, and does not line it up", async () => {
+    const s = stage("gone");
+    await s.acquire(1000, "aa-1:1", 1);
+    await s.acquire(1000, "bb-1:1", 1, 500);
+    await s.acquire(1000, "cc-1:1", 1, 5_000);
+    await s.release(2000, "aa-1:1", 1); // bb is dropped, cc granted
+    const again = await s.acquire(2100, "bb-1:1", 1, 2_000, true);
+    expect(again[0]).toBe(-1);
+    expect(await client.zrange(s.keys[1]!, 0, -1)).toEqual([]);
+  });
+});
+
+/** Two backends on two connections stand for two processes. */
+describe("signs of life and grant ends (stages)", () => {
+  const clients: Redis[] = [];
+  afterEach(async () => {
+    await Promise.all(clients.splice(0).map(closeClient));
+  });
+
+  async function connection(): Promise<Redis> {
+    const client = await connectedClient(redisUrl());
+    clients.push(client);
+    return client;
+  }
+
+  /** The one member in line, once there is one. */
+  async function memberInLine(admin: Redis, prefix: string, name: string): Promise<string> {
+    return until(async () => (await admin.zrange(`${prefix}{${name}}:queue`, 0, -1))[0], {
+      timeoutMs: 5000,
+      message: "the waiter did not line up",
+    });
+  }
+
+  async function subscribed(admin: Redis, prefix: string, name: string): Promise<void> {
+    await until(async () => (await admin.pubsub("CHANNELS", `${prefix}{${name}}:wake:*`)).length === 1, {
+      timeoutMs: 5000,
+      message: "the waiter never subscribed",
+    });
+  }
+
+  it("gives no ticket for a grant message that has already ended, and asks Redis instead", async () => {
+    const admin = await connection();
+    const prefix = randomPrefix("stale");
+    const holder = redis(await connection(), { prefix }).semaphore("st", { limit: 1 });
+    const waiter = redis(await connection(), { prefix, pollMs: 60_000 }).semaphore("st", { limit: 1 });
+    const held = await holder.admit();
+    let granted = false;
+    const pending = waiter.admit().then((t) => {
+      granted = true;
+      return t;
+    });
+    const member = await memberInLine(admin, prefix, "st");
+    await subscribed(admin, prefix, "st");
+    const token = member.split("-")[0]!;
+    const before = await evalCalls(admin);
+    // What a release long ago would have sent: a grant that ended at server time 1.
+    await admin.publish(`${prefix}{st}:wake:${token}`, `${member}|999999|0|1|0`);
+    await until(async () => (await evalCalls(admin)) > before, {
+      timeoutMs: 5000,
+      message: "the waiter did not ask Redis about the grant",
+    });
+    expect(granted).toBe(false);
+    expect(waiter.snapshot()).toMatchObject({ waiting: 1, inFlight: 0 });
+    expect(await admin.zrange(`${prefix}{st}:queue`, 0, -1)).toEqual([member]);
+    await held.release("success");
+    const ticket = await pending;
+    expect((ticket as unknown as { leaseId: string }).leaseId).toBe(member);
+    await ticket.release("success");
+  });
+
+  it("lines up again under a new member when the grant it was told of ended unclaimed", async () => {
+    const admin = await connection();
+    const prefix = randomPrefix("lapsed");
+    const holder = redis(await connection(), { prefix }).semaphore("lp", { limit: 2 });
+    const waiter = redis(await connection(), { prefix, pollMs: 60_000 }).semaphore("lp", { limit: 2 });
+    const held = await holder.admit({ cost: 2 });
+    const pending = waiter.admit();
+    const member = await memberInLine(admin, prefix, "lp");
+    await subscribed(admin, prefix, "lp");
+    // A grant made while the waiter's process was frozen, which ran out before it woke: the
+    // member holds a lease that has already ended and is no longer in line.
+    const key = (part: string) => `${prefix}{lp}:${part}`;
+    await admin.zrem(key("queue"), member);
+    await admin.zrem(key("qexp"), member);
+    await admin.zadd(key("holders"), 1, member);
+    await held.release("success");
+    await admin.hset(key("meta"), "used", 1);
+    const token = member.split("-")[0]!;
+    await admin.publish(key(`wake:${token}`), `${member}|999999|0|1|0`);
+    // It asks again, finds its grant gone, and lines up as someone new: it is granted then.
+    const ticket = await pending;
+    const leaseId = (ticket as unknown as { leaseId: string }).leaseId;
+    expect(leaseId).not.toBe(member);
+    expect(await admin.zscore(key("holders"), member)).toBeNull();
+    expect(await admin.hget(key("meta"), "used")).toBe("1");
+    await ticket.release("success");
+    expect(await admin.hget(key("meta"), "used")).toBe("0");
+  });
+
+  it("aborts a ticket's signal as soon as it is read after its lease has ended on the process's clock", async () => {
+    let frozenMs = 0;
+    // The process's monotonic clock runs on while it is stopped: this one jumps when told.
+    const clock: Clock = {
+      now: () => performance.now() + frozenMs,
+      setTimeout: (fn, ms) => setTimeout(fn, ms),
+      clearTimeout: (t) => clearTimeout(t as ReturnType<typeof setTimeout>),
+    };
+    const prefix = randomPrefix("frozen");
+    const sem = redis(await connection(), { prefix, clock }).semaphore("fr", { limit: 1, leaseMs: 1000 });
+    const ticket = await sem.admit();
+    expect(ticket.signal.aborted).toBe(false);
+    frozenMs = 1001;
+    expect(ticket.signal.aborted).toBe(true);
+    expect(ticket.signal.reason).toBeInstanceOf(LeaseLostError);
+    expect(sem.snapshot().leasesLost).toBe(1);
+    await ticket.release("success");
+    expect(sem.snapshot().leasesLost).toBe(1);
+  });
+});
