@@ -7,14 +7,18 @@
 -- ARGV[1] now  ms, or "" for the server's TIME
 -- ARGV[2] ms   pause length, ms >= 0
 --
--- Returns the whole milliseconds until the host's next slot.
-local host = KEYS[1]
-local now  = floodgate_now(ARGV[1])
-local ms   = tonumber(ARGV[2])
+-- Returns the whole milliseconds until the host's next slot, at most 2^53 - 1; the key expires
+-- then (plus a second), at most 2^53 - 1 ms from now. Nothing is written unless all of it is.
+local LONGEST_MS = 9007199254740991  -- ms: the longest wait returned or TTL set
+local host       = KEYS[1]
+local now        = floodgate_now(ARGV[1])
+local ms         = tonumber(ARGV[2])
 
 local state       = redis.call('HMGET', host, 'nextAt', 'pausedUntil')
 local nextAt      = math.max(tonumber(state[1] or '-1'), now + ms)
 local pausedUntil = math.max(tonumber(state[2] or '-1'), now + ms)
+local waitMs      = math.min(math.ceil(nextAt - now), LONGEST_MS)
+local ttl         = floodgate_num(math.min(waitMs + 1000, LONGEST_MS))
 redis.call('HSET', host, 'nextAt', floodgate_num(nextAt), 'pausedUntil', floodgate_num(pausedUntil))
-redis.call('PEXPIRE', host, floodgate_num(math.ceil(nextAt - now) + 1000))
-return math.ceil(nextAt - now)
+redis.call('PEXPIRE', host, ttl)
+return waitMs

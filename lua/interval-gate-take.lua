@@ -6,17 +6,20 @@
 -- ARGV[2] spacing  ms until the following call may start: minIntervalMs plus this call's jitter
 --
 -- Returns {1, previous, claimed} when started (the slot it replaced and the one it set, as
--- strings, for a refund), or {0, waitMs} with waitMs as a string (may be fractional).
-local host    = KEYS[1]
-local now     = floodgate_now(ARGV[1])
-local spacing = tonumber(ARGV[2])
+-- strings, for a refund), or {0, waitMs} with waitMs as a string (may be fractional; at most
+-- 2^53 - 1). The key expires once its slot has passed, at most 2^53 - 1 ms from now.
+local LONGEST_MS = 9007199254740991  -- ms: the longest wait returned or TTL set
+local host       = KEYS[1]
+local now        = floodgate_now(ARGV[1])
+local spacing    = tonumber(ARGV[2])
 
 local previous = redis.call('HGET', host, 'nextAt') or ''
 local nextAt = tonumber(previous ~= '' and previous or '-1')
 if nextAt > now then
-  return {0, floodgate_num(nextAt - now)}
+  return {0, floodgate_num(math.min(nextAt - now, LONGEST_MS))}
 end
 local claimed = floodgate_num(now + spacing)
+local ttl     = floodgate_num(math.min(math.ceil(spacing) + 1000, LONGEST_MS))
 redis.call('HSET', host, 'nextAt', claimed)
-redis.call('PEXPIRE', host, floodgate_num(math.ceil(spacing) + 1000))
+redis.call('PEXPIRE', host, ttl)
 return {1, previous, claimed}

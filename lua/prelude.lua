@@ -72,9 +72,13 @@ local function floodgate_wait_ms(s, capacity, refillPerSecond, recoveryMs, cost,
 end
 
 -- A number as Redis would write it, with every digit (%.17g), so it reads back exactly; a whole
--- number goes through the cheaper '%d' (the same text). Cheaper than letting redis.call convert.
+-- number up to 2^53 goes through the cheaper '%d' (the same text, never an exponent, so a TTL
+-- up to 2^53 - 1 ms written with it is an integer PEXPIRE takes). Cheaper than letting
+-- redis.call convert.
 local function floodgate_num(x)
-  if x % 1 == 0 and x > -1e15 and x < 1e15 then return string.format('%d', x) end
+  if x % 1 == 0 and x >= -9007199254740991 and x <= 9007199254740991 then
+    return string.format('%d', x)
+  end
   return string.format('%.17g', x)
 end
 
@@ -99,9 +103,15 @@ local function floodgate_bucket(key, initial, now, withLast, read)
 end
 
 -- Write a bucket back in one HSET, with `last` set to `grant` unless it is nil, and let it expire
--- once it would be full again anyway (an idle key costs nothing). Unless `s.whole`, only what a
--- take, refund or settle can move is written: tokens, and updatedAt when it moved.
+-- once it would be full again anyway (an idle key costs nothing), at most 2^53 - 1 ms from now
+-- (a refill too slow, or a debt too deep, to wait out). Unless `s.whole`, only what a take,
+-- refund or settle can move is written: tokens, and updatedAt when it moved. Everything is
+-- worked out before the first write, so nothing is left half written.
 local function floodgate_save_bucket(key, s, capacity, refillPerSecond, recoveryMs, grant)
+  -- Time until idle is at most the refill at the slowest (penalised) rate, or the recovery.
+  local fillMs = (capacity - s.tokens) * 1000 / refillPerSecond
+  if s.factor < 1 then fillMs = math.max(fillMs / s.factor, recoveryMs) end
+  local ttl = string.format('%d', math.min(math.ceil(fillMs) + 1000, 9007199254740991))
   local tokens = floodgate_num(s.tokens)
   if s.whole then
     local updatedAt = floodgate_num(s.updatedAt)
@@ -126,11 +136,7 @@ local function floodgate_save_bucket(key, s, capacity, refillPerSecond, recovery
   else
     redis.call('HSET', key, 'tokens', tokens)
   end
-  -- Time until idle is at most the refill at the slowest (penalised) rate, or the recovery.
-  local fillMs = (capacity - s.tokens) * 1000 / refillPerSecond
-  if s.factor < 1 then fillMs = math.max(fillMs / s.factor, recoveryMs) end
-  local ttl = math.ceil(fillMs) + 1000
-  redis.call('PEXPIRE', key, ttl < 1e15 and string.format('%d', ttl) or ttl)
+  redis.call('PEXPIRE', key, ttl)
 end
 
 -- A lease or waiter member is "<id>:<cost>": its cost travels with it, so no side table.

@@ -15,7 +15,9 @@
 --                          caller's cost and grant, and so on
 --
 -- Returns {taken1, waitMs1, taken2, waitMs2, ...}: taken = 1 and waitMs = 0 when granted, else
--- taken = 0 and waitMs the whole milliseconds until that caller's cost is there.
+-- taken = 0 and waitMs the whole milliseconds until that caller's cost is there (at most
+-- 2^53 - 1, so the reply stays an integer Redis can send).
+local LONGEST_MS      = 9007199254740991  -- ms: the longest wait returned
 local bucket          = KEYS[1]
 local now             = floodgate_now(ARGV[1])
 local capacity        = tonumber(ARGV[2])
@@ -31,7 +33,7 @@ for i = 6, #ARGV, 2 do
   local tokens = floodgate_tokens_at(s, capacity, refillPerSecond, recoveryMs, now)
   if tokens + 1e-9 < cost then
     replies[#replies + 1] = 0
-    replies[#replies + 1] = floodgate_wait_ms(s, capacity, refillPerSecond, recoveryMs, cost, now)
+    replies[#replies + 1] = math.min(floodgate_wait_ms(s, capacity, refillPerSecond, recoveryMs, cost, now), LONGEST_MS)
   else
     s.tokens = math.max(0, tokens - cost)
     s.updatedAt = math.max(now, s.updatedAt)

@@ -11,7 +11,9 @@
 -- ARGV[6] initial          tokens a fresh key starts with
 -- ARGV[7] grant            id of this grant; only the latest grant of a key can be refunded
 --
--- Returns {1, 0} when taken, or {0, waitMs}: the whole milliseconds until `cost` tokens are there.
+-- Returns {1, 0} when taken, or {0, waitMs}: the whole milliseconds until `cost` tokens are there,
+-- at most 2^53 - 1 (a reply above what Redis can send as an integer would arrive garbled).
+local LONGEST_MS      = 9007199254740991  -- ms: the longest wait or TTL written or returned
 local bucket          = KEYS[1]
 local now             = floodgate_now(ARGV[1])
 local capacity        = tonumber(ARGV[2])
@@ -33,12 +35,13 @@ if v[1] and v[3] == '1' then
   end
   if tokens + 1e-9 >= cost then
     tokens = math.max(0, tokens - cost)
+    local ttl = floodgate_num(math.min(math.ceil((capacity - tokens) * 1000 / refillPerSecond) + 1000, LONGEST_MS))
     if now > updatedAt then
       redis.call('HSET', bucket, 'tokens', floodgate_num(tokens), 'updatedAt', floodgate_num(now), 'last', grant)
     else
       redis.call('HSET', bucket, 'tokens', floodgate_num(tokens), 'last', grant)
     end
-    redis.call('PEXPIRE', bucket, floodgate_num(math.ceil((capacity - tokens) * 1000 / refillPerSecond) + 1000))
+    redis.call('PEXPIRE', bucket, ttl)
     return {1, 0}
   end
 end
@@ -48,7 +51,7 @@ local tokens = floodgate_tokens_at(s, capacity, refillPerSecond, recoveryMs, now
 if tokens + 1e-9 < cost then
   -- A key seen for the first time starts refilling now, granted or not.
   if s.whole then floodgate_save_bucket(bucket, s, capacity, refillPerSecond, recoveryMs, nil) end
-  return {0, floodgate_wait_ms(s, capacity, refillPerSecond, recoveryMs, cost, now)}
+  return {0, math.min(floodgate_wait_ms(s, capacity, refillPerSecond, recoveryMs, cost, now), LONGEST_MS)}
 end
 s.tokens = math.max(0, tokens - cost)
 s.updatedAt = math.max(now, s.updatedAt)

@@ -109,7 +109,7 @@ export class MemoryTokenBucket extends BaseStage {
     if (b.size === 0 && this.#take(b, cost, now)) return Promise.resolve(this.#issue(b, cost, key));
     if (o.timeoutMs !== undefined && !o.signal?.aborted && b.size === 0) {
       // Refuse at once what cannot be granted in time, rather than wait and fail.
-      const ms = waitMs(b, this.#config, cost, now);
+      const ms = Math.min(waitMs(b, this.#config, cost, now), LONGEST_MS);
       if (ms > o.timeoutMs) {
         this.timedOut++;
         return Promise.reject(this.#timeout(o.timeoutMs, ms));

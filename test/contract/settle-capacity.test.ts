@@ -263,7 +263,7 @@ async function runSequence(backend: (typeof backends)[number], kind: string, ops
   try {
     for (const [i, step] of ops.entries()) {
       const where = `step ${i} ${JSON.stringify(step)}`;
-      if (step.op === "admit" || step.op === "tryAdmit") {
+      if ("cost" in step) {
         const cost = Math.min(step.cost, s.maxCost);
         const expected = s.model.fits(cost);
         const ticket = await tryGet(s.stage, step.op, cost);
@@ -275,7 +275,7 @@ async function runSequence(backend: (typeof backends)[number], kind: string, ops
         }
       } else if (all.length > 0) {
         const h = all[step.pick % all.length]!;
-        if (step.op === "settle") {
+        if ("actual" in step) {
           const actual = step.byName ? { [s.pricedBy]: step.actual } : step.actual;
           await h.ticket.settle(actual);
           s.model.settled(h, step.actual);
