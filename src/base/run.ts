@@ -59,14 +59,19 @@ function outcomeOf<T>(
 ) {
   const recorded = ticket.recorded;
   if (recorded !== undefined) return recorded;
+  let outcome: unknown;
   try {
     // The default rule needs no `Settled` object; a classify of the caller's gets one.
     if (classify == null) return ok ? valueOutcome(value) : errorOutcome(value);
-    return classify(ok ? { ok: true, value: value as T } : { ok: false, error: value });
+    outcome = classify(ok ? { ok: true, value: value as T } : { ok: false, error: value });
   } catch (error) {
     log.warn({ err: error }, "classify threw; outcome ignored");
     return "ignored";
   }
+  if (outcome === "success" || outcome === "dropped" || outcome === "ignored") return outcome;
+  // Anything else would leave the ticket held: it is released as `ignored`.
+  log.warn({ outcome: typeof outcome }, "classify returned no outcome; outcome ignored");
+  return "ignored";
 }
 
 /**

@@ -151,9 +151,16 @@ function fail(field: string, message: string): never {
   throw new InvalidOptionsError(undefined, field, `wrapFetch: ${message}`);
 }
 
+/** Whether `g` has the methods a gate needs here (`run` or `admit`, and `pause`). */
+function isGate(g: unknown, method: "run" | "admit"): boolean {
+  if (typeof g !== "object" || g === null) return false;
+  const o = g as Record<string, unknown>;
+  return typeof o[method] === "function" && typeof o.pause === "function";
+}
+
 function checkOptions(gate: unknown, fetchImpl: unknown, options: unknown): WrapFetchOptions {
   const g = gate as Partial<FetchGate> | null | undefined;
-  if (typeof g !== "object" || g === null || typeof g.run !== "function" || typeof g.pause !== "function") {
+  if (!readingOptions("gate", "gate", fail, () => isGate(g, "run"))) {
     fail("gate", `gate must be a Gate (an object with run and pause) (got ${show(gate)})`);
   }
   if (fetchImpl !== undefined && typeof fetchImpl !== "function") {
@@ -224,6 +231,31 @@ function checkCall(call: unknown): FetchCallOptions | false {
   }
   // cost, costs and timeoutMs are checked by the gate, which names the field.
   return c;
+}
+
+/** What a call's `init` says, read once: its floodgate options, the rest to send, signal, method, body. */
+function readInit(input: unknown, given: unknown) {
+  // `null` is no init, as fetch takes it; anything else that is not an object is refused.
+  const init = given === null ? undefined : given;
+  if (init !== undefined && (typeof init !== "object" || isArray(init))) {
+    fail("init", `init must be an object (got ${show(init)})`);
+  }
+  return readingOptions("init", "init", fail, () => {
+    const i = init as Record<string, unknown> | undefined;
+    const call = checkCall(i?.floodgate);
+    let sendInit = i;
+    if (i && "floodgate" in i) {
+      const { floodgate: _, ...rest } = i;
+      sendInit = rest;
+    }
+    return {
+      call,
+      sendInit,
+      signal: signalOf(input, i),
+      method: methodOf(input, sendInit),
+      canReplay: replayable(input, sendInit),
+    };
+  });
 }
 
 /** The URL a fetch call goes to: a string, a `URL`, or a `Request` (its `url`). */
@@ -409,7 +441,12 @@ export function wrapFetch<F extends FetchLike>(
 
   /** Settle the ticket from the response; only the backend failing to do it is forgiven. */
   async function settleFrom(ticket: Ticket, response: ResponseLike, url: URL): Promise<void> {
-    const actual = checkSettled(await settle!(response, url));
+    const returned = settle!(response, url);
+    // A returned value whose `then` cannot even be read is not a cost (a Proxy, revoked or not).
+    if (typeof returned === "object" && returned !== null) {
+      readingOptions("settle", "what settle returned", fail, () => (returned as { then?: unknown }).then);
+    }
+    const actual = checkSettled(await returned);
     if (actual === undefined) return;
     try {
       await ticket.settle(actual);
@@ -419,13 +456,11 @@ export function wrapFetch<F extends FetchLike>(
     }
   }
 
-  async function floodgateFetch(input: unknown, init?: Record<string, unknown>): Promise<ResponseLike> {
-    const call = checkCall(init?.floodgate);
-    let sendInit = init;
-    if (init && "floodgate" in init) {
-      const { floodgate: _, ...rest } = init;
-      sendInit = rest;
-    }
+  async function floodgateFetch(
+    input: unknown,
+    given?: Record<string, unknown> | null,
+  ): Promise<ResponseLike> {
+    const { call, sendInit, signal, method, canReplay } = readInit(input, given);
     const send = (): Promise<ResponseLike> => {
       const f = (fetchImpl ?? globalThis.fetch) as FetchLike;
       return sendInit === undefined ? f(input) : f(input, sendInit);
@@ -434,7 +469,6 @@ export function wrapFetch<F extends FetchLike>(
     const url = urlOf(input);
     const host = call.host ?? (url.host || undefined);
     const key = call.key ?? keyOf?.(url, sendInit) ?? host;
-    const signal = signalOf(input, init);
 
     const attempt = async (ticket: Ticket): Promise<Sent> => {
       const response = await send();
@@ -465,8 +499,7 @@ export function wrapFetch<F extends FetchLike>(
       });
 
     const policy = retryPolicy(o.retry, call.retry);
-    const method = methodOf(input, sendInit);
-    if (!policy?.methods.has(method) || !replayable(input, sendInit)) {
+    if (!policy?.methods.has(method) || !canReplay) {
       return (await runOnce()).response;
     }
     return retrying(policy, runOnce, signal, `${method} ${url.origin}${url.pathname}`);

@@ -97,9 +97,16 @@ function fail(field: string, message: string): never {
   throw new InvalidOptionsError(undefined, field, `floodgateInterceptor: ${message}`);
 }
 
+/** Whether `g` has the methods a gate needs here (`run` or `admit`, and `pause`). */
+function isGate(g: unknown, method: "run" | "admit"): boolean {
+  if (typeof g !== "object" || g === null) return false;
+  const o = g as Record<string, unknown>;
+  return typeof o[method] === "function" && typeof o.pause === "function";
+}
+
 function checkOptions(gate: unknown, options: unknown): InterceptorOptions {
   const g = gate as Partial<InterceptorGate> | null | undefined;
-  if (typeof g !== "object" || g === null || typeof g.admit !== "function" || typeof g.pause !== "function") {
+  if (!readingOptions("gate", "gate", fail, () => isGate(g, "admit"))) {
     fail("gate", `gate must be a Gate (an object with admit and pause) (got ${show(gate)})`);
   }
   if (options === undefined) return {};

@@ -28,6 +28,18 @@ class SlotTicket extends BaseTicket {
 const DEFAULT_HOST = "default";
 
 /**
+ * One draw of `random` for the jitter. A `random` that throws draws 0 (no jitter) rather than
+ * failing the call; a value outside [0, 1) is treated as 0 by `spacingMs`.
+ */
+export function draw(random: () => number): number {
+  try {
+    return random();
+  } catch {
+    return 0;
+  }
+}
+
+/**
  * Minimum spacing between the starts of calls to each host: `minIntervalMs` plus a random
  * `[0, jitterMs)` on top, never less. `pause(host, ms)` holds a host back (Retry-After).
  */
@@ -70,7 +82,7 @@ export class MemoryIntervalGate extends BaseStage {
   /** Move the host's next slot on by one spacing; returns the slot it replaced. */
   #claim(h: HostSlot, now: number): number {
     const previous = h.nextAt;
-    const spacing = spacingMs(this.#minIntervalMs, this.#jitterMs, this.#random());
+    const spacing = spacingMs(this.#minIntervalMs, this.#jitterMs, draw(this.#random));
     h.nextAt = afterStart(now, Math.min(spacing, LONGEST_MS));
     return previous;
   }

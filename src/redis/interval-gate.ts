@@ -2,6 +2,7 @@ import { LONGEST_MS, pauseError } from "../admit.js";
 import { spacingMs } from "../algorithms/interval.js";
 import { BaseTicket } from "../base/stage.js";
 import type { Waiter } from "../base/wait-list.js";
+import { draw } from "../memory/interval-gate.js";
 import type { IntervalGateOptions } from "../options.js";
 import type { AdmitOptions, Outcome, StageKind, Ticket, TryAdmitOptions } from "../types.js";
 import { intervalGateSchema, parseOptions } from "../validate.js";
@@ -57,7 +58,7 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
   }
 
   #take(line: HostLine): Promise<TakeReply> {
-    line.spacing ??= Math.min(spacingMs(this.#minIntervalMs, this.#jitterMs, this.#random()), LONGEST_MS);
+    line.spacing ??= Math.min(spacingMs(this.#minIntervalMs, this.#jitterMs, draw(this.#random)), LONGEST_MS);
     return this.#link
       .run(this.name, "interval-gate-take", [line.redisKey], [this.#link.now(), line.spacing])
       .then((reply: TakeReply) => {
