@@ -11,6 +11,9 @@ export const LONGEST_MS = Number.MAX_SAFE_INTEGER;
 
 const EMPTY: AdmitOptions = Object.freeze({});
 
+/** The fields of admit and run options, in the order they are checked. */
+const FIELDS = ["key", "host", "cost", "costs", "signal", "timeoutMs", "classify"] as const;
+
 function fail(kind: StageKind, name: string, field: string, rule: string, got: unknown): never {
   throw new InvalidOptionsError(name, field, `${kind} "${name}": ${field} ${rule} (got ${show(got)})`);
 }
@@ -47,14 +50,8 @@ function isSignal(v: unknown): v is AbortSignal {
   }
 }
 
-function checkName(kind: StageKind, name: string, field: string, v: unknown): string | undefined {
-  if (v === undefined || (typeof v === "string" && v.length > 0)) return v;
-  fail(kind, name, field, "must be a non-empty string", v);
-}
-
 /** `costs` checked and copied into an object with no prototype, so no stage name finds `toString`. */
-function checkCosts(kind: StageKind, name: string, v: unknown): Readonly<Record<string, number>> | undefined {
-  if (v === undefined) return undefined;
+function checkCosts(kind: StageKind, name: string, v: unknown): Readonly<Record<string, number>> {
   if (typeof v !== "object" || v === null || isArray(v)) {
     fail(kind, name, "costs", "must be an object of integers >= 0 by stage name", v);
   }
@@ -89,27 +86,36 @@ export function admitOptions(kind: StageKind, name: string, options: AdmitOption
   if (typeof options !== "object" || options === null || isArray(options)) {
     fail(kind, name, "options", "must be an object", options);
   }
-  const key = checkName(kind, name, "key", read(kind, name, options, "key"));
-  const host = checkName(kind, name, "host", read(kind, name, options, "host"));
-  const cost = read(kind, name, options, "cost");
+  let key: unknown, host: unknown, cost: unknown, costs: unknown, signal: unknown, timeoutMs: unknown;
+  let classify: unknown;
+  try {
+    ({ key, host, cost, costs, signal, timeoutMs, classify } = options as Record<string, unknown>);
+  } catch {
+    // A getter or Proxy trap threw: read field by field to name the one.
+    for (const field of FIELDS) read(kind, name, options, field);
+    throw new InvalidOptionsError(name, "options", `${kind} "${name}": options could not be read`);
+  }
+  if (key !== undefined && !(typeof key === "string" && key.length > 0)) {
+    fail(kind, name, "key", "must be a non-empty string", key);
+  }
+  if (host !== undefined && !(typeof host === "string" && host.length > 0)) {
+    fail(kind, name, "host", "must be a non-empty string", host);
+  }
   if (cost !== undefined && !isCount(cost)) fail(kind, name, "cost", "must be an integer >= 0", cost);
-  const costs = checkCosts(kind, name, read(kind, name, options, "costs"));
-  const signal = read(kind, name, options, "signal");
+  if (costs !== undefined) costs = checkCosts(kind, name, costs);
   if (signal !== undefined && !isSignal(signal)) fail(kind, name, "signal", "must be an AbortSignal", signal);
-  const timeoutMs = read(kind, name, options, "timeoutMs");
   if (timeoutMs !== undefined && !(typeof timeoutMs === "number" && timeoutMs >= 0)) {
     fail(kind, name, "timeoutMs", "must be a number >= 0 or Infinity", timeoutMs);
   }
-  const classify = read(kind, name, options, "classify");
   if (classify !== undefined && typeof classify !== "function") {
     fail(kind, name, "classify", "must be a function (settled) => outcome", classify);
   }
   return {
-    key,
-    host,
+    key: key as string | undefined,
+    host: host as string | undefined,
     // `-0` counts as 0.
     cost: cost === undefined ? undefined : (cost as number) + 0,
-    costs,
+    costs: costs as Readonly<Record<string, number>> | undefined,
     signal: signal as AbortSignal | undefined,
     timeoutMs: timeoutMs === undefined ? undefined : (timeoutMs as number) + 0,
     classify: classify as RunOptions["classify"],
