@@ -167,10 +167,16 @@ export class RedisLink {
       const failed = (error: unknown) => {
         if (call.done) return;
         this.#remove(call);
+        // Anything else Redis answers instead of a reply (a replica after a failover, out of
+        // memory, a busy or failing script) fails closed too, typed, with Redis's error as cause.
         reject(
-          isConnectionError(error)
-            ? new BackendUnavailableError(stage, `Redis failed: ${message(error)}`, { cause: error })
-            : error,
+          new BackendUnavailableError(
+            stage,
+            isConnectionError(error)
+              ? `Redis failed: ${message(error)}`
+              : `Redis refused ${script}: ${message(error)}`,
+            { cause: error },
+          ),
         );
       };
       sent.then(answered, (error: unknown) => {
