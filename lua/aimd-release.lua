@@ -20,6 +20,8 @@
 -- ARGV[8] ratio    backoff ratio in [0.5, 1)
 -- ARGV[9] slow     "1" when the call ran longer than slowCallMs (counts as a drop)
 -- ARGV[10] leaseMs longest lease a grant made here starts with, ms
+-- ARGV[11] listeners "1": pass over waiters nobody listens for (see floodgate_grant_heads); ""
+--                   on a cluster, where pub/sub counts are per node
 --
 -- Returns {released, limit, epoch, used, grants}: grants = the waiters granted the freed permits
 -- (floodgate_grant_heads), each as the message PUBLISHed on `channel`.
@@ -36,6 +38,8 @@ local minLimit    = tonumber(ARGV[6])
 local maxLimit    = tonumber(ARGV[7])
 local ratio       = tonumber(ARGV[8])
 local slow        = ARGV[9] == '1'
+local line        = { holders = holders, queue = queue, qexp = qexp, meta = meta, procs = procs,
+                      channel = channel, listeners = ARGV[11] == '1', own = floodgate_token(member) }
 
 local state = redis.call('HMGET', meta, 'limit', 'epoch', 'used', 'quarantine')
 local limit = tonumber(state[1]) or maxLimit
@@ -63,9 +67,8 @@ local grants = {}
 if redis.call('ZRANGE', queue, 0, 0)[1] then
   local now = floodgate_now(ARGV[1])
   local head = floodgate_live_head(queue, qexp, procs, now)
-  if head and used + floodgate_cost(head) <= limit and (tonumber(state[4]) or 0) <= now then
-    grants, used = floodgate_grant_heads(holders, queue, qexp, meta, procs, head, used, limit, now,
-      tonumber(ARGV[10]), channel, epoch)
+  if head and used < limit and (tonumber(state[4]) or 0) <= now then
+    grants, used = floodgate_grant_heads(line, head, used, limit, now, tonumber(ARGV[10]), epoch)
     redis.call('HSET', meta, 'used', used)
   end
 end

@@ -172,48 +172,69 @@ local function floodgate_live_head(queue, qexp, procs, now)
 end
 
 -- Grant on release: give the waiters at the head of the line their permits while they fit, so a
--- freed permit goes straight to the next waiter with no round trip of its own. `head` is the
--- first member in line. A waiter whose process is no longer alive (see floodgate_live_head)
--- leaves the line instead. Each grant moves the waiter from the line into holders with a lease
--- that ends at the earliest of: when its place in line would have (qexp), `leaseCapMs` from now,
--- and when its process stops counting as alive. Until its process claims it (its first renewal
--- makes it a full lease), a grant to a process that died so comes back within that process's
--- sign-of-life window. Each is told with PUBLISH "<member>|<fence>|<epoch>|<ends>|<now>" (the
--- grant's end and the time of the grant, server ms: the waiter's process judges from them
--- whether the grant is still good when the message reaches it) on `channel`:<token> when the
--- member is "<token>-<n>:<cost>" (the channel of its own process, so a grant wakes no other
--- process), else on `channel`. Returns the messages sent and the permits now used. At most 64
--- grants per call.
-local function floodgate_grant_heads(holders, queue, qexp, meta, procs, head, used, limit, now, leaseCapMs, channel, epoch)
+-- freed permit goes straight to the next waiter with no round trip of its own. `line` holds the
+-- stage's keys (holders, queue, qexp, meta, procs), its grant `channel`, whether to ask Redis who
+-- listens (`listeners`: pub/sub counts are exact on one server, not across a cluster's nodes)
+-- and the token of the calling process (`own`: its grants come back in this call's reply).
+-- `head` is the first member in line. Waiter by waiter, from the head:
+--   * its process went silent (floodgate_alive_until): it leaves the line, granted nothing;
+--   * nobody listens on its process's channel (the process was killed and its connections
+--     closed, or it is not subscribed yet): it keeps its place but is passed over this time, so
+--     a permit never goes where no one can take it; it is granted when it asks again;
+--   * it does not fit: granting stops, so a large waiter is not overtaken by small ones;
+--   * else it moves from the line into holders with a lease that ends at the earliest of when
+--     its place in line would have (qexp), `leaseCapMs` from now and when its process stops
+--     counting as alive, until its process claims it (its first renewal makes it a full lease),
+--     and is told with PUBLISH "<member>|<fence>|<epoch>|<ends>|<now>" (server ms: its process
+--     judges from them whether the grant is still good when the message reaches it) on
+--     `channel`:<token> when the member is "<token>-<n>:<cost>" (the channel of its own
+--     process, so a grant wakes no other process), else on `channel`.
+-- Returns the messages sent and the permits now used. At most 64 grants per call.
+local function floodgate_grant_heads(line, head, used, limit, now, leaseCapMs, epoch)
+  local queue, qexp = line.queue, line.qexp
   local sent = {}
   local n = 0
-  local looked = 0
-  while head and n < 64 and looked < 256 do
-    looked = looked + 1
+  local passed = 0
+  local hears = {}
+  for _ = 1, 256 do
+    if not head or n >= 64 then break end
     local token = floodgate_token(head)
-    local alive = token and floodgate_alive_until(procs, token)
+    local alive = token and floodgate_alive_until(line.procs, token)
+    local to = token and (line.channel .. ':' .. token) or line.channel
     if alive and alive <= now then
       redis.call('ZREM', queue, head)
       redis.call('ZREM', qexp, head)
     else
-      local cost = floodgate_cost(head)
-      if used + cost > limit then break end
-      local expiry = tonumber(redis.call('ZSCORE', qexp, head))
-      redis.call('ZREM', queue, head)
-      redis.call('ZREM', qexp, head)
-      if expiry and expiry > now then
-        expiry = math.min(expiry, now + leaseCapMs)
-        if alive then expiry = math.min(expiry, alive) end
-        redis.call('ZADD', holders, expiry, head)
-        used = used + cost
-        local fence = redis.call('HINCRBY', meta, 'seq', 1)
-        local message = head .. '|' .. fence .. '|' .. epoch .. '|' .. floodgate_num(expiry) .. '|' .. floodgate_num(now)
-        redis.call('PUBLISH', token and (channel .. ':' .. token) or channel, message)
-        n = n + 1
-        sent[n] = message
+      local heard = true
+      if token and line.listeners and token ~= line.own then
+        heard = hears[token]
+        if heard == nil then
+          heard = tonumber(redis.call('PUBSUB', 'NUMSUB', to)[2]) > 0
+          hears[token] = heard
+        end
+      end
+      if not heard then
+        passed = passed + 1
+      else
+        local cost = floodgate_cost(head)
+        if used + cost > limit then break end
+        local expiry = tonumber(redis.call('ZSCORE', qexp, head))
+        redis.call('ZREM', queue, head)
+        redis.call('ZREM', qexp, head)
+        if expiry and expiry > now then
+          expiry = math.min(expiry, now + leaseCapMs)
+          if alive then expiry = math.min(expiry, alive) end
+          redis.call('ZADD', line.holders, expiry, head)
+          used = used + cost
+          local fence = redis.call('HINCRBY', line.meta, 'seq', 1)
+          local message = head .. '|' .. fence .. '|' .. epoch .. '|' .. floodgate_num(expiry) .. '|' .. floodgate_num(now)
+          redis.call('PUBLISH', to, message)
+          n = n + 1
+          sent[n] = message
+        end
       end
     end
-    head = redis.call('ZRANGE', queue, 0, 0)[1]
+    head = redis.call('ZRANGE', queue, passed, passed)[1]
   end
   return sent, used
 end

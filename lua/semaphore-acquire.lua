@@ -20,7 +20,9 @@
 -- ARGV[10] again       "1" when `member` asked before (it may have been granted on a release)
 -- ARGV[11] livenessMs  "wait" mode: how long this call counts as a sign of life of the caller's
 --                      process (the token of `member`), ms
--- ARGV[12] member2     more callers of this turn, each a member and its "again" flag (ARGV[13]),
+-- ARGV[12] listeners   "1": pass over waiters nobody listens for (see floodgate_grant_heads);
+--                      "" on a cluster, where pub/sub counts are per node
+-- ARGV[13] member2     more callers of this turn, each a member and its "again" flag (ARGV[14]),
 --                      and so on: each is decided in turn, exactly as if each had called alone
 --
 -- Returns {granted, fenceOrWaitMs, used, limit, epoch, grants, quarantineMs, now}:
@@ -55,6 +57,8 @@ local waiterTtlMs = tonumber(ARGV[6])           -- ms
 local channel     = ARGV[7]
 local lastFence   = tonumber(ARGV[9]) or 0
 local procs       = KEYS[5]
+local line        = { holders = holders, queue = queue, qexp = qexp, meta = meta, procs = procs,
+                      channel = channel, listeners = ARGV[12] == '1', own = floodgate_token(ARGV[2]) }
 
 -- A caller that waits is a sign of life of its process: its waiters stay in line, and grants
 -- are made to them, only while it keeps giving one.
@@ -116,8 +120,8 @@ local function acquire(member, again)
       -- What the lapsed grant held goes to the head of the line.
       local grants = {}
       head = floodgate_live_head(queue, qexp, procs, now)
-      if head and used + floodgate_cost(head) <= limit then
-        grants, used = floodgate_grant_heads(holders, queue, qexp, meta, procs, head, used, limit, now, leaseMs, channel, epoch)
+      if head and used < limit then
+        grants, used = floodgate_grant_heads(line, head, used, limit, now, leaseMs, epoch)
         redis.call('HSET', meta, 'used', used)
       end
       return {-1, -1, used, limit, epoch, grants, 0, now}
@@ -150,7 +154,7 @@ local function acquire(member, again)
     end
     if head then
       local fence = redis.call('HINCRBY', meta, 'seq', 1)
-      grants, used = floodgate_grant_heads(holders, queue, qexp, meta, procs, head, used, limit, now, leaseMs, channel, epoch)
+      grants, used = floodgate_grant_heads(line, head, used, limit, now, leaseMs, epoch)
       redis.call('HSET', meta, 'used', used)
       return {1, fence, used, limit, epoch, grants, 0, now}
     end
@@ -167,8 +171,8 @@ local function acquire(member, again)
     redis.call('ZADD', qexp, now + waiterTtlMs, member)
     -- Room made by reaping (or a raised limit) goes to the head of the line.
     head = head or member
-    if used + floodgate_cost(head) <= limit then
-      grants, used = floodgate_grant_heads(holders, queue, qexp, meta, procs, head, used, limit, now, leaseMs, channel, epoch)
+    if used < limit then
+      grants, used = floodgate_grant_heads(line, head, used, limit, now, leaseMs, epoch)
       redis.call('HSET', meta, 'used', used)
     end
   end
@@ -178,14 +182,14 @@ local function acquire(member, again)
   return {0, waitMs, used, limit, epoch, grants, 0, now}
 end
 
-if #ARGV <= 11 then return acquire(ARGV[2], ARGV[10]) end
+if #ARGV <= 12 then return acquire(ARGV[2], ARGV[10]) end
 
 -- Many callers. While nobody is in line, no quarantine holds and they fit, the first ones are
 -- granted with one read and one write of meta (what one call each would have done); the first
 -- that does not fit, or asks again, and every one after it, go the general way.
 local members = { ARGV[2] }
 local agains = { ARGV[10] }
-for i = 12, #ARGV, 2 do
+for i = 13, #ARGV, 2 do
   members[#members + 1] = ARGV[i]
   agains[#agains + 1] = ARGV[i + 1]
 end

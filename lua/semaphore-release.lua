@@ -15,7 +15,9 @@
 -- ARGV[4] channel  pub/sub channel grants are announced on
 -- ARGV[5] what     "lease": `member` is a granted lease (never in line); "any": it may be either
 -- ARGV[6] leaseMs  longest lease a grant made here starts with, ms
--- ARGV[7] member2  more releases of this turn, each a member and its "what" (ARGV[8]), and so
+-- ARGV[7] listeners "1": pass over waiters nobody listens for (see floodgate_grant_heads); ""
+--                   on a cluster, where pub/sub counts are per node
+-- ARGV[8] member2  more releases of this turn, each a member and its "what" (ARGV[9]), and so
 --                  on: each is done in turn, exactly as if each had called alone
 --
 -- Returns {released, dequeued, used, grants}: released = 1 when the lease was held and is now
@@ -28,6 +30,8 @@ local qexp    = KEYS[3]
 local meta    = KEYS[4]
 local procs   = KEYS[5]
 local channel = ARGV[4]
+local line    = { holders = holders, queue = queue, qexp = qexp, meta = meta, procs = procs,
+                  channel = channel, listeners = ARGV[7] == '1', own = floodgate_token(ARGV[2]) }
 
 -- Take `by` permits off the count; returns the permits still used.
 local function lower(by)
@@ -51,10 +55,10 @@ local function grantFreed(used)
   local now = floodgate_now(ARGV[1])
   if (tonumber(state[4]) or 0) > now then return {}, used end
   local head = floodgate_live_head(queue, qexp, procs, now)
-  if not head or used + floodgate_cost(head) > limit then return {}, used end
+  if not head or used >= limit then return {}, used end
   local grants
-  grants, used = floodgate_grant_heads(holders, queue, qexp, meta, procs, head, used, limit, now,
-    tonumber(ARGV[6]), channel, tonumber(state[3]) or 0)
+  grants, used = floodgate_grant_heads(line, head, used, limit, now, tonumber(ARGV[6]),
+    tonumber(state[3]) or 0)
   redis.call('HSET', meta, 'used', used)
   return grants, used
 end
@@ -73,13 +77,13 @@ local function release(member, what)
   return {released, dequeued, used, grants}
 end
 
-if #ARGV <= 6 then return release(ARGV[2], ARGV[5]) end
+if #ARGV <= 7 then return release(ARGV[2], ARGV[5]) end
 
 local leasesOnly = ARGV[5] == 'lease'
-for i = 8, #ARGV, 2 do leasesOnly = leasesOnly and ARGV[i] == 'lease' end
+for i = 9, #ARGV, 2 do leasesOnly = leasesOnly and ARGV[i] == 'lease' end
 if not leasesOnly then
   local replies = { release(ARGV[2], ARGV[5]) }
-  for i = 7, #ARGV, 2 do replies[#replies + 1] = release(ARGV[i], ARGV[i + 1]) end
+  for i = 8, #ARGV, 2 do replies[#replies + 1] = release(ARGV[i], ARGV[i + 1]) end
   return replies
 end
 
@@ -94,7 +98,7 @@ local function free(member)
   replies[#replies + 1] = {released, 0, 0, {}}
 end
 free(ARGV[2])
-for i = 7, #ARGV, 2 do free(ARGV[i]) end
+for i = 8, #ARGV, 2 do free(ARGV[i]) end
 local used
 if freed > 0 then used = lower(freed) end
 local last = replies[#replies]

@@ -52,6 +52,7 @@ export class RedisAimd extends RedisPermitStage {
       this.#ratio,
       slow ? "1" : "0",
       this.settings.leaseMs,
+      this.link.listeners,
     ]);
     this.limit = Number(reply[1]);
     this.granted(reply[4], sentAt);

@@ -104,6 +104,7 @@ export class RedisLink {
     readonly subscriberConnection: RedisClientLike | undefined,
   ) {
     defineScripts(client);
+    this.listeners = (client as { isCluster?: unknown }).isCluster === true ? "" : "1";
   }
 
   /**
@@ -119,6 +120,12 @@ export class RedisLink {
   sawServerTime(at: number, sentAt: number): void {
     if (Number.isFinite(at)) this.serverAhead = at - sentAt;
   }
+
+  /**
+   * Whether scripts may ask Redis who listens on a grant channel ("1"), or not (""): on a
+   * cluster, pub/sub counts are per node, so nobody would seem to listen.
+   */
+  readonly listeners: "1" | "";
 
   /** ARGV[1] of every script: the time to decide with, or "" for the server's clock. */
   now(): string {

@@ -200,6 +200,7 @@ export abstract class RedisPermitStage extends BaseStage {
         this.#lastFence,
         pairs[1]!,
         this.#ctx.livenessMs,
+        this.link.listeners,
       ];
       for (let i = 2; i < pairs.length; i++) args.push(pairs[i]!);
       if (mode === "wait") this.#signedAt = this.clock.now();
@@ -216,6 +217,7 @@ export abstract class RedisPermitStage extends BaseStage {
       this.channel,
       pairs[1]!,
       this.settings.leaseMs,
+      this.link.listeners,
     ];
     for (let i = 2; i < pairs.length; i++) args.push(pairs[i]!);
     return this.link.run(this.name, "semaphore-release", this.keys, args);
@@ -247,6 +249,7 @@ export abstract class RedisPermitStage extends BaseStage {
         this.channel,
         "any",
         this.settings.leaseMs,
+        this.link.listeners,
       ])
       .then(
         (reply) => this.granted(reply[3], sentAt),

@@ -49,6 +49,7 @@ describe("grants made on release (scripts)", () => {
           0,
           opts.again ? "1" : "",
           opts.livenessMs ?? 2_000,
+          "1",
         ) as Promise<[number, number, number, number, number, string[], number, number]>;
       },
       release(now: number, member: string, limit: number | "", what = "lease") {
@@ -62,6 +63,7 @@ describe("grants made on release (scripts)", () => {
           channel,
           what,
           30_000,
+          "1",
         ) as Promise<[number, number, number, string[]]>;
       },
       expiry(member: string) {

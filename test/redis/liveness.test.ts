@@ -26,7 +26,7 @@ describe("signs of life and grant ends (scripts)", () => {
     const keys = [key("holders"), key("queue"), key("qexp"), key("meta"), key("procs")];
     return {
       keys,
-      acquire(now: number, member: string, limit: number, livenessMs = 2_000, again = false) {
+      acquire(now: number, member: string, limit: number, livenessMs = 2_000, again = false, listeners = "") {
         return client.eval(
           scriptSource("semaphore-acquire"),
           5,
@@ -42,9 +42,10 @@ describe("signs of life and grant ends (scripts)", () => {
           0,
           again ? "1" : "",
           livenessMs,
+          listeners,
         ) as Promise<[number, number, number, number, number, string[], number, number]>;
       },
-      release(now: number, member: string, limit: number) {
+      release(now: number, member: string, limit: number, listeners = "") {
         return client.eval(
           scriptSource("semaphore-release"),
           5,
@@ -55,6 +56,7 @@ describe("signs of life and grant ends (scripts)", () => {
           key("wake"),
           "lease",
           30_000,
+          listeners,
         ) as Promise<[number, number, number, string[]]>;
       },
       sign(now: number, token: string, livenessMs: number) {
@@ -106,6 +108,38 @@ describe("signs of life and grant ends (scripts)", () => {
     await s.sign(2500, "bb", 2_000); // alive until 4500
     const [, , , grants] = await s.release(2900, "aa-1:1", 1);
     expect(grants.map((g) => g.split("|")[0])).toEqual(["bb-1:1"]);
+  });
+
+  it("passes over a waiter whose process nobody hears, keeps its place, and grants it when it asks again", async () => {
+    const s = stage("deaf");
+    const sub = await connectedClient(redisUrl());
+    try {
+      const channel = (token: string) => `${s.keys[0]!.slice(0, -"holders".length)}wake:${token}`;
+      await sub.subscribe(channel("cc"));
+      await s.acquire(1000, "aa-1:1", 2, 5_000);
+      await s.acquire(1000, "aa-2:1", 2, 5_000);
+      await s.acquire(1000, "bb-1:1", 2, 5_000); // its process was killed: nobody listens
+      await s.acquire(1000, "cc-1:1", 2, 5_000);
+      const [, , , grants] = await s.release(1100, "aa-1:1", 2, "1");
+      expect(grants.map((g) => g.split("|")[0])).toEqual(["cc-1:1"]);
+      expect(await client.zrange(s.keys[1]!, 0, -1)).toEqual(["bb-1:1"]);
+      // A process that releases hears its own grants in the reply: nobody needs to listen.
+      const [, , , own] = await s.release(1200, "cc-1:1", 2, "1");
+      expect(own).toEqual([]);
+      // bb's process was only deaf for a moment: when it asks again it is at the head, and fits.
+      const again = await s.acquire(1300, "bb-1:1", 2, 5_000, true, "1");
+      expect(again[0]).toBe(1);
+    } finally {
+      await closeClient(sub);
+    }
+  });
+
+  it("hands a waiter of the releasing process its grant in the reply even when it does not listen", async () => {
+    const s = stage("own");
+    await s.acquire(1000, "aa-1:1", 1, 5_000);
+    await s.acquire(1000, "aa-2:1", 1, 5_000);
+    const [, , , grants] = await s.release(1100, "aa-1:1", 1, "1");
+    expect(grants.map((g) => g.split("|")[0])).toEqual(["aa-2:1"]);
   });
 
   it("says a member is gone when it asks again after being dropped from the line, and does not line it up", async () => {
