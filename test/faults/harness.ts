@@ -1,9 +1,14 @@
+import { once } from "node:events";
+import { mkdtemp, rm } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { isFloodgateError, type Stage, type Ticket } from "floodgate";
 import { stageKey } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { expect } from "vitest";
-import { sleep, until } from "../redis/helpers.js";
-import { haveRedisServer, INSTALL_HINT, RedisProcess } from "../setup/redis-server.js";
+import type { ProviderGroup } from "../../examples/provider.js";
+import { type Child, sleep, until } from "../redis/helpers.js";
+import { freePort, haveRedisServer, INSTALL_HINT, RedisProcess } from "../setup/redis-server.js";
 
 /** Longest wait for one Redis reply in the fault scenarios, ms. */
 export const COMMAND_TIMEOUT_MS = 300;
@@ -38,6 +43,83 @@ export async function startRedis(port: number, extraArgs: string[] = []): Promis
   const server = new RedisProcess(port, extraArgs);
   await server.start();
   return server;
+}
+
+/** A redis-server like `startRedis`'s that keeps its data across restarts, in an append-only file. */
+export async function startPersistentRedis(): Promise<{ server: RedisProcess; remove(): Promise<void> }> {
+  const dir = await mkdtemp(join(tmpdir(), "floodgate-aof-"));
+  try {
+    // The file is rewritten once past 1 MB, so loading it on a restart stays quick (ioredis waits
+    // a second before it asks again if it connects while Redis is still loading).
+    const aof = ["--appendonly", "yes", "--auto-aof-rewrite-min-size", "1mb", "--dir", dir];
+    const server = await startRedis(await freePort(), aof);
+    return {
+      server,
+      async remove() {
+        await server.stop();
+        await rm(dir, { recursive: true, force: true });
+      },
+    };
+  } catch (error) {
+    await rm(dir, { recursive: true, force: true });
+    throw error;
+  }
+}
+
+/**
+ * Stop redis-server (SIGTERM lets it finish its append-only file; SIGKILL is a crash) and start
+ * it again on the same port `downMs` later.
+ */
+export async function restartRedis(server: RedisProcess, graceful: boolean, downMs: number): Promise<void> {
+  const child = server.child;
+  if (graceful && child && child.exitCode === null && child.signalCode === null) {
+    const gone = once(child, "exit");
+    child.kill("SIGTERM");
+    await Promise.race([gone, sleep(5_000)]);
+  }
+  await server.stop();
+  await sleep(downMs);
+  await server.start();
+}
+
+/** Milliseconds since the epoch, with a fraction; comparable between processes of one machine. */
+export const epochNow = (): number => performance.timeOrigin + performance.now();
+
+/**
+ * The provider's `group` hook, tapped: the time of every arrival (`epochNow()`) and the requests
+ * in flight counting it, so an arrival above the cap (a breach) is known to the millisecond.
+ */
+export class ProviderTap implements ProviderGroup {
+  readonly at: number[] = [];
+  readonly level: number[] = [];
+  peak = 0;
+  #inFlight = 0;
+  get inFlight(): number {
+    return this.#inFlight;
+  }
+  set inFlight(value: number) {
+    if (value > this.#inFlight) {
+      this.at.push(epochNow());
+      this.level.push(value);
+    }
+    this.#inFlight = value;
+  }
+}
+
+/** The first message of `type` a child sent at index `from` or later; undefined after `timeoutMs` or an exit. */
+export async function nextMessage(
+  child: Child,
+  type: string,
+  from: number,
+  timeoutMs: number,
+): Promise<Record<string, unknown> | undefined> {
+  const deadline = performance.now() + timeoutMs;
+  while (performance.now() < deadline && !child.exited) {
+    for (let i = from; i < child.messages.length; i++)
+      if (child.messages[i]!.type === type) return child.messages[i];
+    await sleep(5);
+  }
+  return undefined;
 }
 
 /** Records every unhandled rejection of this process until `stop()`. */

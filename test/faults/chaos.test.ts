@@ -1,0 +1,84 @@
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import {
+  type ChaosReport,
+  DEFAULTS,
+  formatReport,
+  MIN_CHURN_RATIO,
+  PHASES,
+  type PhaseFigures,
+  runChaos,
+  STALL_BOUND_MS,
+} from "../../soak/chaos.js";
+import { startPersistentRedis } from "./harness.js";
+
+/** Length of each of the seven phases: CHAOS_SECONDS, 5 s by default (about 50 s in all). */
+const PHASE_MS = Number(process.env.CHAOS_SECONDS ?? 5) * 1000;
+
+/** `{ phase: value }` for every phase and the whole run. */
+function byPhase(report: ChaosReport, value: (p: PhaseFigures) => number): Record<string, number> {
+  return Object.fromEntries([...report.phases, report.whole].map((p) => [p.name, Math.round(value(p))]));
+}
+
+function zeros(report: ChaosReport): Record<string, number> {
+  return byPhase(report, () => 0);
+}
+
+/**
+ * Ten worker processes × three callers share a Redis semaphore of limit 6 (leaseMs 1500, pollMs
+ * 100) in front of a provider that answers 429 to any request above 6, through seven phases:
+ * calm, SIGKILL churn, holders frozen (SIGSTOP) past their lease, waiters frozen past the grant
+ * made to them, CLIENT KILL, SCRIPT FLUSH, and redis-server restarted with its append-only file.
+ * One run (soak/chaos.ts) in `beforeAll` prints the figures; each `it` checks one bound.
+ */
+describe("a Redis semaphore fleet under crashes, freezes and Redis faults", () => {
+  let redis: Awaited<ReturnType<typeof startPersistentRedis>> | undefined;
+  let report: ChaosReport;
+
+  beforeAll(
+    async () => {
+      redis = await startPersistentRedis();
+      report = await runChaos({ server: redis.server, phaseMs: PHASE_MS });
+      console.log(`chaos, ${PHASE_MS / 1000} s per phase:\n${formatReport(report)}`);
+    },
+    PHASE_MS * PHASES.length + 90_000,
+  );
+
+  afterAll(async () => {
+    await redis?.remove();
+  });
+
+  it("runs every worker to a clean stop and injects every fault of every phase", () => {
+    expect(report.problems).toEqual([]);
+    const faulted = report.phases.filter((p) => p.name !== "calm");
+    expect(faulted.map((p) => p.name)).toEqual(PHASES.filter((n) => n !== "calm"));
+    for (const p of faulted) expect(p.faults, p.name).toBeGreaterThan(0);
+    expect(new Set(report.freezes.map((f) => f.kind))).toEqual(new Set(["holder", "waiter"]));
+    // The callers did contend: the provider had the whole limit at once.
+    expect(report.phases[0]!.peak).toBeGreaterThanOrEqual(DEFAULTS.limit);
+  });
+
+  it("sees every breach the provider counts", () => {
+    expect(report.tapBreaches).toBe(report.providerBreaches);
+  });
+
+  it("keeps the provider at or under its cap in every phase, save a holder frozen after its signal check", () => {
+    expect(byPhase(report, (p) => p.breaches - p.causes.frozenHolder)).toEqual(zeros(report));
+  });
+
+  it("sends no call on a grant that reached a waiter while it was frozen", () => {
+    expect(byPhase(report, (p) => p.staleGrantSends)).toEqual(zeros(report));
+  });
+
+  it(`keeps at least ${MIN_CHURN_RATIO * 100}% of the calm throughput while a worker is killed every ${DEFAULTS.killEveryMs} ms`, () => {
+    expect(report.ratio).toBeGreaterThanOrEqual(MIN_CHURN_RATIO);
+  });
+
+  it(`never goes ${STALL_BOUND_MS} ms without a successful call while callers wait`, () => {
+    const over = byPhase(report, (p) => (p.stallMs > STALL_BOUND_MS ? p.stallMs : 0));
+    expect(over).toEqual(zeros(report));
+  });
+
+  it("leaves no lease, waiter or key in Redis once the workers have stopped", () => {
+    expect(report.left).toEqual({ keys: [], liveLeases: 0, expiredLeases: 0, waiters: 0, used: 0 });
+  });
+});
