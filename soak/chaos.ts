@@ -523,6 +523,12 @@ export function formatReport(r: ChaosReport): string {
   const pad = (c: string, i: number) => (i === 0 ? c.padEnd(widths[i]!) : c.padStart(widths[i]!));
   const { keys, liveLeases, expiredLeases, waiters, used } = r.left;
   const ratio = Number.isNaN(r.ratio) ? "n/a" : `${(r.ratio * 100).toFixed(0)}%`;
+  const freezes = (kind: "holder" | "waiter") => {
+    const ms = r.freezes.filter((f) => f.kind === kind).map((f) => f.ms);
+    return ms.length === 0
+      ? "no"
+      : `${ms.length} (${Math.min(...ms).toFixed(0)}–${Math.max(...ms).toFixed(0)} ms)`;
+  };
   return [
     ...rows.map((cells) => cells.map(pad).join("  ")),
     "(lost b/i: leases lost before the send / during the call; stale g/l: calls sent on a grant that " +
@@ -530,7 +536,7 @@ export function formatReport(r: ChaosReport): string {
     `kill churn / calm: ${ratio} (bound >= ${MIN_CHURN_RATIO * 100}%); longest stall ` +
       `${r.whole.stallMs.toFixed(0)} ms (bound ${STALL_BOUND_MS} ms); breaches seen by the tap ` +
       `${r.tapBreaches}, counted by the provider ${r.providerBreaches}`,
-    `freezes: ${r.freezes.map((f) => `${f.kind} ${f.ms.toFixed(0)} ms`).join(", ") || "none"}`,
+    `freezes: holders ${freezes("holder")}, waiters ${freezes("waiter")}`,
     `left in Redis: keys [${keys.join(", ")}], live leases ${liveLeases}, expired leases ${expiredLeases}, ` +
       `waiters ${waiters}, used ${used}`,
     ...r.problems.map((p) => `problem: ${p}`),
