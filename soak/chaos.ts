@@ -526,8 +526,8 @@ export function formatReport(r: ChaosReport): string {
   const freezes = (kind: "holder" | "waiter") => {
     const ms = r.freezes.filter((f) => f.kind === kind).map((f) => f.ms);
     return ms.length === 0
-      ? "no"
-      : `${ms.length} (${Math.min(...ms).toFixed(0)}–${Math.max(...ms).toFixed(0)} ms)`;
+      ? "none"
+      : `${ms.length} of ${Math.min(...ms).toFixed(0)}–${Math.max(...ms).toFixed(0)} ms`;
   };
   return [
     ...rows.map((cells) => cells.map(pad).join("  ")),
