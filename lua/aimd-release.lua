@@ -19,7 +19,7 @@
 -- ARGV[7] max      highest limit
 -- ARGV[8] ratio    backoff ratio in [0.5, 1)
 -- ARGV[9] slow     "1" when the call ran longer than slowCallMs (counts as a drop)
--- ARGV[10] leaseMs longest lease a grant made here starts with, ms
+-- ARGV[10] claimMs longest a grant made here stays unclaimed, ms
 -- ARGV[11] listeners "1": pass over waiters nobody listens for (see floodgate_grant_heads); ""
 --                   on a cluster, where pub/sub counts are per node
 --

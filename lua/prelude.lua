@@ -150,20 +150,32 @@ local function floodgate_token(member)
 end
 
 -- When the process `token` stops counting as alive (ms), from `procs` (a sorted set of each
--- waiting process's token scored by the end of its last sign of life); 0 when it never said.
+-- waiting process's token scored by the end of its last sign of life); nil when not known (the
+-- set expired, or the entry was pruned long after its end): then only the waiter's own place in
+-- line (qexp) bounds it.
 local function floodgate_alive_until(procs, token)
-  return tonumber(redis.call('ZSCORE', procs, token)) or 0
+  return tonumber(redis.call('ZSCORE', procs, token))
+end
+
+-- Record a sign of life of process `token`, lasting `livenessMs` from `now`. The set expires
+-- once the last sign of life in it has run out, so processes that are gone leave nothing; while
+-- others keep it, entries ended more than ten minutes ago are pruned.
+local function floodgate_sign_of_life(procs, token, now, livenessMs)
+  redis.call('ZADD', procs, now + livenessMs, token)
+  if redis.call('PTTL', procs) < livenessMs then redis.call('PEXPIRE', procs, livenessMs) end
+  redis.call('ZREMRANGEBYSCORE', procs, '-inf', '(' .. floodgate_num(now - 600000))
 end
 
 -- The first waiter in line whose process is alive. Waiters of a process that stopped renewing
 -- its sign of life (killed, frozen) are taken out of the line on the way: they are never granted.
--- A member without a process token has no sign of life to check and counts as alive.
+-- A member without a process token, or whose process's sign of life is not known, counts as alive.
 local function floodgate_live_head(queue, qexp, procs, now)
   local head = redis.call('ZRANGE', queue, 0, 0)[1]
   for _ = 1, 256 do
     if not head then return nil end
     local token = floodgate_token(head)
-    if not token or floodgate_alive_until(procs, token) > now then return head end
+    local alive = token and floodgate_alive_until(procs, token)
+    if not alive or alive > now then return head end
     redis.call('ZREM', queue, head)
     redis.call('ZREM', qexp, head)
     head = redis.call('ZRANGE', queue, 0, 0)[1]
@@ -183,14 +195,14 @@ end
 --     a permit never goes where no one can take it; it is granted when it asks again;
 --   * it does not fit: granting stops, so a large waiter is not overtaken by small ones;
 --   * else it moves from the line into holders with a lease that ends at the earliest of when
---     its place in line would have (qexp), `leaseCapMs` from now and when its process stops
+--     its place in line would have (qexp), `claimMs` from now and when its process stops
 --     counting as alive, until its process claims it (its first renewal makes it a full lease),
 --     and is told with PUBLISH "<member>|<fence>|<epoch>|<ends>|<now>" (server ms: its process
 --     judges from them whether the grant is still good when the message reaches it) on
 --     `channel`:<token> when the member is "<token>-<n>:<cost>" (the channel of its own
 --     process, so a grant wakes no other process), else on `channel`.
 -- Returns the messages sent and the permits now used. At most 64 grants per call.
-local function floodgate_grant_heads(line, head, used, limit, now, leaseCapMs, epoch)
+local function floodgate_grant_heads(line, head, used, limit, now, claimMs, epoch)
   local queue, qexp = line.queue, line.qexp
   local sent = {}
   local n = 0
@@ -222,7 +234,7 @@ local function floodgate_grant_heads(line, head, used, limit, now, leaseCapMs, e
         redis.call('ZREM', queue, head)
         redis.call('ZREM', qexp, head)
         if expiry and expiry > now then
-          expiry = math.min(expiry, now + leaseCapMs)
+          expiry = math.min(expiry, now + claimMs)
           if alive then expiry = math.min(expiry, alive) end
           redis.call('ZADD', line.holders, expiry, head)
           used = used + cost

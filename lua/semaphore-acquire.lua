@@ -22,7 +22,8 @@
 --                      process (the token of `member`), ms
 -- ARGV[12] listeners   "1": pass over waiters nobody listens for (see floodgate_grant_heads);
 --                      "" on a cluster, where pub/sub counts are per node
--- ARGV[13] member2     more callers of this turn, each a member and its "again" flag (ARGV[14]),
+-- ARGV[13] claimMs     longest a grant made here to another waiter stays unclaimed, ms
+-- ARGV[14] member2     more callers of this turn, each a member and its "again" flag (ARGV[15]),
 --                      and so on: each is decided in turn, exactly as if each had called alone
 --
 -- Returns {granted, fenceOrWaitMs, used, limit, epoch, grants, quarantineMs, now}:
@@ -57,6 +58,7 @@ local waiterTtlMs = tonumber(ARGV[6])           -- ms
 local channel     = ARGV[7]
 local lastFence   = tonumber(ARGV[9]) or 0
 local procs       = KEYS[5]
+local claimMs     = tonumber(ARGV[13])          -- ms
 local line        = { holders = holders, queue = queue, qexp = qexp, meta = meta, procs = procs,
                       channel = channel, listeners = ARGV[12] == '1', own = floodgate_token(ARGV[2]) }
 
@@ -64,7 +66,7 @@ local line        = { holders = holders, queue = queue, qexp = qexp, meta = meta
 -- are made to them, only while it keeps giving one.
 if mode == 'wait' then
   local token = floodgate_token(ARGV[2])
-  if token then redis.call('ZADD', procs, now + tonumber(ARGV[11]), token) end
+  if token then floodgate_sign_of_life(procs, token, now, tonumber(ARGV[11])) end
 end
 
 local function acquire(member, again)
@@ -121,7 +123,7 @@ local function acquire(member, again)
       local grants = {}
       head = floodgate_live_head(queue, qexp, procs, now)
       if head and used < limit then
-        grants, used = floodgate_grant_heads(line, head, used, limit, now, leaseMs, epoch)
+        grants, used = floodgate_grant_heads(line, head, used, limit, now, claimMs, epoch)
         redis.call('HSET', meta, 'used', used)
       end
       return {-1, -1, used, limit, epoch, grants, 0, now}
@@ -140,7 +142,6 @@ local function acquire(member, again)
     end
     local gone = floodgate_expired(qexp, now)
     if #gone > 0 then redis.call('ZREM', queue, unpack(gone)) end
-    floodgate_expired(procs, now)
     if head and head ~= member then head = floodgate_live_head(queue, qexp, procs, now) end
   end
 
@@ -154,7 +155,7 @@ local function acquire(member, again)
     end
     if head then
       local fence = redis.call('HINCRBY', meta, 'seq', 1)
-      grants, used = floodgate_grant_heads(line, head, used, limit, now, leaseMs, epoch)
+      grants, used = floodgate_grant_heads(line, head, used, limit, now, claimMs, epoch)
       redis.call('HSET', meta, 'used', used)
       return {1, fence, used, limit, epoch, grants, 0, now}
     end
@@ -172,7 +173,7 @@ local function acquire(member, again)
     -- Room made by reaping (or a raised limit) goes to the head of the line.
     head = head or member
     if used < limit then
-      grants, used = floodgate_grant_heads(line, head, used, limit, now, leaseMs, epoch)
+      grants, used = floodgate_grant_heads(line, head, used, limit, now, claimMs, epoch)
       redis.call('HSET', meta, 'used', used)
     end
   end
@@ -182,14 +183,14 @@ local function acquire(member, again)
   return {0, waitMs, used, limit, epoch, grants, 0, now}
 end
 
-if #ARGV <= 12 then return acquire(ARGV[2], ARGV[10]) end
+if #ARGV <= 13 then return acquire(ARGV[2], ARGV[10]) end
 
 -- Many callers. While nobody is in line, no quarantine holds and they fit, the first ones are
 -- granted with one read and one write of meta (what one call each would have done); the first
 -- that does not fit, or asks again, and every one after it, go the general way.
 local members = { ARGV[2] }
 local agains = { ARGV[10] }
-for i = 13, #ARGV, 2 do
+for i = 14, #ARGV, 2 do
   members[#members + 1] = ARGV[i]
   agains[#agains + 1] = ARGV[i + 1]
 end

@@ -14,7 +14,7 @@
 -- ARGV[3] limit    permits, or "" to read `limit` from meta
 -- ARGV[4] channel  pub/sub channel grants are announced on
 -- ARGV[5] what     "lease": `member` is a granted lease (never in line); "any": it may be either
--- ARGV[6] leaseMs  longest lease a grant made here starts with, ms
+-- ARGV[6] claimMs  longest a grant made here stays unclaimed, ms
 -- ARGV[7] listeners "1": pass over waiters nobody listens for (see floodgate_grant_heads); ""
 --                   on a cluster, where pub/sub counts are per node
 -- ARGV[8] member2  more releases of this turn, each a member and its "what" (ARGV[9]), and so

@@ -20,7 +20,7 @@ local id         = ARGV[2]
 local leaseMs    = tonumber(ARGV[3])
 local token      = ARGV[4]
 
-if token ~= '' then redis.call('ZADD', procs, now + tonumber(ARGV[5]), token) end
+if token ~= '' then floodgate_sign_of_life(procs, token, now, tonumber(ARGV[5])) end
 if id == '' then return {0, now} end
 local expiry = redis.call('ZSCORE', holders, id)
 if not expiry or tonumber(expiry) <= now then return {0, now} end

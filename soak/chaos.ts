@@ -11,10 +11,11 @@
  *   more flags: --workers --callers --limit --lease-ms --poll-ms --kill-every-ms, --phase <name>…
  */
 import { randomUUID } from "node:crypto";
+import { once } from "node:events";
 import { setPriority } from "node:os";
 import { pathToFileURL } from "node:url";
 import { parseArgs } from "node:util";
-import { stageKey } from "floodgate/redis";
+import { redis, stageKey } from "floodgate/redis";
 import { Redis } from "ioredis";
 import { startProvider } from "../examples/provider.js";
 import {
@@ -48,7 +49,8 @@ export const DEFAULTS = {
   callers: 3,
   limit: 6,
   leaseMs: 1_500,
-  pollMs: 100,
+  /** The library's default, as a fleet that did not tune it would run. */
+  pollMs: 1_000,
   serviceMs: 30,
   /** A worker is SIGKILLed about this often under churn (a standby forked ahead takes its place), ms. */
   killEveryMs: 700,
@@ -407,6 +409,23 @@ class ChaosRun {
     return "unexplained";
   }
 
+  /** One admission of the whole limit, at once or never, and its release. */
+  async sweep(): Promise<void> {
+    const client = new Redis(this.s.server.url, { maxRetriesPerRequest: 0, enableOfflineQueue: false });
+    client.on("error", () => {});
+    try {
+      if (client.status !== "ready") await once(client, "ready");
+      const backend = redis(client, { prefix: this.prefix });
+      const sem = backend.semaphore("provider", { limit: this.s.limit, leaseMs: this.s.leaseMs });
+      const ticket = await sem.tryAdmit({ cost: this.s.limit });
+      if (!ticket) this.problems.push("the sweeping call found the limit still held");
+      await ticket?.release("ignored");
+      await backend.close();
+    } finally {
+      client.disconnect();
+    }
+  }
+
   async leftovers(): Promise<Leftovers> {
     const a = this.admin;
     const key = (part: string) => stageKey(this.prefix, "provider", part);
@@ -472,6 +491,10 @@ class ChaosRun {
       await this.stop();
       // Anything still held now was left behind; let it run out first, to tell live from expired.
       await sleep(s.leaseMs + 3 * s.pollMs + 500);
+      // What killed workers left (leases run out, waiters gone silent) is reaped by the next call
+      // that meets it: one call for the whole limit, from a process of its own, then nothing
+      // may be left.
+      await this.sweep();
       const calls = this.all.flatMap((c) => c.messages.filter((m) => m.type === "call")) as unknown[];
       const figures = windows.map((w) => this.figures(calls as CallRecord[], w));
       const phases = figures.slice(0, -1);

@@ -130,6 +130,7 @@ export const redisBackendSchema = z.strictObject({
   commandTimeoutMs: int(1).optional(),
   pollMs: int(10).optional(),
   livenessMs: int(100).optional(),
+  claimMs: int(20).optional(),
   onBackendError: onBackendError.optional(),
   random: random.optional(),
   subscriber: z

@@ -51,7 +51,7 @@ export class RedisAimd extends RedisPermitStage {
       this.#max,
       this.#ratio,
       slow ? "1" : "0",
-      this.settings.leaseMs,
+      this.claimMs,
       this.link.listeners,
     ]);
     this.limit = Number(reply[1]);

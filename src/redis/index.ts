@@ -53,6 +53,15 @@ export interface RedisBackendOptions extends StageOptions {
    * @default 2000
    */
   livenessMs?: number;
+  /**
+   * How long a permit granted to a waiter on someone else's release stays the waiter's before
+   * its process claims it, ms. The waiter's process claims it with its first renewal, at 80% of
+   * this, when the call is still running then (shorter calls never need to). A permit granted to
+   * a process that dies or freezes before it claims it comes back after this long. Never longer
+   * than the stage's lease. An integer >= 20.
+   * @default 500
+   */
+  claimMs?: number;
   /** Randomness for jitter. @default Math.random */
   random?: () => number;
   /** Default `onBackendError` of every stage this backend builds. @default "fail-closed" */
@@ -112,6 +121,7 @@ export function redis(client: Redis | Cluster, options: RedisBackendOptions = {}
     random: o.random ?? Math.random,
     pollMs: o.pollMs ?? 1000,
     livenessMs: o.livenessMs ?? 2000,
+    claimMs: o.claimMs ?? 500,
   });
 
   /**

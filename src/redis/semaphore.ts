@@ -30,6 +30,8 @@ export interface RedisContext {
   pollMs: number;
   /** How long a sign of life of this process lasts in Redis, ms (see `livenessMs`). */
   livenessMs: number;
+  /** Longest a permit granted to a waiter on a release stays unclaimed, ms (see `claimMs`). */
+  claimMs: number;
 }
 
 /**
@@ -134,8 +136,12 @@ export abstract class RedisPermitStage extends BaseStage {
     return [this.keys[0]!, this.keys[4]!];
   }
 
+  /** Longest a grant made to a waiter on someone's release stays unclaimed: never past a lease. */
+  protected readonly claimMs: number;
+
   constructor(name: string, settings: PermitSettings, ctx: RedisContext) {
     super(name, ctx.clock);
+    this.claimMs = Math.min(ctx.claimMs, settings.leaseMs);
     this.#ctx = ctx;
     this.link = ctx.link;
     this.settings = settings;
@@ -201,6 +207,7 @@ export abstract class RedisPermitStage extends BaseStage {
         pairs[1]!,
         this.#ctx.livenessMs,
         this.link.listeners,
+        this.claimMs,
       ];
       for (let i = 2; i < pairs.length; i++) args.push(pairs[i]!);
       if (mode === "wait") this.#signedAt = this.clock.now();
@@ -216,7 +223,7 @@ export abstract class RedisPermitStage extends BaseStage {
       this.#limitArg(),
       this.channel,
       pairs[1]!,
-      this.settings.leaseMs,
+      this.claimMs,
       this.link.listeners,
     ];
     for (let i = 2; i < pairs.length; i++) args.push(pairs[i]!);
@@ -248,7 +255,7 @@ export abstract class RedisPermitStage extends BaseStage {
         this.#limitArg(),
         this.channel,
         "any",
-        this.settings.leaseMs,
+        this.claimMs,
         this.link.listeners,
       ])
       .then(

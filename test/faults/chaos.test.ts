@@ -24,8 +24,9 @@ function zeros(report: ChaosReport): Record<string, number> {
 }
 
 /**
- * Ten worker processes × three callers share a Redis semaphore of limit 6 (leaseMs 1500, pollMs
- * 100) in front of a provider that answers 429 to any request above 6, through seven phases:
+ * Ten worker processes × three callers share a Redis semaphore of limit 6 (leaseMs 1500; pollMs,
+ * livenessMs and claimMs at their defaults) in front of a provider that answers 429 to any
+ * request above 6, through seven phases:
  * calm, SIGKILL churn, holders frozen (SIGSTOP) past their lease, waiters frozen past the grant
  * made to them, CLIENT KILL, SCRIPT FLUSH, and redis-server restarted with its append-only file.
  * One run (soak/chaos.ts) in `beforeAll` prints the figures; each `it` checks one bound.

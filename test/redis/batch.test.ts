@@ -44,6 +44,7 @@ describe("calls of one turn in one script call", () => {
     again,
     2_000,
     "1",
+    30_000,
   ];
   const releaseArgs = (now: number, member: string) => [now, member, 3, "ch", "lease", 30_000, "1"];
 

@@ -50,6 +50,7 @@ describe("grants made on release (scripts)", () => {
           opts.again ? "1" : "",
           opts.livenessMs ?? 2_000,
           "1",
+          30_000,
         ) as Promise<[number, number, number, number, number, string[], number, number]>;
       },
       release(now: number, member: string, limit: number | "", what = "lease") {

@@ -43,9 +43,10 @@ describe("signs of life and grant ends (scripts)", () => {
           again ? "1" : "",
           livenessMs,
           listeners,
+          30_000,
         ) as Promise<[number, number, number, number, number, string[], number, number]>;
       },
-      release(now: number, member: string, limit: number, listeners = "") {
+      release(now: number, member: string, limit: number, listeners = "", claimMs = 30_000) {
         return client.eval(
           scriptSource("semaphore-release"),
           5,
@@ -55,7 +56,7 @@ describe("signs of life and grant ends (scripts)", () => {
           limit,
           key("wake"),
           "lease",
-          30_000,
+          claimMs,
           listeners,
         ) as Promise<[number, number, number, string[]]>;
       },
@@ -99,6 +100,19 @@ describe("signs of life and grant ends (scripts)", () => {
     expect(Number(ends)).toBe(3000);
     expect(Number(at)).toBe(1500);
     expect(await s.expiry("bb-1:1")).toBe(3000);
+  });
+
+  it("ends a grant nobody claims after claimMs, and lets the next caller take the permit back", async () => {
+    const s = stage("claim");
+    await s.acquire(1000, "aa-1:1", 1);
+    await s.acquire(1000, "bb-1:1", 1, 5_000);
+    const [, , , grants] = await s.release(1500, "aa-1:1", 1, "", 200);
+    expect(Number(grants[0]!.split("|")[3])).toBe(1700);
+    expect(await s.expiry("bb-1:1")).toBe(1700);
+    // bb's process died right after the grant: the next caller reaps it once it has ended.
+    expect((await s.acquire(1699, "cc-1:1", 1, 5_000))[0]).toBe(0);
+    expect((await s.acquire(1701, "cc-1:1", 1, 5_000, true))[0]).toBe(1);
+    expect(await s.expiry("bb-1:1")).toBeUndefined();
   });
 
   it("keeps a waiter in line while its process gives signs of life with no call of its own", async () => {
