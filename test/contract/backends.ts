@@ -78,6 +78,13 @@ function redisBackend(name: string, connect: (url: string) => Redis): ContractBa
         clock,
         time: "clock",
         subscriber,
+        // A FakeClock jumps (`advance(100_000)` runs every timer at once) while replies and
+        // pub/sub messages still take real time, so a grant's default 500 ms window would run out
+        // before its message arrives and every grant would be claimed again in Redis: slower,
+        // not different. Windows these suites' jumps cannot outrun keep them to the contract;
+        // test/redis/liveness and test/faults/chaos cover the defaults in real time.
+        claimMs: 30_000,
+        livenessMs: 600_000,
         ...(random ? { random } : {}),
       });
     },
@@ -106,6 +113,8 @@ function redisClusterBackend(): ContractBackend {
         clock,
         time: "clock",
         subscriber,
+        claimMs: 30_000, // see the single-node backend above
+        livenessMs: 600_000,
         ...(random ? { random } : {}),
       });
     },
