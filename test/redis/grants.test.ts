@@ -1,7 +1,8 @@
-import { redis, scriptSource } from "floodgate/redis";
+import { redis } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import { redisUrl } from "../contract/backends.js";
+import { scriptStage } from "./fixtures/permit-scripts.js";
 import { closeClient, connectedClient, evalCalls, randomPrefix, sleep, until } from "./helpers.js";
 
 /**
@@ -18,63 +19,7 @@ describe("grants made on release (scripts)", () => {
     await closeClient(client);
   });
 
-  function stage(label: string) {
-    const prefix = randomPrefix(label);
-    const key = (part: string) => `${prefix}{s}:${part}`;
-    const keys = [key("holders"), key("queue"), key("qexp"), key("meta"), key("procs")];
-    const channel = key("wake");
-    return {
-      keys,
-      channel,
-      key,
-      /** semaphore-acquire; returns the reply. */
-      acquire(
-        now: number,
-        member: string,
-        limit: number | "",
-        opts: { again?: boolean; mode?: string; livenessMs?: number } = {},
-      ) {
-        return client.eval(
-          scriptSource("semaphore-acquire"),
-          5,
-          ...keys,
-          now,
-          member,
-          limit,
-          30_000,
-          opts.mode ?? "wait",
-          3_000,
-          channel,
-          limit === "" ? 4 : "",
-          0,
-          opts.again ? "1" : "",
-          opts.livenessMs ?? 2_000,
-          "1",
-          30_000,
-        ) as Promise<[number, number, number, number, number, string[], number, number]>;
-      },
-      release(now: number, member: string, limit: number | "", what = "lease") {
-        return client.eval(
-          scriptSource("semaphore-release"),
-          5,
-          ...keys,
-          now,
-          member,
-          limit,
-          channel,
-          what,
-          30_000,
-          "1",
-        ) as Promise<[number, number, number, string[]]>;
-      },
-      expiry(member: string) {
-        return client.zscore(keys[0]!, member).then((s) => (s === null ? undefined : Number(s)));
-      },
-      used() {
-        return client.hget(keys[3]!, "used").then(Number);
-      },
-    };
-  }
+  const stage = (label: string) => scriptStage(client, label);
 
   it("moves the head waiter into holders on release, with a lease that ends when its place in line would have", async () => {
     const s = stage("handoff");

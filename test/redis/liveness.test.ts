@@ -1,8 +1,9 @@
 import { type Clock, LeaseLostError } from "floodgate";
-import { redis, scriptSource } from "floodgate/redis";
+import { redis } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import { redisUrl } from "../contract/backends.js";
+import { scriptStage } from "./fixtures/permit-scripts.js";
 import { closeClient, connectedClient, evalCalls, randomPrefix, until } from "./helpers.js";
 
 /**
@@ -20,71 +21,16 @@ describe("signs of life and grant ends (scripts)", () => {
     await closeClient(client);
   });
 
-  function stage(label: string) {
-    const prefix = randomPrefix(label);
-    const key = (part: string) => `${prefix}{s}:${part}`;
-    const keys = [key("holders"), key("queue"), key("qexp"), key("meta"), key("procs")];
-    return {
-      keys,
-      acquire(now: number, member: string, limit: number, livenessMs = 2_000, again = false, listeners = "") {
-        return client.eval(
-          scriptSource("semaphore-acquire"),
-          5,
-          ...keys,
-          now,
-          member,
-          limit,
-          30_000,
-          "wait",
-          3_000,
-          key("wake"),
-          "",
-          0,
-          again ? "1" : "",
-          livenessMs,
-          listeners,
-          30_000,
-        ) as Promise<[number, number, number, number, number, string[], number, number]>;
-      },
-      release(now: number, member: string, limit: number, listeners = "", claimMs = 30_000) {
-        return client.eval(
-          scriptSource("semaphore-release"),
-          5,
-          ...keys,
-          now,
-          member,
-          limit,
-          key("wake"),
-          "lease",
-          claimMs,
-          listeners,
-        ) as Promise<[number, number, number, string[]]>;
-      },
-      sign(now: number, token: string, livenessMs: number) {
-        return client.eval(
-          scriptSource("semaphore-renew"),
-          2,
-          keys[0]!,
-          keys[4]!,
-          now,
-          "",
-          0,
-          token,
-          livenessMs,
-        );
-      },
-      expiry(member: string) {
-        return client.zscore(keys[0]!, member).then((s) => (s === null ? undefined : Number(s)));
-      },
-    };
-  }
+  const stage = (label: string) => scriptStage(client, label);
+  /** A waiting process's call: listeners not asked, unless said. */
+  const wait = (livenessMs: number, again = false) => ({ livenessMs, again, listeners: false });
 
   it("grants nothing to a waiter whose process went silent, and gives the permit to the next one", async () => {
     const s = stage("silent");
-    expect((await s.acquire(1000, "aa-1:1", 1))[0]).toBe(1);
-    expect((await s.acquire(1000, "bb-1:1", 1, 500))[0]).toBe(0); // alive until 1500
-    expect((await s.acquire(1000, "cc-1:1", 1, 5_000))[0]).toBe(0);
-    const [, , used, grants] = await s.release(2000, "aa-1:1", 1);
+    expect((await s.acquire(1000, "aa-1:1", 1, wait(2_000)))[0]).toBe(1);
+    expect((await s.acquire(1000, "bb-1:1", 1, wait(500)))[0]).toBe(0); // alive until 1500
+    expect((await s.acquire(1000, "cc-1:1", 1, wait(5_000)))[0]).toBe(0);
+    const [, , used, grants] = await s.release(2000, "aa-1:1", 1, "lease", { listeners: false });
     expect(grants.map((g) => g.split("|")[0])).toEqual(["cc-1:1"]);
     expect(used).toBe(1);
     expect(await client.zrange(s.keys[1]!, 0, -1)).toEqual([]);
@@ -93,9 +39,9 @@ describe("signs of life and grant ends (scripts)", () => {
 
   it("ends a grant no later than its waiter's process stops counting as alive", async () => {
     const s = stage("ends");
-    await s.acquire(1000, "aa-1:1", 1);
-    await s.acquire(1000, "bb-1:1", 1, 2_000); // alive until 3000; its place in line until 4000
-    const [, , , grants] = await s.release(1500, "aa-1:1", 1);
+    await s.acquire(1000, "aa-1:1", 1, wait(2_000));
+    await s.acquire(1000, "bb-1:1", 1, wait(2_000)); // alive until 3000; its place in line until 4000
+    const [, , , grants] = await s.release(1500, "aa-1:1", 1, "lease", { listeners: false });
     const [, , , ends, at] = grants[0]!.split("|");
     expect(Number(ends)).toBe(3000);
     expect(Number(at)).toBe(1500);
@@ -104,23 +50,23 @@ describe("signs of life and grant ends (scripts)", () => {
 
   it("ends a grant nobody claims after claimMs, and lets the next caller take the permit back", async () => {
     const s = stage("claim");
-    await s.acquire(1000, "aa-1:1", 1);
-    await s.acquire(1000, "bb-1:1", 1, 5_000);
-    const [, , , grants] = await s.release(1500, "aa-1:1", 1, "", 200);
+    await s.acquire(1000, "aa-1:1", 1, wait(2_000));
+    await s.acquire(1000, "bb-1:1", 1, wait(5_000));
+    const [, , , grants] = await s.release(1500, "aa-1:1", 1, "lease", { listeners: false, claimMs: 200 });
     expect(Number(grants[0]!.split("|")[3])).toBe(1700);
     expect(await s.expiry("bb-1:1")).toBe(1700);
     // bb's process died right after the grant: the next caller reaps it once it has ended.
-    expect((await s.acquire(1699, "cc-1:1", 1, 5_000))[0]).toBe(0);
-    expect((await s.acquire(1701, "cc-1:1", 1, 5_000, true))[0]).toBe(1);
+    expect((await s.acquire(1699, "cc-1:1", 1, wait(5_000)))[0]).toBe(0);
+    expect((await s.acquire(1701, "cc-1:1", 1, wait(5_000, true)))[0]).toBe(1);
     expect(await s.expiry("bb-1:1")).toBeUndefined();
   });
 
   it("keeps a waiter in line while its process gives signs of life with no call of its own", async () => {
     const s = stage("beat");
-    await s.acquire(1000, "aa-1:1", 1);
-    await s.acquire(1000, "bb-1:1", 1, 2_000);
+    await s.acquire(1000, "aa-1:1", 1, wait(2_000));
+    await s.acquire(1000, "bb-1:1", 1, wait(2_000));
     await s.sign(2500, "bb", 2_000); // alive until 4500
-    const [, , , grants] = await s.release(2900, "aa-1:1", 1);
+    const [, , , grants] = await s.release(2900, "aa-1:1", 1, "lease", { listeners: false });
     expect(grants.map((g) => g.split("|")[0])).toEqual(["bb-1:1"]);
   });
 
@@ -130,18 +76,18 @@ describe("signs of life and grant ends (scripts)", () => {
     try {
       const channel = (token: string) => `${s.keys[0]!.slice(0, -"holders".length)}wake:${token}`;
       await sub.subscribe(channel("cc"));
-      await s.acquire(1000, "aa-1:1", 2, 5_000);
-      await s.acquire(1000, "aa-2:1", 2, 5_000);
-      await s.acquire(1000, "bb-1:1", 2, 5_000); // its process was killed: nobody listens
-      await s.acquire(1000, "cc-1:1", 2, 5_000);
-      const [, , , grants] = await s.release(1100, "aa-1:1", 2, "1");
+      await s.acquire(1000, "aa-1:1", 2, wait(5_000));
+      await s.acquire(1000, "aa-2:1", 2, wait(5_000));
+      await s.acquire(1000, "bb-1:1", 2, wait(5_000)); // its process was killed: nobody listens
+      await s.acquire(1000, "cc-1:1", 2, wait(5_000));
+      const [, , , grants] = await s.release(1100, "aa-1:1", 2, "lease", { listeners: true });
       expect(grants.map((g) => g.split("|")[0])).toEqual(["cc-1:1"]);
       expect(await client.zrange(s.keys[1]!, 0, -1)).toEqual(["bb-1:1"]);
       // A process that releases hears its own grants in the reply: nobody needs to listen.
-      const [, , , own] = await s.release(1200, "cc-1:1", 2, "1");
+      const [, , , own] = await s.release(1200, "cc-1:1", 2, "lease", { listeners: true });
       expect(own).toEqual([]);
       // bb's process was only deaf for a moment: when it asks again it is at the head, and fits.
-      const again = await s.acquire(1300, "bb-1:1", 2, 5_000, true, "1");
+      const again = await s.acquire(1300, "bb-1:1", 2, { livenessMs: 5_000, again: true, listeners: true });
       expect(again[0]).toBe(1);
     } finally {
       await closeClient(sub);
@@ -150,19 +96,19 @@ describe("signs of life and grant ends (scripts)", () => {
 
   it("hands a waiter of the releasing process its grant in the reply even when it does not listen", async () => {
     const s = stage("own");
-    await s.acquire(1000, "aa-1:1", 1, 5_000);
-    await s.acquire(1000, "aa-2:1", 1, 5_000);
-    const [, , , grants] = await s.release(1100, "aa-1:1", 1, "1");
+    await s.acquire(1000, "aa-1:1", 1, wait(5_000));
+    await s.acquire(1000, "aa-2:1", 1, wait(5_000));
+    const [, , , grants] = await s.release(1100, "aa-1:1", 1, "lease", { listeners: true });
     expect(grants.map((g) => g.split("|")[0])).toEqual(["aa-2:1"]);
   });
 
   it("says a member is gone when it asks again after being dropped from the line, and does not line it up", async () => {
     const s = stage("gone");
-    await s.acquire(1000, "aa-1:1", 1);
-    await s.acquire(1000, "bb-1:1", 1, 500);
-    await s.acquire(1000, "cc-1:1", 1, 5_000);
-    await s.release(2000, "aa-1:1", 1); // bb is dropped, cc granted
-    const again = await s.acquire(2100, "bb-1:1", 1, 2_000, true);
+    await s.acquire(1000, "aa-1:1", 1, wait(2_000));
+    await s.acquire(1000, "bb-1:1", 1, wait(500));
+    await s.acquire(1000, "cc-1:1", 1, wait(5_000));
+    await s.release(2000, "aa-1:1", 1, "lease", { listeners: false }); // bb is dropped, cc granted
+    const again = await s.acquire(2100, "bb-1:1", 1, wait(2_000, true));
     expect(again[0]).toBe(-1);
     expect(await client.zrange(s.keys[1]!, 0, -1)).toEqual([]);
   });
