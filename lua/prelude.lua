@@ -158,12 +158,11 @@ local function floodgate_alive_until(procs, token)
 end
 
 -- Record a sign of life of process `token`, lasting `livenessMs` from `now`. The set expires
--- once the last sign of life in it has run out, so processes that are gone leave nothing; while
--- others keep it, entries ended more than ten minutes ago are pruned.
+-- once no process has given one for `livenessMs`, so processes that are gone leave nothing (an
+-- entry lost with it reads as not known, which never drops a waiter).
 local function floodgate_sign_of_life(procs, token, now, livenessMs)
   redis.call('ZADD', procs, now + livenessMs, token)
-  if redis.call('PTTL', procs) < livenessMs then redis.call('PEXPIRE', procs, livenessMs) end
-  redis.call('ZREMRANGEBYSCORE', procs, '-inf', '(' .. floodgate_num(now - 600000))
+  redis.call('PEXPIRE', procs, livenessMs)
 end
 
 -- The first waiter in line whose process is alive. Waiters of a process that stopped renewing

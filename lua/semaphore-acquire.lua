@@ -62,10 +62,14 @@ local claimMs     = tonumber(ARGV[13])          -- ms
 local line        = { holders = holders, queue = queue, qexp = qexp, meta = meta, procs = procs,
                       channel = channel, listeners = ARGV[12] == '1', own = floodgate_token(ARGV[2]) }
 
--- A caller that waits is a sign of life of its process: its waiters stay in line, and grants
--- are made to them, only while it keeps giving one.
-if mode == 'wait' then
-  local token = floodgate_token(ARGV[2])
+-- A caller that lines up is a sign of life of its process: its waiters stay in line, and grants
+-- are made to them, only while it keeps giving one. Given once per call, and only by one that
+-- waits: a grant at once needs none.
+local signed = false
+local function sign(member)
+  if signed then return end
+  signed = true
+  local token = floodgate_token(member)
   if token then floodgate_sign_of_life(procs, token, now, tonumber(ARGV[11])) end
 end
 
@@ -94,7 +98,10 @@ local function acquire(member, again)
     if mode == 'wait' and not redis.call('ZSCORE', queue, member) then
       redis.call('ZADD', queue, redis.call('HINCRBY', meta, 'seq', 1), member)
     end
-    if mode == 'wait' then redis.call('ZADD', qexp, now + waiterTtlMs, member) end
+    if mode == 'wait' then
+      redis.call('ZADD', qexp, now + waiterTtlMs, member)
+      sign(member)
+    end
     return {0, quarantine - now, used, limit, epoch, {}, quarantine - now, now}
   end
 
@@ -142,6 +149,8 @@ local function acquire(member, again)
     end
     local gone = floodgate_expired(qexp, now)
     if #gone > 0 then redis.call('ZREM', queue, unpack(gone)) end
+    -- Signs of life that ended ten minutes ago are of processes long gone.
+    redis.call('ZREMRANGEBYSCORE', procs, '-inf', '(' .. floodgate_num(now - 600000))
     if head and head ~= member then head = floodgate_live_head(queue, qexp, procs, now) end
   end
 
@@ -170,6 +179,7 @@ local function acquire(member, again)
       redis.call('ZADD', queue, redis.call('HINCRBY', meta, 'seq', 1), member)
     end
     redis.call('ZADD', qexp, now + waiterTtlMs, member)
+    sign(member)
     -- Room made by reaping (or a raised limit) goes to the head of the line.
     head = head or member
     if used < limit then
