@@ -102,6 +102,11 @@ export interface PermitSettings {
  * to the head of the line in its own script and tells each waiter's process through pub/sub (or
  * in its reply, for waiters of the releasing process); a timer at the nearest lease expiry covers
  * crashed holders, and a slow jittered poll covers a lost message (its acquire claims the grant).
+ * A grant is judged by its end in the server's time before it becomes a ticket, and a ticket by
+ * its lease's end on this process's clock whenever its signal is read, so a process that was
+ * frozen never acts on a grant or a lease that ran out meanwhile. Waiters stay in line only while
+ * their process gives a sign of life (`livenessMs`) and can be heard (someone listens on its
+ * grant channel); a grant not claimed within `claimMs` comes back.
  */
 export abstract class RedisPermitStage extends BaseStage {
   override readonly backend = "redis";
