@@ -38,8 +38,6 @@ local minLimit    = tonumber(ARGV[6])
 local maxLimit    = tonumber(ARGV[7])
 local ratio       = tonumber(ARGV[8])
 local slow        = ARGV[9] == '1'
-local line        = { holders = holders, queue = queue, qexp = qexp, meta = meta, procs = procs,
-                      channel = channel, listeners = ARGV[11] == '1', own = floodgate_token(member) }
 
 local state = redis.call('HMGET', meta, 'limit', 'epoch', 'used', 'quarantine')
 local limit = tonumber(state[1]) or maxLimit
@@ -68,7 +66,8 @@ if redis.call('ZRANGE', queue, 0, 0)[1] then
   local now = floodgate_now(ARGV[1])
   local head = floodgate_live_head(queue, qexp, procs, now)
   if head and used < limit and (tonumber(state[4]) or 0) <= now then
-    grants, used = floodgate_grant_heads(line, head, used, limit, now, tonumber(ARGV[10]), epoch)
+    grants, used = floodgate_grant_heads(head, used, limit, now, tonumber(ARGV[10]), epoch,
+      channel, ARGV[11] == '1', floodgate_token(member))
     redis.call('HSET', meta, 'used', used)
   end
 end

@@ -157,12 +157,15 @@ local function floodgate_alive_until(procs, token)
   return tonumber(redis.call('ZSCORE', procs, token))
 end
 
--- Record a sign of life of process `token`, lasting `livenessMs` from `now`. The set expires
--- once no process has given one for `livenessMs`, so processes that are gone leave nothing (an
--- entry lost with it reads as not known, which never drops a waiter).
-local function floodgate_sign_of_life(procs, token, now, livenessMs)
+-- Record a sign of life of the process of `member` ("<token>-<n>:<cost>", or just a token),
+-- lasting `livenessMs` from `now`; returns true. The set expires once no process has given one
+-- for `livenessMs`, so processes that are gone leave nothing (an entry lost with it reads as not
+-- known, which never drops a waiter).
+local function floodgate_sign_of_life(procs, member, now, livenessMs)
+  local token = floodgate_token(member) or member
   redis.call('ZADD', procs, now + livenessMs, token)
   redis.call('PEXPIRE', procs, livenessMs)
+  return true
 end
 
 -- The first waiter in line whose process is alive. Waiters of a process that stopped renewing
@@ -183,10 +186,11 @@ local function floodgate_live_head(queue, qexp, procs, now)
 end
 
 -- Grant on release: give the waiters at the head of the line their permits while they fit, so a
--- freed permit goes straight to the next waiter with no round trip of its own. `line` holds the
--- stage's keys (holders, queue, qexp, meta, procs), its grant `channel`, whether to ask Redis who
--- listens (`listeners`: pub/sub counts are exact on one server, not across a cluster's nodes)
--- and the token of the calling process (`own`: its grants come back in this call's reply).
+-- freed permit goes straight to the next waiter with no round trip of its own. KEYS are the
+-- permit stage's, in the order every permit script takes them: holders, queue, qexp, meta,
+-- procs. `channel` is the stage's grant channel, `listeners` whether to ask Redis who listens
+-- (pub/sub counts are exact on one server, not across a cluster's nodes) and `own` the token of
+-- the calling process (its grants come back in this call's reply).
 -- `head` is the first member in line. Waiter by waiter, from the head:
 --   * its process went silent (floodgate_alive_until): it leaves the line, granted nothing;
 --   * nobody listens on its process's channel (the process was killed and its connections
@@ -201,8 +205,8 @@ end
 --     `channel`:<token> when the member is "<token>-<n>:<cost>" (the channel of its own
 --     process, so a grant wakes no other process), else on `channel`.
 -- Returns the messages sent and the permits now used. At most 64 grants per call.
-local function floodgate_grant_heads(line, head, used, limit, now, claimMs, epoch)
-  local queue, qexp = line.queue, line.qexp
+local function floodgate_grant_heads(head, used, limit, now, claimMs, epoch, channel, listeners, own)
+  local holders, queue, qexp, meta, procs = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
   local sent = {}
   local n = 0
   local passed = 0
@@ -210,14 +214,14 @@ local function floodgate_grant_heads(line, head, used, limit, now, claimMs, epoc
   for _ = 1, 256 do
     if not head or n >= 64 then break end
     local token = floodgate_token(head)
-    local alive = token and floodgate_alive_until(line.procs, token)
-    local to = token and (line.channel .. ':' .. token) or line.channel
+    local alive = token and floodgate_alive_until(procs, token)
+    local to = token and (channel .. ':' .. token) or channel
     if alive and alive <= now then
       redis.call('ZREM', queue, head)
       redis.call('ZREM', qexp, head)
     else
       local heard = true
-      if token and line.listeners and token ~= line.own then
+      if token and listeners and token ~= own then
         heard = hears[token]
         if heard == nil then
           heard = tonumber(redis.call('PUBSUB', 'NUMSUB', to)[2]) > 0
@@ -235,9 +239,9 @@ local function floodgate_grant_heads(line, head, used, limit, now, claimMs, epoc
         if expiry and expiry > now then
           expiry = math.min(expiry, now + claimMs)
           if alive then expiry = math.min(expiry, alive) end
-          redis.call('ZADD', line.holders, expiry, head)
+          redis.call('ZADD', holders, expiry, head)
           used = used + cost
-          local fence = redis.call('HINCRBY', line.meta, 'seq', 1)
+          local fence = redis.call('HINCRBY', meta, 'seq', 1)
           local message = head .. '|' .. fence .. '|' .. epoch .. '|' .. floodgate_num(expiry) .. '|' .. floodgate_num(now)
           redis.call('PUBLISH', to, message)
           n = n + 1

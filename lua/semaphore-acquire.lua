@@ -59,19 +59,12 @@ local channel     = ARGV[7]
 local lastFence   = tonumber(ARGV[9]) or 0
 local procs       = KEYS[5]
 local claimMs     = tonumber(ARGV[13])          -- ms
-local line        = { holders = holders, queue = queue, qexp = qexp, meta = meta, procs = procs,
-                      channel = channel, listeners = ARGV[12] == '1', own = floodgate_token(ARGV[2]) }
+local listeners   = ARGV[12] == '1'
 
 -- A caller that lines up is a sign of life of its process: its waiters stay in line, and grants
 -- are made to them, only while it keeps giving one. Given once per call, and only by one that
 -- waits: a grant at once needs none.
 local signed = false
-local function sign(member)
-  if signed then return end
-  signed = true
-  local token = floodgate_token(member)
-  if token then floodgate_sign_of_life(procs, token, now, tonumber(ARGV[11])) end
-end
 
 local function acquire(member, again)
   local cost = floodgate_cost(member)      -- permits
@@ -100,7 +93,7 @@ local function acquire(member, again)
     end
     if mode == 'wait' then
       redis.call('ZADD', qexp, now + waiterTtlMs, member)
-      sign(member)
+      if not signed then signed = floodgate_sign_of_life(procs, member, now, tonumber(ARGV[11])) end
     end
     return {0, quarantine - now, used, limit, epoch, {}, quarantine - now, now}
   end
@@ -130,7 +123,7 @@ local function acquire(member, again)
       local grants = {}
       head = floodgate_live_head(queue, qexp, procs, now)
       if head and used < limit then
-        grants, used = floodgate_grant_heads(line, head, used, limit, now, claimMs, epoch)
+        grants, used = floodgate_grant_heads(head, used, limit, now, claimMs, epoch, channel, listeners, floodgate_token(member))
         redis.call('HSET', meta, 'used', used)
       end
       return {-1, -1, used, limit, epoch, grants, 0, now}
@@ -164,7 +157,7 @@ local function acquire(member, again)
     end
     if head then
       local fence = redis.call('HINCRBY', meta, 'seq', 1)
-      grants, used = floodgate_grant_heads(line, head, used, limit, now, claimMs, epoch)
+      grants, used = floodgate_grant_heads(head, used, limit, now, claimMs, epoch, channel, listeners, floodgate_token(member))
       redis.call('HSET', meta, 'used', used)
       return {1, fence, used, limit, epoch, grants, 0, now}
     end
@@ -179,11 +172,11 @@ local function acquire(member, again)
       redis.call('ZADD', queue, redis.call('HINCRBY', meta, 'seq', 1), member)
     end
     redis.call('ZADD', qexp, now + waiterTtlMs, member)
-    sign(member)
+    if not signed then signed = floodgate_sign_of_life(procs, member, now, tonumber(ARGV[11])) end
     -- Room made by reaping (or a raised limit) goes to the head of the line.
     head = head or member
     if used < limit then
-      grants, used = floodgate_grant_heads(line, head, used, limit, now, claimMs, epoch)
+      grants, used = floodgate_grant_heads(head, used, limit, now, claimMs, epoch, channel, listeners, floodgate_token(member))
       redis.call('HSET', meta, 'used', used)
     end
   end

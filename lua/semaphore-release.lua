@@ -30,8 +30,6 @@ local qexp    = KEYS[3]
 local meta    = KEYS[4]
 local procs   = KEYS[5]
 local channel = ARGV[4]
-local line    = { holders = holders, queue = queue, qexp = qexp, meta = meta, procs = procs,
-                  channel = channel, listeners = ARGV[7] == '1', own = floodgate_token(ARGV[2]) }
 
 -- Take `by` permits off the count; returns the permits still used.
 local function lower(by)
@@ -57,8 +55,8 @@ local function grantFreed(used)
   local head = floodgate_live_head(queue, qexp, procs, now)
   if not head or used >= limit then return {}, used end
   local grants
-  grants, used = floodgate_grant_heads(line, head, used, limit, now, tonumber(ARGV[6]),
-    tonumber(state[3]) or 0)
+  grants, used = floodgate_grant_heads(head, used, limit, now, tonumber(ARGV[6]),
+    tonumber(state[3]) or 0, channel, ARGV[7] == '1', floodgate_token(ARGV[2]))
   redis.call('HSET', meta, 'used', used)
   return grants, used
 end
