@@ -61,7 +61,11 @@ export interface PenaltyOptions {
 export interface TokenBucketOptions extends StageOptions, BackendErrorOptions {
   /** Most tokens a key can hold: the largest burst and the largest single cost. An integer >= 1. */
   capacity: number;
-  /** Tokens added per second, per key. A finite number > 0 (fractions allowed: 0.5 is one per 2 s). */
+  /**
+   * Tokens added per second, per key. A finite number > 0 (fractions allowed: 0.5 is one per 2 s).
+   * A rate so slow that a wait would pass `Number.MAX_SAFE_INTEGER` ms is accepted, and the wait
+   * (and a Redis key's expiry) is held at that, alike in memory and on Redis.
+   */
   refillPerSecond: number;
   /** Tokens a key starts with. An integer in [0, capacity]. @default capacity */
   initialTokens?: number;
@@ -86,11 +90,15 @@ export interface QueueOptions extends StageOptions, BackendErrorOptions {
 
 /** `backend.intervalGate(name, options)`: a minimum spacing between calls to each host. */
 export interface IntervalGateOptions extends StageOptions, BackendErrorOptions {
-  /** Least milliseconds between the starts of two calls to one host. A finite number >= 0. */
+  /**
+   * Least milliseconds between the starts of two calls to one host. A finite number >= 0; a
+   * spacing past `Number.MAX_SAFE_INTEGER` ms (with its jitter) is held at that.
+   */
   minIntervalMs: number;
   /**
    * Up to this many milliseconds of random delay added on top of `minIntervalMs` for each call,
-   * so spacing is in [minIntervalMs, minIntervalMs + jitterMs). A finite number >= 0. @default 0
+   * so spacing is in [minIntervalMs, minIntervalMs + jitterMs). A finite number >= 0, held at
+   * `Number.MAX_SAFE_INTEGER` ms with the spacing. @default 0
    */
   jitterMs?: number;
   /** Source of randomness in [0, 1) for the jitter. @default the backend's, else Math.random */
