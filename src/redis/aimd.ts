@@ -1,7 +1,8 @@
 import type { AimdOptions } from "../options.js";
 import type { Outcome, StageKind } from "../types.js";
 import { aimdSchema, parseOptions } from "../validate.js";
-import { type LeaseTicket, type RedisContext, RedisPermitStage } from "./semaphore.js";
+import type { LeaseTicket } from "./lease.js";
+import { type RedisContext, RedisPermitStage } from "./semaphore.js";
 
 /**
  * `redis(...).aimd(name, options)`: a fleet-wide semaphore whose limit is kept in Redis and moved

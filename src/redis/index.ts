@@ -20,8 +20,8 @@ import { type RedisContext, RedisSemaphore } from "./semaphore.js";
 import { RedisTokenBucket } from "./token-bucket.js";
 
 export { stageKey } from "./keys.js";
+export type { LeaseTicket } from "./lease.js";
 export { commandName, SCRIPTS, type ScriptName, scriptSha, scriptSource } from "./scripts.js";
-export type { LeaseTicket } from "./semaphore.js";
 export { FallbackStage, RedisAimd, RedisIntervalGate, RedisQueue, RedisSemaphore, RedisTokenBucket };
 
 /** Options for `redis(client, options)`. */

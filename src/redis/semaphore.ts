@@ -1,6 +1,6 @@
 import { randomBytes } from "node:crypto";
 import { tooCostly } from "../admit.js";
-import { BaseStage, BaseTicket, type WaitFor } from "../base/stage.js";
+import { BaseStage, type BaseTicket, type WaitFor } from "../base/stage.js";
 import { Waiter, WaitList } from "../base/wait-list.js";
 import { type Clock, type ClockTimer, unrefTimer } from "../clock.js";
 import { isFloodgateError, LeaseLostError, ShedError } from "../errors.js";
@@ -17,6 +17,7 @@ import type {
 import { parseOptions, semaphoreSchema } from "../validate.js";
 import { ScriptBatch } from "./batch.js";
 import { stageKey } from "./keys.js";
+import { LeaseKeeper, LeaseTicket } from "./lease.js";
 import { maybeSent, type RedisLink } from "./link.js";
 
 /** What a Redis stage needs from its backend. */
@@ -50,24 +51,6 @@ class RedisWaiter extends Waiter {
   /** Granted (by its own acquire or on someone's release). */
   granted = false;
   retry: ClockTimer | undefined = undefined;
-}
-
-/** A granted lease: its id, fencing token, and the renewal that keeps it alive. */
-export class LeaseTicket extends BaseTicket {
-  leaseId = "";
-  /** Increases with every grant of the stage: pass it to the server to reject stale writers. */
-  fence = 0;
-  epoch = 0;
-  controller: AbortController | undefined = undefined;
-  renewTimer: ClockTimer | undefined = undefined;
-  renewing = false;
-  /**
-   * When the lease ends at the latest, on this process's clock: the lease's end on the server
-   * less the most the server's clock can be ahead. Past it the ticket is lost, whatever Redis
-   * has said.
-   */
-  validUntil = 0;
-  lost = false;
 }
 
 /** Reply of `semaphore-acquire`. */
@@ -133,13 +116,8 @@ export abstract class RedisPermitStage extends BaseStage {
   #lastFence = 0;
   #quarantined = false;
   #listening = false;
-  /** When this process last sent a sign of life for this stage (a wait or a renewal). */
-  #signedAt = Number.NEGATIVE_INFINITY;
-  #heartbeat: ClockTimer | undefined = undefined;
-  /** KEYS of `semaphore-renew`: holders and procs. */
-  get #renewKeys(): string[] {
-    return [this.keys[0]!, this.keys[4]!];
-  }
+  /** Renews this stage's leases and gives its process's sign of life. */
+  readonly #leases: LeaseKeeper;
 
   /** Longest a grant made to a waiter on someone's release stays unclaimed: never past a lease. */
   protected readonly claimMs: number;
@@ -154,6 +132,18 @@ export abstract class RedisPermitStage extends BaseStage {
     const key = (part: string) => stageKey(ctx.prefix, name, part);
     this.keys = [key("holders"), key("queue"), key("qexp"), key("meta"), key("procs")];
     this.channel = key("wake");
+    this.#leases = new LeaseKeeper({
+      stage: name,
+      link: ctx.link,
+      clock: ctx.clock,
+      log: () => this.log,
+      keys: [this.keys[0]!, this.keys[4]!],
+      leaseMs: settings.leaseMs,
+      token: this.#token,
+      livenessMs: ctx.livenessMs,
+      waiting: () => this.waiters.size > 0 && !this.closed,
+      lost: (t, cause) => this.#lost(t, cause),
+    });
   }
 
   /**
@@ -188,7 +178,7 @@ export abstract class RedisPermitStage extends BaseStage {
       t.controller = new AbortController();
       if (this.closed) t.controller.abort(this.closedSignal.reason);
     }
-    if (!t.lost && !t.released && t.leaseId !== "" && this.clock.now() >= t.validUntil) this.#lost(t);
+    if (this.#leases.ended(t)) this.#lost(t);
     return t.controller.signal;
   }
 
@@ -215,7 +205,7 @@ export abstract class RedisPermitStage extends BaseStage {
         this.claimMs,
       ];
       for (let i = 2; i < pairs.length; i++) args.push(pairs[i]!);
-      if (mode === "wait") this.#signedAt = this.clock.now();
+      if (mode === "wait") this.#leases.signedAt = this.clock.now();
       return this.link.run(this.name, "semaphore-acquire", this.keys, args);
     });
   }
@@ -315,7 +305,7 @@ export abstract class RedisPermitStage extends BaseStage {
     w.granted = true;
     this.#lastFence = Math.max(this.#lastFence, Number(fence));
     this.#lease(this.grant(w, this.waitFor), Number(fence), Number(epoch), w.id, validUntil);
-    this.#quiet();
+    this.#leases.quiet();
   }
 
   #lease(ticket: BaseTicket, fence: number, epoch: number, id: string, validUntil: number): Ticket {
@@ -323,8 +313,7 @@ export abstract class RedisPermitStage extends BaseStage {
     t.leaseId = id;
     t.fence = fence;
     t.epoch = epoch;
-    t.validUntil = validUntil;
-    this.#scheduleRenew(t);
+    this.#leases.keep(t, validUntil);
     return t;
   }
 
@@ -347,7 +336,7 @@ export abstract class RedisPermitStage extends BaseStage {
     w.id = this.#memberId(cost);
     this.#byId.set(w.id, w);
     this.#attempt(w);
-    this.#keepAlive();
+    this.#leases.keepAlive();
     return promise;
   }
 
@@ -430,7 +419,7 @@ export abstract class RedisPermitStage extends BaseStage {
           w.granted = true;
           const ticket = this.grant(w, this.waitFor);
           this.#lease(ticket, Number(reply[1]), Number(reply[4]), id, sentAt + this.settings.leaseMs);
-          this.#quiet();
+          this.#leases.quiet();
           this.granted(reply[5], sentAt);
           return;
         }
@@ -463,7 +452,7 @@ export abstract class RedisPermitStage extends BaseStage {
         if (!w.list) return;
         this.log.warn({ err: error }, "Redis unavailable; admission failed closed");
         this.failWaiter(w, error);
-        this.#quiet();
+        this.#leases.quiet();
       },
     );
   }
@@ -507,62 +496,11 @@ export abstract class RedisPermitStage extends BaseStage {
     this.#byId.delete(w.id);
     // An acquire still out will see the waiter gone and give back what it got.
     if (!w.busy) this.#forget(w.id);
-    this.#quiet();
+    this.#leases.quiet();
   }
 
   protected lists(): Iterable<WaitList> {
     return [this.waiters];
-  }
-
-  /** Renew at 80% of what is left of the lease. */
-  #scheduleRenew(t: LeaseTicket): void {
-    const leftMs = t.validUntil - this.clock.now();
-    t.renewTimer = unrefTimer(
-      this.clock.setTimeout(() => this.#renew(t), Math.max(1, Math.floor(leftMs * 0.8))),
-    );
-  }
-
-  #renew(t: LeaseTicket): void {
-    t.renewTimer = undefined;
-    if (t.released || t.renewing || t.lost) return;
-    // Frozen past the lease's end (the timer ran late): it is lost, whatever Redis would say.
-    if (this.clock.now() >= t.validUntil) {
-      this.#lost(t);
-      return;
-    }
-    t.renewing = true;
-    const sentAt = this.clock.now();
-    this.#signedAt = sentAt;
-    this.link
-      .run(this.name, "semaphore-renew", this.#renewKeys, [
-        this.link.now(),
-        t.leaseId,
-        this.settings.leaseMs,
-        this.#token,
-        this.#ctx.livenessMs,
-      ])
-      .then(
-        (reply: [number, number]) => {
-          t.renewing = false;
-          this.link.sawServerTime(Number(reply[1]), sentAt);
-          if (t.released || t.lost) return;
-          if (Number(reply[0]) === 1) {
-            t.validUntil = sentAt + this.settings.leaseMs;
-            this.#scheduleRenew(t);
-          } else {
-            this.#lost(t);
-          }
-        },
-        (error: unknown) => {
-          t.renewing = false;
-          if (t.released || t.lost) return;
-          const leftMs = t.validUntil - this.clock.now();
-          if (leftMs <= 0) return this.#lost(t, error);
-          this.log.warn({ err: error, lease: t.leaseId }, "lease renewal failed; retrying");
-          const retryMs = Math.max(1, Math.min(1000, Math.floor(leftMs / 10)));
-          t.renewTimer = unrefTimer(this.clock.setTimeout(() => this.#renew(t), retryMs));
-        },
-      );
   }
 
   /** The ticket's lease ran out before its release: abort its signal, once, and count it. */
@@ -581,55 +519,9 @@ export abstract class RedisPermitStage extends BaseStage {
     );
   }
 
-  /**
-   * Waiters of this process stay in line only while it gives a sign of life (`livenessMs`): each
-   * wait gives one, and while any waiter is left this gives one every `livenessMs / 3` when
-   * nothing else has, with one call for all of them.
-   */
-  #keepAlive(): void {
-    if (this.#heartbeat !== undefined || this.closed) return;
-    const every = Math.max(1, Math.floor(this.#ctx.livenessMs / 3));
-    this.#heartbeat = unrefTimer(this.clock.setTimeout(this.#beat, every));
-  }
-
-  /** No waiter left: no sign of life is needed until the next one lines up. */
-  #quiet(): void {
-    if (this.waiters.size === 0 && this.#heartbeat !== undefined) {
-      this.clock.clearTimeout(this.#heartbeat);
-      this.#heartbeat = undefined;
-    }
-  }
-
-  readonly #beat = (): void => {
-    this.#heartbeat = undefined;
-    if (this.closed || this.waiters.size === 0) return;
-    const every = Math.max(1, Math.floor(this.#ctx.livenessMs / 3));
-    const now = this.clock.now();
-    if (now - this.#signedAt >= every) {
-      this.#signedAt = now;
-      this.link
-        .run(this.name, "semaphore-renew", this.#renewKeys, [
-          this.link.now(),
-          "",
-          0,
-          this.#token,
-          this.#ctx.livenessMs,
-        ])
-        .then(
-          (reply: [number, number]) => this.link.sawServerTime(Number(reply[1]), now),
-          (error: unknown) =>
-            this.log.warn({ err: error }, "could not give a sign of life; waiters may lose their place"),
-        );
-    }
-    this.#keepAlive();
-  };
-
   releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): Promise<void> | undefined {
     const t = ticket as LeaseTicket;
-    if (t.renewTimer !== undefined) {
-      this.clock.clearTimeout(t.renewTimer);
-      t.renewTimer = undefined;
-    }
+    this.#leases.drop(t);
     if (t.cost === 0 || t.leaseId === "") return undefined;
     return this.giveBack(t, outcome, refund).then(
       (released) => {
@@ -651,10 +543,7 @@ export abstract class RedisPermitStage extends BaseStage {
   }
 
   protected override onClose(): void {
-    if (this.#heartbeat !== undefined) {
-      this.clock.clearTimeout(this.#heartbeat);
-      this.#heartbeat = undefined;
-    }
+    this.#leases.quiet();
     for (const w of this.#byId.values()) {
       this.#clearRetry(w);
       this.#forget(w.id);

@@ -1,0 +1,166 @@
+import { BaseTicket } from "../base/stage.js";
+import { type Clock, type ClockTimer, unrefTimer } from "../clock.js";
+import type { Logger } from "../types.js";
+import type { RedisLink } from "./link.js";
+
+/** A granted lease: its id, fencing token, and the renewal that keeps it alive. */
+export class LeaseTicket extends BaseTicket {
+  leaseId = "";
+  /** Increases with every grant of the stage: pass it to the server to reject stale writers. */
+  fence = 0;
+  epoch = 0;
+  controller: AbortController | undefined = undefined;
+  renewTimer: ClockTimer | undefined = undefined;
+  renewing = false;
+  /**
+   * When the lease ends at the latest, on this process's clock: the lease's end on the server
+   * less the most the server's clock can be ahead. Past it the ticket is lost, whatever Redis
+   * has said.
+   */
+  validUntil = 0;
+  lost = false;
+}
+
+/** What a `LeaseKeeper` works with: one permit stage of one process. */
+export interface LeaseKeeperSettings {
+  /** The stage's name, for the script calls. */
+  stage: string;
+  link: RedisLink;
+  clock: Clock;
+  /** The stage's logger (read when used: it is set once the stage is built). */
+  log: () => Logger;
+  /** KEYS of `semaphore-renew`: the stage's holders and procs. */
+  keys: readonly string[];
+  /** Length of a full lease, ms. */
+  leaseMs: number;
+  /** Names this process in Redis: its members are `<token>-<n>:<cost>`. */
+  token: string;
+  /** How long a sign of life lasts, ms. */
+  livenessMs: number;
+  /** Whether any waiter of the stage is left in this process. */
+  waiting: () => boolean;
+  /** A lease ran out before its release; called once per ticket. */
+  lost: (t: LeaseTicket, cause?: unknown) => void;
+}
+
+/**
+ * Keeps a permit stage's leases alive in Redis, and its process's sign of life. A lease is
+ * renewed at 80% of what is left of it (a grant not yet claimed has a short one: the renewal
+ * claims it) and judged lost once its end on this process's clock has passed, whatever Redis
+ * would say. While the stage has waiters, one call every `livenessMs / 3` (unless a wait or a
+ * renewal gave one meanwhile) keeps them in line for the whole process.
+ */
+export class LeaseKeeper {
+  /** When this process last sent a sign of life for the stage (a wait, a renewal, a beat). */
+  signedAt = Number.NEGATIVE_INFINITY;
+  #heartbeat: ClockTimer | undefined = undefined;
+  readonly #every: number;
+
+  constructor(private readonly s: LeaseKeeperSettings) {
+    this.#every = Math.max(1, Math.floor(s.livenessMs / 3));
+  }
+
+  /** Keep `t`, valid until `validUntil` on this process's clock, alive until it is dropped. */
+  keep(t: LeaseTicket, validUntil: number): void {
+    t.validUntil = validUntil;
+    this.#schedule(t);
+  }
+
+  /** Stop renewing `t` (it is being released). */
+  drop(t: LeaseTicket): void {
+    if (t.renewTimer !== undefined) {
+      this.s.clock.clearTimeout(t.renewTimer);
+      t.renewTimer = undefined;
+    }
+  }
+
+  /** Whether `t` holds a lease that has ended on this process's clock and is not yet known lost. */
+  ended(t: LeaseTicket): boolean {
+    return !t.lost && !t.released && t.leaseId !== "" && this.s.clock.now() >= t.validUntil;
+  }
+
+  #schedule(t: LeaseTicket): void {
+    const leftMs = t.validUntil - this.s.clock.now();
+    t.renewTimer = unrefTimer(
+      this.s.clock.setTimeout(() => this.#renew(t), Math.max(1, Math.floor(leftMs * 0.8))),
+    );
+  }
+
+  #renew(t: LeaseTicket): void {
+    t.renewTimer = undefined;
+    if (t.released || t.renewing || t.lost) return;
+    const { clock, link } = this.s;
+    // Frozen past the lease's end (the timer ran late): it is lost, whatever Redis would say.
+    if (clock.now() >= t.validUntil) {
+      this.s.lost(t);
+      return;
+    }
+    t.renewing = true;
+    const sentAt = clock.now();
+    this.signedAt = sentAt;
+    link
+      .run(this.s.stage, "semaphore-renew", this.s.keys, [
+        link.now(),
+        t.leaseId,
+        this.s.leaseMs,
+        this.s.token,
+        this.s.livenessMs,
+      ])
+      .then(
+        (reply: [number, number]) => {
+          t.renewing = false;
+          link.sawServerTime(Number(reply[1]), sentAt);
+          if (t.released || t.lost) return;
+          if (Number(reply[0]) === 1) this.keep(t, sentAt + this.s.leaseMs);
+          else this.s.lost(t);
+        },
+        (error: unknown) => {
+          t.renewing = false;
+          if (t.released || t.lost) return;
+          const leftMs = t.validUntil - clock.now();
+          if (leftMs <= 0) return this.s.lost(t, error);
+          this.s.log().warn({ err: error, lease: t.leaseId }, "lease renewal failed; retrying");
+          const retryMs = Math.max(1, Math.min(1000, Math.floor(leftMs / 10)));
+          t.renewTimer = unrefTimer(clock.setTimeout(() => this.#renew(t), retryMs));
+        },
+      );
+  }
+
+  /** A waiter lined up: make sure the process gives signs of life while any is left. */
+  keepAlive(): void {
+    if (this.#heartbeat !== undefined) return;
+    this.#heartbeat = unrefTimer(this.s.clock.setTimeout(this.#beat, this.#every));
+  }
+
+  /** No waiter left (or the stage closed): no sign of life is needed until the next one. */
+  quiet(): void {
+    if (this.#heartbeat !== undefined && !this.s.waiting()) {
+      this.s.clock.clearTimeout(this.#heartbeat);
+      this.#heartbeat = undefined;
+    }
+  }
+
+  readonly #beat = (): void => {
+    this.#heartbeat = undefined;
+    if (!this.s.waiting()) return;
+    const { clock, link } = this.s;
+    const now = clock.now();
+    if (now - this.signedAt >= this.#every) {
+      this.signedAt = now;
+      link
+        .run(this.s.stage, "semaphore-renew", this.s.keys, [
+          link.now(),
+          "",
+          0,
+          this.s.token,
+          this.s.livenessMs,
+        ])
+        .then(
+          (reply: [number, number]) => link.sawServerTime(Number(reply[1]), now),
+          (error: unknown) =>
+            this.s.log().warn({ err: error }, "could not give a sign of life; waiters may lose their place"),
+        );
+    }
+    this.keepAlive();
+  };
+}
