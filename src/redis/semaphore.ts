@@ -336,7 +336,6 @@ export abstract class RedisPermitStage extends BaseStage {
     w.id = this.#memberId(cost);
     this.#byId.set(w.id, w);
     this.#attempt(w);
-    this.#leases.keepAlive();
     return promise;
   }
 
@@ -434,6 +433,8 @@ export abstract class RedisPermitStage extends BaseStage {
           w.asked = false;
           return this.#attempt(w);
         }
+        // In line in Redis: from now on the process must give signs of life.
+        this.#leases.keepAlive();
         if (w.again) return this.#attempt(w);
         if (!this.#listening) {
           this.#listen().then(

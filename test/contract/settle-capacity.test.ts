@@ -157,8 +157,12 @@ interface Subject {
 
 const LIMIT = 3;
 const CAPACITY = 6;
-/** Tokens per second: slow enough that a Redis key (whose TTL runs in real time) outlives a run. */
-const REFILL = 1;
+/**
+ * Tokens per second: slow enough that a Redis key, whose TTL (the time to refill, plus a second)
+ * runs in real time while this test's clock stands still, outlives a run on a loaded machine: at
+ * 1 per second a bucket one token short expired after 2 s and came back full.
+ */
+const REFILL = 0.001;
 
 function subjects(b: Backend): Record<string, () => Subject> {
   return {
