@@ -84,7 +84,8 @@ const share = (n: number, by: number) => Math.max(1, Math.floor(n * by));
 /**
  * The Redis backend. Pass an ioredis `Redis` or `Cluster` client; create it with
  * `enableOfflineQueue: false` so a Redis outage fails calls at once instead of queueing a burst
- * to replay later (floodgate also refuses to send while the client is not ready).
+ * to replay later (floodgate also refuses to send while the client is not ready, but for its
+ * first connection, which the first calls wait for up to `commandTimeoutMs`).
  *
  * ```ts
  * const backend = redis(new Redis(process.env.REDIS_URL, { enableOfflineQueue: false }), { prefix: "sos:" });

@@ -104,6 +104,8 @@ export class RedisLink {
     readonly subscriberConnection: RedisClientLike | undefined,
   ) {
     defineScripts(client);
+    this.#connected = client.status === "ready";
+    if (!this.#connected) client.on("ready", this.#onReady);
     this.listeners = (client as { isCluster?: unknown }).isCluster === true ? "" : "1";
   }
 
@@ -152,9 +154,15 @@ export class RedisLink {
   ): Promise<any> {
     const client = this.client;
     if (client.status !== "ready") {
-      const error = new BackendUnavailableError(stage, `Redis is not connected (status "${client.status}")`);
-      unsent.add(error);
-      return Promise.reject(error);
+      // A client made just now is still connecting: wait for it, up to the command timeout,
+      // rather than fail the first calls of a process. Once it has been ready, a client that is
+      // not fails calls at once (the fail-closed promise).
+      if (!this.#connected && FIRST_CONNECT.has(client.status) && !this.#closed) {
+        return this.#firstConnection().then((ready) =>
+          ready ? this.#run(stage, script, keys, args) : this.#notConnected(stage),
+        );
+      }
+      return this.#notConnected(stage);
     }
     return new Promise((resolve, reject) => {
       const call = new Call(stage, script, this.clock.now() + this.commandTimeoutMs, resolve, reject);
@@ -197,6 +205,45 @@ export class RedisLink {
         failed(error);
       });
     });
+  }
+
+  #notConnected(stage: string): Promise<never> {
+    const error = new BackendUnavailableError(
+      stage,
+      `Redis is not connected (status "${this.client.status}")`,
+    );
+    unsent.add(error);
+    return Promise.reject(error);
+  }
+
+  /** Whether the client has been ready since this link was made. */
+  #connected = false;
+  #waitingForFirst: Promise<boolean> | undefined = undefined;
+
+  /**
+   * Resolves true once the client is ready for the first time; false when its connection fails
+   * (refused, closed: calls fail closed at once, as on a client that was ready before) or it is
+   * not ready within the command timeout.
+   */
+  #firstConnection(): Promise<boolean> {
+    this.#waitingForFirst ??= new Promise<boolean>((resolve) => {
+      const client = this.client;
+      const done = (ready: boolean) => {
+        this.clock.clearTimeout(timer);
+        client.off?.("ready", onReady);
+        client.off?.("error", onFailed);
+        client.off?.("end", onFailed);
+        this.#waitingForFirst = undefined;
+        resolve(ready);
+      };
+      const onReady = () => done(true);
+      const onFailed = () => done(false);
+      const timer = this.clock.setTimeout(() => done(client.status === "ready"), this.commandTimeoutMs);
+      client.on("ready", onReady);
+      client.on("error", onFailed);
+      client.on("end", onFailed);
+    });
+    return this.#waitingForFirst;
   }
 
   /** Hold the client's socket writes back until the end of this turn of the event loop. */
@@ -316,9 +363,15 @@ export class RedisLink {
   }
 
   /** Stop listening; quit the pub/sub connection when this link made it. */
+  readonly #onReady = () => {
+    this.#connected = true;
+    this.client.off?.("ready", this.#onReady);
+  };
+
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;
+    this.client.off?.("ready", this.#onReady);
     const sub = this.#subscriber;
     this.#subscriber = undefined;
     if (!sub) return;
@@ -331,6 +384,12 @@ export class RedisLink {
     }
   }
 }
+
+/**
+ * Statuses of a client on its way to its first connection. A `lazyConnect` client not told to
+ * connect yet (`wait`) is not among them: it is not connected, and its calls fail at once.
+ */
+const FIRST_CONNECT: ReadonlySet<string> = new Set(["connecting", "connect", "reconnecting"]);
 
 /** Errors of calls that never left this process. */
 const unsent = new WeakSet<object>();
