@@ -1,6 +1,6 @@
 import { InvalidOptionsError } from "./errors.js";
 import type { AdmitOptions, RunOptions, StageKind } from "./types.js";
-import { isArray, messageOf, show } from "./validate.js";
+import { isArray, show, unreadable } from "./validate.js";
 
 /**
  * Longest wait floodgate deals in, in milliseconds: `Number.MAX_SAFE_INTEGER` (about 285,000
@@ -18,17 +18,18 @@ function fail(kind: StageKind, name: string, field: string, rule: string, got: u
   throw new InvalidOptionsError(name, field, `${kind} "${name}": ${field} ${rule} (got ${show(got)})`);
 }
 
-/** `options[field]`, or an error naming the field when reading it throws (a getter, a Proxy). */
-function read(kind: StageKind, name: string, options: object, field: string): unknown {
+/** `get()`, or an error naming `field` when it throws (a getter, a Proxy trap). */
+function guarded<T>(kind: StageKind, name: string, field: string, get: () => T): T {
   try {
-    return (options as Record<string, unknown>)[field];
+    return get();
   } catch (error) {
-    throw new InvalidOptionsError(
-      name,
-      field,
-      `${kind} "${name}": ${field} could not be read (${messageOf(error)})`,
-    );
+    throw unreadable(`${kind} "${name}"`, name, field, error);
   }
+}
+
+/** `options[field]`, or an error naming the field when reading it throws. */
+function read(kind: StageKind, name: string, options: object, field: string): unknown {
+  return guarded(kind, name, field, () => (options as Record<string, unknown>)[field]);
 }
 
 function isCount(n: unknown): n is number {
@@ -50,25 +51,25 @@ function isSignal(v: unknown): v is AbortSignal {
   }
 }
 
-/** `costs` checked and copied into an object with no prototype, so no stage name finds `toString`. */
-function checkCosts(kind: StageKind, name: string, v: unknown): Readonly<Record<string, number>> {
-  if (typeof v !== "object" || v === null || isArray(v)) {
-    fail(kind, name, "costs", "must be an object of integers >= 0 by stage name", v);
-  }
-  let keys: string[];
-  try {
-    keys = Object.keys(v);
-  } catch (error) {
-    throw new InvalidOptionsError(
-      name,
-      "costs",
-      `${kind} "${name}": costs could not be read (${messageOf(error)})`,
-    );
-  }
+/**
+ * `v` as integers >= 0 by stage name (`costs`, or a record given to `settle`), copied into an
+ * object with no prototype, so no stage name finds `toString`. `field` and `rule` name it in
+ * errors; an entry that is not a count is named `field.entry`.
+ */
+function countsByName(
+  kind: StageKind,
+  name: string,
+  field: string,
+  rule: string,
+  v: unknown,
+): Readonly<Record<string, number>> {
+  if (typeof v !== "object" || v === null || isArray(v)) fail(kind, name, field, rule, v);
+  const keys = guarded(kind, name, field, () => Object.keys(v));
   const out: Record<string, number> = Object.create(null);
   for (const k of keys) {
-    const n = read(kind, name, v, k);
-    if (!isCount(n)) fail(kind, name, `costs.${k}`, "must be an integer >= 0", n);
+    const entry = `${field}.${k}`;
+    const n = guarded(kind, name, entry, () => (v as Record<string, unknown>)[k]);
+    if (!isCount(n)) fail(kind, name, entry, "must be an integer >= 0", n);
     out[k] = n + 0;
   }
   return out;
@@ -102,7 +103,9 @@ export function admitOptions(kind: StageKind, name: string, options: AdmitOption
     fail(kind, name, "host", "must be a non-empty string", host);
   }
   if (cost !== undefined && !isCount(cost)) fail(kind, name, "cost", "must be an integer >= 0", cost);
-  if (costs !== undefined) costs = checkCosts(kind, name, costs);
+  if (costs !== undefined) {
+    costs = countsByName(kind, name, "costs", "must be an object of integers >= 0 by stage name", costs);
+  }
   if (signal !== undefined && !isSignal(signal)) fail(kind, name, "signal", "must be an AbortSignal", signal);
   if (timeoutMs !== undefined && !(typeof timeoutMs === "number" && timeoutMs >= 0)) {
     fail(kind, name, "timeoutMs", "must be a number >= 0 or Infinity", timeoutMs);
@@ -145,34 +148,7 @@ export function settleValue(
     if (!isCount(actual)) fail(kind, name, "actual", "must be an integer >= 0", actual);
     return actual + 0;
   }
-  if (typeof actual !== "object" || actual === null || isArray(actual))
-    fail(kind, name, "actual", rule, actual);
-  let keys: string[];
-  try {
-    keys = Object.keys(actual);
-  } catch (error) {
-    throw new InvalidOptionsError(
-      name,
-      "actual",
-      `${kind} "${name}": actual could not be read (${messageOf(error)})`,
-    );
-  }
-  const out: Record<string, number> = Object.create(null);
-  for (const k of keys) {
-    let n: unknown;
-    try {
-      n = (actual as Record<string, unknown>)[k];
-    } catch (error) {
-      throw new InvalidOptionsError(
-        name,
-        "actual",
-        `${kind} "${name}": actual.${k} could not be read (${messageOf(error)})`,
-      );
-    }
-    if (!isCount(n)) fail(kind, name, "actual", rule, actual);
-    out[k] = n + 0;
-  }
-  return out;
+  return countsByName(kind, name, "actual", rule, actual);
 }
 
 /**

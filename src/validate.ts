@@ -194,6 +194,16 @@ export function isArray(value: unknown): value is unknown[] {
 }
 
 /** A thrown value's message for another message; never throws. */
+/** The error for options, or one `field` of them, whose reading threw (a getter, a Proxy trap). */
+export function unreadable(
+  where: string,
+  name: string | undefined,
+  field: string,
+  error: unknown,
+): InvalidOptionsError {
+  return new InvalidOptionsError(name, field, `${where}: ${field} could not be read (${messageOf(error)})`);
+}
+
 export function messageOf(error: unknown): string {
   try {
     if (error instanceof Error) return String(error.message);
@@ -233,11 +243,7 @@ export function parseOptions<S extends z.ZodType>(
     result = schema.safeParse(input);
   } catch (error) {
     // A getter or Proxy trap of the options threw while they were read.
-    throw new InvalidOptionsError(
-      name,
-      "options",
-      `${where}: options could not be read (${messageOf(error)})`,
-    );
+    throw unreadable(where, name, "options", error);
   }
   if (result.success) return result.data;
   const issues = result.error.issues;

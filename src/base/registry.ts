@@ -1,6 +1,6 @@
 import { ClosedError, InvalidOptionsError, isFloodgateError } from "../errors.js";
 import type { Stage, StageKind } from "../types.js";
-import { checkName, messageOf, show } from "../validate.js";
+import { checkName, show, unreadable } from "../validate.js";
 
 /**
  * Options data (not clock, logger or random) as a string that ignores key order, or `undefined`
@@ -27,11 +27,7 @@ function make<S>(kind: StageKind, name: string, build: () => S): S {
     return build();
   } catch (error) {
     if (isFloodgateError(error)) throw error;
-    throw new InvalidOptionsError(
-      name,
-      "options",
-      `${kind} "${name}": options could not be read (${messageOf(error)})`,
-    );
+    throw unreadable(`${kind} "${name}"`, name, "options", error);
   }
 }
 

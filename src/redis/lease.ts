@@ -52,7 +52,7 @@ export interface LeaseKeeperSettings {
  */
 export class LeaseKeeper {
   /** When this process last sent a sign of life for the stage (a wait, a renewal, a beat). */
-  signedAt = Number.NEGATIVE_INFINITY;
+  #signedAt = Number.NEGATIVE_INFINITY;
   #heartbeat: ClockTimer | undefined = undefined;
   readonly #every: number;
 
@@ -97,7 +97,7 @@ export class LeaseKeeper {
     }
     t.renewing = true;
     const sentAt = clock.now();
-    this.signedAt = sentAt;
+    this.#signedAt = sentAt;
     link
       .run(this.s.stage, "semaphore-renew", this.s.keys, [
         link.now(),
@@ -126,8 +126,12 @@ export class LeaseKeeper {
       );
   }
 
-  /** A waiter lined up: make sure the process gives signs of life while any is left. */
-  keepAlive(): void {
+  /**
+   * A waiter lined up, with a call sent at `signedAt` that gave a sign of life: make sure the
+   * process keeps giving them while any waiter is left.
+   */
+  keepAlive(signedAt: number): void {
+    if (signedAt > this.#signedAt) this.#signedAt = signedAt;
     if (this.#heartbeat !== undefined) return;
     this.#heartbeat = unrefTimer(this.s.clock.setTimeout(this.#beat, this.#every));
   }
@@ -145,8 +149,8 @@ export class LeaseKeeper {
     if (!this.s.waiting()) return;
     const { clock, link } = this.s;
     const now = clock.now();
-    if (now - this.signedAt >= this.#every) {
-      this.signedAt = now;
+    if (now - this.#signedAt >= this.#every) {
+      this.#signedAt = now;
       link
         .run(this.s.stage, "semaphore-renew", this.s.keys, [
           link.now(),
@@ -161,6 +165,6 @@ export class LeaseKeeper {
             this.s.log().warn({ err: error }, "could not give a sign of life; waiters may lose their place"),
         );
     }
-    this.keepAlive();
+    this.keepAlive(this.#signedAt);
   };
 }

@@ -205,7 +205,6 @@ export abstract class RedisPermitStage extends BaseStage {
         this.claimMs,
       ];
       for (let i = 2; i < pairs.length; i++) args.push(pairs[i]!);
-      if (mode === "wait") this.#leases.signedAt = this.clock.now();
       return this.link.run(this.name, "semaphore-acquire", this.keys, args);
     });
   }
@@ -305,7 +304,6 @@ export abstract class RedisPermitStage extends BaseStage {
     w.granted = true;
     this.#lastFence = Math.max(this.#lastFence, Number(fence));
     this.#lease(this.grant(w, this.waitFor), Number(fence), Number(epoch), w.id, validUntil);
-    this.#leases.quiet();
   }
 
   #lease(ticket: BaseTicket, fence: number, epoch: number, id: string, validUntil: number): Ticket {
@@ -314,6 +312,8 @@ export abstract class RedisPermitStage extends BaseStage {
     t.fence = fence;
     t.epoch = epoch;
     this.#leases.keep(t, validUntil);
+    // A waiter that got its ticket may have been the last: no sign of life is needed then.
+    this.#leases.quiet();
     return t;
   }
 
@@ -418,7 +418,6 @@ export abstract class RedisPermitStage extends BaseStage {
           w.granted = true;
           const ticket = this.grant(w, this.waitFor);
           this.#lease(ticket, Number(reply[1]), Number(reply[4]), id, sentAt + this.settings.leaseMs);
-          this.#leases.quiet();
           this.granted(reply[5], sentAt);
           return;
         }
@@ -433,8 +432,9 @@ export abstract class RedisPermitStage extends BaseStage {
           w.asked = false;
           return this.#attempt(w);
         }
-        // In line in Redis: from now on the process must give signs of life.
-        this.#leases.keepAlive();
+        // In line in Redis (the acquire gave a sign of life): from now on the process must keep
+        // giving them.
+        this.#leases.keepAlive(sentAt);
         if (w.again) return this.#attempt(w);
         if (!this.#listening) {
           this.#listen().then(

@@ -1,10 +1,9 @@
-import { Gate, type MemoryIntervalGate, memory } from "floodgate";
 import { parseRetryAfter, wrapFetch } from "floodgate/fetch";
 import { FakeClock } from "floodgate/testing";
 import { floodgateInterceptor } from "floodgate/undici";
 import { Agent, request } from "undici";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
-import { reply, TestServer } from "./server.js";
+import { hostsGate, reply, TestServer } from "./server.js";
 
 /** A Retry-After of 400 digits: well formed, far too long, and capped rather than ignored. */
 const HUGE = "9".repeat(400);
@@ -21,11 +20,6 @@ afterEach(async () => {
   await server.close();
 });
 
-function pausingGate() {
-  const hosts = memory({ clock }).intervalGate("hosts", { minIntervalMs: 0 }) as MemoryIntervalGate;
-  return { gate: new Gate([hosts], { clock }), hosts };
-}
-
 describe("a Retry-After too large to hold", () => {
   it.each([
     ["retry-after", HUGE],
@@ -36,7 +30,7 @@ describe("a Retry-After too large to hold", () => {
   });
 
   it("pauses the host for maxPauseMs through wrapFetch", async () => {
-    const { gate, hosts } = pausingGate();
+    const { gate, hosts } = hostsGate(clock);
     server.respond = reply(429, { "retry-after": HUGE });
     const res = await wrapFetch(gate, undefined, { maxPauseMs: 60_000 })(server.url);
     expect(res.status).toBe(429);
@@ -44,7 +38,7 @@ describe("a Retry-After too large to hold", () => {
   });
 
   it("pauses the host for maxPauseMs through the undici interceptor", async () => {
-    const { gate, hosts } = pausingGate();
+    const { gate, hosts } = hostsGate(clock);
     server.respond = reply(503, { "retry-after": HUGE });
     const agent = new Agent();
     try {

@@ -1,11 +1,11 @@
-import { Gate, InvalidOptionsError, type MemoryIntervalGate, memory } from "floodgate";
+import { Gate, InvalidOptionsError } from "floodgate";
 import { parseRateLimit, parseResetMs, type RateLimitWindow, wrapFetch } from "floodgate/fetch";
 import { FakeClock } from "floodgate/testing";
 import { floodgateInterceptor } from "floodgate/undici";
 import { Agent, request } from "undici";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
 import { backends, track, useBackend } from "../contract/backends.js";
-import { reply, TestServer } from "./server.js";
+import { hostsGate, reply, TestServer } from "./server.js";
 
 const NOW = Date.UTC(2026, 2, 1, 12, 0, 0);
 
@@ -134,11 +134,6 @@ afterEach(async () => {
   await server.close();
 });
 
-function hostsGate() {
-  const hosts = memory({ clock }).intervalGate("hosts", { minIntervalMs: 0 }) as MemoryIntervalGate;
-  return { gate: new Gate([hosts], { clock }), hosts };
-}
-
 const openai = (remaining: number, reset = "6m0s"): Record<string, string> => ({
   "x-ratelimit-limit-requests": "100",
   "x-ratelimit-remaining-requests": String(remaining),
@@ -147,7 +142,7 @@ const openai = (remaining: number, reset = "6m0s"): Record<string, string> => ({
 
 describe("wrapFetch reserve", () => {
   it("pauses the host until the reset once the window is down to its share", async () => {
-    const { gate, hosts } = hostsGate();
+    const { gate, hosts } = hostsGate(clock);
     server.respond = reply(200, openai(20));
     const res = await wrapFetch(gate, undefined, { reserve: { share: 0.2 } })(server.url);
     expect(res.status).toBe(200);
@@ -156,21 +151,21 @@ describe("wrapFetch reserve", () => {
   });
 
   it("leaves the host alone while more than the share remains", async () => {
-    const { gate, hosts } = hostsGate();
+    const { gate, hosts } = hostsGate(clock);
     server.respond = reply(200, openai(21));
     await wrapFetch(gate, undefined, { reserve: { share: 0.2 } })(server.url);
     expect(hosts.delayFor(server.host)).toBe(0);
   });
 
   it("leaves the host alone without the option", async () => {
-    const { gate, hosts } = hostsGate();
+    const { gate, hosts } = hostsGate(clock);
     server.respond = reply(200, openai(0));
     await wrapFetch(gate)(server.url);
     expect(hosts.delayFor(server.host)).toBe(0);
   });
 
   it("keeps a share of the tokens window too, pausing for the longest reset that applies", async () => {
-    const { gate, hosts } = hostsGate();
+    const { gate, hosts } = hostsGate(clock);
     server.respond = reply(200, {
       ...openai(90, "1s"),
       "x-ratelimit-limit-tokens": "10000",
@@ -182,21 +177,21 @@ describe("wrapFetch reserve", () => {
   });
 
   it("keeps a share only of windows whose limit it knows", async () => {
-    const { gate, hosts } = hostsGate();
+    const { gate, hosts } = hostsGate(clock);
     server.respond = reply(200, { "x-ratelimit-remaining": "0", "x-ratelimit-reset": "5" });
     await wrapFetch(gate, undefined, { reserve: { share: 0.5 } })(server.url);
     expect(hosts.delayFor(server.host)).toBe(0);
   });
 
   it("keeps a fixed count with reserve.remaining", async () => {
-    const { gate, hosts } = hostsGate();
+    const { gate, hosts } = hostsGate(clock);
     server.respond = reply(200, { "ratelimit-remaining": "10", "ratelimit-reset": "4" });
     await wrapFetch(gate, undefined, { reserve: { remaining: 10 } })(server.url);
     expect(hosts.delayFor(server.host)).toBe(4_000);
   });
 
   it("asks reserve.remaining, given as a function, for each window", async () => {
-    const { gate, hosts } = hostsGate();
+    const { gate, hosts } = hostsGate(clock);
     server.respond = reply(200, {
       ...openai(50, "2s"),
       "x-ratelimit-remaining-tokens": "3000",
@@ -216,7 +211,7 @@ describe("wrapFetch reserve", () => {
   });
 
   it("keeps no reserve for a window whose function throws or returns no count", async () => {
-    const { gate, hosts } = hostsGate();
+    const { gate, hosts } = hostsGate(clock);
     server.respond = reply(200, openai(0));
     const gatedFetch = (remaining: () => number) => wrapFetch(gate, undefined, { reserve: { remaining } });
     const res = await gatedFetch(() => {
@@ -229,14 +224,14 @@ describe("wrapFetch reserve", () => {
   });
 
   it("ignores a window down to its reserve whose reset is garbage", async () => {
-    const { gate, hosts } = hostsGate();
+    const { gate, hosts } = hostsGate(clock);
     server.respond = reply(200, openai(0, "whenever"));
     await wrapFetch(gate, undefined, { reserve: { share: 0.2 } })(server.url);
     expect(hosts.delayFor(server.host)).toBe(0);
   });
 
   it("cuts the pause to maxPauseMs, and pauses nothing with maxPauseMs: 0", async () => {
-    const { gate, hosts } = hostsGate();
+    const { gate, hosts } = hostsGate(clock);
     server.respond = reply(200, openai(0, "2h"));
     await wrapFetch(gate, undefined, { reserve: { share: 0 }, maxPauseMs: 0 })(server.url);
     expect(hosts.delayFor(server.host)).toBe(0);
@@ -245,7 +240,7 @@ describe("wrapFetch reserve", () => {
   });
 
   it("pauses for the longer of Retry-After and the reserve's reset", async () => {
-    const { gate, hosts } = hostsGate();
+    const { gate, hosts } = hostsGate(clock);
     server.respond = reply(429, { ...openai(0, "3s"), "retry-after": "1" });
     await wrapFetch(gate, undefined, { reserve: { share: 0.1 } })(server.url);
     expect(hosts.delayFor(server.host)).toBe(3_000);
@@ -261,7 +256,7 @@ describe("wrapFetch reserve", () => {
     ["reserve.remaining", { reserve: { remaining: Number.POSITIVE_INFINITY } }],
     ["reserve.part", { reserve: { share: 0.1, part: 1 } }],
   ])("refuses an invalid %s with an InvalidOptionsError naming it", (field, options) => {
-    const { gate } = hostsGate();
+    const { gate } = hostsGate(clock);
     let error: unknown;
     try {
       wrapFetch(gate, undefined, options as never);
@@ -311,7 +306,7 @@ describe("floodgateInterceptor reserve", () => {
   });
 
   it("pauses the host until the reset once the window is down to the reserve", async () => {
-    const { gate, hosts } = hostsGate();
+    const { gate, hosts } = hostsGate(clock);
     server.respond = reply(200, openai(10, "20ms"));
     const dispatcher = agent.compose(floodgateInterceptor(gate, { reserve: { share: 0.1 } }));
     const res = await request(server.url, { dispatcher });
@@ -320,7 +315,7 @@ describe("floodgateInterceptor reserve", () => {
   });
 
   it("leaves the host alone while more than the reserve remains", async () => {
-    const { gate, hosts } = hostsGate();
+    const { gate, hosts } = hostsGate(clock);
     server.respond = reply(200, openai(11, "20ms"));
     const dispatcher = agent.compose(floodgateInterceptor(gate, { reserve: { remaining: 10 } }));
     await (await request(server.url, { dispatcher })).body.dump();
@@ -328,7 +323,7 @@ describe("floodgateInterceptor reserve", () => {
   });
 
   it("reads the reserve's headers for a handler of the older callback API", async () => {
-    const { gate, hosts } = hostsGate();
+    const { gate, hosts } = hostsGate(clock);
     server.respond = reply(200, openai(0, "1m"));
     const dispatch = floodgateInterceptor(gate, { reserve: { share: 0 } })(agent.dispatch.bind(agent));
     await new Promise<void>((resolve, reject) => {
@@ -347,7 +342,7 @@ describe("floodgateInterceptor reserve", () => {
   });
 
   it("refuses an invalid reserve in the outer factory, naming it", () => {
-    const { gate } = hostsGate();
+    const { gate } = hostsGate(clock);
     expect(() => floodgateInterceptor(gate, { reserve: { share: -0.1 } })).toThrow(
       expect.objectContaining({ name: "InvalidOptionsError", field: "reserve.share" }),
     );

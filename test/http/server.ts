@@ -1,5 +1,7 @@
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
 import type { AddressInfo } from "node:net";
+import { Gate, type MemoryIntervalGate, memory } from "floodgate";
+import type { FakeClock } from "floodgate/testing";
 
 export type Respond = (req: IncomingMessage, res: ServerResponse, body: string) => void;
 
@@ -76,4 +78,10 @@ export async function closedPort(): Promise<number> {
   const { port } = s.address() as AddressInfo;
   await new Promise<void>((resolve) => s.close(() => resolve()));
   return port;
+}
+
+/** A gate of one interval gate with no spacing, on `clock`, whose pauses a test reads back. */
+export function hostsGate(clock: FakeClock): { gate: Gate; hosts: MemoryIntervalGate } {
+  const hosts = memory({ clock }).intervalGate("hosts", { minIntervalMs: 0 }) as MemoryIntervalGate;
+  return { gate: new Gate([hosts], { clock }), hosts };
 }

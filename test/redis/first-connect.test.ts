@@ -1,19 +1,10 @@
-import { createServer } from "node:net";
 import { BackendUnavailableError } from "floodgate";
 import { redis } from "floodgate/redis";
 import { Redis, type RedisOptions } from "ioredis";
 import { afterEach, describe, expect, it } from "vitest";
 import { redisUrl } from "../contract/backends.js";
+import { closedPort } from "../http/server.js";
 import { closeClient, randomPrefix, rejectionOf } from "./helpers.js";
-
-/** A loopback port nothing listens on. */
-async function closedPort(): Promise<number> {
-  const server = createServer();
-  await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
-  const { port } = server.address() as { port: number };
-  await new Promise<void>((resolve) => server.close(() => resolve()));
-  return port;
-}
 
 describe("the first calls on a client that is still connecting", () => {
   const clients: Redis[] = [];
