@@ -107,7 +107,7 @@ export function problems(files: readonly string[], read: (path: string) => strin
     try {
       parsed = JSON.parse(read(map));
     } catch (error) {
-      out.push(`${map} is not JSON (${(error as Error).message})`);
+      out.push(`${map} cannot be read as JSON (${(error as Error).message})`);
       continue;
     }
     const sources = Array.isArray(parsed.sources) ? parsed.sources : [];
