@@ -10,11 +10,15 @@
  *   npx tsx bench/index.ts --list                  the benchmarks' names
  *   npx tsx bench/index.ts redis --quick           a group: `memory` or `redis`
  *
- * Flags: --quick, --rounds N, --tasks N, --seconds S, --handoffs N, --keys N.
+ * Flags: --quick, --rounds N, --tasks N, --seconds S, --handoffs N, --keys N (--help says more).
  * Redis benchmarks start their own redis-server on a free loopback port unless REDIS_URL is set.
  */
 import { spawn } from "node:child_process";
-import { runSuite } from "./suite.js";
+import { parseOrExit } from "../examples/cli.js";
+import { COMMAND, runSuite } from "./suite.js";
+
+// Help and a command line it cannot use end here, before a child is started.
+parseOrExit(COMMAND);
 
 // Collections between contenders keep one contender's garbage out of the next one's figure.
 if (typeof (globalThis as { gc?: unknown }).gc !== "function" && !process.env.FLOODGATE_BENCH_CHILD) {

@@ -2,7 +2,7 @@
 import { execFileSync } from "node:child_process";
 import { readFileSync } from "node:fs";
 import { cpus, loadavg, totalmem } from "node:os";
-import { parseArgs } from "node:util";
+import { command, parseOrExit } from "../examples/cli.js";
 import { fleet } from "./fleet.js";
 import { handoff } from "./handoff.js";
 import { idleKeys } from "./idle-keys.js";
@@ -47,56 +47,66 @@ const load = () =>
     .map((l) => l.toFixed(2))
     .join(" / ");
 
+const GROUPS: Record<string, (b: Benchmark) => boolean> = {
+  memory: (b) => !b.redis,
+  redis: (b) => b.redis,
+};
+
+const EACH_OWN = "set by each benchmark";
+
+/** The suite's command line. */
+export const COMMAND = command({
+  name: "bench",
+  synopsis: "npm run bench -- [NAME…] [flags]",
+  about:
+    "The benchmark suite: each round runs every contender once (in rotating order); a figure is the\n" +
+    "median of the rounds. Prints Markdown tables (bench/RESULTS.md is one full run).",
+  args: {
+    name: "NAME…",
+    what: "benchmark",
+    help: "benchmarks to run, or a group (memory, redis); default: all (--list names them)",
+    choices: [...Object.keys(GROUPS), ...BENCHMARKS.map((b) => b.name)],
+  },
+  flags: {
+    quick: { type: "boolean", help: "the short form: fewer tasks, shorter runs" },
+    rounds: { type: "int", defaultText: EACH_OWN, help: "rounds per benchmark" },
+    tasks: { type: "int", defaultText: EACH_OWN, help: "tasks (or operations) per contender per round" },
+    seconds: {
+      type: "number",
+      min: 0.05,
+      defaultText: EACH_OWN,
+      help: "seconds per contender per round, where a benchmark runs for a time",
+    },
+    handoffs: { type: "int", defaultText: EACH_OWN, help: "handoffs per contender per round (handoff)" },
+    keys: { type: "int", defaultText: EACH_OWN, help: "keys (idle-keys)" },
+    list: { type: "boolean", help: "name the benchmarks and exit" },
+  },
+  notes: [
+    "Redis benchmarks start their own redis-server on a free loopback port unless REDIS_URL is set.",
+    "e.g. npm run bench -- semaphore --quick · npx tsx bench/index.ts redis --rounds 3",
+  ],
+});
+
 /** Run the benchmarks `argv` names (all when none) with its flags. */
 export async function runSuite(argv: string[]): Promise<void> {
-  const { values, positionals } = parseArgs({
-    args: argv,
-    allowPositionals: true,
-    options: {
-      quick: { type: "boolean", default: false },
-      rounds: { type: "string" },
-      tasks: { type: "string" },
-      seconds: { type: "string" },
-      handoffs: { type: "string" },
-      keys: { type: "string" },
-      list: { type: "boolean", default: false },
-    },
-  });
+  const { values, args: names } = parseOrExit(COMMAND, argv);
   if (values.list) {
     for (const b of BENCHMARKS) console.log(`${b.name.padEnd(16)} ${b.title}`);
     return;
   }
-  const num = (v: string | undefined, name: string, min: number) => {
-    if (v === undefined) return undefined;
-    const n = Number(v);
-    if (!(n >= min) || !Number.isFinite(n)) throw new RangeError(`--${name} must be a number >= ${min}`);
-    return n;
-  };
-  const groups: Record<string, (b: Benchmark) => boolean> = {
-    memory: (b) => !b.redis,
-    redis: (b) => b.redis,
-  };
   const selected =
-    positionals.length === 0
+    names.length === 0
       ? BENCHMARKS
-      : BENCHMARKS.filter((b) => positionals.some((p) => p === b.name || groups[p]?.(b)));
-  const unknown = positionals.filter((p) => !groups[p] && !BENCHMARKS.some((b) => b.name === p));
-  if (unknown.length > 0 || selected.length === 0) {
-    console.error(
-      `unknown benchmark: ${unknown.join(", ")}; known: ${BENCHMARKS.map((b) => b.name).join(", ")}`,
-    );
-    process.exitCode = 2;
-    return;
-  }
+      : BENCHMARKS.filter((b) => names.some((p) => p === b.name || GROUPS[p]?.(b)));
 
   let server: Awaited<ReturnType<typeof benchRedis>> | undefined;
   const args: BenchArgs = {
     quick: values.quick,
-    rounds: num(values.rounds, "rounds", 1),
-    tasks: num(values.tasks, "tasks", 1),
-    seconds: num(values.seconds, "seconds", 0.05),
-    handoffs: num(values.handoffs, "handoffs", 1),
-    keys: num(values.keys, "keys", 1),
+    rounds: values.rounds,
+    tasks: values.tasks,
+    seconds: values.seconds,
+    handoffs: values.handoffs,
+    keys: values.keys,
     redisUrl: async () => {
       server ??= await benchRedis();
       return server.url;

@@ -35,6 +35,7 @@ import {
   connectRedis,
   deadline,
   deleteKeys,
+  exampleCommand,
   LevelMeter,
   msText,
   newPrefix,
@@ -50,19 +51,36 @@ import { startProvider } from "./provider.js";
 export const about =
   "autoscaled fleet: fleet-wide bound and rate, bulk yielding to interactive, Little's law check";
 
-const USAGE = `usage: npm run example -- autoscale [--small] [--items N] [--allowance N] [--bound N]
-         [--per-replica N] [--reserve N] [--interactive-rate N] [--service-ms N] [--no-ceiling]
-
-  ${about}.
-  --items             bulk items in the backlog (default 600; --small: 200)
-  --allowance         provider requests per one-second window (default 100)
-  --bound             fleet-wide bulk calls in flight (default 16)
-  --per-replica       jobs each replica runs at once (default 4)
-  --reserve           requests left in the window below which bulk yields (default 40)
-  --interactive-rate  interactive requests per second; four times that during the spike (default 10)
-  --service-ms        provider answer time, plus up to half of it at random (default 100)
-  --no-ceiling        let the autoscaler go past bound / per-replica
-  REDIS_URL           replicas share the bucket, bound and pauses through Redis`;
+const COMMAND = exampleCommand(
+  "autoscale",
+  about,
+  {
+    items: { type: "int", default: 600, small: 200, help: "bulk items in the backlog" },
+    allowance: { type: "int", default: 100, help: "provider requests per one-second window" },
+    bound: { type: "int", default: 16, help: "fleet-wide bulk calls in flight" },
+    "per-replica": { type: "int", default: 4, help: "jobs each replica runs at once" },
+    reserve: {
+      type: "int",
+      default: 40,
+      min: 0,
+      help: "requests left in the window below which bulk yields",
+    },
+    "interactive-rate": {
+      type: "number",
+      default: 10,
+      min: 0.1,
+      help: "interactive requests per second; four times that during the spike",
+    },
+    "service-ms": {
+      type: "int",
+      default: 100,
+      min: 0,
+      help: "provider answer time, plus up to half of it at random",
+    },
+    "no-ceiling": { type: "boolean", help: "let the autoscaler go past bound / per-replica" },
+  },
+  ["REDIS_URL=redis://host:port: the replicas share the bucket, bound and pauses through Redis."],
+);
 
 interface Phase {
   name: string;
@@ -75,29 +93,10 @@ interface Phase {
 }
 
 export async function main(argv: string[]): Promise<number> {
-  const f = parseFlags(argv, {
-    items: { type: "string" },
-    allowance: { type: "string" },
-    bound: { type: "string" },
-    "per-replica": { type: "string" },
-    reserve: { type: "string" },
-    "interactive-rate": { type: "string" },
-    "service-ms": { type: "string" },
-    "no-ceiling": { type: "boolean" },
-  });
-  if (f.help) {
-    process.stdout.write(`${USAGE}\n`);
-    return 0;
-  }
-  const small = f.on("small");
-  const items = f.int("items", small ? 200 : 600);
-  const allowance = f.int("allowance", 100);
-  const bound = f.int("bound", 16);
-  const perReplica = f.int("per-replica", 4);
-  const reserve = f.int("reserve", 40, 0);
-  const interactiveRate = f.num("interactive-rate", 10, 0.1);
-  const serviceMs = f.int("service-ms", 100, 0);
-  const noCeiling = f.on("no-ceiling");
+  const f = parseFlags(COMMAND, argv);
+  if (!f) return 0;
+  const { items, allowance, bound, "per-replica": perReplica, reserve } = f;
+  const { "interactive-rate": interactiveRate, "service-ms": serviceMs, "no-ceiling": noCeiling } = f;
   const cap = 3 * bound;
   const ceiling = Math.max(1, Math.floor(bound / perReplica));
 

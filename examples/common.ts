@@ -1,61 +1,47 @@
 /**
- * What the examples share: flags, the backend (memory, or Redis when `REDIS_URL` is set), a live
+ * What the examples share: their command line, the backend (memory, or Redis when `REDIS_URL` is set), a live
  * progress line on stderr, a deadline, and a few numbers helpers.
  */
 import { randomBytes } from "node:crypto";
-import { parseArgs } from "node:util";
 import { type Backend, memory } from "floodgate";
 import { redis } from "floodgate/redis";
 import { Redis } from "ioredis";
+import { type Command, command, type Flags, parseCommandLine, usage, type Values } from "./cli.js";
 
-/** A flag or argument the example cannot use; the runner prints it with the usage and exits 2. */
-export class UsageError extends Error {
-  override name = "UsageError";
+/** The flag every example takes: a short run. */
+const SMALL = { type: "boolean", help: "a short run (a few seconds)" } as const;
+
+/**
+ * An example's command line: `npm run example -- <name> [flags]`, with `--small` added. A flag's
+ * `small` is its default under `--small`.
+ */
+export function exampleCommand<const F extends Flags>(
+  name: string,
+  about: string,
+  flags: F,
+  notes: readonly string[] = [],
+): Command<F & { small: typeof SMALL }> {
+  return command({
+    name,
+    synopsis: `npm run example -- ${name} [flags]`,
+    about: `${about[0]!.toUpperCase()}${about.slice(1)}.`,
+    flags: { small: SMALL, ...flags },
+    notes,
+    hint: `try: npm run example -- ${name} --help`,
+  });
 }
 
-type Spec = Record<string, { type: "string" | "boolean"; short?: string }>;
-
-/** Parsed flags with typed readers. `help` is true when `--help` was given. */
-export interface Flags {
-  help: boolean;
-  /** True when the boolean flag was given. */
-  on(name: string): boolean;
-  /** An integer flag >= `min`, else `fallback`. */
-  int(name: string, fallback: number, min?: number): number;
-  /** A finite number flag >= `min`, else `fallback`. */
-  num(name: string, fallback: number, min?: number): number;
-}
-
-/** Parse `argv` against `spec` (plus `--help` and `--small`, which every example takes). */
-export function parseFlags(argv: string[], spec: Spec): Flags {
-  let values: Record<string, string | boolean | undefined>;
-  try {
-    ({ values } = parseArgs({
-      args: argv,
-      options: { ...spec, small: { type: "boolean" }, help: { type: "boolean", short: "h" } },
-      strict: true,
-      allowPositionals: false,
-    }));
-  } catch (error) {
-    throw new UsageError((error as Error).message);
+/**
+ * Parse an example's flags. On `--help` it prints the usage and returns `undefined` (the example
+ * then exits 0); anything it cannot use throws `UsageError` (the runner prints it, exit 2).
+ */
+export function parseFlags<F extends Flags>(c: Command<F>, argv: readonly string[]): Values<F> | undefined {
+  const parsed = parseCommandLine(c, argv);
+  if (parsed === undefined) {
+    process.stdout.write(usage(c as Command));
+    return undefined;
   }
-  const read = (name: string, fallback: number, min: number, integer: boolean): number => {
-    const raw = values[name];
-    if (raw === undefined) return fallback;
-    const n = Number(raw);
-    if (!Number.isFinite(n) || n < min || (integer && !Number.isInteger(n))) {
-      throw new UsageError(
-        `--${name} must be ${integer ? "an integer" : "a number"} >= ${min} (got ${JSON.stringify(raw)})`,
-      );
-    }
-    return n;
-  };
-  return {
-    help: values.help === true,
-    on: (name) => values[name] === true,
-    int: (name, fallback, min = 1) => read(name, fallback, min, true),
-    num: (name, fallback, min = 0) => read(name, fallback, min, false),
-  };
+  return parsed.values;
 }
 
 /** A backend and how to let go of it. */

@@ -20,24 +20,51 @@
 import { type ChildProcess, fork } from "node:child_process";
 import { fileURLToPath } from "node:url";
 import { Gate } from "floodgate";
-import { deadline, newPrefix, openBackend, parseFlags, perSec, progress, secs, where } from "./common.js";
+import {
+  deadline,
+  exampleCommand,
+  newPrefix,
+  openBackend,
+  parseFlags,
+  perSec,
+  progress,
+  secs,
+  where,
+} from "./common.js";
 import { type ChildArgs, type JobSource, pollWorker, type Report, SEMAPHORE } from "./delaware-worker.js";
 import { startProvider } from "./provider.js";
 
 export const about = "12 workers (processes on Redis) share 8 permits against a registry that blocks above 8";
 
-const USAGE = `usage: npm run example -- delaware [--small] [--entities N] [--workers N] [--permits N]
-         [--cap N] [--service-ms N] [--acquire-timeout-ms N] [--lease-ms N]
-
-  ${about}.
-  --entities            entities to poll (default 240; --small: 60)
-  --workers             workers (default 12)
-  --permits             fleet-wide permits (default 8)
-  --cap                 connections the registry tolerates (default 8)
-  --service-ms          registry answer time, plus up to half of it at random (default 80)
-  --acquire-timeout-ms  longest wait for a permit before the entity is deferred (default 60)
-  --lease-ms            permit lease; a dead worker's permit returns after it (default 15000)
-  REDIS_URL             run the workers as processes sharing a Redis semaphore`;
+const COMMAND = exampleCommand(
+  "delaware",
+  about,
+  {
+    entities: { type: "int", default: 240, small: 60, help: "entities to poll" },
+    workers: { type: "int", default: 12, help: "workers" },
+    permits: { type: "int", default: 8, help: "fleet-wide permits" },
+    cap: { type: "int", default: 8, help: "connections the registry tolerates" },
+    "service-ms": {
+      type: "int",
+      default: 80,
+      min: 0,
+      help: "registry answer time, plus up to half of it at random",
+    },
+    "acquire-timeout-ms": {
+      type: "int",
+      default: 60,
+      min: 0,
+      help: "longest wait for a permit before the entity is deferred",
+    },
+    "lease-ms": {
+      type: "int",
+      default: 15_000,
+      min: 100,
+      help: "permit lease; a dead worker's permit returns after it",
+    },
+  },
+  ["REDIS_URL=redis://host:port runs the workers as processes sharing a Redis semaphore."],
+);
 
 /** The entities still to poll: the main sweep first, then what was deferred. */
 class EntityQueue implements JobSource {
@@ -112,27 +139,10 @@ class EntityQueue implements JobSource {
 }
 
 export async function main(argv: string[]): Promise<number> {
-  const f = parseFlags(argv, {
-    entities: { type: "string" },
-    workers: { type: "string" },
-    permits: { type: "string" },
-    cap: { type: "string" },
-    "service-ms": { type: "string" },
-    "acquire-timeout-ms": { type: "string" },
-    "lease-ms": { type: "string" },
-  });
-  if (f.help) {
-    process.stdout.write(`${USAGE}\n`);
-    return 0;
-  }
-  const small = f.on("small");
-  const entities = f.int("entities", small ? 60 : 240);
-  const workers = f.int("workers", 12);
-  const permits = f.int("permits", 8);
-  const cap = f.int("cap", 8);
-  const serviceMs = f.int("service-ms", 80, 0);
-  const acquireTimeoutMs = f.int("acquire-timeout-ms", 60, 0);
-  const leaseMs = f.int("lease-ms", 15_000, 100);
+  const f = parseFlags(COMMAND, argv);
+  if (!f) return 0;
+  const { entities, workers, permits, cap, "service-ms": serviceMs } = f;
+  const { "acquire-timeout-ms": acquireTimeoutMs, "lease-ms": leaseMs } = f;
   const backoffMs = Math.max(20, serviceMs);
 
   const provider = await startProvider({ cap, serviceMs, serviceJitterMs: serviceMs / 2, blockMs: 2000 });

@@ -10,57 +10,28 @@
  * answered any 429, saw more than `cap` requests at once, or a request did not complete.
  */
 import { setMaxListeners } from "node:events";
-import { parseArgs } from "node:util";
 import { Gate, memory } from "floodgate";
 import { wrapFetch } from "floodgate/fetch";
+import { command, parseOrExit } from "./cli.js";
 import { startProvider } from "./provider.js";
 
-const USAGE = "usage: demo [--requests N] [--callers N] [--cap N] [--service-ms N]";
-
-function positiveInt(name: string, value: string | undefined, fallback: number): number {
-  if (value === undefined) return fallback;
-  const n = Number(value);
-  if (!Number.isInteger(n) || n < 1) {
-    process.stderr.write(
-      `demo: --${name} must be an integer >= 1 (got ${JSON.stringify(value)})\n${USAGE}\n`,
-    );
-    process.exit(2);
-  }
-  return n;
-}
-
-function parseFlags() {
-  let values: Record<string, string | boolean | undefined>;
-  try {
-    ({ values } = parseArgs({
-      options: {
-        requests: { type: "string" },
-        callers: { type: "string" },
-        cap: { type: "string" },
-        "service-ms": { type: "string" },
-        help: { type: "boolean", short: "h" },
-      },
-      strict: true,
-    }));
-  } catch (error) {
-    process.stderr.write(`demo: ${(error as Error).message}\n${USAGE}\n`);
-    process.exit(2);
-  }
-  if (values.help) {
-    process.stdout.write(`${USAGE}\n`);
-    process.exit(0);
-  }
-  const str = (k: string) => values[k] as string | undefined;
-  return {
-    requests: positiveInt("requests", str("requests"), 400),
-    callers: positiveInt("callers", str("callers"), 64),
-    cap: positiveInt("cap", str("cap"), 8),
-    serviceMs: positiveInt("service-ms", str("service-ms"), 50),
-  };
-}
+const COMMAND = command({
+  name: "demo",
+  synopsis: "npm run demo -- [flags]",
+  about:
+    "Many concurrent callers, one provider that answers 429 above its cap, and a gate in between\n" +
+    "(queue, semaphore, AIMD) that keeps the calls in flight at or under the cap. Exits 1 when the\n" +
+    "provider answered a 429, saw more than its cap at once, or a request did not complete.",
+  flags: {
+    requests: { type: "int", default: 400, help: "requests to send" },
+    callers: { type: "int", default: 64, help: "concurrent callers" },
+    cap: { type: "int", default: 8, help: "requests the provider serves at once; the gate's limit" },
+    "service-ms": { type: "int", default: 50, help: "provider answer time per request" },
+  },
+});
 
 async function main(): Promise<number> {
-  const { requests, callers, cap, serviceMs } = parseFlags();
+  const { requests, callers, cap, "service-ms": serviceMs } = parseOrExit(COMMAND).values;
   const provider = await startProvider({ cap, serviceMs });
   const backend = memory();
   const gate = new Gate(

@@ -23,6 +23,7 @@ import { setMaxListeners } from "node:events";
 import { Gate, type Job, ShedError } from "floodgate";
 import {
   deadline,
+  exampleCommand,
   newPrefix,
   openBackend,
   parseFlags,
@@ -37,18 +38,25 @@ import { type Provider, providerGroup, startProvider } from "./provider.js";
 export const about =
   "supplier feed: bounded queue (block or --shed), per-supplier buckets with a 429 penalty, the four numbers";
 
-const USAGE = `usage: npm run example -- ingest [--small] [--shed] [--records N] [--feed-rate N] [--queue N]
-         [--pool N] [--rate N] [--service-ms N]
-
-  ${about}.
-  --records     records in the feed (default 400; --small: 120)
-  --feed-rate   records per second the feed offers (default 200)
-  --queue       bounded queue size (default 40)
-  --shed        shed records when the queue is full instead of blocking the producer
-  --pool        records in flight at once, over every supplier (default 12)
-  --rate        contracted requests per second per supplier (default 20)
-  --service-ms  supplier answer time, plus up to half of it at random (default 100)
-  REDIS_URL     share the queue, buckets and semaphore through Redis`;
+const COMMAND = exampleCommand(
+  "ingest",
+  about,
+  {
+    records: { type: "int", default: 400, small: 120, help: "records in the feed" },
+    "feed-rate": { type: "number", default: 200, min: 1, help: "records per second the feed offers" },
+    queue: { type: "int", default: 40, help: "bounded queue size" },
+    shed: { type: "boolean", help: "shed records when the queue is full instead of blocking the producer" },
+    pool: { type: "int", default: 12, help: "records in flight at once, over every supplier" },
+    rate: { type: "number", default: 20, min: 0.1, help: "contracted requests per second per supplier" },
+    "service-ms": {
+      type: "int",
+      default: 100,
+      min: 0,
+      help: "supplier answer time, plus up to half of it at random",
+    },
+  },
+  ["REDIS_URL=redis://host:port: share the queue, buckets and semaphore through Redis."],
+);
 
 interface Supplier {
   id: string;
@@ -64,27 +72,10 @@ interface Supplier {
 }
 
 export async function main(argv: string[]): Promise<number> {
-  const f = parseFlags(argv, {
-    records: { type: "string" },
-    "feed-rate": { type: "string" },
-    queue: { type: "string" },
-    shed: { type: "boolean" },
-    pool: { type: "string" },
-    rate: { type: "string" },
-    "service-ms": { type: "string" },
-  });
-  if (f.help) {
-    process.stdout.write(`${USAGE}\n`);
-    return 0;
-  }
-  const small = f.on("small");
-  const records = f.int("records", small ? 120 : 400);
-  const feedRate = f.num("feed-rate", 200, 1);
-  const queueSize = f.int("queue", 40);
-  const shedMode = f.on("shed");
-  const pool = f.int("pool", 12);
-  const rate = f.num("rate", 20, 0.1);
-  const serviceMs = f.int("service-ms", 100, 0);
+  const f = parseFlags(COMMAND, argv);
+  if (!f) return 0;
+  const { records, "feed-rate": feedRate, queue: queueSize, shed: shedMode, pool, rate } = f;
+  const serviceMs = f["service-ms"];
 
   // Three suppliers allow a bit more than the contract; acme now allows 60% of it.
   const suppliers: Supplier[] = [

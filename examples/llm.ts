@@ -26,6 +26,7 @@ import { Gate, isFloodgateError, type Ticket } from "floodgate";
 import { parseRetryAfter } from "floodgate/fetch";
 import {
   deadline,
+  exampleCommand,
   msText,
   newPrefix,
   openBackend,
@@ -41,20 +42,35 @@ import { startProvider } from "./provider.js";
 export const about =
   "LLM client: RPM and TPM buckets, reserve-then-settle, AIMD on 429, Retry-After, shutdown";
 
-const USAGE = `usage: npm run example -- llm [--small] [--docs N] [--rpm N] [--tpm N] [--minute-ms N]
-         [--pool N] [--hidden-cap N] [--service-ms N] [--max-tokens N] [--grace-ms N]
-
-  ${about}.
-  --docs        documents to summarise (default 300; --small: 80)
-  --rpm         provider requests per minute (default 120)
-  --tpm         provider tokens per minute (default 24000)
-  --minute-ms   how long a "minute" lasts here (default 1000)
-  --pool        connection pool: semaphore size and AIMD's start and ceiling (default 16)
-  --hidden-cap  concurrency above which the provider answers 429 "overloaded" (default 6)
-  --service-ms  provider answer time, plus up to half of it at random (default 120)
-  --max-tokens  completion budget per call (default 300)
-  --grace-ms    time calls in flight get to finish at shutdown (default 100)
-  REDIS_URL     share the buckets, semaphore, AIMD limit and pauses through Redis`;
+const COMMAND = exampleCommand(
+  "llm",
+  about,
+  {
+    docs: { type: "int", default: 300, small: 80, help: "documents to summarise" },
+    rpm: { type: "int", default: 120, help: "provider requests per minute" },
+    tpm: { type: "int", default: 24_000, help: "provider tokens per minute" },
+    "minute-ms": { type: "int", default: 1000, help: 'how long a "minute" lasts here' },
+    pool: {
+      type: "int",
+      default: 16,
+      help: "connection pool: semaphore size and AIMD's start and ceiling",
+    },
+    "hidden-cap": {
+      type: "int",
+      default: 6,
+      help: 'concurrency above which the provider answers 429 "overloaded"',
+    },
+    "service-ms": {
+      type: "int",
+      default: 120,
+      min: 0,
+      help: "provider answer time, plus up to half of it at random",
+    },
+    "max-tokens": { type: "int", default: 300, min: 0, help: "completion budget per call" },
+    "grace-ms": { type: "int", default: 100, min: 0, help: "time calls in flight get to finish at shutdown" },
+  },
+  ["REDIS_URL=redis://host:port: share the buckets, semaphore, AIMD limit and pauses through Redis."],
+);
 
 /** Tokens of a prompt, as the provider counts them (a stand-in for a real tokenizer). */
 const promptTokens = (prompt: string) => Math.ceil(prompt.length / 4);
@@ -68,31 +84,10 @@ interface Usage {
 type Attempt = { status: 200; usage: Usage } | { status: number; reason: string };
 
 export async function main(argv: string[]): Promise<number> {
-  const f = parseFlags(argv, {
-    docs: { type: "string" },
-    rpm: { type: "string" },
-    tpm: { type: "string" },
-    "minute-ms": { type: "string" },
-    pool: { type: "string" },
-    "hidden-cap": { type: "string" },
-    "service-ms": { type: "string" },
-    "max-tokens": { type: "string" },
-    "grace-ms": { type: "string" },
-  });
-  if (f.help) {
-    process.stdout.write(`${USAGE}\n`);
-    return 0;
-  }
-  const small = f.on("small");
-  const docs = f.int("docs", small ? 80 : 300);
-  const rpm = f.int("rpm", 120);
-  const tpm = f.int("tpm", 24_000);
-  const minuteMs = f.int("minute-ms", 1000);
-  const pool = f.int("pool", 16);
-  const hiddenCap = f.int("hidden-cap", 6);
-  const serviceMs = f.int("service-ms", 120, 0);
-  const maxTokens = f.int("max-tokens", 300, 0);
-  const graceMs = f.int("grace-ms", 100, 0);
+  const f = parseFlags(COMMAND, argv);
+  if (!f) return 0;
+  const { docs, rpm, tpm, "minute-ms": minuteMs, pool, "hidden-cap": hiddenCap } = f;
+  const { "service-ms": serviceMs, "max-tokens": maxTokens, "grace-ms": graceMs } = f;
   const shutdownAt = Math.ceil(docs * 0.85);
 
   const provider = await startProvider({

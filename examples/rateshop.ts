@@ -25,6 +25,7 @@ import { Gate } from "floodgate";
 import { wrapFetch } from "floodgate/fetch";
 import {
   deadline,
+  exampleCommand,
   msText,
   newPrefix,
   openBackend,
@@ -39,17 +40,38 @@ import { type Provider, providerGroup, startProvider } from "./provider.js";
 export const about =
   "rate shops over several hosts: global in-flight ceiling, per-host spacing with jitter, Retry-After";
 
-const USAGE = `usage: npm run example -- rateshop [--small] [--shops N] [--ceiling N] [--jitter-ms N]
-         [--margin-ms N] [--service-ms N] [--throttle-every N]
-
-  ${about}.
-  --shops           shops per host (default 20; --small: 6)
-  --ceiling         requests in flight at once over every host (default 6)
-  --jitter-ms       up to this much random delay on top of each host's interval (default 50)
-  --margin-ms       configured interval = what the host tolerates + this (default 40)
-  --service-ms      host answer time, plus up to half of it at random (default 400)
-  --throttle-every  the "vendor" host answers every Nth request 429 + Retry-After: 1 (default 5)
-  REDIS_URL         share the ceiling, the spacing and the pauses through Redis`;
+const COMMAND = exampleCommand(
+  "rateshop",
+  about,
+  {
+    shops: { type: "int", default: 20, small: 6, help: "shops per host" },
+    ceiling: { type: "int", default: 6, help: "requests in flight at once over every host" },
+    "jitter-ms": {
+      type: "int",
+      default: 50,
+      min: 0,
+      help: "up to this much random delay on top of each host's interval",
+    },
+    "margin-ms": {
+      type: "int",
+      default: 40,
+      min: 0,
+      help: "configured interval = what the host tolerates + this",
+    },
+    "service-ms": {
+      type: "int",
+      default: 400,
+      min: 0,
+      help: "host answer time, plus up to half of it at random",
+    },
+    "throttle-every": {
+      type: "int",
+      default: 5,
+      help: 'the "vendor" host answers every Nth request 429 + Retry-After: 1',
+    },
+  },
+  ["REDIS_URL=redis://host:port: share the ceiling, the spacing and the pauses through Redis."],
+);
 
 interface Host {
   name: string;
@@ -64,25 +86,10 @@ interface Host {
 }
 
 export async function main(argv: string[]): Promise<number> {
-  const f = parseFlags(argv, {
-    shops: { type: "string" },
-    ceiling: { type: "string" },
-    "jitter-ms": { type: "string" },
-    "margin-ms": { type: "string" },
-    "service-ms": { type: "string" },
-    "throttle-every": { type: "string" },
-  });
-  if (f.help) {
-    process.stdout.write(`${USAGE}\n`);
-    return 0;
-  }
-  const small = f.on("small");
-  const shopsPerHost = f.int("shops", small ? 6 : 20);
-  const ceiling = f.int("ceiling", 6);
-  const jitterMs = f.int("jitter-ms", 50, 0);
-  const marginMs = f.int("margin-ms", 40, 0);
-  const serviceMs = f.int("service-ms", 400, 0);
-  const throttleEvery = f.int("throttle-every", 5);
+  const f = parseFlags(COMMAND, argv);
+  if (!f) return 0;
+  const { shops: shopsPerHost, ceiling, "jitter-ms": jitterMs, "margin-ms": marginMs } = f;
+  const { "service-ms": serviceMs, "throttle-every": throttleEvery } = f;
 
   const hosts: Host[] = [
     { name: "booking.test", toleratesMs: 150, done: 0, retried: 0, sent: [] },

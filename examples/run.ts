@@ -1,9 +1,9 @@
 /**
- * Runs one example: `npm run example -- <name> [flags]`. `--help` (or no name, or a name it does
- * not know) lists the examples; `npm run example -- <name> --help` shows an example's flags.
- * Each example runs in memory, or on Redis when REDIS_URL is set.
+ * Runs one example: `npm run example -- <name> [flags]`. `--help` (or no name) lists the
+ * examples; `npm run example -- <name> --help` shows an example's flags. Each example runs in
+ * memory, or on Redis when REDIS_URL is set. A name or flag it cannot use exits 2 with one line.
  */
-import { UsageError } from "./common.js";
+import { refusal, UsageError } from "./cli.js";
 
 interface Example {
   about: string;
@@ -18,15 +18,25 @@ const EXAMPLES: Record<string, { seed: string; load: () => Promise<Example> }> =
   rateshop: { seed: "004", load: () => import("./rateshop.js") },
 };
 
+const RUNNER = { name: "example" };
+
 async function list(): Promise<string> {
-  const lines = ["usage: npm run example -- <name> [--small] [flags]", "", "examples:"];
+  const lines = [
+    "usage: npm run example -- <name> [flags]",
+    "",
+    "Runs one example against its own simulated provider; prints a summary ending in OK or FAILED",
+    "(exit 1). Each runs in memory; set REDIS_URL=redis://host:port to run it on Redis.",
+    "",
+    "examples:",
+  ];
   for (const [name, { load }] of Object.entries(EXAMPLES)) {
     lines.push(`  ${name.padEnd(10)} ${(await load()).about}`);
   }
   lines.push(
     "",
-    "Each runs in memory; set REDIS_URL=redis://host:port to run it on Redis.",
-    "`npm run example -- <name> --help` shows an example's flags; --small is a short run.",
+    "flags:",
+    "  --small     a short run (a few seconds); every example takes it",
+    "  -h, --help  this list; after a name, that example's flags and their defaults",
   );
   return `${lines.join("\n")}\n`;
 }
@@ -37,16 +47,25 @@ async function run(argv: string[]): Promise<number> {
     process.stdout.write(await list());
     return 0;
   }
+  if (name.startsWith("-")) {
+    process.stderr.write(
+      refusal(RUNNER, new UsageError(`the example's name comes first: npm run example -- <name> ${name}`)),
+    );
+    return 2;
+  }
   const entry = EXAMPLES[name];
   if (!entry) {
-    process.stderr.write(`example: no example named ${JSON.stringify(name)}\n\n${await list()}`);
+    const known = Object.keys(EXAMPLES).join(", ");
+    process.stderr.write(
+      refusal(RUNNER, new UsageError(`unknown example ${JSON.stringify(name)}; known: ${known}`)),
+    );
     return 2;
   }
   try {
     return await (await entry.load()).main(rest);
   } catch (error) {
     if (error instanceof UsageError) {
-      process.stderr.write(`${name}: ${error.message}\n(npm run example -- ${name} --help for the flags)\n`);
+      process.stderr.write(refusal({ name, hint: `try: npm run example -- ${name} --help` }, error));
       return 2;
     }
     throw error;

@@ -9,14 +9,15 @@
  *
  *   npm run chaos -- --seconds 60     (seconds per phase; the test takes CHAOS_SECONDS, default 5)
  *   more flags: --workers --callers --limit --lease-ms --poll-ms --kill-every-ms, --phase <name>…
+ *   (npm run chaos -- --help lists them with their defaults)
  */
 import { randomUUID } from "node:crypto";
 import { once } from "node:events";
 import { setPriority } from "node:os";
 import { pathToFileURL } from "node:url";
-import { parseArgs } from "node:util";
 import { redis, stageKey } from "floodgate/redis";
 import { Redis } from "ioredis";
+import { command, parseOrExit } from "../examples/cli.js";
 import { startProvider } from "../examples/provider.js";
 import {
   epochNow,
@@ -582,32 +583,52 @@ export function broken(r: ChaosReport): string[] {
   return [...out, ...r.problems];
 }
 
-async function main(): Promise<void> {
-  const flag = (d: number) => ({ type: "string", default: String(d) }) as const;
-  const { values: v } = parseArgs({
-    options: {
-      seconds: flag(60),
-      workers: flag(DEFAULTS.workers),
-      callers: flag(DEFAULTS.callers),
-      limit: flag(DEFAULTS.limit),
-      "lease-ms": flag(DEFAULTS.leaseMs),
-      "poll-ms": flag(DEFAULTS.pollMs),
-      "kill-every-ms": flag(DEFAULTS.killEveryMs),
-      phase: { type: "string", multiple: true },
+const COMMAND = command({
+  name: "chaos",
+  synopsis: "npm run chaos -- [flags]",
+  about:
+    "Chaos for the Redis semaphore fleet: worker processes loop admit → fetch → release against a\n" +
+    "provider capped at the semaphore's limit, through phases of faults (SIGKILL churn, frozen\n" +
+    "holders and waiters, CLIENT KILL, SCRIPT FLUSH, redis-server restarts). Starts its own\n" +
+    "redis-server with persistence. Prints figures per phase; exits 1 when a bound is broken.",
+  flags: {
+    seconds: { type: "number", default: 60, min: 1, help: "length of each phase, s" },
+    workers: { type: "int", default: DEFAULTS.workers, help: "worker processes" },
+    callers: { type: "int", default: DEFAULTS.callers, help: "callers per worker" },
+    limit: { type: "int", default: DEFAULTS.limit, help: "the semaphore's permits and the provider's cap" },
+    "lease-ms": { type: "int", default: DEFAULTS.leaseMs, min: 100, help: "permit lease, ms" },
+    "poll-ms": { type: "int", default: DEFAULTS.pollMs, help: "how often a waiter polls Redis, ms" },
+    "kill-every-ms": {
+      type: "int",
+      default: DEFAULTS.killEveryMs,
+      help: "a worker is SIGKILLed about this often under kill churn, ms",
     },
-  });
+    phase: {
+      type: "string",
+      multiple: true,
+      choices: PHASES,
+      value: "NAME",
+      defaultText: "every phase, in order",
+      help: "run only this phase",
+    },
+  },
+  notes: ['e.g. npm run chaos -- --seconds 10 --phase calm --phase "kill churn"'],
+});
+
+async function main(): Promise<void> {
+  const { values: v } = parseOrExit(COMMAND);
   const redis = await startPersistentRedis();
   try {
     const report = await runChaos({
       server: redis.server,
-      phaseMs: Number(v.seconds) * 1000,
-      workers: Number(v.workers),
-      callers: Number(v.callers),
-      limit: Number(v.limit),
-      leaseMs: Number(v["lease-ms"]),
-      pollMs: Number(v["poll-ms"]),
-      killEveryMs: Number(v["kill-every-ms"]),
-      phases: (v.phase ?? PHASES) as PhaseName[],
+      phaseMs: v.seconds * 1000,
+      workers: v.workers,
+      callers: v.callers,
+      limit: v.limit,
+      leaseMs: v["lease-ms"],
+      pollMs: v["poll-ms"],
+      killEveryMs: v["kill-every-ms"],
+      phases: (v.phase.length > 0 ? v.phase : PHASES) as PhaseName[],
       progress: (line) => console.error(line),
     });
     console.log(formatReport(report));

@@ -7,22 +7,34 @@
  *   npm run soak -- --seconds 180     (CI runs --seconds 10)
  */
 import { once } from "node:events";
-import { parseArgs } from "node:util";
 import { Gate, isFloodgateError, type Stage } from "floodgate";
 import { redis } from "floodgate/redis";
 import { Redis } from "ioredis";
 import { benchRedis } from "../bench/redis-server.js";
+import { command, parseOrExit } from "../examples/cli.js";
 
-const { values } = parseArgs({
-  options: {
-    seconds: { type: "string", default: "60" },
-    limit: { type: "string", default: "4" },
-    faults: { type: "boolean", default: true },
-  },
-  allowNegative: true,
-});
-const seconds = Number(values.seconds);
-const limit = Number(values.limit);
+const { values } = parseOrExit(
+  command({
+    name: "soak",
+    synopsis: "npm run soak -- [flags]",
+    about:
+      "A bounded soak of the Redis backend: admissions through a Redis gate (token bucket, semaphore,\n" +
+      "AIMD) from three connections with random aborts and timeouts, while Redis is hit with faults.\n" +
+      "Starts its own redis-server (or uses REDIS_URL). Exits 1 when the cap broke, a lease, waiter or\n" +
+      "listener was left behind, or memory grew.",
+    flags: {
+      seconds: { type: "number", default: 60, min: 1, help: "how long the callers run" },
+      limit: { type: "int", default: 4, help: "the semaphore's permits (and AIMD's ceiling)" },
+      faults: {
+        type: "boolean",
+        default: true,
+        negatable: true,
+        help: "inject SCRIPT FLUSH, CLIENT KILL and CLIENT PAUSE while the callers run",
+      },
+    },
+  }),
+);
+const { seconds, limit } = values;
 const server = await benchRedis();
 const prefix = `soak:${process.pid}:`;
 const options = { enableOfflineQueue: false, maxRetriesPerRequest: 0, retryStrategy: () => 20 } as const;
