@@ -1,3 +1,9 @@
+/**
+ * Admission primitives (semaphore, token bucket, bounded queue, interval gate, AIMD limiter),
+ * the memory backend that builds them, and `Gate`, which chains them.
+ *
+ * @module floodgate
+ */
 export { type Clock, type ClockTimer, systemClock } from "./clock.js";
 export {
   AdmitTimeoutError,

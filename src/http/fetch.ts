@@ -1,3 +1,9 @@
+/**
+ * `wrapFetch`: a fetch-shaped function whose every request passes a gate, with retries, a
+ * reserve of the provider's window and settling from the response.
+ *
+ * @module floodgate/fetch
+ */
 import { TIMEOUT_CODES } from "../base/run.js";
 import { type Clock, systemClock } from "../clock.js";
 import { InvalidOptionsError, isFloodgateError } from "../errors.js";

@@ -1,3 +1,8 @@
+/**
+ * `floodgateInterceptor`: an undici interceptor that passes every request through a gate.
+ *
+ * @module floodgate/undici
+ */
 import type { Duplex } from "node:stream";
 import type { Dispatcher } from "undici";
 import { InvalidOptionsError, isFloodgateError } from "../errors.js";

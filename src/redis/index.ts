@@ -1,3 +1,9 @@
+/**
+ * The Redis backend: `redis(client, options)` builds the same stages as `memory()`, shared by
+ * every process that uses the same Redis and prefix.
+ *
+ * @module floodgate/redis
+ */
 import type { Cluster, Redis } from "ioredis";
 import { StageRegistry } from "../base/registry.js";
 import { type Clock, systemClock } from "../clock.js";
