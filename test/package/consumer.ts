@@ -279,7 +279,8 @@ async function main(): Promise<void> {
         const env = program.run === "redis" ? redisEnv() : {};
         const ran = await sh(process.execPath, [out], app, env, 30_000);
         if (ran.code !== 0) fail(`node ${out} exited with ${ran.code}:\n${tail(ran)}`);
-        return `ran, ${ran.stdout.trim().split("\n").length} lines of output`;
+        const lines = ran.stdout.trim() === "" ? 0 : ran.stdout.trim().split("\n").length;
+        return `ran, ${lines} line${lines === 1 ? "" : "s"} of output`;
       });
     }
     await check("c. admit({ timeoutMS: 10 }) rejects with InvalidOptionsError naming timeoutMS", () =>
