@@ -9,8 +9,12 @@
  * fleet by backlog, capped at its ceiling: fleet-wide bound / per-replica bound (above that a
  * replica could not get a permit to use). Every replica's bulk calls pass one fleet-wide gate:
  *
- *   token bucket (the per-second rate shared by all replicas) → semaphore (the fleet-wide
- *   in-flight bound) → interval gate (no spacing; it holds bulk back while it yields)
+ *   semaphore (the fleet-wide in-flight bound) → token bucket (the per-second rate shared by
+ *   all replicas) → interval gate (no spacing; it holds bulk back while it yields)
+ *
+ * Stages that hold a call come first, those that meter its start after them (see
+ * examples/README.md). A bulk call holds its permit while it waits for its token or for a pause
+ * to end; every permit is a bulk job's, so that costs nothing here.
  *
  * Interactive requests (a user waiting) arrive meanwhile, with a spike in the middle, through
  * their own small semaphore. Bulk yields to them: when a response shows fewer than `--reserve`
@@ -124,8 +128,11 @@ export async function main(argv: string[]): Promise<number> {
   const bulkGate = (b: Backend, name: string) =>
     new Gate(
       [
-        b.tokenBucket("fleet-rate", { capacity: 10, refillPerSecond: allowance }),
+        // Stages that hold the call first, then those that meter its start: the rate token is
+        // taken by a call that already holds its permit, so nothing after the bucket but the
+        // pause can make it wait, and the fleet's rate holds for the calls' starts.
         b.semaphore("fleet-inflight", { limit: bound }),
+        b.tokenBucket("fleet-rate", { capacity: 10, refillPerSecond: allowance }),
         // Last, right before the call, so that a pause holds back every bulk call about to leave.
         b.intervalGate("bulk-yield", { minIntervalMs: 0 }),
       ],

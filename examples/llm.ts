@@ -6,7 +6,7 @@
  * answer. It also has a concurrency limit nobody documented: above it, 429 "overloaded" with
  * Retry-After. The client composes:
  *
- *   rpm bucket → tpm bucket (weighted) → semaphore (connection pool) → AIMD (halves on 429) →
+ *   semaphore (connection pool) → AIMD (halves on 429) → rpm bucket → tpm bucket (weighted) →
  *   interval gate (no spacing; it holds the host while a Retry-After runs)
  *
  * Each call is admitted at its estimated cost (prompt tokens + max_tokens, `costs: { tpm }`) and
@@ -104,10 +104,13 @@ export async function main(argv: string[]): Promise<number> {
   const perSecond = 1000 / minuteMs;
   const gate = new Gate(
     [
-      b.tokenBucket("rpm", { capacity: rpm, refillPerSecond: rpm * perSecond }),
-      b.tokenBucket("tpm", { capacity: tpm, refillPerSecond: tpm * perSecond }),
+      // Stages that hold the call first (pool, adaptive limit), then those that meter its start
+      // (RPM and TPM tokens, then the host): the tokens are taken last, right before the send, so
+      // the rates hold for when calls leave. A call holds its permits while it waits for tokens.
       b.semaphore("llm-pool", { limit: pool }),
       b.aimd("llm-adaptive", { initial: pool, min: 1, max: pool, backoffRatio: 0.5 }),
+      b.tokenBucket("rpm", { capacity: rpm, refillPerSecond: rpm * perSecond }),
+      b.tokenBucket("tpm", { capacity: tpm, refillPerSecond: tpm * perSecond }),
       // Last, right before the call: a Retry-After pause then holds back every call about to be
       // sent, including those that already have their tokens and permits.
       b.intervalGate("llm-host", { minIntervalMs: 0 }),

@@ -1,8 +1,9 @@
 /**
- * A bounded soak of the Redis backend: thousands of admissions through a Redis Gate from three
- * connections (standing for three processes), with random aborts and timeouts, while Redis is
- * hit with faults (SCRIPT FLUSH, killed client connections, a paused server). At the end no
- * lease, waiter or listener may be left behind, the cap must have held, and memory must be flat.
+ * A bounded soak of the Redis backend: thousands of admissions through a Redis Gate (semaphore,
+ * AIMD, token bucket) from three connections (standing for three processes), with random aborts
+ * and timeouts, while Redis is hit with faults (SCRIPT FLUSH, killed client connections, a paused
+ * server). At the end no lease, waiter or listener may be left behind, the cap must have held,
+ * and memory must be flat.
  *
  *   npm run soak -- --seconds 180     (CI runs --seconds 10)
  */
@@ -48,10 +49,11 @@ for (let i = 0; i < 3; i++) {
   await once(client, "ready");
   clients.push(client);
   const b = redis(client, { prefix, commandTimeoutMs: 500, pollMs: 200 });
+  // Stages that hold a call first, the one that meters its start last.
   const stages: Stage[] = [
-    b.tokenBucket("rate", { capacity: 50, refillPerSecond: 2000 }),
     b.semaphore("inflight", { limit, leaseMs: 2_000 }),
     b.aimd("adaptive", { initial: limit, max: limit }),
+    b.tokenBucket("rate", { capacity: 50, refillPerSecond: 2000 }),
   ];
   gates.push(new Gate(stages, { name: `gate-${i}` }));
 }
