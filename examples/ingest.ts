@@ -1,18 +1,22 @@
 /**
  * Seed 003 — supplier feed ingestion with backpressure.
  *
- * A producer reads a feed of records from four suppliers and hands each to `gate.enqueue`:
+ * A producer reads a feed of records from four suppliers and hands each to its supplier's gate
+ * (`gate.enqueue`). Every supplier's gate is
  *
- *   bounded queue (block the producer, or --shed) → token bucket per supplier (key = supplier,
- *   with a penalty after a 429) → semaphore (the downstream pool)
+ *   bounded queue (block the producer, or --shed; shared) → the supplier's share of the pool →
+ *   semaphore (the downstream pool; shared) → token bucket (key = supplier, with a penalty after
+ *   a 429; shared)
  *
- * Token before permit: a record waiting for its supplier's rate holds no permit. Each supplier is
- * its own local server with its own quota. All four were contracted at the same rate, but one
- * (acme) now allows less: its 429s cut its bucket's refill rate (the penalty), which then climbs
- * back, so it is slowed instead of hammered. A record answered 429 is submitted again.
+ * Holding stages first, the rate last, so the rate holds for when records are sent; a record
+ * holds its permits while it waits for its supplier's token, which is why each supplier has its
+ * own share of the pool. Each supplier is its own local server with its own quota. All four
+ * were contracted at the same rate, but one (acme) now allows less: its 429s cut its bucket's
+ * refill rate (the penalty), which then climbs back, so it is slowed instead of hammered. A
+ * record answered 429 is submitted again.
  *
- * The progress line and the summary show the four numbers that localise a bottleneck, from
- * `gate.snapshot()`: queue depth, token wait, permit wait, and shed count.
+ * The progress line and the summary show the four numbers that localise a bottleneck, from the
+ * stages' snapshots: queue depth, token wait, permit wait, and shed count.
  *
  * Fails (exit 1) when the pool's bound was broken (more in flight across the suppliers than the
  * semaphore allows), the queue held more than its size, a supplier within its quota answered
@@ -99,23 +103,42 @@ export async function main(argv: string[]): Promise<number> {
 
   const handle = await openBackend(newPrefix("ingest"));
   const b = handle.backend;
-  const gate = new Gate(
-    [
-      b.queue("ingest-queue", { maxSize: queueSize, whenFull: shedMode ? "shed" : "block" }),
-      // Rate before concurrency: a record waits for its supplier's token holding no permit.
-      b.tokenBucket("supplier-rate", {
-        capacity: burst,
-        refillPerSecond: rate,
-        penalty: { factor: 0.5, recoveryMs: 5_000, minFactor: 0.25 },
-      }),
-      b.semaphore("ingest-inflight", { limit: pool }),
-    ],
-    { name: "ingest" },
+  // Stages that hold a record come first (the queue, the supplier's share of the pool, the pool),
+  // the supplier's rate last, so it holds for when records are sent. A record therefore holds its
+  // permits while it waits for its supplier's token: with one pool for all, the slowest supplier's
+  // records (acme, penalised) would fill it waiting for acme's tokens and hold every other
+  // supplier to acme's pace. So each supplier gets its own share of the pool (a gate each, sharing
+  // the queue, the pool and the keyed bucket): acme's records wait on acme's share.
+  const queue = b.queue("ingest-queue", { maxSize: queueSize, whenFull: shedMode ? "shed" : "block" });
+  const inflight = b.semaphore("ingest-inflight", { limit: pool });
+  const supplierRate = b.tokenBucket("supplier-rate", {
+    capacity: burst,
+    refillPerSecond: rate,
+    penalty: { factor: 0.5, recoveryMs: 5_000, minFactor: 0.25 },
+  });
+  const share = Math.max(1, Math.ceil(pool / suppliers.length));
+  const shares = suppliers.map((s) => b.semaphore(`ingest-share-${s.id}`, { limit: share }));
+  const gates = new Map(
+    suppliers.map((s, i) => [
+      s.id,
+      new Gate([queue, shares[i]!, inflight, supplierRate], { name: `ingest-${s.id}` }),
+    ]),
   );
+  /** The four numbers, from the stages (every supplier's gate shares the queue, pool and bucket). */
+  const four = () => {
+    const q = queue.snapshot();
+    return {
+      queueDepth: q.queueDepth,
+      queueWaitMs: q.queueWaitMs,
+      shed: q.shed,
+      tokenWaitMs: supplierRate.snapshot().tokenWaitMs,
+      permitWaitMs: [inflight, ...shares].reduce((n, st) => n + st.snapshot().permitWaitMs, 0),
+    };
+  };
   process.stderr.write(
     `ingest: ${where(handle)}; ${records} records at ${feedRate}/s into a queue of ${queueSize} ` +
       `(${shedMode ? "shed" : "block"} when full); ${suppliers.length} suppliers contracted at ${rate}/s each, ` +
-      `acme now allows ${suppliers[0]!.quota}/s; pool ${pool}\n`,
+      `acme now allows ${suppliers[0]!.quota}/s; pool ${pool}, at most ${share} per supplier\n`,
   );
 
   const stop = new AbortController();
@@ -126,6 +149,12 @@ export async function main(argv: string[]): Promise<number> {
   let outstanding = 0;
   let producing = true;
   let failed = 0;
+  /** Why the first record failed, for the summary. */
+  let firstFailure = "";
+  const fail = (why: string) => {
+    failed++;
+    firstFailure ||= why;
+  };
   let maxDepth = 0;
   let allDone: () => void = () => {};
   const finished = new Promise<void>((resolve) => {
@@ -136,28 +165,37 @@ export async function main(argv: string[]): Promise<number> {
     if (!producing && outstanding === 0) allDone();
   };
 
+  /** Time records spent at the suppliers, holding their permits (beside waiting for a token). */
+  let sendingMs = 0;
   const deliver = async (ticketSignal: AbortSignal, s: Supplier, n: number) => {
-    const res = await fetch(`${s.server!.url}/records/${n}`, {
-      method: "POST",
-      body: JSON.stringify({ supplier: s.id, n }),
-      signal: AbortSignal.any([ticketSignal, stop.signal]),
-    });
-    await res.arrayBuffer();
-    // A 429 is released as `dropped` (the default classify), which penalises this supplier's key.
-    return { status: res.status };
+    const t = performance.now();
+    try {
+      const res = await fetch(`${s.server!.url}/records/${n}`, {
+        method: "POST",
+        body: JSON.stringify({ supplier: s.id, n }),
+        signal: AbortSignal.any([ticketSignal, stop.signal]),
+      });
+      await res.arrayBuffer();
+      // A 429 is released as `dropped` (the default classify), which penalises this supplier's key.
+      return { status: res.status };
+    } finally {
+      sendingMs += performance.now() - t;
+    }
   };
 
   /** Hand one record to the gate; resolves once it is queued (or shed). */
   async function submit(s: Supplier, n: number): Promise<void> {
     let job: Job<{ status: number }>;
     try {
-      job = await gate.enqueue((ticket) => deliver(ticket.signal, s, n), { key: s.id, signal: stop.signal });
+      job = await gates
+        .get(s.id)!
+        .enqueue((ticket) => deliver(ticket.signal, s, n), { key: s.id, signal: stop.signal });
     } catch (error) {
       if (error instanceof ShedError) {
         // Shed records go to the dead-letter path; here they are counted.
         s.shed++;
       } else if (!stop.signal.aborted) {
-        failed++;
+        fail((error as Error).message);
       }
       settleOne();
       return;
@@ -173,11 +211,11 @@ export async function main(argv: string[]): Promise<number> {
         if (status === 200) {
           s.delivered++;
           s.lastAt = performance.now();
-        } else failed++;
+        } else fail(`${s.id} answered ${status}`);
         settleOne();
       },
-      () => {
-        if (!stop.signal.aborted) failed++;
+      (error: unknown) => {
+        if (!stop.signal.aborted) fail((error as Error).message);
         settleOne();
       },
     );
@@ -185,10 +223,10 @@ export async function main(argv: string[]): Promise<number> {
 
   const started = performance.now();
   const sampler = setInterval(() => {
-    maxDepth = Math.max(maxDepth, gate.snapshot().queueDepth);
+    maxDepth = Math.max(maxDepth, queue.snapshot().queueDepth);
   }, 5);
-  const four = () => {
-    const s = gate.snapshot();
+  const fourText = () => {
+    const s = four();
     return (
       `queue depth ${s.queueDepth}/${queueSize} · token wait ${secs(s.tokenWaitMs)}` +
       ` · permit wait ${secs(s.permitWaitMs)} · shed ${s.shed}`
@@ -198,7 +236,7 @@ export async function main(argv: string[]): Promise<number> {
   const ticker = progress(() => {
     const delivered = suppliers.reduce((n, s) => n + s.delivered, 0);
     return (
-      `produced ${produced}/${records} · delivered ${delivered} · ${four()}` +
+      `produced ${produced}/${records} · delivered ${delivered} · ${fourText()}` +
       ` · 429s ${suppliers.reduce((n, s) => n + s.rejected, 0)} · ${secs(performance.now() - started)}`
     );
   });
@@ -226,12 +264,12 @@ export async function main(argv: string[]): Promise<number> {
   ticker.stop();
   limit.clear();
 
-  const snap = gate.snapshot();
+  const snap = four();
   const delivered = suppliers.reduce((n, s) => n + s.delivered, 0);
   const shed = suppliers.reduce((n, s) => n + s.shed, 0);
   const rejected = suppliers.reduce((n, s) => n + s.rejected, 0);
   const stats = new Map(suppliers.map((s) => [s.id, s.server!.stats()]));
-  await gate.close();
+  for (const gate of gates.values()) await gate.close();
   await Promise.all(suppliers.map((s) => s.server!.close()));
   await handle.close(true);
 
@@ -249,7 +287,7 @@ export async function main(argv: string[]): Promise<number> {
   if (shedMode ? delivered + shed !== produced : delivered !== produced || shed > 0) {
     failures.push(`records lost: produced ${produced}, delivered ${delivered}, shed ${shed}`);
   }
-  if (failed > 0) failures.push(`${failed} records failed`);
+  if (failed > 0) failures.push(`${failed} records failed (the first: ${firstFailure})`);
   if (stop.signal.aborted) failures.push((stop.signal.reason as Error).message);
 
   const tokenWait = snap.tokenWaitMs;
@@ -258,12 +296,18 @@ export async function main(argv: string[]): Promise<number> {
     shed > 0 || snap.queueWaitMs > Math.max(tokenWait, permitWait)
       ? "the feed outruns the pipeline (queue full)"
       : "";
+  // A record waits for its supplier's token holding its permits, so the permit wait counts waits
+  // behind records that wait for tokens too. What the permits' time went to tells them apart:
+  // waiting for tokens (the supplier rates bind; more pool would only wait for tokens too), or
+  // sending while records wait for a permit (the pool binds).
+  const forTokens = tokenWait / Math.max(1, tokenWait + sendingMs);
+  const held = `permits held ${secs(tokenWait + sendingMs)}, ${(100 * forTokens).toFixed(0)}% of it waiting for tokens`;
   const inside =
-    tokenWait > 2 * permitWait
-      ? "supplier rates (token wait ≫ permit wait): more pool would not help"
-      : permitWait > 2 * tokenWait
-        ? "the pool (permit wait ≫ token wait): the semaphore is the limit"
-        : "supplier rates and the pool alike";
+    forTokens >= 0.05
+      ? `supplier rates (${held}): more pool would not help`
+      : permitWait > 0.1 * sendingMs
+        ? `the pool (${held}; records waited ${secs(permitWait)} for one): the semaphore is the limit`
+        : `neither (${held}, little wait for them)`;
 
   process.stdout.write(
     `ingest [${handle.mode}; ${shedMode ? "shed" : "block"}]: ${delivered}/${produced} records delivered in ${secs(elapsedMs)}` +
