@@ -50,7 +50,11 @@ const COMMAND = exampleCommand(
     "feed-rate": { type: "number", default: 200, min: 1, help: "records per second the feed offers" },
     queue: { type: "int", default: 40, help: "bounded queue size" },
     shed: { type: "boolean", help: "shed records when the queue is full instead of blocking the producer" },
-    pool: { type: "int", default: 12, help: "records in flight at once, over every supplier" },
+    pool: {
+      type: "int",
+      default: 12,
+      help: "records in flight at once over every supplier; each supplier at most pool / 4, rounded up",
+    },
     rate: { type: "number", default: 20, min: 0.1, help: "contracted requests per second per supplier" },
     "service-ms": {
       type: "int",
@@ -59,7 +63,7 @@ const COMMAND = exampleCommand(
       help: "supplier answer time, plus up to half of it at random",
     },
   },
-  ["REDIS_URL=redis://host:port: share the queue, buckets and semaphore through Redis."],
+  ["REDIS_URL=redis://host:port: share the queue, the pool and its shares, and the buckets through Redis."],
 );
 
 interface Supplier {

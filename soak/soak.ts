@@ -19,8 +19,8 @@ const { values } = parseOrExit(
     name: "soak",
     synopsis: "npm run soak -- [flags]",
     about:
-      "A bounded soak of the Redis backend: admissions through a Redis gate (token bucket, semaphore,\n" +
-      "AIMD) from three connections with random aborts and timeouts, while Redis is hit with faults.\n" +
+      "A bounded soak of the Redis backend: admissions through a Redis gate (semaphore, AIMD, token\n" +
+      "bucket) from three connections with random aborts and timeouts, while Redis is hit with faults.\n" +
       "Starts its own redis-server (or uses REDIS_URL). Exits 1 when the cap broke, a lease, waiter or\n" +
       "listener was left behind, or memory grew.",
     flags: {
