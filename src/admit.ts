@@ -1,6 +1,6 @@
 import { InvalidOptionsError } from "./errors.js";
 import type { AdmitOptions, RunOptions, StageKind } from "./types.js";
-import { isArray, show, unreadable } from "./validate.js";
+import { got, isArray, unreadable } from "./validate.js";
 
 /**
  * Longest wait floodgate deals in, in milliseconds: `Number.MAX_SAFE_INTEGER` (about 285,000
@@ -9,13 +9,77 @@ import { isArray, show, unreadable } from "./validate.js";
  */
 export const LONGEST_MS = Number.MAX_SAFE_INTEGER;
 
-const EMPTY: AdmitOptions = Object.freeze({});
+/**
+ * Options `admitOptions` has checked and copied. Handed on inside floodgate (a stage's `run` to
+ * its `admit`, a fallback to its primary), they are not checked again.
+ */
+class Checked implements RunOptions {
+  readonly #checked = true;
+
+  /** A brand check: it reads nothing of `o`, so no getter or Proxy trap runs. */
+  static is(o: object): o is Checked {
+    return #checked in o;
+  }
+
+  constructor(
+    public key: string | undefined,
+    public host: string | undefined,
+    public cost: number | undefined,
+    public costs: Readonly<Record<string, number>> | undefined,
+    public signal: AbortSignal | undefined,
+    public timeoutMs: number | undefined,
+    public classify: RunOptions["classify"],
+  ) {}
+}
+
+const EMPTY: AdmitOptions = Object.freeze(
+  new Checked(undefined, undefined, undefined, undefined, undefined, undefined, undefined),
+);
 
 /** The fields of admit and run options, in the order they are checked. */
 const FIELDS = ["key", "host", "cost", "costs", "signal", "timeoutMs", "classify"] as const;
 
-function fail(kind: StageKind, name: string, field: string, rule: string, got: unknown): never {
-  throw new InvalidOptionsError(name, field, `${kind} "${name}": ${field} ${rule} (got ${show(got)})`);
+/**
+ * The call that options were given to: `tryAdmit` never waits (no `signal`, `timeoutMs`), only
+ * `run` and `enqueue` call a function (`classify`).
+ */
+export type Entry = "admit" | "tryAdmit" | "run";
+
+const ALLOWED: Record<Entry, ReadonlySet<string>> = {
+  run: new Set(FIELDS),
+  admit: new Set(["key", "host", "cost", "costs", "signal", "timeoutMs"]),
+  tryAdmit: new Set(["key", "host", "cost", "costs"]),
+};
+
+/** The field a misspelt option most likely meant (`timeoutMS` → `timeoutMs`), or undefined. */
+export function meant(field: string, known: Iterable<string>): string | undefined {
+  const low = field.toLowerCase();
+  for (const k of known) if (k.toLowerCase() === low) return k;
+  return undefined;
+}
+
+/** Refuse any own field of `options` that `entry` does not take, naming it. */
+function unknownField(kind: StageKind, name: string, options: object, entry: Entry): void {
+  const allowed = ALLOWED[entry];
+  for (const field in options) {
+    if (allowed.has(field)) continue;
+    if (FIELDS.includes(field as (typeof FIELDS)[number])) {
+      // A field of another entry: refused only when given.
+      if (read(kind, name, options, field) === undefined) continue;
+      const why = field === "classify" ? "only run and enqueue call a function" : "tryAdmit never waits";
+      throw new InvalidOptionsError(name, field, `${kind} "${name}": ${entry} takes no ${field} (${why})`);
+    }
+    const near = meant(field, allowed);
+    throw new InvalidOptionsError(
+      name,
+      field,
+      `${kind} "${name}": unknown option "${field}"${near ? ` (did you mean "${near}"?)` : ""}; ${entry} takes ${[...allowed].join(", ")}`,
+    );
+  }
+}
+
+function fail(kind: StageKind, name: string, field: string, rule: string, value: unknown): never {
+  throw new InvalidOptionsError(name, field, `${kind} "${name}": ${field} ${rule}, ${got(value)}`);
 }
 
 /** `get()`, or an error naming `field` when it throws (a getter, a Proxy trap). */
@@ -82,11 +146,17 @@ function countsByName(
  * path (`undefined` options). Throws `InvalidOptionsError` naming the field; callers turn it into
  * a rejection.
  */
-export function admitOptions(kind: StageKind, name: string, options: AdmitOptions | undefined): RunOptions {
+export function admitOptions(
+  kind: StageKind,
+  name: string,
+  options: AdmitOptions | undefined,
+  entry: Entry = "run",
+): RunOptions {
   if (options === undefined) return EMPTY;
   if (typeof options !== "object" || options === null || isArray(options)) {
     fail(kind, name, "options", "must be an object", options);
   }
+  if (Checked.is(options)) return options;
   let key: unknown, host: unknown, cost: unknown, costs: unknown, signal: unknown, timeoutMs: unknown;
   let classify: unknown;
   try {
@@ -96,6 +166,12 @@ export function admitOptions(kind: StageKind, name: string, options: AdmitOption
     for (const field of FIELDS) read(kind, name, options, field);
     throw new InvalidOptionsError(name, "options", `${kind} "${name}": options could not be read`);
   }
+  try {
+    unknownField(kind, name, options, entry);
+  } catch (error) {
+    if (error instanceof InvalidOptionsError) throw error;
+    throw unreadable(`${kind} "${name}"`, name, "options", error);
+  }
   if (key !== undefined && !(typeof key === "string" && key.length > 0)) {
     fail(kind, name, "key", "must be a non-empty string", key);
   }
@@ -104,7 +180,28 @@ export function admitOptions(kind: StageKind, name: string, options: AdmitOption
   }
   if (cost !== undefined && !isCount(cost)) fail(kind, name, "cost", "must be an integer >= 0", cost);
   if (costs !== undefined) {
-    costs = countsByName(kind, name, "costs", "must be an object of integers >= 0 by stage name", costs);
+    const byName = countsByName(
+      kind,
+      name,
+      "costs",
+      "must be an object of integers >= 0 by stage name",
+      costs,
+    );
+    costs = byName;
+    if (kind !== "gate") {
+      // A stage's own call: costs may name only the stage, and then is its cost.
+      for (const k in byName) {
+        if (k !== name) {
+          throw new InvalidOptionsError(
+            name,
+            `costs.${k}`,
+            `${kind} "${name}": costs names "${k}", which is not this stage; on a stage's own call costs may name only "${name}"`,
+          );
+        }
+      }
+      if (byName[name] !== undefined) cost = byName[name];
+      costs = undefined;
+    }
   }
   if (signal !== undefined && !isSignal(signal)) fail(kind, name, "signal", "must be an AbortSignal", signal);
   if (timeoutMs !== undefined && !(typeof timeoutMs === "number" && timeoutMs >= 0)) {
@@ -113,24 +210,75 @@ export function admitOptions(kind: StageKind, name: string, options: AdmitOption
   if (classify !== undefined && typeof classify !== "function") {
     fail(kind, name, "classify", "must be a function (settled) => outcome", classify);
   }
-  return {
-    key: key as string | undefined,
-    host: host as string | undefined,
+  return new Checked(
+    key as string | undefined,
+    host as string | undefined,
     // `-0` counts as 0.
-    cost: cost === undefined ? undefined : (cost as number) + 0,
-    costs: costs as Readonly<Record<string, number>> | undefined,
-    signal: signal as AbortSignal | undefined,
-    timeoutMs: timeoutMs === undefined ? undefined : (timeoutMs as number) + 0,
-    classify: classify as RunOptions["classify"],
-  };
+    cost === undefined ? undefined : (cost as number) + 0,
+    costs as Readonly<Record<string, number>> | undefined,
+    signal as AbortSignal | undefined,
+    timeoutMs === undefined ? undefined : (timeoutMs as number) + 0,
+    classify as RunOptions["classify"],
+  );
+}
+
+/** The option that bounds a call's cost, by stage kind, and why. */
+const COST_BOUND: Partial<Record<StageKind, string>> = {
+  semaphore: "limit",
+  queue: "maxSize",
+  aimd: "min; the adaptive limit can fall to min",
+  tokenBucket: "capacity",
+};
+
+/** The one bucket of a token bucket that is not keyed. */
+export const UNKEYED = "default";
+
+/**
+ * The bucket a call takes from: its `key` on a keyed bucket (where a call without one is
+ * refused), the one bucket otherwise (where a `key` given to the stage itself is refused).
+ */
+export function bucketKey(name: string, keyed: boolean, o: AdmitOptions): string {
+  if (keyed) {
+    if (o.key === undefined) {
+      throw new InvalidOptionsError(
+        name,
+        "key",
+        `tokenBucket "${name}": key is required: the bucket is keyed (keyed: true), so every call names its key`,
+      );
+    }
+    return o.key;
+  }
+  if (o.key !== undefined) {
+    throw new InvalidOptionsError(
+      name,
+      "key",
+      `tokenBucket "${name}": key given to a bucket that is not keyed (one bucket for all calls), ${got(o.key)}; build it with keyed: true to give each key its own bucket`,
+    );
+  }
+  return UNKEYED;
+}
+
+/** The host a call is spaced under: its `host`, else the stage's `defaultHost`, else refused. */
+export function gateHost(name: string, defaultHost: string | undefined, o: AdmitOptions): string {
+  const host = o.host ?? defaultHost;
+  if (host === undefined) {
+    throw new InvalidOptionsError(
+      name,
+      "host",
+      `intervalGate "${name}": host is required: name each call's host ({ host: "api.example.com" }), or build the interval gate with defaultHost`,
+    );
+  }
+  return host;
 }
 
 /** A cost above what the stage can ever grant is refused at once, never waited on. */
-export function tooCostly(kind: StageKind, name: string, cost: number, most: number, what: string) {
+export function tooCostly(kind: StageKind, name: string, cost: number, most: number) {
+  const bound = COST_BOUND[kind] ?? "the most the stage grants";
+  const [option, why] = bound.split("; ");
   return new InvalidOptionsError(
     name,
     "cost",
-    `${kind} "${name}": cost must be <= ${what} (${most}) (got ${show(cost)}); it could never be admitted`,
+    `${kind} "${name}": cost must be <= ${option} (${most}${why ? `; ${why}` : ""}), ${got(cost)}; it could never be admitted`,
   );
 }
 
@@ -165,14 +313,14 @@ export function pauseError(
     return new InvalidOptionsError(
       name,
       "host",
-      `${kind} "${name}": host must be a non-empty string (got ${show(host)})`,
+      `${kind} "${name}": host must be a non-empty string, ${got(host)}`,
     );
   }
   if (typeof ms !== "number" || !(ms >= 0) || !Number.isFinite(ms)) {
     return new InvalidOptionsError(
       name,
       "ms",
-      `${kind} "${name}": pause ms must be a finite number >= 0 (got ${show(ms)})`,
+      `${kind} "${name}": pause ms must be a finite number >= 0, ${got(ms)}`,
     );
   }
   return undefined;

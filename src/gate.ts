@@ -1,4 +1,4 @@
-import { admitOptions, pauseError, settleValue } from "./admit.js";
+import { admitOptions, type Entry, pauseError, settleValue } from "./admit.js";
 import { callWith, RESOLVED } from "./base/run.js";
 import { type BaseStage, type BaseTicket, outcomeError, RunWaiter } from "./base/stage.js";
 import { type Clock, systemClock } from "./clock.js";
@@ -17,7 +17,7 @@ import type {
   Ticket,
   TryAdmitOptions,
 } from "./types.js";
-import { gateSchema, isArray, messageOf, parseOptions, show } from "./validate.js";
+import { gateSchema, got, isArray, messageOf, parseOptions } from "./validate.js";
 
 /** Options for `new Gate(stages, options)`. */
 export interface GateOptions {
@@ -123,6 +123,57 @@ function settleAll(tickets: readonly Ticket[], outcome: Outcome | undefined): Pr
   return pending ? Promise.all(pending).then(noop) : RESOLVED;
 }
 
+/** Every stage name in `stages` and in gates among them, and whether any is keyed by `key`. */
+function namesOf(stages: readonly Stage[]): { all: Set<string>; keyed: boolean } {
+  const all = new Set<string>();
+  let keyed = false;
+  for (const s of stages) {
+    all.add(s.name);
+    if (s.keyedBy === "key") keyed = true;
+    if (s instanceof Gate) for (const n of namesOf(s.stages).all) all.add(n);
+  }
+  return { all, keyed };
+}
+
+/** Stages that hold a call: a metering stage before one of them meters admissions, not call starts. */
+const HOLDING: ReadonlySet<StageKind> = new Set(["semaphore", "aimd", "queue"]);
+
+/**
+ * Why the order of `stages` breaks what its metering stages promise, or undefined when it keeps
+ * to the rule: stages that hold a call (queue, semaphore, AIMD) first, then token buckets, then
+ * interval gates last. A stage after a metering stage can still make the call wait, so the
+ * call would start later than its token or its host's slot allowed.
+ */
+export function misorder(stages: readonly Stage[]): string | undefined {
+  let meter: Stage | undefined;
+  for (const s of stages) {
+    if (meter && (HOLDING.has(s.kind) || (meter.kind === "intervalGate" && s.kind === "tokenBucket"))) {
+      return `${meter.kind} "${meter.name}" comes before ${s.kind} "${s.name}", which can still make a call wait after it: its ${meter.kind === "intervalGate" ? "spacing" : "rate"} then holds for admissions, not for the starts of calls. List stages that hold a call (queue, semaphore, aimd) first, token buckets next, interval gates last`;
+    }
+    if (s.kind === "tokenBucket" || s.kind === "intervalGate") {
+      if (meter?.kind !== "intervalGate") meter = s;
+    }
+  }
+  return undefined;
+}
+
+let orderWarned = false;
+
+/**
+ * Say once that a gate's order breaks what its metering stages promise: on the gate's logger
+ * when it was given one, else as a process warning (once per process, code
+ * `FLOODGATE_STAGE_ORDER`), so that it is seen without a logger.
+ */
+function warnOrder(log: Logger | undefined, gate: string, why: string): void {
+  if (log) {
+    log.warn({ gate }, why);
+    return;
+  }
+  if (orderWarned) return;
+  orderWarned = true;
+  process.emitWarning(`gate "${gate}": ${why}`, { code: "FLOODGATE_STAGE_ORDER" });
+}
+
 /** The cost of a call at `stage`: its entry in `costs`, else `cost`. */
 function costAt(stage: Stage, o: AdmitOptions): number | undefined {
   return o.costs?.[stage.name] ?? o.cost;
@@ -144,7 +195,7 @@ function checkStages(stages: unknown): Stage[] {
     throw new InvalidOptionsError(
       undefined,
       "stages",
-      `gate: stages must be an array of stages (got ${show(stages)})`,
+      `gate: stages must be an array of stages, ${got(stages)}`,
     );
   }
   let list: Stage[];
@@ -169,11 +220,7 @@ function checkStages(stages: unknown): Stage[] {
       ok = false;
     }
     if (!ok) {
-      throw new InvalidOptionsError(
-        undefined,
-        `stages.${i}`,
-        `gate: stages.${i} must be a stage (got ${show(s)})`,
-      );
+      throw new InvalidOptionsError(undefined, `stages.${i}`, `gate: stages.${i} must be a stage, ${got(s)}`);
     }
   });
   return list;
@@ -198,9 +245,14 @@ interface GateWait<T> {
 
 /**
  * An ordered list of stages that admits a call only when every stage has. Stages are acquired in
- * order (put rate before concurrency, so no call holds a permit while it waits for a token) and
- * released in reverse with the call's outcome. A failure, timeout or abort part-way refunds what
- * was already taken. A gate is a stage itself, so gates nest.
+ * order and released in reverse with the call's outcome. A failure, timeout or abort part-way
+ * refunds what was already taken. A gate is a stage itself, so gates nest.
+ *
+ * **Order: stages that hold a call first (queue, semaphore, AIMD), then token buckets, then
+ * interval gates last.** A stage after a metering stage can still make the call wait, so a
+ * token bucket's rate and an interval gate's spacing hold for the starts of calls only when
+ * nothing after them waits. The price: a call holds its permits while it waits for its token or
+ * its host's slot. A gate listed in another order logs one warning when it is built.
  */
 export class Gate implements Stage {
   readonly kind: StageKind = "gate";
@@ -236,7 +288,13 @@ export class Gate implements Stage {
     while (sync < this.stages.length && typeof (this.stages[sync] as SyncStage).tryAdmitSync === "function")
       sync++;
     this.#syncPrefix = sync;
+    this.#names = namesOf(this.stages);
+    const misplaced = misorder(this.stages);
+    if (misplaced) warnOrder(o.logger === undefined ? undefined : this.#log, this.name, misplaced);
   }
+
+  /** Every stage name in the gate (and in gates in it), and whether any is keyed by `key`. */
+  readonly #names: { all: Set<string>; keyed: boolean };
 
   /** Stages whose ticket a call holds while it runs (all but bounded queues). */
   readonly #callStages: number;
@@ -258,8 +316,31 @@ export class Gate implements Stage {
     return this.#closeController.signal;
   }
 
-  #options(options: AdmitOptions | undefined): AdmitOptions {
-    const o = admitOptions("gate", this.name, options);
+  /** Some stage of the gate (or of a gate in it) is keyed by the call's `key`. */
+  get keyedBy(): "key" | undefined {
+    return this.#names.keyed ? "key" : undefined;
+  }
+
+  #options(options: AdmitOptions | undefined, entry: Entry): AdmitOptions {
+    const o = admitOptions("gate", this.name, options, entry);
+    if (o.costs !== undefined) {
+      for (const name in o.costs) {
+        if (!this.#names.all.has(name)) {
+          throw new InvalidOptionsError(
+            this.name,
+            `costs.${name}`,
+            `gate "${this.name}": costs names "${name}", which is no stage of the gate (its stages: ${[...this.#names.all].join(", ")})`,
+          );
+        }
+      }
+    }
+    if (o.key !== undefined && !this.#names.keyed) {
+      throw new InvalidOptionsError(
+        this.name,
+        "key",
+        `gate "${this.name}": key given, ${got(o.key)}, but no stage of the gate is keyed by it; build the token bucket with keyed: true`,
+      );
+    }
     if (this.#closed) throw new ClosedError(this.name);
     return o;
   }
@@ -268,7 +349,10 @@ export class Gate implements Stage {
     const cost = costAt(stage, o);
     const timeoutMs =
       deadline === Number.POSITIVE_INFINITY ? undefined : Math.max(0, deadline - this.#clock.now());
-    return { key: o.key, host: o.host, cost, signal: o.signal, timeoutMs, costs: o.costs };
+    const key = stage.keyedBy === "key" ? o.key : undefined;
+    // A gate in the gate resolves its own stages' costs.
+    const costs = stage.kind === "gate" ? o.costs : undefined;
+    return { key, host: o.host, cost, signal: o.signal, timeoutMs, costs };
   }
 
   /**
@@ -349,7 +433,7 @@ export class Gate implements Stage {
   admit(options?: AdmitOptions): Promise<Ticket> {
     let o: AdmitOptions;
     try {
-      o = this.#options(options);
+      o = this.#options(options, "admit");
     } catch (error) {
       return Promise.reject(error);
     }
@@ -447,13 +531,15 @@ export class Gate implements Stage {
   };
 
   async tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
-    const o = this.#options(options);
+    const o = this.#options(options, "tryAdmit");
     const held: Ticket[] = [];
     for (const stage of this.stages) {
       const cost = costAt(stage, o);
       let t: Ticket | undefined;
       try {
-        t = await stage.tryAdmit({ key: o.key, host: o.host, cost });
+        const key = stage.keyedBy === "key" ? o.key : undefined;
+        const costs = stage.kind === "gate" ? o.costs : undefined;
+        t = await stage.tryAdmit({ key, host: o.host, cost, costs });
       } catch (error) {
         await settleAll(held.splice(0), undefined);
         throw error;
@@ -481,7 +567,7 @@ export class Gate implements Stage {
     }
     let o: RunOptions<T>;
     try {
-      o = this.#options(options) as RunOptions<T>;
+      o = this.#options(options, "run") as RunOptions<T>;
     } catch (error) {
       return Promise.reject(error);
     }
@@ -504,7 +590,7 @@ export class Gate implements Stage {
     if (typeof fn !== "function") {
       throw new InvalidOptionsError(this.name, "fn", `gate "${this.name}": enqueue needs a function`);
     }
-    const o = this.#options(options) as RunOptions<T>;
+    const o = this.#options(options, "run") as RunOptions<T>;
     if (o.signal?.aborted) throw o.signal.reason;
     const deadline = this.#deadline(o);
     const held: Ticket[] = [];

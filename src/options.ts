@@ -74,6 +74,14 @@ export interface TokenBucketOptions extends StageOptions, BackendErrorOptions {
    * `penalty: {}` turns it on with the defaults.
    */
   penalty?: PenaltyOptions;
+  /**
+   * Give each key its own bucket: every call names its `key` (a supplier, an account), and a
+   * call without one is refused with `InvalidOptionsError`. Unkeyed (the default), the stage is
+   * one bucket for all calls: a `key` given to the stage itself is refused (it would be a sign
+   * that `keyed: true` was meant), and a `Gate` does not pass its call's `key` to it.
+   * @default false
+   */
+  keyed?: boolean;
 }
 
 /** `backend.queue(name, options)`: at most `maxSize` jobs waiting; then block or shed. */
@@ -103,6 +111,12 @@ export interface IntervalGateOptions extends StageOptions, BackendErrorOptions {
   jitterMs?: number;
   /** Source of randomness in [0, 1) for the jitter. @default the backend's, else Math.random */
   random?: () => number;
+  /**
+   * The host of a call that names none. Without it, a call that reaches the interval gate
+   * without `host` is refused with `InvalidOptionsError` (spacing every call under one made-up
+   * host is rarely what was meant). A non-empty string.
+   */
+  defaultHost?: string;
 }
 
 /** `backend.aimd(name, options)`: a semaphore whose limit adapts to the outcomes it sees. */

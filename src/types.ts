@@ -165,6 +165,13 @@ export interface Stage extends AsyncDisposable {
    * has admitted the call.
    */
   readonly holds: "call" | "wait";
+  /**
+   * The call option the stage keeps separate budgets by: `"key"` for a keyed token bucket,
+   * `"host"` for an interval gate, undefined for one budget for all calls. A `Gate` passes a
+   * call's `key` only to stages keyed by it, and refuses a `key` that no stage of it takes; a
+   * stage of your own that reads `key` declares `keyedBy: "key"`.
+   */
+  readonly keyedBy?: "key" | "host" | undefined;
   /** Wait for admission. See `AdmitOptions` for cancellation and timeouts. */
   admit(options?: AdmitOptions): Promise<Ticket>;
   /** Admit only if that needs no wait; resolves `undefined` when refused. */

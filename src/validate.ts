@@ -67,6 +67,7 @@ export const tokenBucketSchema = z
     }),
     initialTokens: int(0).optional(),
     penalty: penaltySchema.optional(),
+    keyed: z.boolean({ error: "must be true or false" }).optional(),
   })
   .refine((o) => o.initialTokens === undefined || o.initialTokens <= o.capacity, {
     path: ["initialTokens"],
@@ -88,6 +89,10 @@ export const intervalGateSchema = z.strictObject({
     .refine((v) => v >= 0, { error: "must be a finite number >= 0" })
     .optional(),
   random: random.optional(),
+  defaultHost: z
+    .string({ error: "must be a non-empty string" })
+    .min(1, { error: "must be a non-empty string" })
+    .optional(),
 });
 
 export const aimdSchema = z
@@ -184,6 +189,18 @@ export function show(value: unknown): string {
   return "an object";
 }
 
+/**
+ * "got" and the value received with its type, for the end of an error message:
+ * `got "1000" (string)`, `got 2 (number)`, `got null`, `got a function`.
+ */
+export function got(value: unknown): string {
+  const shown = show(value);
+  // null, undefined, and what is shown by its kind ("a function", "an object") say their type.
+  if (value === null || value === undefined || /^an? /.test(shown)) return `got ${shown}`;
+  const type = typeof value !== "object" ? typeof value : isArray(value) ? "array" : "object";
+  return `got ${shown} (${type})`;
+}
+
 /** `Array.isArray`, false for a revoked Proxy (which makes it throw). */
 export function isArray(value: unknown): value is unknown[] {
   try {
@@ -222,7 +239,7 @@ function valueAt(input: unknown, path: readonly PropertyKey[]): unknown {
 /**
  * Parse options with `schema`; on failure throw `InvalidOptionsError` whose message names the
  * stage, the field, the rule and the value received:
- * `tokenBucket "de-rate": capacity must be an integer >= 1 (got 0)`.
+ * `tokenBucket "de-rate": capacity must be an integer >= 1, got 0 (number)`.
  */
 export function parseOptions<S extends z.ZodType>(
   schema: S,
@@ -232,11 +249,7 @@ export function parseOptions<S extends z.ZodType>(
 ): z.output<S> {
   const where = name === undefined ? kind : `${kind} "${name}"`;
   if (typeof input !== "object" || input === null || isArray(input)) {
-    throw new InvalidOptionsError(
-      name,
-      "options",
-      `${where}: options must be an object (got ${show(input)})`,
-    );
+    throw new InvalidOptionsError(name, "options", `${where}: options must be an object, ${got(input)}`);
   }
   let result: ReturnType<typeof schema.safeParse>;
   try {
@@ -255,13 +268,13 @@ export function parseOptions<S extends z.ZodType>(
     throw new InvalidOptionsError(name, field, `${where}: unknown option "${field}"`);
   }
   const field = issue.path.join(".");
-  let got: unknown;
+  let value: unknown;
   try {
-    got = valueAt(input, issue.path);
+    value = valueAt(input, issue.path);
   } catch {
-    got = undefined;
+    value = undefined;
   }
-  throw new InvalidOptionsError(name, field, `${where}: ${field} ${issue.message} (got ${show(got)})`);
+  throw new InvalidOptionsError(name, field, `${where}: ${field} ${issue.message}, ${got(value)}`);
 }
 
 /** Stage names become part of Redis keys: non-empty, printable, no braces. */
@@ -270,7 +283,7 @@ export function checkName(kind: StageKind, name: unknown): string {
     throw new InvalidOptionsError(
       undefined,
       "name",
-      `${kind}: name must be a non-empty string of at most 200 characters without spaces or braces (got ${show(name)})`,
+      `${kind}: name must be a non-empty string of at most 200 characters without spaces or braces, ${got(name)}`,
     );
   }
   return name;

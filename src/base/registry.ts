@@ -1,6 +1,6 @@
 import { ClosedError, InvalidOptionsError, isFloodgateError } from "../errors.js";
 import type { Stage, StageKind } from "../types.js";
-import { checkName, show, unreadable } from "../validate.js";
+import { checkName, got, unreadable } from "../validate.js";
 
 /**
  * Options data (not clock, logger or random) as a string that ignores key order, or `undefined`
@@ -47,7 +47,7 @@ export class StageRegistry {
       throw new InvalidOptionsError(
         name,
         "options",
-        `${kind} "${name}": options must be an object (got ${show(options)})`,
+        `${kind} "${name}": options must be an object, ${got(options)}`,
       );
     }
     const id = `${kind}:${name}`;

@@ -1,4 +1,4 @@
-import { admitOptions, settleValue } from "../admit.js";
+import { admitOptions, type Entry, settleValue } from "../admit.js";
 import type { Clock } from "../clock.js";
 import { AdmitTimeoutError, ClosedError, InvalidOptionsError } from "../errors.js";
 import { enabled, stageLogger } from "../logger.js";
@@ -13,7 +13,7 @@ import type {
   Ticket,
   TryAdmitOptions,
 } from "../types.js";
-import { messageOf, show } from "../validate.js";
+import { got, messageOf } from "../validate.js";
 import { callWith, RESOLVED } from "./run.js";
 import { WaitEntry, Waiter, type WaiterOwner, type WaitList } from "./wait-list.js";
 
@@ -163,7 +163,7 @@ export function outcomeError(
   return new InvalidOptionsError(
     name,
     "outcome",
-    `${kind} "${name}": outcome must be "success", "dropped" or "ignored" (got ${show(outcome)})`,
+    `${kind} "${name}": outcome must be "success", "dropped" or "ignored", ${got(outcome)}`,
   );
 }
 
@@ -290,8 +290,8 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   protected abstract lists(): Iterable<AnyList>;
 
   /** Check admit options and the closed flag. Throws synchronously; callers turn it into a rejection. */
-  protected check(options: AdmitOptions | undefined): AdmitOptions {
-    const o = admitOptions(this.kind, this.name, options);
+  protected check(options: AdmitOptions | undefined, entry: Entry = "run"): AdmitOptions {
+    const o = admitOptions(this.kind, this.name, options, entry);
     if (this.closed) throw new ClosedError(this.name);
     // An aborted caller gets nothing, even where capacity is free.
     if (o.signal?.aborted) throw o.signal.reason;

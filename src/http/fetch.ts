@@ -25,7 +25,7 @@ import {
   sleep,
 } from "./retry.js";
 import { type HeadersLike, parseRetryAfter } from "./retry-after.js";
-import { checkCallShape, readingOptions, show } from "./show.js";
+import { checkCallShape, got, keyedGate, readingOptions, show } from "./show.js";
 
 export {
   parseRateLimit,
@@ -44,7 +44,10 @@ export {
 export { type HeadersLike, type HeaderValue, parseRetryAfter } from "./retry-after.js";
 
 /** What `wrapFetch` needs of a gate: `run` and `pause` (and its `clock`, when it has one). */
-export type FetchGate = Pick<Gate, "run" | "pause"> & { readonly clock?: Clock };
+export type FetchGate = Pick<Gate, "run" | "pause"> & {
+  readonly clock?: Clock;
+  readonly keyedBy?: "key" | "host" | undefined;
+};
 
 /** The part of a response the wrapper reads. */
 export interface ResponseLike {
@@ -167,14 +170,14 @@ function isGate(g: unknown, method: "run" | "admit"): boolean {
 function checkOptions(gate: unknown, fetchImpl: unknown, options: unknown): WrapFetchOptions {
   const g = gate as Partial<FetchGate> | null | undefined;
   if (!readingOptions("gate", "gate", fail, () => isGate(g, "run"))) {
-    fail("gate", `gate must be a Gate (an object with run and pause) (got ${show(gate)})`);
+    fail("gate", `gate must be a Gate (an object with run and pause), ${got(gate)}`);
   }
   if (fetchImpl !== undefined && typeof fetchImpl !== "function") {
-    fail("fetchImpl", `fetchImpl must be a function or undefined (got ${show(fetchImpl)})`);
+    fail("fetchImpl", `fetchImpl must be a function or undefined, ${got(fetchImpl)}`);
   }
   if (options === undefined) return {};
   if (typeof options !== "object" || options === null || isArray(options)) {
-    fail("options", `options must be an object (got ${show(options)})`);
+    fail("options", `options must be an object, ${got(options)}`);
   }
   return readingOptions("options", "options", fail, () => checkFields(options));
 }
@@ -191,19 +194,19 @@ function checkFields(options: object): WrapFetchOptions {
 
 function checkValues(o: WrapFetchOptions): WrapFetchOptions {
   if (o.key !== undefined && typeof o.key !== "function") {
-    fail("key", `key must be a function (url, init) => string | undefined (got ${show(o.key)})`);
+    fail("key", `key must be a function (url, init) => string | undefined, ${got(o.key)}`);
   }
   if (o.timeoutMs !== undefined && !(typeof o.timeoutMs === "number" && o.timeoutMs >= 0)) {
-    fail("timeoutMs", `timeoutMs must be a number >= 0 or Infinity (got ${show(o.timeoutMs)})`);
+    fail("timeoutMs", `timeoutMs must be a number >= 0 or Infinity, ${got(o.timeoutMs)}`);
   }
   if (
     o.maxPauseMs !== undefined &&
     !(typeof o.maxPauseMs === "number" && o.maxPauseMs >= 0 && Number.isFinite(o.maxPauseMs))
   ) {
-    fail("maxPauseMs", `maxPauseMs must be a finite number >= 0 (got ${show(o.maxPauseMs)})`);
+    fail("maxPauseMs", `maxPauseMs must be a finite number >= 0, ${got(o.maxPauseMs)}`);
   }
   if (o.now !== undefined && typeof o.now !== "function") {
-    fail("now", `now must be a function returning epoch milliseconds (got ${show(o.now)})`);
+    fail("now", `now must be a function returning epoch milliseconds, ${got(o.now)}`);
   }
   const c = o.clock as Partial<Clock> | undefined;
   if (
@@ -216,12 +219,12 @@ function checkValues(o: WrapFetchOptions): WrapFetchOptions {
       typeof c.clearTimeout === "function"
     )
   ) {
-    fail("clock", `clock must be a Clock (now, setTimeout, clearTimeout) (got ${show(o.clock)})`);
+    fail("clock", `clock must be a Clock (now, setTimeout, clearTimeout), ${got(o.clock)}`);
   }
   if (o.retry !== undefined) checkRetry(o.retry, "retry", fail);
   if (o.reserve !== undefined) checkReserve(o.reserve, "reserve", fail);
   if (o.settle !== undefined && typeof o.settle !== "function") {
-    fail("settle", `settle must be a function (response, url) => cost (got ${show(o.settle)})`);
+    fail("settle", `settle must be a function (response, url) => cost, ${got(o.settle)}`);
   }
   return o;
 }
@@ -244,7 +247,7 @@ function readInit(input: unknown, given: unknown) {
   // `null` is no init, as fetch takes it; anything else that is not an object is refused.
   const init = given === null ? undefined : given;
   if (init !== undefined && (typeof init !== "object" || isArray(init))) {
-    fail("init", `init must be an object (got ${show(init)})`);
+    fail("init", `init must be an object, ${got(init)}`);
   }
   return readingOptions("init", "init", fail, () => {
     const i = init as Record<string, unknown> | undefined;
@@ -344,13 +347,12 @@ function isCount(n: unknown): boolean {
 function checkSettled(value: unknown): SettleValue {
   if (value === undefined || isCount(value)) return value as SettleValue;
   const rule = "settle must return an integer >= 0, a record of them by stage name, or undefined";
-  if (typeof value !== "object" || value === null || isArray(value))
-    fail("settle", `${rule} (got ${show(value)})`);
+  if (typeof value !== "object" || value === null || isArray(value)) fail("settle", `${rule}, ${got(value)}`);
   return readingOptions("settle", "what settle returned", fail, () => {
     const entries = Object.entries(value);
     if (entries.every(([, v]) => isCount(v))) return Object.fromEntries(entries) as SettleValue;
-    const got = `{ ${entries.map(([k, v]) => `${k}: ${show(v)}`).join(", ")} }`;
-    return fail("settle", `${rule} (got ${got})`);
+    const shown = `{ ${entries.map(([k, v]) => `${k}: ${show(v)}`).join(", ")} }`;
+    return fail("settle", `${rule}, got ${shown}`);
   });
 }
 
@@ -418,6 +420,8 @@ export function wrapFetch<F extends FetchLike>(
 ): WrappedFetch<F> {
   const o = checkOptions(gate, fetchImpl, options);
   const keyOf = o.key;
+  // A call's key is derived (from options.key, else the host) only for a gate keyed by it.
+  const keyed = keyedGate(gate, keyOf, fail);
   const defaultTimeoutMs = o.timeoutMs;
   const maxPauseMs = o.maxPauseMs ?? DEFAULT_MAX_PAUSE_MS;
   const wallNow = o.now;
@@ -474,7 +478,7 @@ export function wrapFetch<F extends FetchLike>(
     if (call === false) return send();
     const url = urlOf(input);
     const host = call.host ?? (url.host || undefined);
-    const key = call.key ?? keyOf?.(url, sendInit) ?? host;
+    const key = call.key ?? (keyed ? (keyOf?.(url, sendInit) ?? host) : undefined);
 
     const attempt = async (ticket: Ticket): Promise<Sent> => {
       const response = await send();

@@ -5,7 +5,7 @@
  */
 
 import { type HeadersLike, headerValues } from "./retry-after.js";
-import { show } from "./show.js";
+import { got } from "./show.js";
 
 /** Which allowance a window counts. `general` is a header without a suffix. */
 export type RateLimitWindowName = "requests" | "tokens" | "general";
@@ -221,7 +221,7 @@ export function checkReserve(
   fail: (field: string, message: string) => never,
 ): ReserveOptions {
   if (typeof value !== "object" || value === null || Array.isArray(value)) {
-    fail(field, `${field} must be an object { share } or { remaining } (got ${show(value)})`);
+    fail(field, `${field} must be an object { share } or { remaining }, ${got(value)}`);
   }
   for (const k of Object.keys(value)) {
     if (k !== "share" && k !== "remaining") fail(`${field}.${k}`, `unknown option "${field}.${k}"`);
@@ -231,7 +231,7 @@ export function checkReserve(
     fail(field, `${field} needs exactly one of share and remaining`);
   }
   if (r.share !== undefined && !(typeof r.share === "number" && r.share >= 0 && r.share <= 1)) {
-    fail(`${field}.share`, `${field}.share must be a number from 0 to 1 (got ${show(r.share)})`);
+    fail(`${field}.share`, `${field}.share must be a number from 0 to 1, ${got(r.share)}`);
   }
   if (
     r.remaining !== undefined &&
@@ -240,7 +240,7 @@ export function checkReserve(
   ) {
     fail(
       `${field}.remaining`,
-      `${field}.remaining must be a finite number >= 0 or a function (got ${show(r.remaining)})`,
+      `${field}.remaining must be a finite number >= 0 or a function, ${got(r.remaining)}`,
     );
   }
   return r;

@@ -6,7 +6,7 @@
 import type { Clock } from "../clock.js";
 import { FloodgateError } from "../errors.js";
 import type { ResponseLike } from "./fetch.js";
-import { show } from "./show.js";
+import { got } from "./show.js";
 
 /** One status or error passed to `onRetry`, before the wait. */
 export interface RetryEvent {
@@ -128,42 +128,39 @@ export function checkRetry(
   fail: (field: string, message: string) => never,
 ): RetryOptions {
   if (typeof value !== "object" || value === null || Array.isArray(value)) {
-    fail(field, `${field} must be an object (got ${show(value)})`);
+    fail(field, `${field} must be an object, ${got(value)}`);
   }
   for (const k of Object.keys(value))
     if (!RETRY_KEYS.has(k)) fail(`${field}.${k}`, `unknown option "${field}.${k}"`);
   const r = value as RetryOptions;
   if (r.retries !== undefined && !(Number.isInteger(r.retries) && r.retries >= 0)) {
-    fail(`${field}.retries`, `${field}.retries must be an integer >= 0 (got ${show(r.retries)})`);
+    fail(`${field}.retries`, `${field}.retries must be an integer >= 0, ${got(r.retries)}`);
   }
   for (const k of ["baseMs", "maxMs"] as const) {
     const v = r[k];
     if (v !== undefined && !(typeof v === "number" && Number.isFinite(v) && v >= 0)) {
-      fail(`${field}.${k}`, `${field}.${k} must be a finite number >= 0 (got ${show(v)})`);
+      fail(`${field}.${k}`, `${field}.${k} must be a finite number >= 0, ${got(v)}`);
     }
   }
   if (
     r.methods !== undefined &&
     !(Array.isArray(r.methods) && r.methods.every((m) => typeof m === "string" && m.length > 0))
   ) {
-    fail(`${field}.methods`, `${field}.methods must be an array of method names (got ${show(r.methods)})`);
+    fail(`${field}.methods`, `${field}.methods must be an array of method names, ${got(r.methods)}`);
   }
   if (
     r.statuses !== undefined &&
     !(Array.isArray(r.statuses) && r.statuses.every((s) => Number.isInteger(s) && s >= 100 && s <= 999))
   ) {
-    fail(
-      `${field}.statuses`,
-      `${field}.statuses must be an array of HTTP statuses (got ${show(r.statuses)})`,
-    );
+    fail(`${field}.statuses`, `${field}.statuses must be an array of HTTP statuses, ${got(r.statuses)}`);
   }
   if (r.networkErrors !== undefined && typeof r.networkErrors !== "boolean") {
-    fail(`${field}.networkErrors`, `${field}.networkErrors must be a boolean (got ${show(r.networkErrors)})`);
+    fail(`${field}.networkErrors`, `${field}.networkErrors must be a boolean, ${got(r.networkErrors)}`);
   }
   for (const k of ["random", "onRetry"] as const) {
     const v = r[k];
     if (v !== undefined && typeof v !== "function") {
-      fail(`${field}.${k}`, `${field}.${k} must be a function (got ${show(v)})`);
+      fail(`${field}.${k}`, `${field}.${k} must be a function, ${got(v)}`);
     }
   }
   return r;

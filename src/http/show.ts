@@ -1,20 +1,8 @@
 import { isFloodgateError } from "../errors.js";
-import { isArray, messageOf } from "../validate.js";
 
-/** A short description of a value for an error message: strings quoted, objects by kind. Never throws. */
-export function show(value: unknown): string {
-  try {
-    if (typeof value === "string")
-      return JSON.stringify(value.length > 120 ? `${value.slice(0, 120)}…` : value);
-    if (typeof value === "function") return "a function";
-    if (typeof value === "bigint") return `${value}n`;
-    if (typeof value === "number" && Object.is(value, -0)) return "-0";
-    if (typeof value === "object" && value !== null) return isArray(value) ? "an array" : "an object";
-    return String(value);
-  } catch {
-    return "a value";
-  }
-}
+import { got, isArray, messageOf } from "../validate.js";
+
+export { got, show } from "../validate.js";
 
 /**
  * Run `check`, which reads options the caller gave; a getter or Proxy trap that throws on the way
@@ -48,7 +36,7 @@ export function checkCallShape(
 ): Record<string, unknown> | false {
   if (call === undefined || call === false) return call === false ? false : {};
   if (typeof call !== "object" || call === null || isArray(call)) {
-    fail("floodgate", `${where}.floodgate must be an object or false (got ${show(call)})`);
+    fail("floodgate", `${where}.floodgate must be an object or false, ${got(call)}`);
   }
   return readingOptions("floodgate", `${where}.floodgate`, fail, () => {
     // A copy: what is checked here is what the gate is given.
@@ -60,9 +48,29 @@ export function checkCallShape(
     for (const k of ["key", "host"]) {
       const v = c[k];
       if (v !== undefined && !(typeof v === "string" && v.length > 0)) {
-        fail(`floodgate.${k}`, `${where}.floodgate.${k} must be a non-empty string (got ${show(v)})`);
+        fail(`floodgate.${k}`, `${where}.floodgate.${k} must be a non-empty string, ${got(v)}`);
       }
     }
     return c;
   });
+}
+
+/**
+ * Whether `gate` is keyed by a call's `key`; a `key` option given for a gate that is not is
+ * refused through `fail`, naming it.
+ * @internal
+ */
+export function keyedGate(
+  gate: { readonly keyedBy?: "key" | "host" | undefined },
+  keyOption: unknown,
+  fail: (field: string, message: string) => never,
+): boolean {
+  const keyed = readingOptions("gate", "gate.keyedBy", fail, () => gate.keyedBy === "key");
+  if (keyOption !== undefined && !keyed) {
+    fail(
+      "key",
+      "key is given, but no stage of the gate is keyed by it; build the token bucket with keyed: true",
+    );
+  }
+  return keyed;
 }

@@ -17,7 +17,7 @@ import {
   reservePauseMs,
 } from "./rate-limit.js";
 import { type HeadersLike, parseRetryAfter } from "./retry-after.js";
-import { checkCallShape, readingOptions, show } from "./show.js";
+import { checkCallShape, got, keyedGate, readingOptions } from "./show.js";
 
 export {
   parseRateLimit,
@@ -29,7 +29,9 @@ export {
 export { type HeadersLike, type HeaderValue, parseRetryAfter } from "./retry-after.js";
 
 /** What the interceptor needs of a gate: `admit` and `pause`. A `Gate` has both. */
-export type InterceptorGate = Pick<Gate, "admit" | "pause">;
+export type InterceptorGate = Pick<Gate, "admit" | "pause"> & {
+  readonly keyedBy?: "key" | "host" | undefined;
+};
 
 /**
  * Per-request admission options, given as `opts.floodgate` in the dispatch options. They override
@@ -112,11 +114,11 @@ function isGate(g: unknown, method: "run" | "admit"): boolean {
 function checkOptions(gate: unknown, options: unknown): InterceptorOptions {
   const g = gate as Partial<InterceptorGate> | null | undefined;
   if (!readingOptions("gate", "gate", fail, () => isGate(g, "admit"))) {
-    fail("gate", `gate must be a Gate (an object with admit and pause) (got ${show(gate)})`);
+    fail("gate", `gate must be a Gate (an object with admit and pause), ${got(gate)}`);
   }
   if (options === undefined) return {};
   if (typeof options !== "object" || options === null || isArray(options)) {
-    fail("options", `options must be an object (got ${show(options)})`);
+    fail("options", `options must be an object, ${got(options)}`);
   }
   return readingOptions("options", "options", fail, () => checkFields(options));
 }
@@ -129,19 +131,19 @@ function checkFields(options: object): InterceptorOptions {
     (o as Record<string, unknown>)[k] = (options as Record<string, unknown>)[k];
   }
   if (o.key !== undefined && typeof o.key !== "function") {
-    fail("key", `key must be a function (opts) => string | undefined (got ${show(o.key)})`);
+    fail("key", `key must be a function (opts) => string | undefined, ${got(o.key)}`);
   }
   if (o.timeoutMs !== undefined && !(typeof o.timeoutMs === "number" && o.timeoutMs >= 0)) {
-    fail("timeoutMs", `timeoutMs must be a number >= 0 or Infinity (got ${show(o.timeoutMs)})`);
+    fail("timeoutMs", `timeoutMs must be a number >= 0 or Infinity, ${got(o.timeoutMs)}`);
   }
   if (
     o.maxPauseMs !== undefined &&
     !(typeof o.maxPauseMs === "number" && o.maxPauseMs >= 0 && Number.isFinite(o.maxPauseMs))
   ) {
-    fail("maxPauseMs", `maxPauseMs must be a finite number >= 0 (got ${show(o.maxPauseMs)})`);
+    fail("maxPauseMs", `maxPauseMs must be a finite number >= 0, ${got(o.maxPauseMs)}`);
   }
   if (o.now !== undefined && typeof o.now !== "function") {
-    fail("now", `now must be a function returning epoch milliseconds (got ${show(o.now)})`);
+    fail("now", `now must be a function returning epoch milliseconds, ${got(o.now)}`);
   }
   if (o.reserve !== undefined) checkReserve(o.reserve, "reserve", fail);
   return o;
@@ -463,6 +465,8 @@ export function floodgateInterceptor(
 ): Dispatcher.DispatcherComposeInterceptor {
   const o = checkOptions(gate, options);
   const keyOf = o.key;
+  // A request's key is derived (from options.key, else the host) only for a gate keyed by it.
+  const keyed = keyedGate(gate, keyOf, fail);
   const defaultTimeoutMs = o.timeoutMs;
   const maxPauseMs = o.maxPauseMs ?? DEFAULT_MAX_PAUSE_MS;
   const now = o.now;
@@ -481,7 +485,7 @@ export function floodgateInterceptor(
           call = checkCall(raw);
           if (call !== false) {
             host = call.host ?? hostOf(rest.origin);
-            key = call.key ?? keyOf?.(rest) ?? host;
+            key = call.key ?? (keyed ? (keyOf?.(rest) ?? host) : undefined);
           }
         } catch (error) {
           refuse(handler, error, false);

@@ -1,4 +1,4 @@
-import { LONGEST_MS, pauseError } from "../admit.js";
+import { type Entry, gateHost, LONGEST_MS, pauseError } from "../admit.js";
 import { afterPause, afterStart, delayMs, spacingMs } from "../algorithms/interval.js";
 import { KeyedStates } from "../base/keyed.js";
 import { BaseStage, BaseTicket } from "../base/stage.js";
@@ -25,8 +25,6 @@ class SlotTicket extends BaseTicket {
   previous = 0;
 }
 
-const DEFAULT_HOST = "default";
-
 /**
  * One draw of `random` for the jitter. A `random` that throws draws 0 (no jitter) rather than
  * failing the call; a value outside [0, 1) is treated as 0 by `spacingMs`.
@@ -49,6 +47,7 @@ export class MemoryIntervalGate extends BaseStage {
   readonly #jitterMs: number;
   readonly #random: () => number;
   readonly #hosts: KeyedStates<HostSlot>;
+  readonly #defaultHost: string | undefined;
 
   constructor(name: string, options: IntervalGateOptions, clock: Clock, random: () => number = Math.random) {
     super(name, clock);
@@ -56,6 +55,7 @@ export class MemoryIntervalGate extends BaseStage {
     this.#minIntervalMs = o.minIntervalMs;
     this.#jitterMs = o.jitterMs ?? 0;
     this.#random = o.random ?? random;
+    this.#defaultHost = o.defaultHost;
     const sweepMs = Math.min(Math.max(1000, Math.ceil(this.#minIntervalMs + this.#jitterMs)), 600_000);
     this.#hosts = new KeyedStates(
       clock,
@@ -98,14 +98,25 @@ export class MemoryIntervalGate extends BaseStage {
     return new SlotTicket(this, cost, key, now);
   }
 
+  /** Interval gates space calls by host. */
+  get keyedBy(): "host" {
+    return "host";
+  }
+
+  protected override check(options: AdmitOptions | undefined, entry?: Entry): AdmitOptions {
+    const o = super.check(options, entry);
+    gateHost(this.name, this.#defaultHost, o);
+    return o;
+  }
+
   admit(options?: AdmitOptions): Promise<Ticket> {
     let o: AdmitOptions;
     try {
-      o = this.check(options);
+      o = this.check(options, "admit");
     } catch (error) {
       return Promise.reject(error);
     }
-    const host = o.host ?? DEFAULT_HOST;
+    const host = (o.host ?? this.#defaultHost)!;
     const now = this.clock.now();
     const h = this.#host(host, now);
     if (h.size === 0 && h.nextAt <= now) return Promise.resolve(this.#start(h, o.cost ?? 1, host, now));
@@ -116,7 +127,8 @@ export class MemoryIntervalGate extends BaseStage {
 
   override tryAdmitSync(o: AdmitOptions, cost: unknown): BaseTicket | undefined {
     if (this.closed || !Number.isInteger(cost) || (cost as number) < 0 || o.signal?.aborted) return undefined;
-    const host = o.host ?? DEFAULT_HOST;
+    const host = o.host ?? this.#defaultHost;
+    if (host === undefined) return undefined;
     const now = this.clock.now();
     const h = this.#host(host, now);
     if (h.size !== 0 || h.nextAt > now) return undefined;
@@ -125,8 +137,8 @@ export class MemoryIntervalGate extends BaseStage {
 
   tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
     try {
-      const o = this.check(options);
-      const host = o.host ?? DEFAULT_HOST;
+      const o = this.check(options, "tryAdmit");
+      const host = (o.host ?? this.#defaultHost)!;
       const now = this.clock.now();
       const h = this.#host(host, now);
       if (h.size > 0 || h.nextAt > now) return Promise.resolve(undefined);
@@ -156,7 +168,7 @@ export class MemoryIntervalGate extends BaseStage {
   }
 
   /** Milliseconds until a call to `host` could start, ignoring waiters already queued. */
-  delayFor(host: string = DEFAULT_HOST): number {
+  delayFor(host: string = this.#defaultHost ?? "default"): number {
     const h = this.#hosts.get(host);
     return h ? delayMs(h.nextAt, this.clock.now()) : 0;
   }

@@ -38,13 +38,12 @@ export abstract class PermitStage extends BaseStage {
   admit(options?: AdmitOptions): Promise<Ticket> {
     let o: AdmitOptions;
     try {
-      o = this.check(options);
+      o = this.check(options, "admit");
     } catch (error) {
       return Promise.reject(error);
     }
     const cost = o.cost ?? 1;
-    if (cost > this.maxCost())
-      return Promise.reject(tooCostly(this.kind, this.name, cost, this.maxCost(), "limit"));
+    if (cost > this.maxCost()) return Promise.reject(tooCostly(this.kind, this.name, cost, this.maxCost()));
     if (this.waiters.size === 0 && this.used + cost <= this.limit) {
       this.used += cost;
       return Promise.resolve(this.issue(cost, "", undefined, this.waitFor));
@@ -114,8 +113,7 @@ export abstract class PermitStage extends BaseStage {
       return Promise.reject(error);
     }
     const cost = o.cost ?? 1;
-    if (cost > this.maxCost())
-      return Promise.reject(tooCostly(this.kind, this.name, cost, this.maxCost(), "limit"));
+    if (cost > this.maxCost()) return Promise.reject(tooCostly(this.kind, this.name, cost, this.maxCost()));
     if (this.waiters.size === 0 && this.used + cost <= this.limit) {
       this.used += cost;
       return this.callTicket(this.issue(cost, "", undefined, this.waitFor), fn, o.classify);
@@ -125,9 +123,9 @@ export abstract class PermitStage extends BaseStage {
 
   tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
     try {
-      const o = this.check(options);
+      const o = this.check(options, "tryAdmit");
       const cost = o.cost ?? 1;
-      if (cost > this.maxCost()) throw tooCostly(this.kind, this.name, cost, this.maxCost(), "limit");
+      if (cost > this.maxCost()) throw tooCostly(this.kind, this.name, cost, this.maxCost());
       if (this.waiters.size > 0 || this.used + cost > this.limit) return Promise.resolve(undefined);
       this.used += cost;
       return Promise.resolve(this.issue(cost, "", undefined, this.waitFor));

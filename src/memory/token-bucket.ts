@@ -1,4 +1,4 @@
-import { LONGEST_MS, tooCostly } from "../admit.js";
+import { bucketKey, type Entry, LONGEST_MS, tooCostly, UNKEYED } from "../admit.js";
 import {
   type BucketConfig,
   type BucketState,
@@ -30,8 +30,6 @@ class KeyBucket extends WaitList implements BucketState {
   }
 }
 
-const DEFAULT_KEY = "default";
-
 /**
  * A token bucket per key: each key holds up to `capacity` tokens and gains `refillPerSecond`.
  * A call of cost `c` waits until its key holds `c` tokens; waiters of one key are served first in,
@@ -44,6 +42,7 @@ export class MemoryTokenBucket extends BaseStage {
   readonly #penaltyFactor: number | undefined;
   readonly #minFactor: number;
   readonly #keys: KeyedStates<KeyBucket>;
+  readonly #keyed: boolean;
 
   constructor(name: string, options: TokenBucketOptions, clock: Clock) {
     super(name, clock);
@@ -56,6 +55,7 @@ export class MemoryTokenBucket extends BaseStage {
     this.#initial = o.initialTokens ?? o.capacity;
     this.#penaltyFactor = o.penalty ? (o.penalty.factor ?? 0.5) : undefined;
     this.#minFactor = o.penalty?.minFactor ?? 0.1;
+    this.#keyed = o.keyed ?? false;
     const fillMs = Math.ceil((o.capacity * 1000) / o.refillPerSecond);
     this.#keys = new KeyedStates(clock, Math.min(Math.max(1000, fillMs), 600_000), (b, now) =>
       this.#idle(b, now),
@@ -93,17 +93,28 @@ export class MemoryTokenBucket extends BaseStage {
     return b.lastGrant;
   }
 
+  /** Whether calls name a key (`keyed: true`); `"key"` then, else undefined. */
+  get keyedBy(): "key" | undefined {
+    return this.#keyed ? "key" : undefined;
+  }
+
+  protected override check(options: AdmitOptions | undefined, entry?: Entry): AdmitOptions {
+    const o = super.check(options, entry);
+    bucketKey(this.name, this.#keyed, o);
+    return o;
+  }
+
   admit(options?: AdmitOptions): Promise<Ticket> {
     let o: AdmitOptions;
     try {
-      o = this.check(options);
+      o = this.check(options, "admit");
     } catch (error) {
       return Promise.reject(error);
     }
     const cost = o.cost ?? 1;
     const capacity = this.#config.capacity;
-    if (cost > capacity) return Promise.reject(tooCostly(this.kind, this.name, cost, capacity, "capacity"));
-    const key = o.key ?? DEFAULT_KEY;
+    if (cost > capacity) return Promise.reject(tooCostly(this.kind, this.name, cost, capacity));
+    const key = this.#keyed ? o.key! : UNKEYED;
     const now = this.clock.now();
     const b = this.#bucket(key, now);
     if (b.size === 0 && this.#take(b, cost, now)) return Promise.resolve(this.#issue(b, cost, key));
@@ -130,7 +141,8 @@ export class MemoryTokenBucket extends BaseStage {
     ) {
       return undefined;
     }
-    const key = o.key ?? DEFAULT_KEY;
+    const key = this.#keyed ? o.key : UNKEYED;
+    if (key === undefined) return undefined;
     const now = this.clock.now();
     const b = this.#bucket(key, now);
     if (b.size !== 0 || !this.#take(b, cost as number, now)) return undefined;
@@ -139,11 +151,11 @@ export class MemoryTokenBucket extends BaseStage {
 
   tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
     try {
-      const o = this.check(options);
+      const o = this.check(options, "tryAdmit");
       const cost = o.cost ?? 1;
       const capacity = this.#config.capacity;
-      if (cost > capacity) throw tooCostly(this.kind, this.name, cost, capacity, "capacity");
-      const key = o.key ?? DEFAULT_KEY;
+      if (cost > capacity) throw tooCostly(this.kind, this.name, cost, capacity);
+      const key = this.#keyed ? o.key! : UNKEYED;
       const now = this.clock.now();
       const b = this.#bucket(key, now);
       if (b.size > 0 || !this.#take(b, cost, now)) return Promise.resolve(undefined);
@@ -247,7 +259,7 @@ export class MemoryTokenBucket extends BaseStage {
   }
 
   /** Tokens `key` holds now (refilled, capped). */
-  tokens(key: string = DEFAULT_KEY): number {
+  tokens(key: string = UNKEYED): number {
     const b = this.#keys.get(key);
     return b ? tokensAt(b, this.#config, this.clock.now()) : this.#initial;
   }

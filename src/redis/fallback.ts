@@ -93,6 +93,11 @@ export class FallbackStage implements IntervalGateStage {
     this.holds = primary.holds;
   }
 
+  /** The call option the primary stage is keyed by. */
+  get keyedBy(): "key" | "host" | undefined {
+    return this.primary.keyedBy;
+  }
+
   /** True while calls go to the fallback. */
   get degraded(): boolean {
     return this.#down && this.clock.now() < this.#downUntil;
@@ -137,7 +142,7 @@ export class FallbackStage implements IntervalGateStage {
   admit(options?: AdmitOptions): Promise<Ticket> {
     let o: AdmitOptions;
     try {
-      o = admitOptions(this.kind, this.name, options);
+      o = admitOptions(this.kind, this.name, options, "admit");
     } catch (error) {
       return Promise.reject(error);
     }
@@ -147,7 +152,7 @@ export class FallbackStage implements IntervalGateStage {
   tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
     let o: AdmitOptions;
     try {
-      o = admitOptions(this.kind, this.name, options);
+      o = admitOptions(this.kind, this.name, options, "tryAdmit");
     } catch (error) {
       return Promise.reject(error);
     }

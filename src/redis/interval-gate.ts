@@ -1,4 +1,4 @@
-import { LONGEST_MS, pauseError } from "../admit.js";
+import { type Entry, gateHost, LONGEST_MS, pauseError } from "../admit.js";
 import { spacingMs } from "../algorithms/interval.js";
 import { BaseTicket } from "../base/stage.js";
 import type { Waiter } from "../base/wait-list.js";
@@ -24,8 +24,6 @@ class SlotTicket extends BaseTicket {
 
 type TakeReply = [started: number, previousOrWait: string, claimed?: string];
 
-const DEFAULT_HOST = "default";
-
 /**
  * `redis(...).intervalGate(name, options)`: the next free slot of each host lives in Redis, so
  * the spacing holds across the fleet and `pause(host, ms)` holds the host back for every process.
@@ -37,6 +35,7 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
   readonly #minIntervalMs: number;
   readonly #jitterMs: number;
   readonly #random: () => number;
+  readonly #defaultHost: string | undefined;
 
   constructor(name: string, options: IntervalGateOptions, ctx: RedisContext) {
     super(name, ctx);
@@ -46,6 +45,7 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
     this.#minIntervalMs = o.minIntervalMs;
     this.#jitterMs = o.jitterMs ?? 0;
     this.#random = o.random ?? ctx.random;
+    this.#defaultHost = o.defaultHost;
     this.init(o.logger ?? ctx.logger);
   }
 
@@ -78,18 +78,29 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
     return t;
   }
 
+  /** Interval gates space calls by host. */
+  get keyedBy(): "host" {
+    return "host";
+  }
+
+  protected override check(options: AdmitOptions | undefined, entry?: Entry): AdmitOptions {
+    const o = super.check(options, entry);
+    gateHost(this.name, this.#defaultHost, o);
+    return o;
+  }
+
   admit(options?: AdmitOptions): Promise<Ticket> {
     let o: AdmitOptions;
     try {
-      o = this.check(options);
+      o = this.check(options, "admit");
     } catch (error) {
       return Promise.reject(error);
     }
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
-    const host = o.host ?? DEFAULT_HOST;
+    const host = (o.host ?? this.#defaultHost)!;
     const line = this.line(host);
     if (o.timeoutMs === 0 && line.size === 0) {
-      return this.tryAdmit(o).then((t) => t ?? this.wait(line, o.cost ?? 1, host, o));
+      return this.tryAdmit({ host, cost: o.cost }).then((t) => t ?? this.wait(line, o.cost ?? 1, host, o));
     }
     const promise = this.wait(line, o.cost ?? 1, host, o);
     void this.drain(line, host);
@@ -98,8 +109,8 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
 
   tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
     try {
-      const o = this.check(options);
-      const host = o.host ?? DEFAULT_HOST;
+      const o = this.check(options, "tryAdmit");
+      const host = (o.host ?? this.#defaultHost)!;
       const line = this.line(host);
       if (line.size > 0) return Promise.resolve(undefined);
       return this.#take(line).then((reply) => {

@@ -320,13 +320,13 @@ export abstract class RedisPermitStage extends BaseStage {
   admit(options?: AdmitOptions): Promise<Ticket> {
     let o: AdmitOptions;
     try {
-      o = this.check(options);
+      o = this.check(options, "admit");
     } catch (error) {
       return Promise.reject(error);
     }
     const cost = o.cost ?? 1;
     if (cost > this.settings.maxCost) {
-      return Promise.reject(tooCostly(this.kind, this.name, cost, this.settings.maxCost, "limit"));
+      return Promise.reject(tooCostly(this.kind, this.name, cost, this.settings.maxCost));
     }
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
     if (cost === 0) return Promise.resolve(this.issue(0, "", undefined, this.waitFor));
@@ -376,10 +376,9 @@ export abstract class RedisPermitStage extends BaseStage {
 
   tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
     try {
-      const o = this.check(options);
+      const o = this.check(options, "tryAdmit");
       const cost = o.cost ?? 1;
-      if (cost > this.settings.maxCost)
-        throw tooCostly(this.kind, this.name, cost, this.settings.maxCost, "limit");
+      if (cost > this.settings.maxCost) throw tooCostly(this.kind, this.name, cost, this.settings.maxCost);
       if (cost === 0) return Promise.resolve(this.issue(0, "", undefined, this.waitFor));
       return this.#tryOnce(cost);
     } catch (error) {

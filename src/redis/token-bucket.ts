@@ -1,5 +1,5 @@
 import { randomBytes } from "node:crypto";
-import { tooCostly } from "../admit.js";
+import { bucketKey, type Entry, tooCostly, UNKEYED } from "../admit.js";
 import { BaseTicket } from "../base/stage.js";
 import type { Waiter } from "../base/wait-list.js";
 import type { TokenBucketOptions } from "../options.js";
@@ -26,7 +26,6 @@ class GrantTicket extends BaseTicket {
   grant = "";
 }
 
-const DEFAULT_KEY = "default";
 const GRANT_PREFIX = `${randomBytes(6).toString("hex")}:`;
 let grants = 0;
 
@@ -46,6 +45,7 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
   readonly #initial: number;
   readonly #penaltyFactor: number | undefined;
   readonly #minFactor: number;
+  readonly #keyed: boolean;
   /** ARGV[2..4] of every bucket script and the fresh key's tokens, as sent (ioredis sends `String(n)`). */
   readonly #capacityArg: string;
   readonly #refillArg: string;
@@ -63,6 +63,7 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
     this.#initial = o.initialTokens ?? o.capacity;
     this.#penaltyFactor = o.penalty ? (o.penalty.factor ?? 0.5) : undefined;
     this.#minFactor = o.penalty?.minFactor ?? 0.1;
+    this.#keyed = o.keyed ?? false;
     this.#capacityArg = String(this.#capacity);
     this.#refillArg = String(this.#refill);
     this.#recoveryArg = String(this.#recoveryMs);
@@ -130,18 +131,28 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
     return new GrantTicket(this, cost, key, now);
   }
 
+  /** Whether calls name a key (`keyed: true`); `"key"` then, else undefined. */
+  get keyedBy(): "key" | undefined {
+    return this.#keyed ? "key" : undefined;
+  }
+
+  protected override check(options: AdmitOptions | undefined, entry?: Entry): AdmitOptions {
+    const o = super.check(options, entry);
+    bucketKey(this.name, this.#keyed, o);
+    return o;
+  }
+
   admit(options?: AdmitOptions): Promise<Ticket> {
     let o: AdmitOptions;
     try {
-      o = this.check(options);
+      o = this.check(options, "admit");
     } catch (error) {
       return Promise.reject(error);
     }
     const cost = o.cost ?? 1;
-    if (cost > this.#capacity)
-      return Promise.reject(tooCostly(this.kind, this.name, cost, this.#capacity, "capacity"));
+    if (cost > this.#capacity) return Promise.reject(tooCostly(this.kind, this.name, cost, this.#capacity));
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
-    const key = o.key ?? DEFAULT_KEY;
+    const key = this.#keyed ? o.key! : UNKEYED;
     if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
     const line = this.line(key);
     if (line.size === 0) return this.#direct(line, key, cost, o);
@@ -191,10 +202,10 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
 
   tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
     try {
-      const o = this.check(options);
+      const o = this.check(options, "tryAdmit");
       const cost = o.cost ?? 1;
-      if (cost > this.#capacity) throw tooCostly(this.kind, this.name, cost, this.#capacity, "capacity");
-      const key = o.key ?? DEFAULT_KEY;
+      if (cost > this.#capacity) throw tooCostly(this.kind, this.name, cost, this.#capacity);
+      const key = this.#keyed ? o.key! : UNKEYED;
       if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
       const line = this.line(key);
       if (line.size > 0) return Promise.resolve(undefined);
@@ -231,10 +242,13 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
   }
 
   releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): Promise<void> | undefined {
-    if (ticket.cost === 0) return undefined;
     const key = ticket.key;
     if (refund) {
-      return this.#refund(key, ticket.cost, (ticket as GrantTicket).grant).then(() => {
+      // A ticket admitted at cost 0 took nothing and is no grant. One settled down to 0 still
+      // is: its refund ends its claim to be the key's latest, as in memory.
+      const grant = (ticket as GrantTicket).grant;
+      if (grant === "") return undefined;
+      return this.#refund(key, ticket.cost, grant).then(() => {
         this.redrain(key);
       });
     }

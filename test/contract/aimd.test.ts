@@ -107,14 +107,14 @@ describe.each(backends)("AIMD limiter on $name", (backend) => {
   it("refuses bad options with the stage, field, rule and value", () => {
     const b = backend.make(clock);
     expect(() => b.aimd("ai", { initial: 5, max: 4 })).toThrow(
-      'aimd "ai": initial must be in [min, max] (got 5)',
+      'aimd "ai": initial must be in [min, max], got 5 (number)',
     );
-    expect(() => b.aimd("ai", { initial: 2, min: 3, max: 2 })).toThrow("max must be >= min (got 2)");
+    expect(() => b.aimd("ai", { initial: 2, min: 3, max: 2 })).toThrow("max must be >= min, got 2 (number)");
     expect(() => b.aimd("ai", { initial: 2, max: 4, backoffRatio: 0.4 })).toThrow(
-      "backoffRatio must be a number in [0.5, 1) (got 0.4)",
+      "backoffRatio must be a number in [0.5, 1), got 0.4 (number)",
     );
     expect(() => b.aimd("ai", { initial: 2, max: 4, backoffRatio: 1 })).toThrow(
-      "backoffRatio must be a number in [0.5, 1) (got 1)",
+      "backoffRatio must be a number in [0.5, 1), got 1 (number)",
     );
   });
 });

@@ -150,6 +150,7 @@ describe.each(makers)("extreme values on $name", (maker) => {
       minIntervalMs: Number.MAX_VALUE,
       jitterMs: Number.MAX_VALUE,
       random: () => 0.99,
+      defaultHost: "api",
     });
     const first = await hosts.admit();
     expect(await hosts.tryAdmit()).toBeUndefined();

@@ -15,7 +15,7 @@ describe.each(backends)("Gate on $name", (backend) => {
   function fiveStages(b = backend.make(clock)) {
     const queue = b.queue("q", { maxSize: 100 });
     const bucket = b.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 });
-    const hosts = b.intervalGate("hosts", { minIntervalMs: 100 });
+    const hosts = b.intervalGate("hosts", { minIntervalMs: 100, defaultHost: "api" });
     const sem = b.semaphore("inflight", { limit: 2 });
     const aimd = b.aimd("adaptive", { initial: 2, max: 2, backoffRatio: 0.5 });
     return { queue, bucket, hosts, sem, aimd, gate: new Gate([queue, bucket, hosts, sem, aimd], { clock }) };
@@ -103,7 +103,7 @@ describe.each(backends)("Gate on $name", (backend) => {
 
   it("refunds the tokens it took when a later stage times out", async () => {
     const b = backend.make(clock);
-    const bucket = b.tokenBucket("rate", { capacity: 1, refillPerSecond: 0.001 });
+    const bucket = b.tokenBucket("rate", { keyed: true, capacity: 1, refillPerSecond: 0.001 });
     const sem = b.semaphore("inflight", { limit: 1 });
     const gate = new Gate([bucket, sem], { clock });
     const blocker = await sem.admit();

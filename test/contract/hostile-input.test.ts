@@ -118,9 +118,9 @@ const KINDS: Kind[] = ["semaphore", "tokenBucket", "queue", "intervalGate", "aim
 
 const GOOD: Record<Exclude<Kind, "gate">, Record<string, unknown>> = {
   semaphore: { limit: 2 },
-  tokenBucket: { capacity: 3, refillPerSecond: 1 },
+  tokenBucket: { keyed: true, capacity: 3, refillPerSecond: 1 },
   queue: { maxSize: 2 },
-  intervalGate: { minIntervalMs: 1_000 },
+  intervalGate: { minIntervalMs: 1_000, defaultHost: "api" },
   aimd: { initial: 2, min: 1, max: 2 },
 };
 
@@ -145,8 +145,8 @@ function makeEnv(backend: (typeof backends)[number]): Env {
     gate: new Gate(
       [
         b.queue("gq", { maxSize: 4 }),
-        b.tokenBucket("gtb", { capacity: 5, refillPerSecond: 1 }),
-        b.intervalGate("gig", { minIntervalMs: 0 }),
+        b.tokenBucket("gtb", { keyed: true, capacity: 5, refillPerSecond: 1 }),
+        b.intervalGate("gig", { minIntervalMs: 0, defaultHost: "api" }),
         b.semaphore("gsem", { limit: 2 }),
       ],
       { name: "g", clock },
@@ -235,15 +235,22 @@ class Checker {
   }
 }
 
+/** The key a valid call gives a stage keyed by one (the buckets here, and the gate). */
+function keyOf(stage: Stage): { key?: string } {
+  return stage.keyedBy === "key" ? { key: "k" } : {};
+}
+
 /** The stage admits exactly its capacity for "cap-check", one more is refused, nobody waits. */
 async function expectCapacity(stage: Stage, kind: Kind, where: string): Promise<void> {
   const got: Ticket[] = [];
+  // A key only where the stage is keyed by it (an unkeyed bucket refuses one).
+  const probe = { key: stage.keyedBy === "key" ? "cap-check" : undefined, host: "cap-check" };
   for (let n = 0; n < CAPACITY[kind]; n++) {
-    const t = await stage.tryAdmit({ key: "cap-check", host: "cap-check" });
+    const t = await stage.tryAdmit(probe);
     expect(t, `${where}: admission ${n + 1} of ${CAPACITY[kind]}`).toBeDefined();
     got.push(t!);
   }
-  expect(await stage.tryAdmit({ key: "cap-check", host: "cap-check" }), `${where}: one more`).toBeUndefined();
+  expect(await stage.tryAdmit(probe), `${where}: one more`).toBeUndefined();
   for (const t of got) await t.release();
   expect(stage.snapshot().waiting, `${where}: waiting`).toBe(0);
   expect(stage.snapshot().inFlight, `${where}: in flight`).toBe(0);
@@ -312,10 +319,12 @@ function entries(): Entry[] {
       async run(env, v, c) {
         const held: Ticket[] = [];
         for (let n = 0; n < CAPACITY[kind]; n++) {
-          const t = await stage(env).tryAdmit();
+          const t = await stage(env).tryAdmit(keyOf(stage(env)));
           if (t) held.push(t);
         }
-        const waiting = c.async("admit", () => stage(env).admit({ signal: v(), timeoutMs: 5 } as never));
+        const waiting = c.async("admit", () =>
+          stage(env).admit({ signal: v(), timeoutMs: 5, ...keyOf(stage(env)) } as never),
+        );
         await env.clock.advance(10);
         await waiting;
         for (const t of held) await t.release();
@@ -326,7 +335,7 @@ function entries(): Entry[] {
         name: `${kind} ticket.${call}(v)`,
         target: kind,
         async run(env, v, c) {
-          const t = await stage(env).admit();
+          const t = await stage(env).admit(keyOf(stage(env)));
           if (call === "record") c.sync("record", () => t.record(v() as never));
           else if (call === "release") await c.async("release", () => t.release(v() as never));
           else if (call === "settle") await c.async("settle", () => t.settle(v() as never));

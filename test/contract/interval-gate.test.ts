@@ -50,6 +50,7 @@ describe.each(backends)("interval gate on $name", (backend) => {
         minIntervalMs: 100,
         jitterMs: 100,
         random: () => 0.5,
+        defaultHost: "api",
       });
     await gate.admit();
     const next = track(gate.admit());
@@ -116,10 +117,10 @@ describe.each(backends)("interval gate on $name", (backend) => {
   it("refuses bad options and bad pauses, naming the field", async () => {
     const b = backend.make(clock);
     expect(() => b.intervalGate("h", { minIntervalMs: -1 })).toThrow(
-      'intervalGate "h": minIntervalMs must be a finite number >= 0 (got -1)',
+      'intervalGate "h": minIntervalMs must be a finite number >= 0, got -1 (number)',
     );
     expect(() => b.intervalGate("h", { minIntervalMs: 1, jitterMs: Number.NaN })).toThrow(
-      "jitterMs must be a finite number >= 0 (got NaN)",
+      "jitterMs must be a finite number >= 0, got NaN (number)",
     );
     const gate = b.intervalGate("ok", { minIntervalMs: 1 });
     await expect(gate.pause("a", -5)).rejects.toBeInstanceOf(InvalidOptionsError);

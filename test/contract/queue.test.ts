@@ -94,9 +94,11 @@ describe.each(backends)("bounded queue on $name", (backend) => {
 
   it("refuses bad options with the stage, field, rule and value", () => {
     const b = backend.make(clock);
-    expect(() => b.queue("q", { maxSize: 0 })).toThrow('queue "q": maxSize must be an integer >= 1 (got 0)');
+    expect(() => b.queue("q", { maxSize: 0 })).toThrow(
+      'queue "q": maxSize must be an integer >= 1, got 0 (number)',
+    );
     expect(() => b.queue("q", { maxSize: 1, whenFull: "drop" as never })).toThrow(
-      'queue "q": whenFull must be "block" or "shed" (got "drop")',
+      'queue "q": whenFull must be "block" or "shed", got "drop" (string)',
     );
   });
 });

@@ -144,7 +144,7 @@ describe.each(backends)("stage.run on $name", (backend) => {
 
   it("runs on every kind of stage", async () => {
     const b = backend.make(clock);
-    const bucket = b.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 });
+    const bucket = b.tokenBucket("rate", { keyed: true, capacity: 1, refillPerSecond: 1 });
     expect(await run(bucket, () => "first", { key: "k" })).toBe("first");
     const second = track(run(bucket, () => "second", { key: "k" }));
     await clock.advance(999);

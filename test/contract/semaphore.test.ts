@@ -68,7 +68,7 @@ describe.each(backends)("semaphore on $name", (backend) => {
     const error = await sem.admit({ cost: 4 }).catch((e) => e);
     expect(error).toBeInstanceOf(InvalidOptionsError);
     expect(error.field).toBe("cost");
-    expect(error.message).toContain('semaphore "sem": cost must be <= limit (3) (got 4)');
+    expect(error.message).toContain('semaphore "sem": cost must be <= limit (3), got 4 (number)');
   });
 
   it("rejects a cost that is not an integer >= 0", async () => {
@@ -222,11 +222,13 @@ describe.each(backends)("semaphore on $name", (backend) => {
   it("refuses bad options with the stage, field, rule and value", () => {
     const b = backend.make(clock);
     expect(() => b.semaphore("bad", { limit: 0 })).toThrow(
-      'semaphore "bad": limit must be an integer >= 1 (got 0)',
+      'semaphore "bad": limit must be an integer >= 1, got 0 (number)',
     );
-    expect(() => b.semaphore("bad", { limit: 2.5 })).toThrow("limit must be an integer >= 1 (got 2.5)");
+    expect(() => b.semaphore("bad", { limit: 2.5 })).toThrow(
+      "limit must be an integer >= 1, got 2.5 (number)",
+    );
     expect(() => b.semaphore("bad", { limit: 2, leaseMs: 10 })).toThrow(
-      "leaseMs must be an integer >= 100 (got 10)",
+      "leaseMs must be an integer >= 100, got 10 (number)",
     );
     expect(() => b.semaphore("bad", { limt: 2 } as never)).toThrow('semaphore "bad": unknown option "limt"');
     expect(() => b.semaphore("", { limit: 1 })).toThrow(InvalidOptionsError);

@@ -206,7 +206,7 @@ function subjects(b: Backend): Record<string, () => Subject> {
       maxCost: CAPACITY,
     }),
     intervalGate: () => ({
-      stage: b.intervalGate("ig", { minIntervalMs: 1_000 }),
+      stage: b.intervalGate("ig", { minIntervalMs: 1_000, defaultHost: "api" }),
       model: new Slot(),
       pricedBy: "ig",
       maxCost: 4,

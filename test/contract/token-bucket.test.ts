@@ -23,8 +23,8 @@ describe.each(backends)("token bucket on $name", (backend) => {
   });
 
   it("refills a key that starts below the cost from its first call on", async () => {
-    const bucket = make({ capacity: 5, refillPerSecond: 10, initialTokens: 0 });
-    const first = track(bucket.admit());
+    const bucket = make({ keyed: true, capacity: 5, refillPerSecond: 10, initialTokens: 0 });
+    const first = track(bucket.admit({ key: "first" }));
     await clock.advance(99);
     expect(first.settled).toBe(false);
     await clock.advance(1);
@@ -36,7 +36,7 @@ describe.each(backends)("token bucket on $name", (backend) => {
   });
 
   it("keeps one bucket per key", async () => {
-    const bucket = make({ capacity: 1, refillPerSecond: 1 });
+    const bucket = make({ keyed: true, capacity: 1, refillPerSecond: 1 });
     await bucket.admit({ key: "acme" });
     const acme = track(bucket.admit({ key: "acme" }));
     const globex = track(bucket.admit({ key: "globex" }));
@@ -62,7 +62,7 @@ describe.each(backends)("token bucket on $name", (backend) => {
     const error = await bucket.admit({ cost: 6 }).catch((e) => e);
     expect(error).toBeInstanceOf(InvalidOptionsError);
     expect(error.field).toBe("cost");
-    expect(error.message).toContain('tokenBucket "rate": cost must be <= capacity (5) (got 6)');
+    expect(error.message).toContain('tokenBucket "rate": cost must be <= capacity (5), got 6 (number)');
     await expect(bucket.tryAdmit({ cost: 6 })).rejects.toBeInstanceOf(InvalidOptionsError);
   });
 
@@ -137,7 +137,12 @@ describe.each(backends)("token bucket on $name", (backend) => {
   });
 
   it("slows a key down after a drop when a penalty is set, and recovers", async () => {
-    const bucket = make({ capacity: 1, refillPerSecond: 10, penalty: { factor: 0.5, recoveryMs: 10_000 } });
+    const bucket = make({
+      keyed: true,
+      capacity: 1,
+      refillPerSecond: 10,
+      penalty: { factor: 0.5, recoveryMs: 10_000 },
+    });
     const first = await bucket.admit({ key: "s1" });
     await first.release("dropped");
     // Half rate right after the drop: one token takes 200 ms instead of 100.
@@ -212,19 +217,19 @@ describe.each(backends)("token bucket on $name", (backend) => {
   it("refuses bad options with the stage, field, rule and value", () => {
     const b = backend.make(clock);
     expect(() => b.tokenBucket("de-rate", { capacity: 0, refillPerSecond: 1 })).toThrow(
-      'tokenBucket "de-rate": capacity must be an integer >= 1 (got 0)',
+      'tokenBucket "de-rate": capacity must be an integer >= 1, got 0 (number)',
     );
     expect(() => b.tokenBucket("x", { capacity: 1, refillPerSecond: 0 })).toThrow(
-      "refillPerSecond must be a finite number > 0 (got 0)",
+      "refillPerSecond must be a finite number > 0, got 0 (number)",
     );
     expect(() => b.tokenBucket("x", { capacity: 1, refillPerSecond: Number.POSITIVE_INFINITY })).toThrow(
-      "refillPerSecond must be a finite number > 0 (got Infinity)",
+      "refillPerSecond must be a finite number > 0, got Infinity (number)",
     );
     expect(() => b.tokenBucket("x", { capacity: 2, refillPerSecond: 1, initialTokens: 3 })).toThrow(
-      "initialTokens must be an integer in [0, capacity] (capacity is 2) (got 3)",
+      "initialTokens must be an integer in [0, capacity] (capacity is 2), got 3 (number)",
     );
     expect(() => b.tokenBucket("x", { capacity: 2, refillPerSecond: 1, penalty: { factor: 1 } })).toThrow(
-      "penalty.factor must be a number in (0, 1) (got 1)",
+      "penalty.factor must be a number in (0, 1), got 1 (number)",
     );
   });
 });

@@ -63,9 +63,9 @@ describe("a Redis that hangs while connected (DEBUG SLEEP)", () => {
     });
     cleanups.push(() => within(backend.close(), 5_000, "backend.close()"));
     const sem = backend.semaphore("sem", { limit: LIMIT, leaseMs: LEASE_MS });
-    const bucket = backend.tokenBucket("rate", { capacity: 5, refillPerSecond: 80 });
+    const bucket = backend.tokenBucket("rate", { keyed: true, capacity: 5, refillPerSecond: 80 });
     const gate = new Gate([bucket, sem]);
-    const load = new Load((work) => gate.run(work, { timeoutMs: 10_000 }), 6, 20);
+    const load = new Load((work) => gate.run(work, { timeoutMs: 10_000, key: "load" }), 6, 20);
     cleanups.push(() => load.stop());
     load.start();
     await until(() => load.calls.filter((c) => c.ok).length >= 10, {
@@ -91,7 +91,7 @@ describe("a Redis that hangs while connected (DEBUG SLEEP)", () => {
           ["sem.tryAdmit()", () => sem.tryAdmit()],
           ["sem.admit()", () => sem.admit({ timeoutMs: 5_000 })],
           ["bucket.admit()", () => bucket.admit({ key: "probe", timeoutMs: 5_000 })],
-          ["gate.run()", () => gate.run(() => "sent", { timeoutMs: 5_000 })],
+          ["gate.run()", () => gate.run(() => "sent", { timeoutMs: 5_000, key: "probe" })],
         ] as const
       ).map(async ([what, call]) => {
         const startedAt = performance.now();

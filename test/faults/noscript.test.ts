@@ -27,7 +27,7 @@ describe("script cache flushed without a pause", () => {
 
   it("loses no call to a missing script", async () => {
     const backend = redis(client, { prefix: randomPrefix("noscript"), commandTimeoutMs: 5000 });
-    const bucket = backend.tokenBucket("b", { capacity: 1000, refillPerSecond: 1000 });
+    const bucket = backend.tokenBucket("b", { keyed: true, capacity: 1000, refillPerSecond: 1000 });
     const sem = backend.semaphore("s", { limit: 1000 });
     const before = await noscriptReplies(admin);
     let flushing = true;

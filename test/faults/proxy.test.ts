@@ -77,9 +77,13 @@ describe("Redis behind a proxy that refuses, black-holes and cuts connections", 
     });
     cleanups.push(() => within(backend.close(), 5_000, "backend.close()"));
     const sem = backend.semaphore("sem", { limit: LIMIT, leaseMs: LEASE_MS });
-    const bucket = backend.tokenBucket("rate", { capacity: CAPACITY, refillPerSecond: REFILL_PER_SECOND });
+    const bucket = backend.tokenBucket("rate", {
+      keyed: true,
+      capacity: CAPACITY,
+      refillPerSecond: REFILL_PER_SECOND,
+    });
     const gate = new Gate([bucket, sem]);
-    const load = new Load((work) => gate.run(work, { timeoutMs: 10_000 }), CALLERS, 20);
+    const load = new Load((work) => gate.run(work, { timeoutMs: 10_000, key: "load" }), CALLERS, 20);
     cleanups.push(() => load.stop());
     return { proxy, unhandled, main, subscriber, raw, prefix, sem, bucket, gate, load };
   }
@@ -115,7 +119,7 @@ describe("Redis behind a proxy that refuses, black-holes and cuts connections", 
       // A key nobody in this process waits for: a waiting line would refuse tryAdmit locally.
       ["bucket.admit()", () => s.bucket.admit({ key: "probe", timeoutMs: 5_000 })],
       ["bucket.tryAdmit()", () => s.bucket.tryAdmit({ key: "probe" })],
-      ["gate.run()", () => s.gate.run(() => "sent", { timeoutMs: 5_000 })],
+      ["gate.run()", () => s.gate.run(() => "sent", { timeoutMs: 5_000, key: "probe" })],
     ];
     return Promise.all(
       calls.map(async ([what, call]) => {

@@ -246,6 +246,7 @@ describe("wrapFetch", () => {
     it("takes key, host and cost from init.floodgate and strips it before calling fetch", async () => {
       const backend = memory({ clock });
       const bucket = backend.tokenBucket("per-key", {
+        keyed: true,
         capacity: 1,
         refillPerSecond: 0.001,
       }) as MemoryTokenBucket;
@@ -274,6 +275,7 @@ describe("wrapFetch", () => {
     it("keys a call by its host by default, or by options.key", async () => {
       const backend = memory({ clock });
       const bucket = backend.tokenBucket("per-key", {
+        keyed: true,
         capacity: 1,
         refillPerSecond: 0.001,
       }) as MemoryTokenBucket;

@@ -42,8 +42,16 @@ const usageHeader = (res: Response) => {
 /** Requests-per-minute and tokens-per-minute buckets that barely refill during a test. */
 function llmGate() {
   const backend = memory({ clock });
-  const rpm = backend.tokenBucket("rpm", { capacity: 10, refillPerSecond: 0.001 }) as MemoryTokenBucket;
-  const tpm = backend.tokenBucket("tpm", { capacity: 1_000, refillPerSecond: 0.001 }) as MemoryTokenBucket;
+  const rpm = backend.tokenBucket("rpm", {
+    keyed: true,
+    capacity: 10,
+    refillPerSecond: 0.001,
+  }) as MemoryTokenBucket;
+  const tpm = backend.tokenBucket("tpm", {
+    keyed: true,
+    capacity: 1_000,
+    refillPerSecond: 0.001,
+  }) as MemoryTokenBucket;
   return { gate: new Gate([rpm, tpm], { clock }), rpm, tpm };
 }
 
@@ -90,6 +98,7 @@ describe("wrapFetch settle", () => {
   it("settles every stage with a number", async () => {
     const backend = memory({ clock });
     const tokens = backend.tokenBucket("tokens", {
+      keyed: true,
       capacity: 100,
       refillPerSecond: 0.001,
     }) as MemoryTokenBucket;
@@ -166,11 +175,11 @@ describe("wrapFetch settle", () => {
 
   describe("failures", () => {
     it.each([
-      ["a negative count", -1, "-1"],
-      ["a fraction", 12.5, "12.5"],
-      ["a string", "200", '"200"'],
+      ["a negative count", -1, "-1 (number)"],
+      ["a fraction", 12.5, "12.5 (number)"],
+      ["a string", "200", '"200" (string)'],
       ["a record with a bad count", { tpm: Number.NaN }, "{ tpm: NaN }"],
-      ["an array", [200], "an array"],
+      ["an array", [200], "[200] (array)"],
     ])("rejects the call with InvalidOptionsError when settle returns %s", async (_what, value, shown) => {
       const { gate, tpm } = llmGate();
       const backend = memory({ clock });
@@ -182,7 +191,7 @@ describe("wrapFetch settle", () => {
       }).catch((e) => e);
       expect(error).toBeInstanceOf(InvalidOptionsError);
       expect(error.field).toBe("settle");
-      expect(error.message).toContain(`(got ${shown})`);
+      expect(error.message).toContain(`got ${shown}`);
       expect(outer.snapshot().inFlight).toBe(0);
       expect(tpm.tokens(server.host)).toBe(200);
       // Released with the response's outcome (success raised the limit), not as ignored.
@@ -203,6 +212,7 @@ describe("wrapFetch settle", () => {
     it("keeps the estimate and returns the response when the backend cannot settle", async () => {
       const { gate, tpm } = llmGate();
       const failing: FetchGate = {
+        keyedBy: gate.keyedBy,
         pause: (host, ms) => gate.pause(host, ms),
         run: (fn, options) =>
           gate.run(
@@ -245,8 +255,8 @@ describe("reserve, then settle, on every backend", () => {
 
       it("admits at the estimate and settles the tokens the response reports", async () => {
         const b = backend.make(clock);
-        const rpm = b.tokenBucket("rpm", { capacity: 10, refillPerSecond: 0.001 });
-        const tpm = b.tokenBucket("tpm", { capacity: 1_000, refillPerSecond: 0.001 });
+        const rpm = b.tokenBucket("rpm", { keyed: true, capacity: 10, refillPerSecond: 0.001 });
+        const tpm = b.tokenBucket("tpm", { keyed: true, capacity: 1_000, refillPerSecond: 0.001 });
         const gate = new Gate([rpm, tpm], { clock });
         server.respond = completion(200);
         const gatedFetch = wrapFetch(gate, undefined, { settle: usageHeader });

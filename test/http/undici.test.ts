@@ -273,6 +273,7 @@ describe("floodgateInterceptor", () => {
     it("takes key, host and costs from opts.floodgate and strips it before dispatching", async () => {
       const backend = memory({ clock });
       const bucket = backend.tokenBucket("per-key", {
+        keyed: true,
         capacity: 1,
         refillPerSecond: 0.001,
       }) as MemoryTokenBucket;
@@ -305,6 +306,7 @@ describe("floodgateInterceptor", () => {
     it("keys a request by options.key", async () => {
       const backend = memory({ clock });
       const bucket = backend.tokenBucket("per-key", {
+        keyed: true,
         capacity: 1,
         refillPerSecond: 0.001,
       }) as MemoryTokenBucket;

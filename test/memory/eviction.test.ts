@@ -5,7 +5,7 @@ import { describe, expect, it } from "vitest";
 describe("idle key eviction", () => {
   it("forgets token bucket keys once they are full again", async () => {
     const clock = new FakeClock();
-    const bucket = memory({ clock }).tokenBucket("per-key", { capacity: 2, refillPerSecond: 1 });
+    const bucket = memory({ clock }).tokenBucket("per-key", { keyed: true, capacity: 2, refillPerSecond: 1 });
     for (let i = 0; i < 100_000; i++) await bucket.tryAdmit({ key: `k${i}` });
     expect(bucket.keyCount).toBe(100_000);
     await clock.advance(1000);
@@ -18,6 +18,7 @@ describe("idle key eviction", () => {
   it("keeps a key that has waiters or a penalty still running", async () => {
     const clock = new FakeClock();
     const bucket = memory({ clock }).tokenBucket("per-key", {
+      keyed: true,
       capacity: 1,
       refillPerSecond: 1,
       penalty: { factor: 0.5, recoveryMs: 60_000 },
@@ -32,7 +33,7 @@ describe("idle key eviction", () => {
 
   it("behaves like a fresh key after eviction", async () => {
     const clock = new FakeClock();
-    const bucket = memory({ clock }).tokenBucket("per-key", { capacity: 3, refillPerSecond: 1 });
+    const bucket = memory({ clock }).tokenBucket("per-key", { keyed: true, capacity: 3, refillPerSecond: 1 });
     await bucket.admit({ key: "a", cost: 3 });
     await bucket.admit({ key: "b", cost: 1 });
     await clock.advance(999);

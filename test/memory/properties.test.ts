@@ -521,6 +521,7 @@ describe("in-memory stages under random ops", () => {
         async ({ capacity, refillPerSecond, penalty }, ops) => {
           const clock = new FakeClock();
           const bucket = memory({ clock }).tokenBucket("tb", {
+            keyed: true,
             capacity,
             refillPerSecond,
             ...(penalty ? { penalty } : {}),
@@ -721,7 +722,7 @@ describe("in-memory stages under random ops", () => {
           return { stage: backend.semaphore("s", { limit: 2 }), most: 2 };
         case "tokenBucket":
           return {
-            stage: backend.tokenBucket("t", { capacity: 3, refillPerSecond: 5, penalty: {} }),
+            stage: backend.tokenBucket("t", { keyed: true, capacity: 3, refillPerSecond: 5, penalty: {} }),
             most: 3,
           };
         case "intervalGate":

@@ -54,7 +54,7 @@ describe("when Redis cannot be reached", () => {
       b.queue("q", { maxSize: 1 }),
       b.aimd("a", { initial: 1, max: 2 }),
       b.tokenBucket("t", { capacity: 1, refillPerSecond: 1 }),
-      b.intervalGate("i", { minIntervalMs: 10 }),
+      b.intervalGate("i", { minIntervalMs: 10, defaultHost: "api" }),
     ];
     for (const stage of stages) {
       await expect(stage.admit()).rejects.toBeInstanceOf(BackendUnavailableError);
@@ -169,10 +169,10 @@ describe("when Redis cannot be reached", () => {
     const client = await deadClient();
     clients.push(client);
     expect(() => redis(client).semaphore("x", { limit: 1, onBackendError: "retry" as never })).toThrow(
-      'semaphore "x": onBackendError must be "fail-closed", "fail-open" or "local" (got "retry")',
+      'semaphore "x": onBackendError must be "fail-closed", "fail-open" or "local", got "retry" (string)',
     );
     expect(() => redis(client).semaphore("y", { limit: 1, localShare: 0 })).toThrow(
-      "localShare must be a number in (0, 1] (got 0)",
+      "localShare must be a number in (0, 1], got 0 (number)",
     );
   });
 });

@@ -21,7 +21,7 @@ describe("a script Redis refuses to run", () => {
     await client.set(`${prefix}{bucket}:b:k`, "not a hash");
     const backend = redis(client, { prefix });
     const sem = backend.semaphore("sem", { limit: 1 });
-    const bucket = backend.tokenBucket("bucket", { capacity: 2, refillPerSecond: 1 });
+    const bucket = backend.tokenBucket("bucket", { keyed: true, capacity: 2, refillPerSecond: 1 });
     for (const attempt of [sem.admit(), sem.tryAdmit(), bucket.admit({ key: "k" })]) {
       const error = await attempt.then(
         () => undefined,
