@@ -31,7 +31,7 @@ async function bucket(names: readonly string[]): Promise<Stats> {
   const clock = new FakeClock();
   const backend = memory({ clock });
   const baseline = heap();
-  const b = backend.tokenBucket("keys", { capacity: 10, refillPerSecond: 10 });
+  const b = backend.tokenBucket("keys", { keyed: true, capacity: 10, refillPerSecond: 10 });
   const t0 = performance.now();
   for (const key of names) {
     const ticket = await b.tryAdmit({ key });

@@ -27,10 +27,10 @@ export function fullGate(semaphoreLimit = MAX): Gate {
   const backend = memory();
   return new Gate([
     backend.queue("jobs", { maxSize: MAX, whenFull: "block" }),
-    backend.tokenBucket("rate", { capacity: MAX, refillPerSecond: 1e9 }),
-    backend.intervalGate("hosts", { minIntervalMs: 0 }),
     backend.semaphore("inflight", { limit: semaphoreLimit }),
     backend.aimd("adaptive", { initial: MAX, min: 1, max: MAX }),
+    backend.tokenBucket("rate", { capacity: MAX, refillPerSecond: 1e9 }),
+    backend.intervalGate("hosts", { minIntervalMs: 0, defaultHost: "api" }),
   ]);
 }
 

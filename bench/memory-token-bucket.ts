@@ -33,7 +33,7 @@ function contenders(n: number, keys: readonly string[]): Contender[] {
     {
       name: "floodgate tokenBucket admit + release",
       async run() {
-        const bucket = memory().tokenBucket("rate", { capacity: MAX, refillPerSecond: 1e9 });
+        const bucket = memory().tokenBucket("rate", { keyed: true, capacity: MAX, refillPerSecond: 1e9 });
         const started = performance.now();
         for (let i = 0; i < n; i++) {
           const ticket = await bucket.admit({ key: keys[i % k]! });
@@ -45,7 +45,7 @@ function contenders(n: number, keys: readonly string[]): Contender[] {
     {
       name: "floodgate tokenBucket.run",
       async run() {
-        const bucket = memory().tokenBucket("rate", { capacity: MAX, refillPerSecond: 1e9 });
+        const bucket = memory().tokenBucket("rate", { keyed: true, capacity: MAX, refillPerSecond: 1e9 });
         const call = () => 1;
         const started = performance.now();
         for (let i = 0; i < n; i++) await bucket.run(call, { key: keys[i % k]! });
@@ -55,7 +55,7 @@ function contenders(n: number, keys: readonly string[]): Contender[] {
     {
       name: "floodgate tokenBucket tryAdmit",
       async run() {
-        const bucket = memory().tokenBucket("rate", { capacity: MAX, refillPerSecond: 1e9 });
+        const bucket = memory().tokenBucket("rate", { keyed: true, capacity: MAX, refillPerSecond: 1e9 });
         const started = performance.now();
         for (let i = 0; i < n; i++) await bucket.tryAdmit({ key: keys[i % k]! });
         return rate(n, started);

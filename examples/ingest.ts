@@ -116,6 +116,7 @@ export async function main(argv: string[]): Promise<number> {
   const queue = b.queue("ingest-queue", { maxSize: queueSize, whenFull: shedMode ? "shed" : "block" });
   const inflight = b.semaphore("ingest-inflight", { limit: pool });
   const supplierRate = b.tokenBucket("supplier-rate", {
+    keyed: true,
     capacity: burst,
     refillPerSecond: rate,
     penalty: { factor: 0.5, recoveryMs: 5_000, minFactor: 0.25 },
