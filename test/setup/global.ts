@@ -5,6 +5,7 @@ import {
   haveRedisCli,
   haveRedisServer,
   INSTALL_HINT,
+  installRedis,
   RedisCluster,
   RedisProcess,
 } from "./redis-server.js";
@@ -32,6 +33,8 @@ let cluster: RedisCluster | undefined;
  * with an install hint (they never skip); the in-memory suites still run.
  */
 export async function setup(project: TestProject): Promise<void> {
+  const needsServer = !process.env.REDIS_URL || !process.env.REDIS_CLUSTER_NODES;
+  if (needsServer && !haveRedisServer()) await installRedis();
   const results = await Promise.allSettled([setupServer(project), setupCluster(project)]);
   const failed = results.find((r) => r.status === "rejected");
   if (failed) {

@@ -66,7 +66,8 @@ export async function waitForRedis(port: number, timeoutMs = 10_000): Promise<vo
 export const INSTALL_HINT =
   "The Redis suites need a real redis-server. Install one (Debian/Ubuntu: `apt-get install -y redis-server`, " +
   "macOS: `brew install redis`) so the tests can start it on a free loopback port, or point REDIS_URL at " +
-  "one you run (REDIS_URL=redis://127.0.0.1:6379).";
+  "one you run (REDIS_URL=redis://127.0.0.1:6379). Without FLOODGATE_NO_INSTALL, the suite installs one " +
+  "itself where that needs no person (as root or with passwordless sudo through apt-get, or with brew).";
 
 export const CLUSTER_INSTALL_HINT =
   "The Redis Cluster suites need `redis-server` and `redis-cli` (Debian/Ubuntu: `apt-get install -y " +
@@ -86,6 +87,51 @@ function have(binary: string): boolean {
 /** True when a `redis-server` binary is on the PATH. */
 export function haveRedisServer(): boolean {
   return have("redis-server");
+}
+
+/** How this machine could install redis-server without a person, or undefined when it cannot. */
+export function installCommand(): string[][] | undefined {
+  if (process.platform === "darwin" && have("brew")) return [["brew", "install", "redis"]];
+  if (process.platform !== "linux" || !have("apt-get")) return undefined;
+  const root = process.getuid?.() === 0;
+  let sudo = false;
+  if (!root && have("sudo")) {
+    try {
+      execFileSync("sudo", ["-n", "true"], { stdio: "ignore" });
+      sudo = true;
+    } catch {
+      // sudo would ask for a password: a person is needed.
+    }
+  }
+  if (!root && !sudo) return undefined;
+  const as = (argv: string[]) => (root ? argv : ["sudo", "-n", ...argv]);
+  return [as(["apt-get", "update"]), as(["apt-get", "install", "-y", "redis-server"])];
+}
+
+/**
+ * Install redis-server where that needs no person (as root or with passwordless sudo through
+ * apt-get, or with brew on macOS), unless `FLOODGATE_NO_INSTALL` is set. Says so in one line.
+ * Resolves true when redis-server is then on the PATH.
+ */
+export async function installRedis(log: (line: string) => void = console.log): Promise<boolean> {
+  if (process.env.FLOODGATE_NO_INSTALL) return false;
+  const steps = installCommand();
+  if (!steps) return false;
+  log(
+    `redis-server was not found: installing it with \`${steps.map((s) => s.join(" ")).join(" && ")}\` (set FLOODGATE_NO_INSTALL=1 to forbid this)`,
+  );
+  try {
+    for (const [cmd, ...args] of steps) {
+      await run(cmd!, args, {
+        env: { ...process.env, DEBIAN_FRONTEND: "noninteractive" },
+        maxBuffer: 64 * 1024 * 1024,
+      });
+    }
+  } catch (error) {
+    log(`installing redis-server failed: ${error instanceof Error ? error.message.split("\n")[0] : error}`);
+    return false;
+  }
+  return haveRedisServer();
 }
 
 /** True when a `redis-cli` binary is on the PATH. */
