@@ -53,22 +53,24 @@ local function floodgate_rate_factor(s, recoveryMs, now)
   return s.factor + (1 - s.factor) * x / recoveryMs
 end
 
+-- Whole ms until `cost` tokens are there: 0 when they are, else at least 1 (however fast the
+-- refill), so a waiter that sleeps that long never finds them short again at the same instant.
 local function floodgate_wait_ms(s, capacity, refillPerSecond, recoveryMs, cost, now)
   local need = cost - floodgate_tokens_at(s, capacity, refillPerSecond, recoveryMs, now)
   if need <= 1e-9 then return 0 end
   local needMs = need * 1000 / refillPerSecond
   local t = math.max(now, s.updatedAt)
   local x = t - s.penalizedAt
-  if s.factor >= 1 or x >= recoveryMs then return math.ceil(needMs - 1e-9) end
+  if s.factor >= 1 or x >= recoveryMs then return math.max(1, math.ceil(needMs - 1e-9)) end
   local f0 = s.factor
   local r = recoveryMs
   local at = math.max(0, x)
   local before = floodgate_factor_integral(f0, r, r) - floodgate_factor_integral(f0, r, at)
-  if needMs > before then return math.ceil(r - at + (needMs - before) - 1e-9) end
+  if needMs > before then return math.max(1, math.ceil(r - at + (needMs - before) - 1e-9)) end
   local target = floodgate_factor_integral(f0, r, at) + needMs
   local a = (1 - f0) / (2 * r)
   local y = (-f0 + math.sqrt(f0 * f0 + 4 * a * target)) / (2 * a)
-  return math.max(0, math.ceil(y - at - 1e-9))
+  return math.max(1, math.ceil(y - at - 1e-9))
 end
 
 -- A number as Redis would write it, with every digit (%.17g), so it reads back exactly; a whole

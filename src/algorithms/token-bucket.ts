@@ -70,7 +70,9 @@ const EPSILON = 1e-9;
 
 /**
  * Milliseconds from `now` until the bucket holds `cost` tokens (0 when it already does), rounded
- * up to a whole millisecond. `Infinity` when `cost` exceeds `capacity`.
+ * up to a whole millisecond: at least 1 while tokens are short, however fast the refill, so a
+ * waiter woken after it never finds them short again at the same instant. `Infinity` when `cost`
+ * exceeds `capacity`.
  */
 export function waitMs(s: BucketState, c: BucketConfig, cost: number, now: number): number {
   if (cost > c.capacity) return Number.POSITIVE_INFINITY;
@@ -80,18 +82,18 @@ export function waitMs(s: BucketState, c: BucketConfig, cost: number, now: numbe
   const needMs = (need * 1000) / c.refillPerSecond; // effective (full-rate) milliseconds required
   const t = Math.max(now, s.updatedAt);
   const x = t - s.penalizedAt;
-  if (s.factor >= 1 || x >= c.recoveryMs) return Math.ceil(needMs - EPSILON);
+  if (s.factor >= 1 || x >= c.recoveryMs) return Math.max(1, Math.ceil(needMs - EPSILON));
   // Effective milliseconds available before the rate is back to full.
   const f0 = s.factor;
   const r = c.recoveryMs;
   const at = Math.max(0, x);
   const before = factorIntegral(f0, r, r) - factorIntegral(f0, r, at);
-  if (needMs > before) return Math.ceil(r - at + (needMs - before) - EPSILON);
+  if (needMs > before) return Math.max(1, Math.ceil(r - at + (needMs - before) - EPSILON));
   // Solve f0*y + (1-f0)*y^2/(2r) = target for y = time since penalty.
   const target = factorIntegral(f0, r, at) + needMs;
   const a = (1 - f0) / (2 * r);
   const y = (-f0 + Math.sqrt(f0 * f0 + 4 * a * target)) / (2 * a);
-  return Math.max(0, Math.ceil(y - at - EPSILON));
+  return Math.max(1, Math.ceil(y - at - EPSILON));
 }
 
 /** The state after taking `cost` tokens at `now`, or `undefined` when there are not enough. */
