@@ -79,10 +79,16 @@ export class LeaseKeeper {
     return !t.lost && !t.released && t.leaseId !== "" && this.s.clock.now() >= t.validUntil;
   }
 
+  /**
+   * Renew with a fifth of the time left to spare, and at least half of it (up to a second): a
+   * grant's short claim window (`claimMs`) then keeps room for a timer that fires late on a busy
+   * event loop, while a long lease is still renewed rarely.
+   */
   #schedule(t: LeaseTicket): void {
     const leftMs = t.validUntil - this.s.clock.now();
+    const spareMs = Math.max(leftMs * 0.2, Math.min(leftMs * 0.5, 1000));
     t.renewTimer = unrefTimer(
-      this.s.clock.setTimeout(() => this.#renew(t), Math.max(1, Math.floor(leftMs * 0.8))),
+      this.s.clock.setTimeout(() => this.#renew(t), Math.max(1, Math.floor(leftMs - spareMs))),
     );
   }
 

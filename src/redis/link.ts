@@ -242,6 +242,8 @@ export class RedisLink {
       client.on("ready", onReady);
       client.on("error", onFailed);
       client.on("end", onFailed);
+      // A `lazyConnect` client connects on its first command: floodgate's first call is that.
+      if (client.status === "wait") (client as { connect?: () => Promise<void> }).connect?.().catch(() => {});
     });
     return this.#waitingForFirst;
   }
@@ -387,9 +389,9 @@ export class RedisLink {
 
 /**
  * Statuses of a client on its way to its first connection. A `lazyConnect` client not told to
- * connect yet (`wait`) is not among them: it is not connected, and its calls fail at once.
+ * connect yet (`wait`) is told to by the first call, which then waits for it like the others.
  */
-const FIRST_CONNECT: ReadonlySet<string> = new Set(["connecting", "connect", "reconnecting"]);
+const FIRST_CONNECT: ReadonlySet<string> = new Set(["wait", "connecting", "connect", "reconnecting"]);
 
 /** Errors of calls that never left this process. */
 const unsent = new WeakSet<object>();
