@@ -144,7 +144,7 @@ const HOLDING: ReadonlySet<StageKind> = new Set(["semaphore", "aimd", "queue"]);
  * interval gates last. A stage after a metering stage can still make the call wait, so the
  * call would start later than its token or its host's slot allowed.
  */
-export function misorder(stages: readonly Stage[]): string | undefined {
+export function stageOrderWarning(stages: readonly Stage[]): string | undefined {
   let meter: Stage | undefined;
   for (const s of stages) {
     if (meter && (HOLDING.has(s.kind) || (meter.kind === "intervalGate" && s.kind === "tokenBucket"))) {
@@ -289,7 +289,7 @@ export class Gate implements Stage {
       sync++;
     this.#syncPrefix = sync;
     this.#names = namesOf(this.stages);
-    const misplaced = misorder(this.stages);
+    const misplaced = stageOrderWarning(this.stages);
     if (misplaced) warnOrder(o.logger === undefined ? undefined : this.#log, this.name, misplaced);
   }
 

@@ -16,7 +16,15 @@ export {
   LeaseLostError,
   ShedError,
 } from "./errors.js";
-export { defaultClassify, Gate, type GateOptions, type Job, type RunOptions, type Settled } from "./gate.js";
+export {
+  defaultClassify,
+  Gate,
+  type GateOptions,
+  type Job,
+  type RunOptions,
+  type Settled,
+  stageOrderWarning,
+} from "./gate.js";
 export {
   MemoryAimd,
   type MemoryBackend,
