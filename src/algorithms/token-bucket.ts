@@ -48,7 +48,9 @@ function factorIntegral(f0: number, recoveryMs: number, x: number): number {
 
 /**
  * Tokens held at `now`, refilled since `updatedAt` and capped at `capacity`. A clock that went
- * backwards refills nothing.
+ * backwards refills nothing. A debt of -Infinity tokens (settles of Number.MAX_VALUE) refilled by
+ * +Infinity (a refill of Number.MAX_VALUE per second) sums to NaN, which counts as full, as in
+ * the Lua port, so no NaN ever reaches a decision.
  */
 export function tokensAt(s: BucketState, c: BucketConfig, now: number): number {
   if (now <= s.updatedAt) return s.tokens;
@@ -62,7 +64,8 @@ export function tokensAt(s: BucketState, c: BucketConfig, now: number): number {
       factorIntegral(s.factor, c.recoveryMs, from);
   }
   const tokens = s.tokens + (effectiveMs * c.refillPerSecond) / 1000;
-  return Math.min(tokens, c.capacity);
+  if (tokens < c.capacity) return tokens;
+  return c.capacity;
 }
 
 /** Tolerance for float error when comparing token counts. */
