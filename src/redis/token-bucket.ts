@@ -1,7 +1,7 @@
 import { randomBytes } from "node:crypto";
 import { bucketKey, type Entry, tooCostly, UNKEYED } from "../admit.js";
 import { BaseTicket } from "../base/stage.js";
-import type { Waiter } from "../base/wait-list.js";
+import type { Waiter, WaitList } from "../base/wait-list.js";
 import type { TokenBucketOptions } from "../options.js";
 import type { AdmitOptions, Outcome, StageKind, Ticket, TryAdmitOptions } from "../types.js";
 import { parseOptions, tokenBucketSchema } from "../validate.js";
@@ -24,6 +24,11 @@ class BucketLine extends RedisLine {
 /** A ticket that knows its grant, so a refund can tell whether it is still the latest. */
 class GrantTicket extends BaseTicket {
   grant = "";
+}
+
+/** Resolves once `line` has no call out: each grant asks for the next head at once. */
+async function untilStill(line: RedisLine, busy: Promise<void>): Promise<void> {
+  for (let call: Promise<void> | undefined = busy; call; call = line.busy) await call;
 }
 
 const GRANT_PREFIX = `${randomBytes(6).toString("hex")}:`;
@@ -229,6 +234,17 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
       },
       giveBack: () => void this.#refund(head.key, head.cost, grant),
     };
+  }
+
+  /**
+   * A waiter's timeout has come: ask Redis for the line's heads until it stops moving, as memory
+   * grants every waiter the tokens cover. Tokens there at this very instant are in time for
+   * each waiter they cover, not only for the head (whose grant alone used to end the wait).
+   */
+  protected override grantDue(list: WaitList, key: string): Promise<void> | undefined {
+    const line = list as BucketLine;
+    const busy = this.drain(line, key);
+    return busy && untilStill(line, busy);
   }
 
   #refund(key: string, cost: number, grant: string): Promise<unknown> {
