@@ -14,11 +14,13 @@ export const LONGEST_MS = Number.MAX_SAFE_INTEGER;
  * its `admit`, a fallback to its primary), they are not checked again.
  */
 class Checked implements RunOptions {
-  readonly #checked = true;
-
-  /** A brand check: it reads nothing of `o`, so no getter or Proxy trap runs. */
+  /** Whether `o` is one; a Proxy whose prototype trap throws is not. */
   static is(o: object): o is Checked {
-    return #checked in o;
+    try {
+      return o instanceof Checked;
+    } catch {
+      return false;
+    }
   }
 
   constructor(
@@ -60,22 +62,40 @@ export function meant(field: string, known: Iterable<string>): string | undefine
 
 /** Refuse any own field of `options` that `entry` does not take, naming it. */
 function unknownField(kind: StageKind, name: string, options: object, entry: Entry): void {
-  const allowed = ALLOWED[entry];
   for (const field in options) {
-    if (allowed.has(field)) continue;
-    if (FIELDS.includes(field as (typeof FIELDS)[number])) {
-      // A field of another entry: refused only when given.
-      if (read(kind, name, options, field) === undefined) continue;
-      const why = field === "classify" ? "only run and enqueue call a function" : "tryAdmit never waits";
-      throw new InvalidOptionsError(name, field, `${kind} "${name}": ${entry} takes no ${field} (${why})`);
+    // The hot path: a known field, compared without a lookup.
+    switch (field) {
+      case "key":
+      case "host":
+      case "cost":
+      case "costs":
+        continue;
+      case "signal":
+      case "timeoutMs":
+        if (entry !== "tryAdmit") continue;
+        break;
+      case "classify":
+        if (entry === "run") continue;
+        break;
     }
-    const near = meant(field, allowed);
-    throw new InvalidOptionsError(
-      name,
-      field,
-      `${kind} "${name}": unknown option "${field}"${near ? ` (did you mean "${near}"?)` : ""}; ${entry} takes ${[...allowed].join(", ")}`,
-    );
+    refuseField(kind, name, options, entry, field);
   }
+}
+
+/** `field` is not one `entry` takes: refuse it, unless it is another entry's and not given. */
+function refuseField(kind: StageKind, name: string, options: object, entry: Entry, field: string): void {
+  const allowed = ALLOWED[entry];
+  if (FIELDS.includes(field as (typeof FIELDS)[number])) {
+    if (read(kind, name, options, field) === undefined) return;
+    const why = field === "classify" ? "only run and enqueue call a function" : "tryAdmit never waits";
+    throw new InvalidOptionsError(name, field, `${kind} "${name}": ${entry} takes no ${field} (${why})`);
+  }
+  const near = meant(field, allowed);
+  throw new InvalidOptionsError(
+    name,
+    field,
+    `${kind} "${name}": unknown option "${field}"${near ? ` (did you mean "${near}"?)` : ""}; ${entry} takes ${[...allowed].join(", ")}`,
+  );
 }
 
 function fail(kind: StageKind, name: string, field: string, rule: string, value: unknown): never {
