@@ -1,4 +1,4 @@
-import { admitOptions, type Entry, pauseError, settleValue } from "./admit.js";
+import { admitOptions, type Entry, pauseError, settleValue, tooCostly } from "./admit.js";
 import { callWith, RESOLVED } from "./base/run.js";
 import { type BaseStage, type BaseTicket, outcomeError, RunWaiter } from "./base/stage.js";
 import { type Clock, systemClock } from "./clock.js";
@@ -289,9 +289,13 @@ export class Gate implements Stage {
       sync++;
     this.#syncPrefix = sync;
     this.#names = namesOf(this.stages);
+    this.#bounded = this.stages.filter((s) => typeof s.maxCost === "number");
     const misplaced = stageOrderWarning(this.stages);
     if (misplaced) warnOrder(o.logger === undefined ? undefined : this.#log, this.name, misplaced);
   }
+
+  /** Stages with a largest cost: a call costing more at one of them is refused before any is taken. */
+  readonly #bounded: readonly Stage[];
 
   /** Every stage name in the gate (and in gates in it), and whether any is keyed by `key`. */
   readonly #names: { all: Set<string>; keyed: boolean };
@@ -333,6 +337,11 @@ export class Gate implements Stage {
           );
         }
       }
+    }
+    for (let i = 0; i < this.#bounded.length; i++) {
+      const stage = this.#bounded[i]!;
+      const cost = costAt(stage, o) ?? 1;
+      if (cost > stage.maxCost!) throw tooCostly(stage.kind, stage.name, cost, stage.maxCost!);
     }
     if (o.key !== undefined && !this.#names.keyed) {
       throw new InvalidOptionsError(

@@ -172,6 +172,12 @@ export interface Stage extends AsyncDisposable {
    * stage of your own that reads `key` declares `keyedBy: "key"`.
    */
   readonly keyedBy?: "key" | "host" | undefined;
+  /**
+   * The largest cost one call can ever be admitted with (a bucket's capacity, a semaphore's
+   * limit, a queue's maxSize, an AIMD limiter's min), when the stage has one. A `Gate` refuses a
+   * larger cost at any of its stages before it takes any of them.
+   */
+  readonly maxCost?: number | undefined;
   /** Wait for admission. See `AdmitOptions` for cancellation and timeouts. */
   admit(options?: AdmitOptions): Promise<Ticket>;
   /** Admit only if that needs no wait; resolves `undefined` when refused. */

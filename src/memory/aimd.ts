@@ -32,7 +32,8 @@ export class MemoryAimd extends PermitStage {
     this.init(o.logger);
   }
 
-  protected override maxCost(): number {
+  /** An AIMD limiter's limit can fall to `min`: a cost above it could never be admitted. */
+  override get maxCost(): number {
     return this.#config.min;
   }
 

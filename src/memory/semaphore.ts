@@ -30,8 +30,11 @@ export abstract class PermitStage extends BaseStage {
     this.limit = limit;
   }
 
-  /** Largest cost one call may have. */
-  protected maxCost(): number {
+  /**
+   * The largest cost one call can ever be admitted with: a larger one is refused at once with
+   * `InvalidOptionsError`, and a Gate refuses it before it takes any stage.
+   */
+  get maxCost(): number {
     return this.limit;
   }
 
@@ -43,7 +46,7 @@ export abstract class PermitStage extends BaseStage {
       return Promise.reject(error);
     }
     const cost = o.cost ?? 1;
-    if (cost > this.maxCost()) return Promise.reject(tooCostly(this.kind, this.name, cost, this.maxCost()));
+    if (cost > this.maxCost) return Promise.reject(tooCostly(this.kind, this.name, cost, this.maxCost));
     if (this.waiters.size === 0 && this.used + cost <= this.limit) {
       this.used += cost;
       return Promise.resolve(this.issue(cost, "", undefined, this.waitFor));
@@ -57,7 +60,7 @@ export abstract class PermitStage extends BaseStage {
       this.waiters.size !== 0 ||
       !Number.isInteger(cost) ||
       (cost as number) < 0 ||
-      (cost as number) > this.maxCost() ||
+      (cost as number) > this.maxCost ||
       this.used + (cost as number) > this.limit ||
       o.signal?.aborted
     ) {
@@ -78,7 +81,7 @@ export abstract class PermitStage extends BaseStage {
       !this.blocks ||
       !Number.isInteger(cost) ||
       cost < 0 ||
-      cost > this.maxCost() ||
+      cost > this.maxCost ||
       timeoutMs === 0 ||
       o.signal?.aborted ||
       (this.waiters.size === 0 && this.used + cost <= this.limit)
@@ -113,7 +116,7 @@ export abstract class PermitStage extends BaseStage {
       return Promise.reject(error);
     }
     const cost = o.cost ?? 1;
-    if (cost > this.maxCost()) return Promise.reject(tooCostly(this.kind, this.name, cost, this.maxCost()));
+    if (cost > this.maxCost) return Promise.reject(tooCostly(this.kind, this.name, cost, this.maxCost));
     if (this.waiters.size === 0 && this.used + cost <= this.limit) {
       this.used += cost;
       return this.callTicket(this.issue(cost, "", undefined, this.waitFor), fn, o.classify);
@@ -125,7 +128,7 @@ export abstract class PermitStage extends BaseStage {
     try {
       const o = this.check(options, "tryAdmit");
       const cost = o.cost ?? 1;
-      if (cost > this.maxCost()) throw tooCostly(this.kind, this.name, cost, this.maxCost());
+      if (cost > this.maxCost) throw tooCostly(this.kind, this.name, cost, this.maxCost);
       if (this.waiters.size > 0 || this.used + cost > this.limit) return Promise.resolve(undefined);
       this.used += cost;
       return Promise.resolve(this.issue(cost, "", undefined, this.waitFor));

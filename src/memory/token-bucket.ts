@@ -93,6 +93,14 @@ export class MemoryTokenBucket extends BaseStage {
     return b.lastGrant;
   }
 
+  /**
+   * The largest cost one call can ever be admitted with: a larger one is refused at once with
+   * `InvalidOptionsError`, and a Gate refuses it before it takes any stage.
+   */
+  get maxCost(): number {
+    return this.#config.capacity;
+  }
+
   /** Whether calls name a key (`keyed: true`); `"key"` then, else undefined. */
   get keyedBy(): "key" | undefined {
     return this.#keyed ? "key" : undefined;

@@ -93,6 +93,11 @@ export class FallbackStage implements IntervalGateStage {
     this.holds = primary.holds;
   }
 
+  /** The largest cost the primary stage admits. */
+  get maxCost(): number | undefined {
+    return this.primary.maxCost;
+  }
+
   /** The call option the primary stage is keyed by. */
   get keyedBy(): "key" | "host" | undefined {
     return this.primary.keyedBy;

@@ -122,6 +122,14 @@ export abstract class RedisPermitStage extends BaseStage {
   /** Longest a grant made to a waiter on someone's release stays unclaimed: never past a lease. */
   protected readonly claimMs: number;
 
+  /**
+   * The largest cost one call can ever be admitted with: a larger one is refused at once with
+   * `InvalidOptionsError`, and a Gate refuses it before it takes any stage.
+   */
+  get maxCost(): number {
+    return this.settings.maxCost;
+  }
+
   constructor(name: string, settings: PermitSettings, ctx: RedisContext) {
     super(name, ctx.clock);
     this.claimMs = Math.min(ctx.claimMs, settings.leaseMs);

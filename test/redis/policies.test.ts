@@ -142,8 +142,11 @@ describe("when Redis cannot be reached", () => {
   });
 
   it("goes back to Redis once it answers again", async () => {
-    const client = testClient(); // lazy: not connected yet, so not ready
+    // Connected once, then closed: not ready, and floodgate does not connect it again itself.
+    const client = testClient();
     clients.push(client);
+    await client.connect();
+    await client.quit();
     const clock = new FakeClock();
     const { lines, logger } = capture();
     const prefix = `policy:${Date.now()}:${Math.random()}:`;
