@@ -66,6 +66,18 @@ describe("the first calls on a client that is still connecting", () => {
     }
   });
 
+  it("closes stages and the backend of a client that never connected without an ioredis error", async () => {
+    const port = await closedPort();
+    for (const extra of [{ lazyConnect: true }, { retryStrategy: () => 50 }] as RedisOptions[]) {
+      const c = client(`redis://127.0.0.1:${port}`, extra);
+      const backend = redis(c, { prefix: randomPrefix("unconnected"), commandTimeoutMs: 200 });
+      const sem = backend.semaphore("s", { limit: 1 });
+      backend.tokenBucket("b", { capacity: 1, refillPerSecond: 1 });
+      await expect(sem.close()).resolves.toBeUndefined();
+      await expect(backend.close()).resolves.toBeUndefined();
+    }
+  });
+
   it("fails closed with BackendUnavailableError once commandTimeoutMs passes with no first connection", async () => {
     const c = client(`redis://127.0.0.1:${await closedPort()}`, { retryStrategy: () => 50 });
     const sem = redis(c, { prefix: randomPrefix("never"), commandTimeoutMs: 200 }).semaphore("s", {
