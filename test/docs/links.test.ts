@@ -1,24 +1,12 @@
-import { existsSync, readdirSync, readFileSync, statSync } from "node:fs";
+import { existsSync, readFileSync } from "node:fs";
 import { dirname, join, relative } from "node:path";
 import { fileURLToPath } from "node:url";
 import { describe, expect, it } from "vitest";
+import { markdownFiles } from "./snippets.js";
 
 /** Every relative link of README.md and docs/ points at a file that exists, and at a heading in it. */
 
 const root = fileURLToPath(new URL("../../", import.meta.url));
-
-function markdownFiles(): string[] {
-  const files = [join(root, "README.md")];
-  const walk = (dir: string) => {
-    for (const entry of readdirSync(dir).sort()) {
-      const path = join(dir, entry);
-      if (statSync(path).isDirectory()) walk(path);
-      else if (entry.endsWith(".md")) files.push(path);
-    }
-  };
-  if (existsSync(join(root, "docs"))) walk(join(root, "docs"));
-  return files;
-}
 
 /** The text outside fenced blocks. */
 function prose(text: string): string {

@@ -1,11 +1,11 @@
 import { spawn } from "node:child_process";
-import { existsSync, mkdirSync, readdirSync, rmSync, statSync, writeFileSync } from "node:fs";
+import { mkdirSync, rmSync, writeFileSync } from "node:fs";
 import { join, relative } from "node:path";
 import { fileURLToPath } from "node:url";
 import { build } from "esbuild";
 import ts from "typescript";
 import { afterAll, beforeAll, describe, expect, inject, it } from "vitest";
-import { type Snippet, snippets } from "./snippets.js";
+import { markdownFiles, type Snippet, snippets } from "./snippets.js";
 
 /**
  * Every TypeScript block of README.md and docs/ is type-checked against src/ (through the same
@@ -20,19 +20,6 @@ import { type Snippet, snippets } from "./snippets.js";
 
 const root = fileURLToPath(new URL("../../", import.meta.url));
 const RUN_TIMEOUT_MS = 15_000;
-
-function markdownFiles(): string[] {
-  const files = [join(root, "README.md")];
-  const walk = (dir: string) => {
-    for (const entry of readdirSync(dir).sort()) {
-      const path = join(dir, entry);
-      if (statSync(path).isDirectory()) walk(path);
-      else if (entry.endsWith(".md")) files.push(path);
-    }
-  };
-  if (existsSync(join(root, "docs"))) walk(join(root, "docs"));
-  return files;
-}
 
 interface Block extends Snippet {
   /** Where the block is written as a module of its own. */

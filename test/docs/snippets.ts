@@ -1,4 +1,8 @@
-import { readFileSync } from "node:fs";
+import { existsSync, readdirSync, readFileSync, statSync } from "node:fs";
+import { join } from "node:path";
+import { fileURLToPath } from "node:url";
+
+const root = fileURLToPath(new URL("../../", import.meta.url));
 
 /** How a documented block is checked: type-checked only, or also run (in memory, or against Redis). */
 export type SnippetRun = "none" | "memory" | "redis";
@@ -38,4 +42,18 @@ export function snippets(file: string): Snippet[] {
     i = end;
   }
   return out;
+}
+
+/** README.md and every Markdown file under docs/, as absolute paths. */
+export function markdownFiles(): string[] {
+  const files = [join(root, "README.md")];
+  const walk = (dir: string) => {
+    for (const entry of readdirSync(dir).sort()) {
+      const path = join(dir, entry);
+      if (statSync(path).isDirectory()) walk(path);
+      else if (entry.endsWith(".md")) files.push(path);
+    }
+  };
+  if (existsSync(join(root, "docs"))) walk(join(root, "docs"));
+  return files;
 }
