@@ -45,7 +45,8 @@ export class MemoryAimd extends PermitStage {
 
   override releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): void {
     this.used -= ticket.cost;
-    if (!refund && outcome !== "ignored") {
+    // A call admitted at cost 0 held no permit: its outcome teaches nothing (as on Redis).
+    if (!refund && outcome !== "ignored" && ticket.cost > 0) {
       // Without `slowCallMs` no call is slow: the clock is not read.
       const slow =
         this.#slowCallMs !== Number.POSITIVE_INFINITY &&

@@ -47,7 +47,8 @@ export abstract class PermitStage extends BaseStage {
     }
     const cost = o.cost ?? 1;
     if (cost > this.maxCost) return Promise.reject(tooCostly(this.kind, this.name, cost, this.maxCost));
-    if (this.waiters.size === 0 && this.used + cost <= this.limit) {
+    // A cost of 0 takes nothing: admitted at once, even past callers in line (as on Redis).
+    if ((this.waiters.size === 0 || cost === 0) && this.used + cost <= this.limit) {
       this.used += cost;
       return Promise.resolve(this.issue(cost, "", undefined, this.waitFor));
     }
@@ -57,7 +58,7 @@ export abstract class PermitStage extends BaseStage {
   override tryAdmitSync(o: AdmitOptions, cost: unknown): BaseTicket | undefined {
     if (
       this.closed ||
-      this.waiters.size !== 0 ||
+      (this.waiters.size !== 0 && cost !== 0) ||
       !Number.isInteger(cost) ||
       (cost as number) < 0 ||
       (cost as number) > this.maxCost ||
@@ -84,7 +85,7 @@ export abstract class PermitStage extends BaseStage {
       cost > this.maxCost ||
       timeoutMs === 0 ||
       o.signal?.aborted ||
-      (this.waiters.size === 0 && this.used + cost <= this.limit)
+      ((this.waiters.size === 0 || cost === 0) && this.used + cost <= this.limit)
     ) {
       return undefined;
     }
@@ -117,7 +118,8 @@ export abstract class PermitStage extends BaseStage {
     }
     const cost = o.cost ?? 1;
     if (cost > this.maxCost) return Promise.reject(tooCostly(this.kind, this.name, cost, this.maxCost));
-    if (this.waiters.size === 0 && this.used + cost <= this.limit) {
+    // A cost of 0 takes nothing: admitted at once, even past callers in line (as on Redis).
+    if ((this.waiters.size === 0 || cost === 0) && this.used + cost <= this.limit) {
       this.used += cost;
       return this.callTicket(this.issue(cost, "", undefined, this.waitFor), fn, o.classify);
     }
@@ -129,7 +131,8 @@ export abstract class PermitStage extends BaseStage {
       const o = this.check(options, "tryAdmit");
       const cost = o.cost ?? 1;
       if (cost > this.maxCost) throw tooCostly(this.kind, this.name, cost, this.maxCost);
-      if (this.waiters.size > 0 || this.used + cost > this.limit) return Promise.resolve(undefined);
+      if ((this.waiters.size > 0 && cost !== 0) || this.used + cost > this.limit)
+        return Promise.resolve(undefined);
       this.used += cost;
       return Promise.resolve(this.issue(cost, "", undefined, this.waitFor));
     } catch (error) {

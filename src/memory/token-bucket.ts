@@ -123,6 +123,8 @@ export class MemoryTokenBucket extends BaseStage {
     const capacity = this.#config.capacity;
     if (cost > capacity) return Promise.reject(tooCostly(this.kind, this.name, cost, capacity));
     const key = this.#keyed ? o.key! : UNKEYED;
+    // A cost of 0 takes nothing: admitted at once, the bucket untouched (as on Redis).
+    if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
     const now = this.clock.now();
     const b = this.#bucket(key, now);
     if (b.size === 0 && this.#take(b, cost, now)) return Promise.resolve(this.#issue(b, cost, key));
@@ -151,6 +153,7 @@ export class MemoryTokenBucket extends BaseStage {
     }
     const key = this.#keyed ? o.key : UNKEYED;
     if (key === undefined) return undefined;
+    if (cost === 0) return this.issue(0, key, undefined, "token");
     const now = this.clock.now();
     const b = this.#bucket(key, now);
     if (b.size !== 0 || !this.#take(b, cost as number, now)) return undefined;
@@ -164,6 +167,7 @@ export class MemoryTokenBucket extends BaseStage {
       const capacity = this.#config.capacity;
       if (cost > capacity) throw tooCostly(this.kind, this.name, cost, capacity);
       const key = this.#keyed ? o.key! : UNKEYED;
+      if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
       const now = this.clock.now();
       const b = this.#bucket(key, now);
       if (b.size > 0 || !this.#take(b, cost, now)) return Promise.resolve(undefined);

@@ -596,70 +596,10 @@ async function watch(
 }
 
 /**
- * The memory stage just before an admission: what the call cost, whether the stage had waiters,
- * and for a token bucket whether it was in debt, or not yet started.
+ * A cost of 0 holds nothing, alike on both backends: it is admitted at once (past callers in
+ * line, on a bucket in debt), starts no bucket, is never a bucket's latest grant, and an AIMD
+ * limiter learns nothing from its outcome. No difference is allowed for it.
  */
-interface Before {
-  cost: number;
-  waiting: number;
-  debt: boolean;
-  fresh: boolean;
-}
-
-function before(op: Op, spec: Spec, mem: Side): Before | undefined {
-  if (op.op !== "tryAdmit" && op.op !== "admit") return undefined;
-  const stage = mem.stage;
-  return {
-    cost: amount(op.cost, spec),
-    waiting: stage.snapshot().waiting,
-    debt: stage instanceof MemoryTokenBucket && stage.tokens() < 0,
-    fresh: stage instanceof MemoryTokenBucket && stage.keyCount === 0,
-  };
-}
-
-/**
- * A cost of 0 holds nothing, and the two backends do not treat it alike. None of this is in the
- * documentation; each difference is told apart from any other by what the run did, and ends the
- * comparison of the run (the two states differ from there on):
- *
- * 1. Redis admits it at once, without asking Redis. Memory lines it up behind the waiters there
- *    are (first in, first out, as any cost), and on a token bucket in debt (a settle charged more
- *    than it held) takes 0 tokens only once the debt is paid, though nobody waits.
- * 2. Memory makes it its token bucket's latest grant, which a ticket must be for a refund, or a
- *    settle below its cost, to give tokens back; on Redis it never is.
- * 3. An AIMD limiter in memory learns from its outcome (a drop cuts the limit, a success may
- *    raise it); on Redis it holds no lease, and a release without one teaches nothing.
- * 4. Memory starts a token bucket it had not started yet (it refills from then); Redis writes
- *    nothing, and the bucket starts with the first call that costs something. With
- *    `initialTokens` below `capacity`, the bucket then holds more tokens in memory.
- */
-function zeroAdmission(
-  b: Before | undefined,
-  mem: State | undefined,
-  red: State | undefined,
-): string | undefined {
-  if (b?.cost !== 0 || red?.is !== "admitted" || mem?.is === "admitted") return undefined;
-  if (b.waiting > 0) return "a cost of 0 with others waiting: Redis admits it at once, memory lines it up";
-  if (b.debt) return "a cost of 0 on a bucket in debt: Redis admits it at once, memory waits";
-  return undefined;
-}
-
-/** Difference 2 or 3 above, which the ticket call `op` on memory's `ticket` may show. */
-function zeroTicketCall(
-  op: Op,
-  spec: Spec,
-  ticket: Ticket | undefined,
-  zeroLatest: boolean,
-): string | undefined {
-  if (spec.kind === "tokenBucket" && zeroLatest && (op.op === "refund" || op.op === "settle")) {
-    return "a ticket of cost 0 is memory's latest grant of the bucket, not Redis's";
-  }
-  if (op.op !== "release" || ticket?.cost !== 0) return undefined;
-  if (spec.kind === "aimd" && (op.outcome === "success" || op.outcome === "dropped")) {
-    return "an AIMD ticket of cost 0 released with an outcome: memory learns from it, Redis does not";
-  }
-  return undefined;
-}
 
 /** Indices of calls admitted on the memory side, which ticket calls pick from. */
 function admittedCalls(side: Side): number[] {
@@ -685,22 +625,12 @@ async function runBoth(run: Run, client: Redis, subscriber: Redis): Promise<void
     forgotBefore: 0,
   };
   const trace: string[] = [];
-  const befores: (Before | undefined)[] = [];
-  /** Calls seen admitted on memory, and whether the latest of them cost 0. */
-  const admitted = new Set<number>();
-  let zeroLatest = false;
-  const initial = (run.spec.options.initialTokens as number | undefined) ?? run.spec.maxCost;
   try {
     for (const [i, op] of run.ops.entries()) {
       const pickable = admittedCalls(mem);
       await watch(w, mem, red, run.spec, client, prefix);
-      const b = before(op, run.spec, mem);
-      if (b) befores[mem.calls.length] = b;
       if (!w.parted && pickable.length > 0 && "pick" in op) {
         const n = pickable[op.pick % pickable.length]!;
-        const picked = mem.calls[n];
-        const ticket = picked?.is === "admitted" ? picked.ticket : undefined;
-        w.parted = zeroTicketCall(op, run.spec, ticket, zeroLatest);
         if (n < w.forgotBefore && (op.op === "refund" || op.op === "settle")) {
           w.parted ??= "memory forgot the bucket, and which grant was its latest";
         }
@@ -714,15 +644,6 @@ async function runBoth(run: Run, client: Redis, subscriber: Redis): Promise<void
         w.parted ??= "Redis may expire a key in real time";
       for (const side of sides) await apply(side, op, i, run.spec, pickable);
       await watch(w, mem, red, run.spec, client, prefix);
-      for (const [n, s] of mem.calls.entries()) {
-        if (s.is !== "admitted" || admitted.has(n)) continue;
-        admitted.add(n);
-        const b = befores[n];
-        zeroLatest = b?.cost === 0;
-        if (b?.cost === 0 && b.fresh && initial < run.spec.maxCost) {
-          w.parted ??= "a cost of 0 started the bucket in memory, not on Redis";
-        }
-      }
       const where = `step ${i} ${JSON.stringify(op)}`;
       const states = (side: Side) => [...side.calls.map(told), told(side.done.get(i))].join(", ");
       trace.push(
@@ -742,11 +663,7 @@ async function runBoth(run: Run, client: Redis, subscriber: Redis): Promise<void
         }
       }
       await expectExpiries(client, prefix, context(), false);
-      // From the step where the backends may part (see Watch and zeroAdmission), they may differ.
-      if (w.parted) continue;
-      for (const [n, s] of mem.calls.entries()) {
-        if (told(s) !== told(red.calls[n])) w.parted ??= zeroAdmission(befores[n], s, red.calls[n]);
-      }
+      // From the step where the backends may part (see Watch), they may differ.
       if (w.parted) continue;
       expect(red.calls.map(told), context()).toEqual(mem.calls.map(told));
       expect(told(red.done.get(i)), context()).toBe(told(mem.done.get(i)));
