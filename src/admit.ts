@@ -60,28 +60,6 @@ export function meant(field: string, known: Iterable<string>): string | undefine
   return undefined;
 }
 
-/** Refuse any own field of `options` that `entry` does not take, naming it. */
-function unknownField(kind: StageKind, name: string, options: object, entry: Entry): void {
-  for (const field in options) {
-    // The hot path: a known field, compared without a lookup.
-    switch (field) {
-      case "key":
-      case "host":
-      case "cost":
-      case "costs":
-        continue;
-      case "signal":
-      case "timeoutMs":
-        if (entry !== "tryAdmit") continue;
-        break;
-      case "classify":
-        if (entry === "run") continue;
-        break;
-    }
-    refuseField(kind, name, options, entry, field);
-  }
-}
-
 /** `field` is not one `entry` takes: refuse it, unless it is another entry's and not given. */
 function refuseField(kind: StageKind, name: string, options: object, entry: Entry, field: string): void {
   const allowed = ALLOWED[entry];
@@ -181,16 +159,29 @@ export function admitOptions(
   let classify: unknown;
   try {
     ({ key, host, cost, costs, signal, timeoutMs, classify } = options as Record<string, unknown>);
-  } catch {
+    for (const field in options) {
+      // The hot path: a known field, compared without a lookup.
+      switch (field) {
+        case "key":
+        case "host":
+        case "cost":
+        case "costs":
+          continue;
+        case "signal":
+        case "timeoutMs":
+          if (entry !== "tryAdmit") continue;
+          break;
+        case "classify":
+          if (entry === "run") continue;
+          break;
+      }
+      refuseField(kind, name, options, entry, field);
+    }
+  } catch (error) {
+    if (error instanceof InvalidOptionsError) throw error;
     // A getter or Proxy trap threw: read field by field to name the one.
     for (const field of FIELDS) read(kind, name, options, field);
     throw new InvalidOptionsError(name, "options", `${kind} "${name}": options could not be read`);
-  }
-  try {
-    unknownField(kind, name, options, entry);
-  } catch (error) {
-    if (error instanceof InvalidOptionsError) throw error;
-    throw unreadable(`${kind} "${name}"`, name, "options", error);
   }
   if (key !== undefined && !(typeof key === "string" && key.length > 0)) {
     fail(kind, name, "key", "must be a non-empty string", key);

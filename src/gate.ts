@@ -290,12 +290,15 @@ export class Gate implements Stage {
     this.#syncPrefix = sync;
     this.#names = namesOf(this.stages);
     this.#bounded = this.stages.filter((s) => typeof s.maxCost === "number");
+    this.#leastMaxCost = Math.min(...this.#bounded.map((s) => s.maxCost!));
     const misplaced = stageOrderWarning(this.stages);
     if (misplaced) warnOrder(o.logger === undefined ? undefined : this.#log, this.name, misplaced);
   }
 
   /** Stages with a largest cost: a call costing more at one of them is refused before any is taken. */
   readonly #bounded: readonly Stage[];
+  /** The smallest of their largest costs (Infinity when none has one). */
+  readonly #leastMaxCost: number;
 
   /** Every stage name in the gate (and in gates in it), and whether any is keyed by `key`. */
   readonly #names: { all: Set<string>; keyed: boolean };
@@ -338,11 +341,8 @@ export class Gate implements Stage {
         }
       }
     }
-    for (let i = 0; i < this.#bounded.length; i++) {
-      const stage = this.#bounded[i]!;
-      const cost = costAt(stage, o) ?? 1;
-      if (cost > stage.maxCost!) throw tooCostly(stage.kind, stage.name, cost, stage.maxCost!);
-    }
+    // A cost no larger than every stage's largest fits them all: only costs above it are looked at.
+    if (o.costs !== undefined || (o.cost !== undefined && o.cost > this.#leastMaxCost)) this.#fits(o);
     if (o.key !== undefined && !this.#names.keyed) {
       throw new InvalidOptionsError(
         this.name,
@@ -352,6 +352,15 @@ export class Gate implements Stage {
     }
     if (this.#closed) throw new ClosedError(this.name);
     return o;
+  }
+
+  /** Refuse a cost that one of the stages could never admit, before any stage is taken. */
+  #fits(o: AdmitOptions): void {
+    for (let i = 0; i < this.#bounded.length; i++) {
+      const stage = this.#bounded[i]!;
+      const cost = costAt(stage, o) ?? 1;
+      if (cost > stage.maxCost!) throw tooCostly(stage.kind, stage.name, cost, stage.maxCost!);
+    }
   }
 
   #stageOptions(stage: Stage, o: AdmitOptions, deadline: number): AdmitOptions {

@@ -175,7 +175,8 @@ export interface Stage extends AsyncDisposable {
   /**
    * The largest cost one call can ever be admitted with (a bucket's capacity, a semaphore's
    * limit, a queue's maxSize, an AIMD limiter's min), when the stage has one. A `Gate` refuses a
-   * larger cost at any of its stages before it takes any of them.
+   * larger cost at any of its stages before it takes any of them (reading it when the Gate is
+   * built: it does not change for the stages floodgate builds).
    */
   readonly maxCost?: number | undefined;
   /** Wait for admission. See `AdmitOptions` for cancellation and timeouts. */
