@@ -1,6 +1,7 @@
 import { type AimdConfig, type AimdState, aimdStep } from "../algorithms/aimd.js";
 import { BaseTicket } from "../base/stage.js";
 import type { Clock } from "../clock.js";
+import { DEFAULTS } from "../defaults.js";
 import type { AimdOptions } from "../options.js";
 import type { Outcome, Snapshot, StageKind } from "../types.js";
 import { aimdSchema, parseOptions } from "../validate.js";
@@ -25,7 +26,11 @@ export class MemoryAimd extends PermitStage {
   constructor(name: string, options: AimdOptions, clock: Clock) {
     const o = parseOptions(aimdSchema, "aimd", name, options);
     super(name, o.initial, clock);
-    this.#config = { min: o.min ?? 1, max: o.max, backoffRatio: o.backoffRatio ?? 0.9 };
+    this.#config = {
+      min: o.min ?? DEFAULTS.aimd.min,
+      max: o.max,
+      backoffRatio: o.backoffRatio ?? DEFAULTS.aimd.backoffRatio,
+    };
     this.#slowCallMs = o.slowCallMs ?? Number.POSITIVE_INFINITY;
     this.#state = { limit: o.initial, epoch: 0 };
     this.stampsTickets = this.#slowCallMs !== Number.POSITIVE_INFINITY;

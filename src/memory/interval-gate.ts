@@ -4,6 +4,7 @@ import { KeyedStates } from "../base/keyed.js";
 import { BaseStage, BaseTicket } from "../base/stage.js";
 import { WaitList } from "../base/wait-list.js";
 import type { Clock, ClockTimer } from "../clock.js";
+import { DEFAULTS } from "../defaults.js";
 import type { IntervalGateOptions } from "../options.js";
 import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket, TryAdmitOptions } from "../types.js";
 import { intervalGateSchema, parseOptions } from "../validate.js";
@@ -53,7 +54,7 @@ export class MemoryIntervalGate extends BaseStage {
     super(name, clock);
     const o = parseOptions(intervalGateSchema, "intervalGate", name, options);
     this.#minIntervalMs = o.minIntervalMs;
-    this.#jitterMs = o.jitterMs ?? 0;
+    this.#jitterMs = o.jitterMs ?? DEFAULTS.intervalGate.jitterMs;
     this.#random = o.random ?? random;
     this.#defaultHost = o.defaultHost;
     const sweepMs = Math.min(Math.max(1000, Math.ceil(this.#minIntervalMs + this.#jitterMs)), 600_000);

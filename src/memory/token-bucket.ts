@@ -11,6 +11,7 @@ import { KeyedStates } from "../base/keyed.js";
 import { BaseStage, type BaseTicket } from "../base/stage.js";
 import { WaitList } from "../base/wait-list.js";
 import type { Clock, ClockTimer } from "../clock.js";
+import { DEFAULTS } from "../defaults.js";
 import type { TokenBucketOptions } from "../options.js";
 import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket, TryAdmitOptions } from "../types.js";
 import { parseOptions, tokenBucketSchema } from "../validate.js";
@@ -50,11 +51,11 @@ export class MemoryTokenBucket extends BaseStage {
     this.#config = {
       capacity: o.capacity,
       refillPerSecond: o.refillPerSecond,
-      recoveryMs: o.penalty?.recoveryMs ?? 30_000,
+      recoveryMs: o.penalty?.recoveryMs ?? DEFAULTS.tokenBucket.penalty.recoveryMs,
     };
     this.#initial = o.initialTokens ?? o.capacity;
-    this.#penaltyFactor = o.penalty ? (o.penalty.factor ?? 0.5) : undefined;
-    this.#minFactor = o.penalty?.minFactor ?? 0.1;
+    this.#penaltyFactor = o.penalty ? (o.penalty.factor ?? DEFAULTS.tokenBucket.penalty.factor) : undefined;
+    this.#minFactor = o.penalty?.minFactor ?? DEFAULTS.tokenBucket.penalty.minFactor;
     this.#keyed = o.keyed ?? false;
     const fillMs = Math.ceil((o.capacity * 1000) / o.refillPerSecond);
     this.#keys = new KeyedStates(clock, Math.min(Math.max(1000, fillMs), 600_000), (b, now) =>

@@ -1,3 +1,4 @@
+import { DEFAULTS } from "../defaults.js";
 import type { AimdOptions } from "../options.js";
 import type { Outcome, StageKind } from "../types.js";
 import { aimdSchema, parseOptions } from "../validate.js";
@@ -17,14 +18,14 @@ export class RedisAimd extends RedisPermitStage {
 
   constructor(name: string, options: AimdOptions, ctx: RedisContext) {
     const o = parseOptions(aimdSchema, "aimd", name, options);
-    const min = o.min ?? 1;
+    const min = o.min ?? DEFAULTS.aimd.min;
     super(
       name,
       {
         limit: undefined,
         initial: o.initial,
         maxCost: min,
-        leaseMs: o.leaseMs ?? 30_000,
+        leaseMs: o.leaseMs ?? DEFAULTS.aimd.leaseMs,
         whenFull: "block",
         logger: o.logger,
       },
@@ -32,7 +33,7 @@ export class RedisAimd extends RedisPermitStage {
     );
     this.#min = min;
     this.#max = o.max;
-    this.#ratio = o.backoffRatio ?? 0.9;
+    this.#ratio = o.backoffRatio ?? DEFAULTS.aimd.backoffRatio;
     this.#slowCallMs = o.slowCallMs ?? Number.POSITIVE_INFINITY;
     this.stampsTickets = this.#slowCallMs !== Number.POSITIVE_INFINITY;
     this.init(o.logger ?? ctx.logger);

@@ -2,6 +2,7 @@ import { type Entry, gateHost, LONGEST_MS, pauseError } from "../admit.js";
 import { spacingMs } from "../algorithms/interval.js";
 import { BaseTicket } from "../base/stage.js";
 import type { Waiter } from "../base/wait-list.js";
+import { DEFAULTS } from "../defaults.js";
 import { draw } from "../memory/interval-gate.js";
 import type { IntervalGateOptions } from "../options.js";
 import type { AdmitOptions, Outcome, StageKind, Ticket, TryAdmitOptions } from "../types.js";
@@ -43,7 +44,7 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
     this.#link = ctx.link;
     this.#prefix = ctx.prefix;
     this.#minIntervalMs = o.minIntervalMs;
-    this.#jitterMs = o.jitterMs ?? 0;
+    this.#jitterMs = o.jitterMs ?? DEFAULTS.intervalGate.jitterMs;
     this.#random = o.random ?? ctx.random;
     this.#defaultHost = o.defaultHost;
     this.init(o.logger ?? ctx.logger);
