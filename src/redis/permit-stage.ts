@@ -1,0 +1,548 @@
+/**
+ * The Redis permit stage: the acquire, grant and release protocol that the semaphore, the bounded
+ * queue and the AIMD limiter share. Over 350 lines because its parts (the waiter line, the grant
+ * messages, the lease hand-over) share one line and one lease keeper and are read together; the
+ * lease renewal lives in lease.ts, the connection in link.ts, the batching in batch.ts.
+ */
+import { randomBytes } from "node:crypto";
+import { tooCostly } from "../admit.js";
+import { BaseStage, type BaseTicket, type WaitFor } from "../base/stage.js";
+import { Waiter, WaitList } from "../base/wait-list.js";
+import { type ClockTimer, unrefTimer } from "../clock.js";
+import { isFloodgateError, LeaseLostError, ShedError } from "../errors.js";
+import type { AdmitOptions, Logger, Outcome, Snapshot, Ticket, TryAdmitOptions } from "../types.js";
+import { ScriptBatch } from "./batch.js";
+import type { RedisContext } from "./context.js";
+import { stageKey } from "./keys.js";
+import { LeaseKeeper, LeaseTicket } from "./lease.js";
+import { maybeSent, type RedisLink } from "./link.js";
+
+/**
+ * A grant message whose grant ends sooner than this (as judged here) is not taken on its word:
+ * the waiter claims it in Redis first, so no ticket goes out whose first renewal could not land.
+ */
+const CLAIM_MARGIN_MS = 50;
+
+/** A waiter with the id it is queued under in Redis. */
+class RedisWaiter extends Waiter {
+  id = "";
+  busy = false;
+  again = false;
+  /** Has asked Redis before, so a release may have granted it already. */
+  asked = false;
+  /** Granted (by its own acquire or on someone's release). */
+  granted = false;
+  retry: ClockTimer | undefined = undefined;
+}
+
+/** Reply of `semaphore-acquire`. */
+type AcquireReply = [
+  granted: number,
+  fenceOrWaitMs: number,
+  used: number,
+  limit: number,
+  epoch: number,
+  grants: string[],
+  quarantineMs: number,
+  now: number,
+];
+
+/** Settings that make a permit stage a semaphore, a bounded queue or an AIMD limiter. */
+export interface PermitSettings {
+  /** Fixed limit, or undefined for the adaptive limit kept in Redis. */
+  limit: number | undefined;
+  initial: number;
+  maxCost: number;
+  leaseMs: number;
+  /** A full house: wait in line, or refuse at once. */
+  whenFull: "block" | "shed";
+  logger: Logger | undefined;
+}
+
+/**
+ * Permits shared through Redis by every process that names the same stage. Leases live in a
+ * sorted set scored by expiry and are reaped inside the acquire script, so a dead holder's
+ * permits come back by themselves; a running holder renews its lease before it ends (see
+ * `LeaseKeeper`).
+ * Waiters line up in Redis in arrival order across processes. A release grants the freed permits
+ * to the head of the line in its own script and tells each waiter's process through pub/sub (or
+ * in its reply, for waiters of the releasing process); a timer at the nearest lease expiry covers
+ * crashed holders, and a slow jittered poll covers a lost message (its acquire claims the grant).
+ * A grant is judged by its end in the server's time before it becomes a ticket, and a ticket by
+ * its lease's end on this process's clock whenever its signal is read, so a process that was
+ * frozen never acts on a grant or a lease that ran out meanwhile. Waiters stay in line only while
+ * their process gives a sign of life (`livenessMs`) and can be heard (someone listens on its
+ * grant channel); a grant not claimed within `claimMs` comes back.
+ */
+export abstract class RedisPermitStage extends BaseStage {
+  override readonly backend = "redis";
+  protected readonly waiters = new WaitList();
+  protected readonly waitFor: WaitFor = "permit";
+  protected readonly link: RedisLink;
+  protected readonly settings: PermitSettings;
+  protected readonly keys: readonly string[];
+  /** Base of the grant channels: a grant goes to `${channel}:${token}` of its waiter's process. */
+  protected readonly channel: string;
+  /**
+   * Names this stage's members and its grant channel: random, so members never collide across
+   * processes, and grants reach only the process whose waiter they are for.
+   */
+  readonly #token = randomBytes(8).toString("hex");
+  #members = 0;
+  protected limit: number;
+  readonly #ctx: RedisContext;
+  readonly #waits = this.#acquireBatch("wait");
+  readonly #tries = this.#acquireBatch("try");
+  readonly #byId = new Map<string, RedisWaiter>();
+  #subscribed: Promise<void> | undefined;
+  /** Highest fencing token seen: a sequence below it in Redis means Redis lost its data. */
+  #lastFence = 0;
+  #quarantined = false;
+  #listening = false;
+  /** Renews this stage's leases and gives its process's sign of life. */
+  readonly #leases: LeaseKeeper;
+
+  /** Longest a grant made to a waiter on someone's release stays unclaimed: never past a lease. */
+  protected readonly claimMs: number;
+
+  /**
+   * The largest cost one call can ever be admitted with: a larger one is refused at once with
+   * `InvalidOptionsError`, and a Gate refuses it before it takes any stage.
+   */
+  get maxCost(): number {
+    return this.settings.maxCost;
+  }
+
+  constructor(name: string, settings: PermitSettings, ctx: RedisContext) {
+    super(name, ctx.clock);
+    this.claimMs = Math.min(ctx.claimMs, settings.leaseMs);
+    this.#ctx = ctx;
+    this.link = ctx.link;
+    this.settings = settings;
+    this.limit = settings.limit ?? settings.initial;
+    const key = (part: string) => stageKey(ctx.prefix, name, part);
+    this.keys = [key("holders"), key("queue"), key("qexp"), key("meta"), key("procs")];
+    this.channel = key("wake");
+    this.#leases = new LeaseKeeper({
+      stage: name,
+      link: ctx.link,
+      clock: ctx.clock,
+      log: () => this.log,
+      keys: [this.keys[0]!, this.keys[4]!],
+      leaseMs: settings.leaseMs,
+      token: this.#token,
+      livenessMs: ctx.livenessMs,
+      waiting: () => this.waiters.size > 0 && !this.closed,
+      lost: (t, cause) => this.#lost(t, cause),
+    });
+  }
+
+  /**
+   * A lease or waiter member, `<token>-<n>:<cost>`: unique, naming the process's grant channel,
+   * and carrying its cost so no side table is needed.
+   */
+  #memberId(cost: number): string {
+    return `${this.#token}-${++this.#members}:${cost}`;
+  }
+
+  /** ARGV[4] of acquire: the fixed limit, or "" for the one kept in Redis. */
+  #limitArg(): string | number {
+    return this.settings.limit ?? "";
+  }
+
+  protected override newWaiter(cost: number, key: string, now: number): Waiter {
+    return new RedisWaiter(this, cost, key, now);
+  }
+
+  protected override newTicket(cost: number, key: string, now: number): BaseTicket {
+    return new LeaseTicket(this, cost, key, now);
+  }
+
+  /**
+   * The ticket's signal. Read after the lease has ended on this process's clock (the process was
+   * frozen, its renewals did not get through), it is already aborted with `LeaseLostError`, so
+   * `fetch(url, { signal: ticket.signal })` never sends a call on a lease that ran out.
+   */
+  override ticketSignal(ticket: BaseTicket): AbortSignal {
+    const t = ticket as LeaseTicket;
+    if (!t.controller) {
+      t.controller = new AbortController();
+      if (this.closed) t.controller.abort(this.closedSignal.reason);
+    }
+    if (this.#leases.ended(t)) this.#lost(t);
+    return t.controller.signal;
+  }
+
+  #acquire(id: string, mode: "wait" | "try", again: boolean): Promise<AcquireReply> {
+    return (mode === "wait" ? this.#waits : this.#tries).run(id, again ? "1" : "");
+  }
+
+  /** Acquires of one mode; a crowd of callers goes in one script call per turn. */
+  #acquireBatch(mode: "wait" | "try"): ScriptBatch {
+    return new ScriptBatch((pairs) => {
+      const args: (string | number)[] = [
+        this.link.now(),
+        pairs[0]!,
+        this.#limitArg(),
+        this.settings.leaseMs,
+        mode,
+        this.#ctx.pollMs * 3,
+        this.channel,
+        this.settings.limit === undefined ? this.settings.initial : "",
+        this.#lastFence,
+        pairs[1]!,
+        this.#ctx.livenessMs,
+        this.link.listeners,
+        this.claimMs,
+      ];
+      for (let i = 2; i < pairs.length; i++) args.push(pairs[i]!);
+      return this.link.run(this.name, "semaphore-acquire", this.keys, args);
+    });
+  }
+
+  /** Releases of leases; a crowd of them goes in one script call per turn. */
+  readonly #releases = new ScriptBatch((pairs) => {
+    const args: (string | number)[] = [
+      this.link.now(),
+      pairs[0]!,
+      this.#limitArg(),
+      this.channel,
+      pairs[1]!,
+      this.claimMs,
+      this.link.listeners,
+    ];
+    for (let i = 2; i < pairs.length; i++) args.push(pairs[i]!);
+    return this.link.run(this.name, "semaphore-release", this.keys, args);
+  });
+
+  /**
+   * Note what the reply of an acquire sent at `sentAt` says about the stage: its limit, the
+   * newest fence, a quarantine, and the server's time.
+   */
+  #saw(reply: AcquireReply, sentAt: number): void {
+    this.link.sawServerTime(Number(reply[7]), sentAt);
+    this.limit = Number(reply[3]);
+    const quarantineMs = Number(reply[6] ?? 0);
+    if (quarantineMs > 0 && !this.#quarantined) {
+      this.log.warn({ quarantineMs }, "Redis lost this stage's data; no grants until held leases have ended");
+    }
+    this.#quarantined = quarantineMs > 0;
+    if (Number(reply[0]) === 1) this.#lastFence = Math.max(this.#lastFence, Number(reply[1]));
+  }
+
+  /** Give back lease or waiter `id` in the background (a lost reply, an abandoned wait). */
+  #forget(id: string, waitedMs = 0): void {
+    const sentAt = this.clock.now();
+    this.link
+      .run(this.name, "semaphore-release", this.keys, [
+        this.link.now(),
+        id,
+        this.#limitArg(),
+        this.channel,
+        "any",
+        this.claimMs,
+        this.link.listeners,
+      ])
+      .then(
+        (reply) => this.granted(reply[3], sentAt),
+        (error) => {
+          // Redis is away (a dropped connection, a pause): ask again shortly, for as long as the
+          // lease could still be held, so a lost reply does not keep a permit for a whole lease.
+          const delay = Math.min(this.#ctx.pollMs, 25 * 2 ** Math.min(6, Math.floor(waitedMs / 100)));
+          if (isFloodgateError(error, "BACKEND_UNAVAILABLE") && waitedMs + delay < this.settings.leaseMs) {
+            unrefTimer(this.clock.setTimeout(() => this.#forget(id, waitedMs + delay), delay));
+          } else {
+            this.log.warn({ err: error, id }, "could not give back an abandoned lease; it expires");
+          }
+        },
+      );
+  }
+
+  /**
+   * A script granted permits to the waiters at the head of the line. Those waiting in this
+   * process take them now rather than when the pub/sub message arrives (which then finds
+   * nothing to do).
+   */
+  protected granted(grants: unknown, sentAt: number): void {
+    if (!Array.isArray(grants)) return;
+    for (const message of grants) this.#onGrant(message, sentAt);
+  }
+
+  /**
+   * A grant announced as "<member>|<fence>|<epoch>|<ends>|<at>" (server ms). It ends here at
+   * `ends` less the most the server's clock can be ahead of this process's: `at` less `sentAt`
+   * for a grant in the reply of a call sent at `sentAt`, the link's latest such figure for a
+   * pub/sub message (`sentAt` undefined). A grant that has ended by then (this process was
+   * frozen, or the message came late) gives no ticket; one that ends too soon to be renewed in
+   * time is claimed in Redis first. A member not waiting here (another process's, or one that
+   * left: its give-back frees the grant) is ignored.
+   */
+  #onGrant(message: unknown, sentAt: number | undefined): void {
+    if (typeof message !== "string") return;
+    const bar = message.indexOf("|");
+    const w = bar < 0 ? undefined : this.#byId.get(message.slice(0, bar));
+    if (!w?.list) return;
+    const [, fence, epoch, ends, at] = message.split("|");
+    const ahead = sentAt === undefined ? this.link.serverAhead : Number(at) - sentAt;
+    const validUntil = ahead === undefined ? Number.NaN : Number(ends) - ahead;
+    if (!(validUntil - this.clock.now() >= CLAIM_MARGIN_MS)) {
+      // Ask Redis: it claims the grant if it still stands, or says the member is gone.
+      this.#attempt(w);
+      return;
+    }
+    this.#byId.delete(w.id);
+    this.#clearRetry(w);
+    w.granted = true;
+    this.#lastFence = Math.max(this.#lastFence, Number(fence));
+    this.#lease(this.grant(w, this.waitFor), Number(fence), Number(epoch), w.id, validUntil);
+  }
+
+  #lease(ticket: BaseTicket, fence: number, epoch: number, id: string, validUntil: number): Ticket {
+    const t = ticket as LeaseTicket;
+    t.leaseId = id;
+    t.fence = fence;
+    t.epoch = epoch;
+    this.#leases.keep(t, validUntil);
+    // A waiter that got its ticket may have been the last: no sign of life is needed then.
+    this.#leases.quiet();
+    return t;
+  }
+
+  admit(options?: AdmitOptions): Promise<Ticket> {
+    let o: AdmitOptions;
+    try {
+      o = this.check(options, "admit");
+    } catch (error) {
+      return Promise.reject(error);
+    }
+    const cost = o.cost ?? 1;
+    if (cost > this.settings.maxCost) {
+      return Promise.reject(tooCostly(this.kind, this.name, cost, this.settings.maxCost));
+    }
+    if (o.signal?.aborted) return Promise.reject(o.signal.reason);
+    if (cost === 0) return Promise.resolve(this.issue(0, "", undefined, this.waitFor));
+    if (this.settings.whenFull === "shed" || o.timeoutMs === 0) return this.#once(cost, o);
+    const promise = this.wait(this.waiters, cost, "", o);
+    const w = this.waiters.tail as RedisWaiter;
+    w.id = this.#memberId(cost);
+    this.#byId.set(w.id, w);
+    this.#attempt(w);
+    return promise;
+  }
+
+  /** One try, no queueing: a shed, or `timeoutMs: 0`. */
+  async #once(cost: number, o: AdmitOptions): Promise<Ticket> {
+    const ticket = await this.#tryOnce(cost);
+    if (ticket) return ticket;
+    if (this.settings.whenFull === "shed") {
+      this.shed++;
+      this.log.warn({ maxSize: this.limit }, "queue full, shed");
+      throw new ShedError(this.name, `${this.kind} "${this.name}": full (maxSize ${this.limit}), job shed`);
+    }
+    this.timedOut++;
+    this.log.warn({ timeoutMs: o.timeoutMs }, "admission timed out");
+    throw this.timeoutError(0);
+  }
+
+  async #tryOnce(cost: number): Promise<Ticket | undefined> {
+    const id = this.#memberId(cost);
+    let reply: AcquireReply;
+    const sentAt = this.clock.now();
+    try {
+      reply = await this.#acquire(id, "try", false);
+    } catch (error) {
+      if (isFloodgateError(error, "BACKEND_UNAVAILABLE") && maybeSent(error)) this.#forget(id);
+      throw error;
+    }
+    this.#saw(reply, sentAt);
+    this.granted(reply[5], sentAt);
+    if (Number(reply[0]) !== 1) return undefined;
+    if (this.closed) {
+      this.#forget(id);
+      throw this.closedSignal.reason;
+    }
+    const ticket = this.issue(cost, "", undefined, this.waitFor);
+    return this.#lease(ticket, Number(reply[1]), Number(reply[4]), id, sentAt + this.settings.leaseMs);
+  }
+
+  tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
+    try {
+      const o = this.check(options, "tryAdmit");
+      const cost = o.cost ?? 1;
+      if (cost > this.settings.maxCost) throw tooCostly(this.kind, this.name, cost, this.settings.maxCost);
+      if (cost === 0) return Promise.resolve(this.issue(0, "", undefined, this.waitFor));
+      return this.#tryOnce(cost);
+    } catch (error) {
+      return Promise.reject(error);
+    }
+  }
+
+  /** Ask Redis for `w`'s permits; on refusal, sleep until woken, the nearest expiry, or the poll. */
+  #attempt(w: RedisWaiter): void {
+    if (w.busy) {
+      w.again = true;
+      return;
+    }
+    w.busy = true;
+    w.again = false;
+    this.#clearRetry(w);
+    const again = w.asked;
+    w.asked = true;
+    const id = w.id;
+    const sentAt = this.clock.now();
+    this.#acquire(id, "wait", again).then(
+      (reply) => {
+        w.busy = false;
+        this.#saw(reply, sentAt);
+        const granted = Number(reply[0]);
+        if (!w.list) {
+          // Aborted, timed out or closed while the call was out: give back the lease it got, or
+          // its place in line (else it would hold up everyone behind it until it expires). A
+          // waiter granted on a release meanwhile keeps its ticket; this reply only renewed it.
+          if (!w.granted) this.#forget(id);
+          this.granted(reply[5], sentAt);
+          return;
+        }
+        if (granted === 1) {
+          this.#byId.delete(id);
+          w.granted = true;
+          const ticket = this.grant(w, this.waitFor);
+          this.#lease(ticket, Number(reply[1]), Number(reply[4]), id, sentAt + this.settings.leaseMs);
+          this.granted(reply[5], sentAt);
+          return;
+        }
+        this.granted(reply[5], sentAt);
+        if (!w.list || w.busy) return;
+        if (granted === -1) {
+          // Its grant ended unclaimed, or it left the line while this process was silent: it
+          // lines up again as a new member, so no member is ever granted twice.
+          this.#byId.delete(id);
+          w.id = this.#memberId(w.cost);
+          this.#byId.set(w.id, w);
+          w.asked = false;
+          return this.#attempt(w);
+        }
+        // In line in Redis (the acquire gave a sign of life): from now on the process must keep
+        // giving them.
+        this.#leases.keepAlive(sentAt);
+        if (w.again) return this.#attempt(w);
+        if (!this.#listening) {
+          this.#listen().then(
+            () => w.list && this.#attempt(w),
+            () => this.#sleep(w, Number(reply[1])),
+          );
+          return;
+        }
+        this.#sleep(w, Number(reply[1]));
+      },
+      (error: unknown) => {
+        w.busy = false;
+        this.#byId.delete(id);
+        // The acquire may still run once Redis answers: give back whatever it would take.
+        if (maybeSent(error)) this.#forget(id);
+        if (!w.list) return;
+        this.log.warn({ err: error }, "Redis unavailable; admission failed closed");
+        this.failWaiter(w, error);
+        this.#leases.quiet();
+      },
+    );
+  }
+
+  #listen(): Promise<void> {
+    this.#subscribed ??= this.link
+      .listen(`${this.channel}:${this.#token}`, (message) => this.#onGrant(message, undefined))
+      .then(
+        () => {
+          this.#listening = true;
+        },
+        (error: unknown) => {
+          this.#subscribed = undefined;
+          this.log.warn({ err: error }, "could not subscribe for wake-ups; waiters poll");
+          throw error;
+        },
+      );
+    return this.#subscribed;
+  }
+
+  /** Sleep until the nearest lease expiry (a crashed holder) or a jittered poll, whichever is first. */
+  #sleep(w: RedisWaiter, expiryMs: number): void {
+    const poll = this.#ctx.pollMs * (0.5 + this.#ctx.random());
+    const ms = expiryMs >= 0 ? Math.min(expiryMs + 1, poll) : poll;
+    w.retry = this.clock.setTimeout(() => {
+      w.retry = undefined;
+      if (w.list) this.#attempt(w);
+    }, ms);
+  }
+
+  #clearRetry(w: RedisWaiter): void {
+    if (w.retry !== undefined) {
+      this.clock.clearTimeout(w.retry);
+      w.retry = undefined;
+    }
+  }
+
+  protected afterWaiterGone(_list: WaitList, waiter: Waiter): void {
+    const w = waiter as RedisWaiter;
+    this.#clearRetry(w);
+    this.#byId.delete(w.id);
+    // An acquire still out will see the waiter gone and give back what it got.
+    if (!w.busy) this.#forget(w.id);
+    this.#leases.quiet();
+  }
+
+  protected lists(): Iterable<WaitList> {
+    return [this.waiters];
+  }
+
+  /** The ticket's lease ran out before its release: abort its signal, once, and count it. */
+  #lost(t: LeaseTicket, cause?: unknown): void {
+    if (t.lost) return;
+    t.lost = true;
+    this.leasesLost++;
+    this.log.warn({ lease: t.leaseId, fence: t.fence }, "lease lost");
+    this.ticketSignal(t);
+    t.controller!.abort(
+      new LeaseLostError(
+        this.name,
+        `${this.kind} "${this.name}": lease ${t.leaseId} ran out before release`,
+        { cause },
+      ),
+    );
+  }
+
+  releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): Promise<void> | undefined {
+    const t = ticket as LeaseTicket;
+    this.#leases.drop(t);
+    if (t.cost === 0 || t.leaseId === "") return undefined;
+    return this.giveBack(t, outcome, refund).then(
+      (released) => {
+        if (!released && !refund) this.log.warn({ lease: t.leaseId }, "lease had run out before release");
+      },
+      (error: unknown) => {
+        this.log.warn({ err: error, lease: t.leaseId }, "release failed; trying again while the lease lasts");
+        if (isFloodgateError(error, "BACKEND_UNAVAILABLE")) this.#forget(t.leaseId);
+      },
+    );
+  }
+
+  /** Run the release script; resolves true when the lease was still held. */
+  protected async giveBack(t: LeaseTicket, _outcome: Outcome, _refund: boolean): Promise<boolean> {
+    const sentAt = this.clock.now();
+    const reply = await this.#releases.run(t.leaseId, "lease");
+    this.granted(reply[3], sentAt);
+    return Number(reply[0]) === 1;
+  }
+
+  protected override onClose(): void {
+    this.#leases.quiet();
+    for (const w of this.#byId.values()) {
+      this.#clearRetry(w);
+      this.#forget(w.id);
+    }
+    this.#byId.clear();
+  }
+
+  snapshot(): Snapshot {
+    return this.baseSnapshot(this.limit);
+  }
+}
