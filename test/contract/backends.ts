@@ -121,12 +121,41 @@ function redisClusterBackend(): ContractBackend {
   };
 }
 
-export const backends: ContractBackend[] = [
+/** Every backend the contract suites know, by the names `FLOODGATE_BACKENDS` takes. */
+export const allBackends: readonly ContractBackend[] = [
   { name: "memory", make: (clock, random) => memory({ clock, ...(random ? { random } : {}) }) },
   redisBackend("redis", testClient),
   redisBackend("redis-ioredis6", ioredis6),
   redisClusterBackend(),
 ];
+
+/**
+ * The backends named in `selection` (a comma-separated list, as `FLOODGATE_BACKENDS` holds), in
+ * the order of `all`; every one when `selection` is unset or blank. An unknown name throws, so a
+ * typo never runs fewer suites in silence. A Redis backend selected still needs Redis: without
+ * one its suites fail, never skip.
+ */
+export function selectBackends(
+  all: readonly ContractBackend[],
+  selection: string | undefined,
+): ContractBackend[] {
+  const names = (selection ?? "")
+    .split(",")
+    .map((name) => name.trim())
+    .filter((name) => name.length > 0);
+  if (names.length === 0) return [...all];
+  const known = all.map((b) => b.name);
+  const unknown = names.filter((name) => !known.includes(name));
+  if (unknown.length > 0) {
+    throw new Error(
+      `FLOODGATE_BACKENDS names ${unknown.map((n) => `"${n}"`).join(", ")}, which is no contract backend (they are: ${known.join(", ")})`,
+    );
+  }
+  return all.filter((b) => names.includes(b.name));
+}
+
+/** The backends every contract suite runs against: `FLOODGATE_BACKENDS` when set, else all. */
+export const backends: ContractBackend[] = selectBackends(allBackends, process.env.FLOODGATE_BACKENDS);
 
 /** Set a backend up before its suite and tear it down after. */
 export function useBackend(backend: ContractBackend): void {
