@@ -97,8 +97,19 @@ describe.each(backends)("interval gate on $name", (backend) => {
   it("hands a refunded slot back when no later call has taken one", async () => {
     const gate = backend.make(clock).intervalGate("hosts", { minIntervalMs: 1000 });
     const t = await gate.admit({ host: "a" });
+    expect(await gate.tryAdmit({ host: "a" })).toBeUndefined(); // the slot is taken
     await t.refund();
-    expect(await gate.tryAdmit({ host: "a" })).toBeDefined();
+    expect(t.released).toBe(true);
+    const again = await gate.tryAdmit({ host: "a" });
+    expect(again).toMatchObject({ stage: "hosts", cost: 1, released: false });
+    // The slot is taken afresh at the same instant: the next call waits a whole interval from it.
+    const next = track(gate.admit({ host: "a" }));
+    await clock.advance(999);
+    expect(next.settled).toBe(false);
+    await clock.advance(1);
+    expect(next.settled).toBe(true);
+    expect(next.error).toBeUndefined();
+    expect(gate.snapshot()).toMatchObject({ admitted: 3, inFlight: 2, tokenWaitMs: 1000 });
   });
 
   it("leaves nothing behind when a waiter aborts", async () => {

@@ -50,10 +50,21 @@ describe("after Redis loses a stage's data", () => {
   it("does not hold back a stage seen for the first time", async () => {
     const prefix = randomPrefix("fresh");
     const clock = new FakeClock(1_000_000);
-    const { b } = await backend(prefix, clock);
-    const sem = b.semaphore("fresh", { limit: 1 });
-    const t = await sem.tryAdmit();
-    expect(t).toBeDefined();
+    const { b, client } = await backend(prefix, clock);
+    const sem = b.semaphore("fresh", { limit: 1, leaseMs: 10_000 });
+    const holders = `${prefix}{fresh}:holders`;
+    // Granted at once, with no time gone by: the first fencing token, leased from now.
+    const t = (await sem.tryAdmit()) as LeaseTicket | undefined;
+    expect(t).toMatchObject({ stage: "fresh", cost: 1, released: false, fence: 1 });
+    expect(await client.zrange(holders, 0, -1)).toEqual([t!.leaseId]);
+    expect(Number(await client.zscore(holders, t!.leaseId))).toBe(1_000_000 + 10_000);
+    expect(sem.snapshot()).toMatchObject({ admitted: 1, inFlight: 1, waiting: 0 });
     await t!.release("success");
+    expect(t!.released).toBe(true);
+    expect(await client.zcard(holders)).toBe(0);
+    // Nor is the stage held back once it is known: the next call gets the next token at once.
+    const next = (await sem.tryAdmit()) as LeaseTicket | undefined;
+    expect(next).toMatchObject({ stage: "fresh", fence: 2 });
+    await next!.release("success");
   });
 });
