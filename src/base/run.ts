@@ -1,46 +1,10 @@
 import type { Logger, Outcome, Settled, Ticket } from "../types.js";
+import { resultOutcome } from "./classify.js";
+
+export { defaultClassify } from "./classify.js";
 
 /** The promise every release that has nothing left to wait for returns. */
 export const RESOLVED: Promise<void> = Promise.resolve();
-
-/** Error codes of a call that timed out (Node and undici): the server may be overloaded. */
-export const TIMEOUT_CODES: ReadonlySet<string> = new Set([
-  "ETIMEDOUT",
-  "ESOCKETTIMEDOUT",
-  "UND_ERR_CONNECT_TIMEOUT",
-  "UND_ERR_HEADERS_TIMEOUT",
-  "UND_ERR_BODY_TIMEOUT",
-]);
-
-function statusOf(value: unknown): number | undefined {
-  if (typeof value !== "object" || value === null) return undefined;
-  const v = value as { status?: unknown; statusCode?: unknown };
-  const status = typeof v.status === "number" ? v.status : v.statusCode;
-  return typeof status === "number" ? status : undefined;
-}
-
-function valueOutcome(value: unknown): Outcome {
-  const status = statusOf(value);
-  return status === 429 || status === 503 ? "dropped" : "success";
-}
-
-function errorOutcome(error: unknown): Outcome {
-  const status = statusOf(error);
-  if (status === 429 || status === 503) return "dropped";
-  if (typeof error === "object" && error !== null) {
-    const { name, code } = error as { name?: unknown; code?: unknown };
-    if (name === "TimeoutError" || (typeof code === "string" && TIMEOUT_CODES.has(code))) return "dropped";
-  }
-  return "ignored";
-}
-
-/**
- * The default outcome of a call: a response (or an error) with status 429 or 503 and timeout
- * errors are `dropped`; other results are `success`, other errors `ignored`.
- */
-export function defaultClassify(settled: Settled<unknown>): Outcome {
-  return settled.ok ? valueOutcome(settled.value) : errorOutcome(settled.error);
-}
 
 /** A ticket whose recorded outcome can be read: the ones stages and gates hand out. */
 export interface RecordingTicket extends Ticket {
@@ -62,7 +26,7 @@ function outcomeOf<T>(
   let outcome: unknown;
   try {
     // The default rule needs no `Settled` object; a classify of the caller's gets one.
-    if (classify == null) return ok ? valueOutcome(value) : errorOutcome(value);
+    if (classify == null) return resultOutcome(ok, value);
     outcome = classify(ok ? { ok: true, value: value as T } : { ok: false, error: value });
   } catch (error) {
     log.warn({ err: error }, "classify threw; outcome ignored");

@@ -4,7 +4,7 @@
  *
  * @module floodgate/fetch
  */
-import { TIMEOUT_CODES } from "../base/run.js";
+import { fetchErrorOutcome as errorOutcome, statusOutcome } from "../base/classify.js";
 import { type Clock, systemClock } from "../clock.js";
 import { InvalidOptionsError, isFloodgateError } from "../errors.js";
 import type { Gate, Settled } from "../gate.js";
@@ -153,8 +153,6 @@ export interface WrapFetchOptions<R extends ResponseLike = ResponseLike> {
 const DEFAULT_MAX_PAUSE_MS = 86_400_000;
 const OPTION_KEYS = new Set(["key", "timeoutMs", "maxPauseMs", "now", "clock", "retry", "reserve", "settle"]);
 const CALL_KEYS = new Set(["key", "host", "cost", "costs", "timeoutMs", "retry"]);
-/** Failures that say nothing about the server: the name did not resolve. */
-const DNS_CODES = new Set(["ENOTFOUND", "EAI_AGAIN", "EAI_NONAME", "EAI_FAIL"]);
 
 function fail(field: string, message: string): never {
   throw new InvalidOptionsError(undefined, field, `wrapFetch: ${message}`);
@@ -281,39 +279,6 @@ function signalOf(input: unknown, init: Record<string, unknown> | undefined): Ab
   const s =
     init?.signal ?? (typeof input === "object" && input !== null ? (input as Request).signal : undefined);
   return s instanceof AbortSignal ? s : undefined;
-}
-
-/** The `code` of an error or of any error in its `cause` chain. */
-function codeOf(error: unknown): string | undefined {
-  for (let e = error, depth = 0; typeof e === "object" && e !== null && depth < 5; depth++) {
-    const code = (e as { code?: unknown }).code;
-    if (typeof code === "string") return code;
-    e = (e as { cause?: unknown }).cause;
-  }
-  return undefined;
-}
-
-/**
- * The outcome of a fetch call that threw. A timeout (`TimeoutError`, a timeout code) and a
- * network failure (an error carrying a `cause` or a system `code`: refused, reset) are
- * `dropped`. The caller's abort, a floodgate error from a gate further in, a name that did not
- * resolve and other errors (a bug) are `ignored`.
- */
-function errorOutcome(error: unknown, signal: AbortSignal | undefined): Outcome {
-  if (typeof error !== "object" || error === null) return "ignored";
-  const { name, cause } = error as { name?: unknown; cause?: unknown };
-  const code = codeOf(error);
-  if (name === "TimeoutError" || (code !== undefined && TIMEOUT_CODES.has(code))) return "dropped";
-  if (name === "AbortError" || (signal?.aborted && error === signal.reason)) return "ignored";
-  // A gate further in (a nested wrapped fetch) refused the call: that says nothing about the server.
-  if (isFloodgateError(error)) return "ignored";
-  if (code !== undefined) return DNS_CODES.has(code) ? "ignored" : "dropped";
-  return cause !== undefined ? "dropped" : "ignored";
-}
-
-/** 429 and 503 are `dropped` (the server is overloaded); any other response is `success`. */
-function statusOutcome(status: number): Outcome {
-  return status === 429 || status === 503 ? "dropped" : "success";
 }
 
 /** What one attempt gives the retry loop: the response and how long its Retry-After asks to wait. */

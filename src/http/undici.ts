@@ -5,7 +5,8 @@
  */
 import type { Duplex } from "node:stream";
 import type { Dispatcher } from "undici";
-import { InvalidOptionsError, isFloodgateError } from "../errors.js";
+import { dispatchErrorOutcome as errorOutcome, statusOutcome } from "../base/classify.js";
+import { InvalidOptionsError } from "../errors.js";
 import type { Gate } from "../gate.js";
 import type { AdmitOptions, Outcome, Ticket } from "../types.js";
 import { isArray } from "../validate.js";
@@ -96,8 +97,6 @@ type Headers = Record<string, string | string[] | undefined>;
 const DEFAULT_MAX_PAUSE_MS = 86_400_000;
 const OPTION_KEYS = new Set(["key", "timeoutMs", "maxPauseMs", "now", "reserve"]);
 const CALL_KEYS = new Set(["key", "host", "cost", "costs", "timeoutMs"]);
-const DNS_CODES = new Set(["ENOTFOUND", "EAI_AGAIN", "EAI_NONAME", "EAI_FAIL"]);
-const ABORT_CODES = new Set(["UND_ERR_ABORTED", "ABORT_ERR"]);
 const noop = () => {};
 
 function fail(field: string, message: string): never {
@@ -162,37 +161,6 @@ function hostOf(origin: unknown): string | undefined {
   } catch {
     return undefined;
   }
-}
-
-/** The outcome a finished request reports: 429 and 503 are `dropped`, other responses `success`. */
-function statusOutcome(status: number): Outcome {
-  return status === 429 || status === 503 ? "dropped" : "success";
-}
-
-/**
- * The outcome of a request that ended in an error. An abort or a floodgate error (a gate further
- * in refused it) is `ignored`; a 429/503 already seen stays `dropped`; timeouts and network
- * failures (refused, reset, socket errors) are `dropped`; a name that did not resolve is
- * `ignored`; an error after any other response (a handler further out failing) keeps that
- * response's `success`; anything else is `ignored`.
- */
-function errorOutcome(error: unknown, status: number, aborted: boolean): Outcome {
-  const { name, code } = (typeof error === "object" && error !== null ? error : {}) as {
-    name?: unknown;
-    code?: unknown;
-  };
-  const codeText = typeof code === "string" ? code : "";
-  if (aborted || name === "AbortError" || ABORT_CODES.has(codeText)) return "ignored";
-  // A gate further in refused the request: that says nothing about the server.
-  if (isFloodgateError(error)) return status >= 200 ? statusOutcome(status) : "ignored";
-  if (status >= 200 && statusOutcome(status) === "dropped") return "dropped";
-  if (name === "TimeoutError" || codeText.endsWith("_TIMEOUT") || codeText === "ETIMEDOUT") return "dropped";
-  if (DNS_CODES.has(codeText)) return "ignored";
-  // A system error (refused, reset, broken pipe) or undici's socket error: the server failed us.
-  // undici's other errors (UND_ERR_*) are about the request itself.
-  const systemError = codeText !== "" && !codeText.startsWith("UND_ERR_");
-  if (systemError || codeText === "UND_ERR_SOCKET") return "dropped";
-  return status >= 200 ? "success" : "ignored";
 }
 
 /** What one admitted request shares between the handler classes: its ticket and its pause. */
