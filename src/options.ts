@@ -1,5 +1,4 @@
 import type { Clock } from "./clock.js";
-import type { Logger } from "./types.js";
 
 /** Options every stage takes. The backend passes its own down unless a stage overrides them. */
 export interface StageOptions {
@@ -146,4 +145,14 @@ export interface AimdOptions extends StageOptions, BackendErrorOptions {
 export interface MemoryBackendOptions extends StageOptions {
   /** Randomness for jitter. @default Math.random */
   random?: () => number;
+}
+
+/** Structured logger the stages write to: pino's shape (`child`, `debug`, `warn`). */
+export interface Logger {
+  child(bindings: Record<string, unknown>): Logger;
+  debug(obj: object, msg?: string): void;
+  info(obj: object, msg?: string): void;
+  warn(obj: object, msg?: string): void;
+  error(obj: object, msg?: string): void;
+  isLevelEnabled?(level: string): boolean;
 }

@@ -223,12 +223,4 @@ export interface Backend extends AsyncDisposable {
   close(): Promise<void>;
 }
 
-/** Structured logger the stages write to: pino's shape (`child`, `debug`, `warn`). */
-export interface Logger {
-  child(bindings: Record<string, unknown>): Logger;
-  debug(obj: object, msg?: string): void;
-  info(obj: object, msg?: string): void;
-  warn(obj: object, msg?: string): void;
-  error(obj: object, msg?: string): void;
-  isLevelEnabled?(level: string): boolean;
-}
+export type { Logger } from "./options.js";
