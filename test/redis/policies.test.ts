@@ -7,6 +7,7 @@ import { pino } from "pino";
 import { afterEach, describe, expect, it } from "vitest";
 import { testClient } from "../contract/backends.js";
 import { freePort } from "../setup/redis-server.js";
+import { until } from "./helpers.js";
 
 /** A client for a port nothing listens on: never ready, every call fails closed at once. */
 async function deadClient(): Promise<Redis> {
@@ -70,12 +71,25 @@ describe("when Redis cannot be reached", () => {
       limit: 1,
       onBackendError: "fail-open",
     });
-    const tickets = await Promise.all([sem.admit(), sem.admit(), sem.admit()]);
-    expect(tickets).toHaveLength(3);
-    for (const t of tickets) await t.release("success");
-    expect(sem.snapshot().admitted).toBe(3);
-    await new Promise((r) => setImmediate(r));
-    expect(lines.filter((l) => l.msg === "Redis unavailable; switching to fallback")).toHaveLength(1);
+    // Three calls at once on a limit of 1, and one more that never waits: every one goes through.
+    const tickets = await Promise.all([sem.admit(), sem.admit(), sem.admit({ cost: 1 })]);
+    const tried = await sem.tryAdmit();
+    expect(tried).toBeDefined();
+    const all = [...tickets, tried!];
+    expect(new Set(all).size).toBe(4);
+    for (const t of all) {
+      expect(t).toMatchObject({ stage: "open", cost: 1, released: false });
+      expect(t.signal.aborted).toBe(false);
+    }
+    expect(sem.snapshot()).toMatchObject({ admitted: 4, waiting: 0 });
+    for (const t of all) {
+      await t.release("success");
+      expect(t.released).toBe(true);
+    }
+    const switched = () => lines.filter((l) => l.msg === "Redis unavailable; switching to fallback");
+    await until(() => switched().length > 0, { timeoutMs: 5000, message: "the switch was never logged" });
+    expect(switched()).toHaveLength(1);
+    expect(switched()[0]).toMatchObject({ policy: "fail-open", stage: "open" });
   });
 
   it("runs a call with stage.run through either fallback, releasing it with its outcome", async () => {
@@ -133,12 +147,23 @@ describe("when Redis cannot be reached", () => {
   it("takes a backend-wide default policy", async () => {
     const client = await deadClient();
     clients.push(client);
-    const bucket = redis(client, { clock: new FakeClock(), onBackendError: "fail-open" }).tokenBucket("b", {
+    const backend = redis(client, { clock: new FakeClock(), onBackendError: "fail-open" });
+    const bucket = backend.tokenBucket("b", { capacity: 1, refillPerSecond: 1 });
+    // Two tokens at the same instant from a bucket of one, and a third that never waits.
+    const first = await bucket.admit();
+    const second = await bucket.admit();
+    const third = await bucket.tryAdmit();
+    for (const t of [first, second, third]) expect(t).toMatchObject({ stage: "b", cost: 1, released: false });
+    expect(bucket.snapshot()).toMatchObject({ admitted: 3, waiting: 0 });
+    // A stage's own policy wins over the backend's.
+    const closed = backend.tokenBucket("c", {
       capacity: 1,
       refillPerSecond: 1,
+      onBackendError: "fail-closed",
     });
-    await bucket.admit();
-    await bucket.admit();
+    await expect(closed.admit()).rejects.toBeInstanceOf(BackendUnavailableError);
+    await expect(closed.tryAdmit()).rejects.toBeInstanceOf(BackendUnavailableError);
+    expect(closed.snapshot().admitted).toBe(0);
   });
 
   it("goes back to Redis once it answers again", async () => {
@@ -161,8 +186,9 @@ describe("when Redis cannot be reached", () => {
     const shared = await sem.admit();
     expect(await client.exists(`${prefix}{back}:holders`)).toBe(1);
     await shared.release();
-    await new Promise((r) => setImmediate(r));
-    expect(lines.map((l) => String(l.msg)).filter((m) => m.includes("switching"))).toEqual([
+    const switches = () => lines.map((l) => String(l.msg)).filter((m) => m.includes("switching"));
+    await until(() => switches().length >= 2, { timeoutMs: 5000, message: "the switches were never logged" });
+    expect(switches()).toEqual([
       "Redis unavailable; switching to fallback",
       "Redis answers again; switching back",
     ]);
