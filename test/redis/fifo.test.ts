@@ -1,8 +1,9 @@
-import { redis } from "floodgate/redis";
+import type { Ticket } from "floodgate";
+import { type RedisBackendOptions, redis } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { afterEach, describe, expect, it } from "vitest";
 import { redisUrl } from "../contract/backends.js";
-import { closeClient, connectedClient, evalCalls, randomPrefix, sleep, until } from "./helpers.js";
+import { closeClient, connectedClient, evalCalls, randomPrefix, until } from "./helpers.js";
 
 /**
  * Two backends on two connections stand for two processes: the waiting line lives in Redis, so
@@ -14,13 +15,13 @@ describe("waiting across processes", () => {
     await Promise.all(clients.splice(0).map(closeClient));
   });
 
-  async function fleet(n: number, prefix: string) {
+  async function fleet(n: number, prefix: string, options: RedisBackendOptions = {}) {
     const backends = [];
     for (let i = 0; i < n; i++) {
       const client = await connectedClient(redisUrl());
       clients.push(client);
       // A long poll: every wake-up below comes from the releases, not from polling.
-      backends.push(redis(client, { prefix, pollMs: 60_000 }));
+      backends.push(redis(client, { prefix, pollMs: 60_000, ...options }));
     }
     return backends;
   }
@@ -60,29 +61,60 @@ describe("waiting across processes", () => {
     await tc.release("success");
   });
 
-  it("costs a bounded number of Redis calls per release, not one per waiter", async () => {
+  it("costs one Redis call per release, not one per waiter, and grants in line order", async () => {
     const prefix = randomPrefix("calls");
-    const [a, ...others] = await fleet(6, prefix);
+    // No sign-of-life calls while waiters wait: every script call counted below is the release's.
+    const [a, ...others] = await fleet(6, prefix, { livenessMs: 600_000 });
+    const admin = clients[0]!;
+    const queue = `${prefix}{calls}:queue`;
     const sems = others.map((b) => b.semaphore("calls", { limit: 1 }));
     const holder = a!.semaphore("calls", { limit: 1 });
     const held = await holder.admit();
-    // 5 processes × 8 waiters = 40 waiters in line.
-    const waits = sems.flatMap((s) => Array.from({ length: 8 }, () => s.admit()));
-    await until(async () => (await clients[0]!.zcard(`${prefix}{calls}:queue`)) === 40, {
-      timeoutMs: 10_000,
-      message: "the waiters did not line up",
-    });
-    // Let the first wave of subscriptions settle so no retry is still under way.
-    await sleep(200);
-    const before = await evalCalls(clients[0]!);
+
+    // Each process waits once first, so that it listens for wake-ups before anything is counted:
+    // a waiter that lines up before its process listens asks Redis again once it does.
+    const warm = sems.map((s) => s.admit().then((t) => t.release("success")));
+    await until(
+      async () => (await admin.pubsub("CHANNELS", `${prefix}{calls}:wake:*`)).length === sems.length,
+      {
+        timeoutMs: 10_000,
+        message: "the processes did not subscribe",
+      },
+    );
     await held.release("success");
-    const first = await Promise.race(waits);
-    const after = await evalCalls(clients[0]!);
+    await Promise.all(warm);
+    const again = await holder.admit();
+
+    // 40 waiters from 5 processes, lined up one at a time, so their order in Redis is known.
+    const order: number[] = [];
+    const waits: Promise<Ticket>[] = [];
+    for (let i = 0; i < 40; i++) {
+      waits.push(
+        sems[i % sems.length]!.admit().then((t) => {
+          order.push(i);
+          return t;
+        }),
+      );
+      await until(async () => (await admin.zcard(queue)) === i + 1, {
+        timeoutMs: 10_000,
+        message: `waiter ${i} did not line up`,
+      });
+    }
+    // Each waiter releases as soon as it is granted, but the first, which is counted.
+    const rest = waits.slice(1).map((w) => w.then((t) => t.release("success")));
+
+    const before = await evalCalls(admin);
+    await again.release("success");
+    await until(() => order.length > 0, { timeoutMs: 10_000, message: "no waiter was granted" });
+    const after = await evalCalls(admin);
     // The release grants the head in the same script: one round trip, whatever the line.
     expect(after - before).toBe(1);
-    await first.release("success");
-    // The rest are granted in their order in Redis: release each as it comes.
-    await Promise.all(waits.map((w) => w.then((t) => t.release("success"))));
+    expect(order).toEqual([0]);
+    await (await waits[0]!).release("success");
+    // The rest are granted one by one in their order in Redis, across the five processes.
+    await Promise.all(rest);
+    expect(order).toEqual(Array.from({ length: 40 }, (_, i) => i));
+    expect(await admin.zcard(queue)).toBe(0);
   });
 
   it("covers a lost subscription with the slow poll", async () => {
