@@ -1,13 +1,22 @@
 /**
- * Token bucket math. Pure functions of the state and `now` (milliseconds); no timers, no I/O.
- * `lua/token-bucket-take.lua` ports them, and `test/algorithms/token-bucket.test.ts` checks both.
+ * Token bucket math. Functions of the state and `now` (milliseconds); no timers, no I/O. Each
+ * change comes twice: `take`, `refund`, `settle` and `penalize` return a new state and leave theirs
+ * alone; `takeInPlace`, `refundInPlace`, `settleInPlace` and `penalizeInPlace` update a state the
+ * caller owns, allocating nothing (the memory stage's hot path). The Lua scripts
+ * `lua/token-bucket-*.lua` port them; `test/algorithms/token-bucket.test.ts` checks the math, and
+ * `test/redis/scripts.test.ts` and `test/redis/lua-twins.test.ts` check the ports step for step.
  *
  * A penalty (after a `dropped` outcome) multiplies the refill rate by `factor`, which then climbs
  * back linearly to 1 over `recoveryMs`. Refill integrates that rate exactly.
  */
 
 export interface BucketState {
-  /** Tokens at `updatedAt`; negative never, at most `capacity`. */
+  /**
+   * Tokens at `updatedAt`, at most `capacity`. Below zero only as a debt: a settle that charges a
+   * call more than it was admitted at takes the difference at once, even past zero (see
+   * `settle`). Refill pays a debt back like any shortfall, and until it has, no take succeeds.
+   * A take or a refund never makes tokens negative.
+   */
   readonly tokens: number;
   /** When `tokens` was computed. */
   readonly updatedAt: number;
@@ -15,6 +24,14 @@ export interface BucketState {
   readonly factor: number;
   /** When the last penalty was applied. */
   readonly penalizedAt: number;
+}
+
+/** A bucket state its owner lets the `*InPlace` functions update. */
+export interface MutableBucketState {
+  tokens: number;
+  updatedAt: number;
+  factor: number;
+  penalizedAt: number;
 }
 
 export interface BucketConfig {
@@ -99,17 +116,98 @@ export function waitMs(s: BucketState, c: BucketConfig, cost: number, now: numbe
   return Math.max(1, Math.ceil(y - at - EPSILON));
 }
 
+/**
+ * Take `cost` tokens from `s` at `now`, in place: true when there were enough (within float
+ * error; what is left is never below zero), false when not, and `s` is then left as it was.
+ */
+export function takeInPlace(s: MutableBucketState, c: BucketConfig, cost: number, now: number): boolean {
+  const tokens = tokensAt(s, c, now);
+  if (tokens + EPSILON < cost) return false;
+  s.tokens = tokens > cost ? tokens - cost : 0;
+  if (now > s.updatedAt) s.updatedAt = now;
+  return true;
+}
+
 /** The state after taking `cost` tokens at `now`, or `undefined` when there are not enough. */
 export function take(s: BucketState, c: BucketConfig, cost: number, now: number): BucketState | undefined {
-  const tokens = tokensAt(s, c, now);
-  if (tokens + EPSILON < cost) return undefined;
-  return { ...s, tokens: Math.max(0, tokens - cost), updatedAt: Math.max(now, s.updatedAt) };
+  const next: MutableBucketState = { ...s };
+  return takeInPlace(next, c, cost, now) ? next : undefined;
+}
+
+/** Give `cost` unused tokens back to `s` at `now`, in place (never above `capacity`). */
+export function refundInPlace(s: MutableBucketState, c: BucketConfig, cost: number, now: number): void {
+  s.tokens = Math.min(c.capacity, tokensAt(s, c, now) + cost);
+  if (now > s.updatedAt) s.updatedAt = now;
 }
 
 /** The state after giving `cost` unused tokens back at `now` (never above `capacity`). */
 export function refund(s: BucketState, c: BucketConfig, cost: number, now: number): BucketState {
-  const tokens = Math.min(c.capacity, tokensAt(s, c, now) + cost);
-  return { ...s, tokens, updatedAt: Math.max(now, s.updatedAt) };
+  const next: MutableBucketState = { ...s };
+  refundInPlace(next, c, cost, now);
+  return next;
+}
+
+/**
+ * Settle a call admitted at an estimated cost that turned out to cost `delta` more, in place.
+ * - `delta > 0`: the difference is charged at once, whatever the bucket holds: the tokens may go
+ *   below zero, a debt that refill pays back before any take succeeds again. This is the only
+ *   way a bucket goes into debt.
+ * - `delta <= 0`: `-delta` tokens come back (never above `capacity`), but only when the call is
+ *   still the bucket's `latest` grant; after another grant the refill the cap threw away cannot be
+ *   told apart, so nothing comes back, lest the bucket end up fuller than if the right cost had
+ *   been asked.
+ * Returns false, `s` left as it was, only when nothing came back for not being the latest.
+ */
+export function settleInPlace(
+  s: MutableBucketState,
+  c: BucketConfig,
+  delta: number,
+  latest: boolean,
+  now: number,
+): boolean {
+  const tokens = tokensAt(s, c, now);
+  if (delta > 0) {
+    s.tokens = tokens - delta;
+  } else if (latest) {
+    s.tokens = Math.min(c.capacity, tokens - delta);
+  } else {
+    return false;
+  }
+  if (now > s.updatedAt) s.updatedAt = now;
+  return true;
+}
+
+/** The state after `settleInPlace`, or `undefined` when nothing changed. */
+export function settle(
+  s: BucketState,
+  c: BucketConfig,
+  delta: number,
+  latest: boolean,
+  now: number,
+): BucketState | undefined {
+  const next: MutableBucketState = { ...s };
+  return settleInPlace(next, c, delta, latest, now) ? next : undefined;
+}
+
+/**
+ * Penalise `s` at `now`, in place: the current rate multiplier times `factor`, never below
+ * `minFactor`. Tokens already in the bucket stay. Returns the new multiplier.
+ */
+export function penalizeInPlace(
+  s: MutableBucketState,
+  c: BucketConfig,
+  factor: number,
+  minFactor: number,
+  now: number,
+): number {
+  const t = Math.max(now, s.updatedAt);
+  const tokens = tokensAt(s, c, t);
+  const next = Math.max(minFactor, Math.min(1, rateFactor(s, c, t) * factor));
+  s.tokens = tokens;
+  s.updatedAt = t;
+  s.factor = next;
+  s.penalizedAt = t;
+  return next;
 }
 
 /**
@@ -123,10 +221,9 @@ export function penalize(
   minFactor: number,
   now: number,
 ): BucketState {
-  const t = Math.max(now, s.updatedAt);
-  const tokens = tokensAt(s, c, t);
-  const next = Math.max(minFactor, Math.min(1, rateFactor(s, c, t) * factor));
-  return { tokens, updatedAt: t, factor: next, penalizedAt: t };
+  const next: MutableBucketState = { ...s };
+  penalizeInPlace(next, c, factor, minFactor, now);
+  return next;
 }
 
 /** True when the bucket at `now` is indistinguishable from a fresh one: full and unpenalised. */

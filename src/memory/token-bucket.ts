@@ -1,9 +1,12 @@
 import { bucketKey, type Entry, LONGEST_MS, tooCostly, UNKEYED } from "../admit.js";
 import {
   type BucketConfig,
-  type BucketState,
   isIdle,
-  penalize,
+  type MutableBucketState,
+  penalizeInPlace,
+  refundInPlace,
+  settleInPlace,
+  takeInPlace,
   tokensAt,
   waitMs,
 } from "../algorithms/token-bucket.js";
@@ -17,7 +20,7 @@ import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket, TryAdmitOption
 import { parseOptions, tokenBucketSchema } from "../validate.js";
 
 /** One key's bucket: the algorithm's state plus its FIFO of waiters and the timer for its head. */
-class KeyBucket extends WaitList implements BucketState {
+class KeyBucket extends WaitList implements MutableBucketState {
   timer: ClockTimer | undefined = undefined;
   /** The latest ticket granted from this key; only it can be refunded exactly. */
   lastGrant: BaseTicket | undefined = undefined;
@@ -81,11 +84,7 @@ export class MemoryTokenBucket extends BaseStage {
 
   /** Take `cost` from `b` if it holds that many now. */
   #take(b: KeyBucket, cost: number, now: number): boolean {
-    const tokens = tokensAt(b, this.#config, now);
-    if (tokens + 1e-9 < cost) return false;
-    b.tokens = tokens > cost ? tokens - cost : 0;
-    if (now > b.updatedAt) b.updatedAt = now;
-    return true;
+    return takeInPlace(b, this.#config, cost, now);
   }
 
   /** A ticket for tokens just taken from `b` without waiting. */
@@ -214,19 +213,13 @@ export class MemoryTokenBucket extends BaseStage {
       const b = this.#keys.get(ticket.key);
       if (!b || b.lastGrant !== ticket) return;
       b.lastGrant = undefined;
-      const now = this.clock.now();
-      b.tokens = Math.min(this.#config.capacity, tokensAt(b, this.#config, now) + ticket.cost);
-      if (now > b.updatedAt) b.updatedAt = now;
+      refundInPlace(b, this.#config, ticket.cost, this.clock.now());
       this.#drain(b, ticket.key);
     } else if (outcome === "dropped" && this.#penaltyFactor !== undefined) {
       const now = this.clock.now();
       const b = this.#bucket(ticket.key, now);
-      const next = penalize(b, this.#config, this.#penaltyFactor, this.#minFactor, now);
-      b.tokens = next.tokens;
-      b.updatedAt = next.updatedAt;
-      b.factor = next.factor;
-      b.penalizedAt = next.penalizedAt;
-      this.log.warn({ key: ticket.key, rateFactor: next.factor }, "key penalised after drop");
+      const rateFactor = penalizeInPlace(b, this.#config, this.#penaltyFactor, this.#minFactor, now);
+      this.log.warn({ key: ticket.key, rateFactor }, "key penalised after drop");
       this.#schedule(b, ticket.key);
     }
   }
@@ -242,16 +235,8 @@ export class MemoryTokenBucket extends BaseStage {
     ticket.cost = actual;
     const now = this.clock.now();
     const b = this.#bucket(ticket.key, now);
-    const tokens = tokensAt(b, this.#config, now);
-    if (actual > estimated) {
-      // Charged now; below zero is a debt the next calls wait out.
-      b.tokens = tokens - (actual - estimated);
-    } else if (b.lastGrant === ticket) {
-      b.tokens = Math.min(this.#config.capacity, tokens + (estimated - actual));
-    } else {
-      return;
-    }
-    if (now > b.updatedAt) b.updatedAt = now;
+    // A charge may leave a debt (see settleInPlace); a give-back needs the latest grant.
+    if (!settleInPlace(b, this.#config, actual - estimated, b.lastGrant === ticket, now)) return;
     this.#drain(b, ticket.key);
   }
 
