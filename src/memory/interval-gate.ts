@@ -1,5 +1,12 @@
 import { type Entry, gateHost, LONGEST_MS, pauseError } from "../admit.js";
-import { afterPause, afterStart, delayMs, spacingMs } from "../algorithms/interval.js";
+import {
+  claimSlot,
+  delayMs,
+  type HostState,
+  pauseHost,
+  refundSlot,
+  spacingMs,
+} from "../algorithms/interval.js";
 import { KeyedStates } from "../base/keyed.js";
 import { BaseStage, BaseTicket } from "../base/stage.js";
 import { WaitList } from "../base/wait-list.js";
@@ -10,7 +17,7 @@ import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket, TryAdmitOption
 import { intervalGateSchema, parseOptions } from "../validate.js";
 
 /** One host: when its next call may start, its FIFO of waiters, and the timer for the head. */
-class HostSlot extends WaitList {
+class HostSlot extends WaitList implements HostState {
   timer: ClockTimer | undefined = undefined;
   /** End of the latest pause; a refunded slot never reaches back inside it. */
   pausedUntil = Number.NEGATIVE_INFINITY;
@@ -82,10 +89,8 @@ export class MemoryIntervalGate extends BaseStage {
 
   /** Move the host's next slot on by one spacing; returns the slot it replaced. */
   #claim(h: HostSlot, now: number): number {
-    const previous = h.nextAt;
     const spacing = spacingMs(this.#minIntervalMs, this.#jitterMs, draw(this.#random));
-    h.nextAt = afterStart(now, Math.min(spacing, LONGEST_MS));
-    return previous;
+    return claimSlot(h, now, Math.min(spacing, LONGEST_MS));
   }
 
   #mark(ticket: BaseTicket, previous: number, h: HostSlot): SlotTicket {
@@ -161,8 +166,7 @@ export class MemoryIntervalGate extends BaseStage {
     ms = Math.min(ms, LONGEST_MS);
     const now = this.clock.now();
     const h = this.#host(host, now);
-    h.nextAt = afterPause(h.nextAt, now, ms);
-    h.pausedUntil = Math.max(h.pausedUntil, now + ms);
+    pauseHost(h, now, ms);
     this.log.warn({ host, ms }, "host paused");
     this.#schedule(h, host);
     return Promise.resolve();
@@ -204,10 +208,7 @@ export class MemoryIntervalGate extends BaseStage {
     const t = ticket as SlotTicket;
     const h = this.#hosts.get(t.key);
     // Hand the slot back only when nothing has moved the host on since (a later call, a pause).
-    if (h && h.nextAt === t.claimed) {
-      h.nextAt = Math.max(t.previous, h.pausedUntil);
-      this.#drain(h, t.key);
-    }
+    if (h && refundSlot(h, t.claimed, t.previous)) this.#drain(h, t.key);
   }
 
   protected override grantDue(list: WaitList, key: string): undefined {
