@@ -1,0 +1,354 @@
+/**
+ * Each Lua script run step for step against its TypeScript twin in src/algorithms/, over seeded
+ * random sequences on the real redis-server: every reply and every stored field must be what the
+ * TypeScript function gives for the same state, time and arguments. (token-bucket-take and
+ * token-bucket-take-many are checked the same way in scripts.test.ts.)
+ */
+import { commandName, redis, type ScriptName } from "floodgate/redis";
+import type { Redis } from "ioredis";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { type AimdConfig, type AimdState, aimdStep } from "../../src/algorithms/aimd.js";
+import {
+  claimSlot,
+  type HostState,
+  pauseHost,
+  refundSlot,
+  spacingMs,
+} from "../../src/algorithms/interval.js";
+import {
+  type BucketConfig,
+  type BucketState,
+  penalize,
+  refund,
+  settle,
+  take,
+  waitMs,
+} from "../../src/algorithms/token-bucket.js";
+import { redisUrl } from "../contract/backends.js";
+import { closeClient, connectedClient, randomPrefix } from "./helpers.js";
+
+/** Steps per sequence; each script runs a few hundred times per sequence. */
+const STEPS = 1500;
+
+/** A seeded generator in [0, 1), so a failing sequence replays from its seed. */
+function seeded(seed: number): () => number {
+  let x = seed >>> 0 || 1;
+  return () => {
+    x ^= x << 13;
+    x >>>= 0;
+    x ^= x >>> 17;
+    x ^= x << 5;
+    x >>>= 0;
+    return x / 2 ** 32;
+  };
+}
+
+const int = (random: () => number, lo: number, hi: number) => lo + Math.floor(random() * (hi - lo + 1));
+
+/** The next time: mostly forward, sometimes standing still or by a fraction, now and then back. */
+function step(random: () => number, now: number): number {
+  const r = random();
+  if (r < 0.1) return now;
+  if (r < 0.15) return Math.max(0, now - int(random, 1, 400));
+  if (r < 0.25) return now + random() * 50;
+  if (r < 0.3) return now + int(random, 10_000, 60_000);
+  return now + int(random, 1, 900);
+}
+
+describe("Lua scripts against their TypeScript twins", () => {
+  let client: Redis;
+  let close: () => Promise<void>;
+  const run = (name: ScriptName, keys: string[], ...args: (string | number)[]): Promise<unknown> =>
+    (client as unknown as Record<string, (...a: unknown[]) => Promise<unknown>>)[commandName(name)]!(
+      ...keys,
+      ...args,
+    );
+
+  beforeAll(async () => {
+    client = await connectedClient(redisUrl());
+    // Building a backend defines every script as a command on the client.
+    const backend = redis(client, { prefix: randomPrefix("twins") });
+    close = () => backend.close();
+  });
+
+  afterAll(async () => {
+    await close?.();
+    await closeClient(client);
+  });
+
+  describe("token-bucket-settle, -refund and -penalize, with -take for the grants", () => {
+    const configs: (BucketConfig & { initial: number; seed: number })[] = [
+      { capacity: 10, refillPerSecond: 3.7, recoveryMs: 5000, initial: 6, seed: 11 },
+      { capacity: 1, refillPerSecond: 0.25, recoveryMs: 700, initial: 0, seed: 23 },
+      { capacity: 1000, refillPerSecond: 250, recoveryMs: 30_000, initial: 1000, seed: 37 },
+    ];
+
+    it.each(configs)(
+      "capacity $capacity, refill $refillPerSecond/s, recovery $recoveryMs ms (seed $seed)",
+      async (c) => {
+        const random = seeded(c.seed);
+        const key = `${randomPrefix("twin-bucket")}b`;
+        const head = (now: number) => [now, c.capacity, c.refillPerSecond, c.recoveryMs] as const;
+        const fresh = (now: number): BucketState => ({
+          tokens: c.initial,
+          updatedAt: now,
+          factor: 1,
+          penalizedAt: now,
+        });
+        const maxCost = Math.min(c.capacity, 4);
+        /** The model: the stored state (undefined while the key is missing) and its latest grant. */
+        let s: BucketState | undefined;
+        let last: string | undefined;
+        let grants = 0;
+        const counts = { take: 0, settle: 0, refund: 0, penalize: 0, expire: 0 };
+        let now = 1_000_000;
+        for (let i = 0; i < STEPS; i++) {
+          const where = `seed ${c.seed}, step ${i} at ${now}`;
+          const r = random();
+          const before = s ?? fresh(now);
+          /** A grant id: the latest mostly, else one that is not (or none at all). */
+          const someGrant = () =>
+            last !== undefined && random() < 0.7 ? last : `stale${int(random, 0, grants)}`;
+          if (r < 0.03) {
+            counts.expire++;
+            await client.del(key);
+            s = undefined;
+            last = undefined;
+          } else if (r < 0.35) {
+            counts.take++;
+            const cost = int(random, 1, maxCost);
+            const grant = `g${++grants}`;
+            const [taken, wait] = (await run(
+              "token-bucket-take",
+              [key],
+              ...head(now),
+              cost,
+              c.initial,
+              grant,
+            )) as number[];
+            const next = take(before, c, cost, now);
+            expect(taken === 1, where).toBe(next !== undefined);
+            if (next) {
+              s = next;
+              last = grant;
+            } else {
+              expect(wait, where).toBe(waitMs(before, c, cost, now));
+              // A key seen for the first time starts refilling now, granted or not.
+              s = before;
+            }
+          } else if (r < 0.65) {
+            counts.settle++;
+            const delta = random() < 0.5 ? int(random, 1, 3 * maxCost) : -int(random, 1, maxCost);
+            const grant = someGrant();
+            const reply = await run("token-bucket-settle", [key], ...head(now), delta, c.initial, grant);
+            const next = settle(before, c, delta, grant === last, now);
+            if (next) {
+              expect(reply, where).toBe(Math.floor(next.tokens * 1000));
+              s = next;
+            } else {
+              expect(reply, where).toBe("unchanged");
+            }
+          } else if (r < 0.85) {
+            counts.refund++;
+            const cost = int(random, 1, maxCost);
+            const grant = someGrant();
+            const reply = await run("token-bucket-refund", [key], ...head(now), cost, c.initial, grant);
+            if (grant === last) {
+              const next = refund(before, c, cost, now);
+              expect(reply, where).toBe(Math.floor(next.tokens * 1000));
+              s = next;
+              last = undefined;
+            } else {
+              expect(reply, where).toBe(-1);
+            }
+          } else {
+            counts.penalize++;
+            const factor = [0.5, 0.3, 0.9, 0.75][int(random, 0, 3)]!;
+            const minFactor = [0.1, 0.25, 1][int(random, 0, 2)]!;
+            const reply = await run(
+              "token-bucket-penalize",
+              [key],
+              ...head(now),
+              factor,
+              minFactor,
+              c.initial,
+            );
+            const next = penalize(before, c, factor, minFactor, now);
+            expect(reply, where).toBe(Math.floor(next.factor * 1000));
+            s = next;
+          }
+          const [tokens, updatedAt, factor, penalizedAt, storedLast] = await client.hmget(
+            key,
+            "tokens",
+            "updatedAt",
+            "factor",
+            "penalizedAt",
+            "last",
+          );
+          if (s === undefined) {
+            expect(tokens, where).toBeNull();
+          } else {
+            expect(
+              {
+                tokens: Number(tokens),
+                updatedAt: Number(updatedAt),
+                factor: Number(factor),
+                penalizedAt: Number(penalizedAt),
+              },
+              where,
+            ).toEqual(s);
+          }
+          expect(storedLast ?? undefined, where).toBe(last);
+          // Real time must not expire the key under a sequence on its own fake clock.
+          await client.persist(key);
+          now = step(random, now);
+        }
+        // Every script of the twin ran many times, in and out of debt.
+        for (const [name, n] of Object.entries(counts)) expect(n, name).toBeGreaterThan(STEPS / 40);
+        await client.del(key);
+      },
+    );
+  });
+
+  describe("aimd-release: the AIMD step", () => {
+    const configs: (AimdConfig & { seed: number })[] = [
+      { min: 1, max: 50, backoffRatio: 0.9, seed: 5 },
+      { min: 3, max: 10, backoffRatio: 0.5, seed: 17 },
+      { min: 2, max: 200, backoffRatio: 0.7312345, seed: 29 },
+    ];
+
+    it.each(configs)("min $min, max $max, backoffRatio $backoffRatio (seed $seed)", async (c) => {
+      const random = seeded(c.seed);
+      const prefix = randomPrefix("twin-aimd");
+      const keys = ["holders", "queue", "qexp", "meta", "procs"].map((k) => `${prefix}${k}`);
+      const [holders, , , meta] = keys as [string, string, string, string, string];
+      const outcomes = ["success", "dropped", "ignored", "refund"] as const;
+      let s: AimdState = { limit: int(random, c.min, c.max), epoch: 0 };
+      await client.hset(meta, "limit", s.limit, "epoch", 0, "used", 0);
+      let moved = 0;
+      for (let i = 0; i < STEPS; i++) {
+        const where = `seed ${c.seed}, step ${i}`;
+        const cost = int(random, 1, Math.min(3, c.min));
+        // In flight when the sample arrives, this call included: around the limit, either side.
+        const used = int(random, cost, 2 * s.limit + 2);
+        // Mostly admitted in the current epoch, sometimes in an older one.
+        const epoch = random() < 0.7 ? s.epoch : int(random, 0, s.epoch);
+        const outcome = outcomes[int(random, 0, 3)]!;
+        const slow = random() < 0.2;
+        // Now and then the lease is gone already (released or reaped): it teaches nothing.
+        const held = random() < 0.9;
+        const member = `${i.toString(16)}-1:${cost}`;
+        await client.hset(meta, "used", used);
+        if (held) await client.zadd(holders, 1e12, member);
+        const reply = (await run(
+          "aimd-release",
+          keys,
+          1_000_000 + i,
+          member,
+          `${prefix}channel`,
+          outcome,
+          epoch,
+          c.min,
+          c.max,
+          c.backoffRatio,
+          slow ? "1" : "0",
+          1000,
+          "",
+        )) as [number, number, number, number, unknown[]];
+        const next =
+          held && (outcome === "success" || outcome === "dropped")
+            ? aimdStep(s, c, { dropped: outcome === "dropped" || slow, inFlight: used, epoch })
+            : s;
+        if (next.limit !== s.limit) moved++;
+        s = next;
+        const after = held ? used - cost : used;
+        expect(reply.slice(0, 4), where).toEqual([held ? 1 : 0, s.limit, s.epoch, after]);
+        expect(reply[4], where).toEqual([]);
+        expect(await client.hmget(meta, "limit", "epoch", "used"), where).toEqual([
+          String(s.limit),
+          String(s.epoch),
+          String(after),
+        ]);
+      }
+      expect(moved, "the limit moved").toBeGreaterThan(STEPS / 20);
+      await client.del(...keys);
+    });
+  });
+
+  describe("interval-gate-take, -pause and -refund", () => {
+    const configs = [
+      { minIntervalMs: 100, jitterMs: 0, seed: 3 },
+      { minIntervalMs: 250, jitterMs: 137.5, seed: 13 },
+      { minIntervalMs: 1, jitterMs: 2000, seed: 31 },
+    ];
+
+    it.each(configs)("minIntervalMs $minIntervalMs, jitterMs $jitterMs (seed $seed)", async (c) => {
+      const random = seeded(c.seed);
+      const key = `${randomPrefix("twin-interval")}h`;
+      /** The model, with the scripts' reading of a field never written: -1, long past. */
+      const never = (): HostState => ({ nextAt: -1, pausedUntil: -1 });
+      let h = never();
+      let nextAtWritten = false;
+      let pausedWritten = false;
+      const claims: { claimed: string; previous: string }[] = [];
+      const counts = { started: 0, waited: 0, pause: 0, handedBack: 0, kept: 0, expire: 0 };
+      let now = 1_000_000;
+      for (let i = 0; i < STEPS; i++) {
+        const where = `seed ${c.seed}, step ${i} at ${now}`;
+        const r = random();
+        if (r < 0.03) {
+          counts.expire++;
+          await client.del(key);
+          h = never();
+          nextAtWritten = false;
+          pausedWritten = false;
+        } else if (r < 0.6) {
+          const spacing = spacingMs(c.minIntervalMs, c.jitterMs, random());
+          const reply = (await run("interval-gate-take", [key], now, spacing)) as [number, string, string?];
+          if (h.nextAt > now) {
+            counts.waited++;
+            expect(reply[0], where).toBe(0);
+            expect(Number(reply[1]), where).toBe(h.nextAt - now);
+          } else {
+            counts.started++;
+            const previous = claimSlot(h, now, spacing);
+            expect(reply[0], where).toBe(1);
+            if (nextAtWritten) expect(Number(reply[1]), where).toBe(previous);
+            else expect(reply[1], where).toBe("");
+            expect(Number(reply[2]), where).toBe(h.nextAt);
+            claims.push({ claimed: reply[2]!, previous: reply[1] });
+            nextAtWritten = true;
+          }
+        } else if (r < 0.75) {
+          counts.pause++;
+          const ms = random() < 0.5 ? int(random, 0, 3000) : random() * 500;
+          const reply = await run("interval-gate-pause", [key], now, ms);
+          pauseHost(h, now, ms);
+          expect(reply, where).toBe(Math.ceil(h.nextAt - now));
+          nextAtWritten = true;
+          pausedWritten = true;
+        } else if (claims.length > 0) {
+          // The latest claim mostly, else an older one.
+          const at = random() < 0.7 ? claims.length - 1 : int(random, 0, claims.length - 1);
+          const { claimed, previous } = claims[at]!;
+          const reply = await run("interval-gate-refund", [key], now, claimed, previous);
+          const handed = refundSlot(h, Number(claimed), previous === "" ? -1 : Number(previous));
+          if (handed) counts.handedBack++;
+          else counts.kept++;
+          expect(reply, where).toBe(handed ? 1 : 0);
+        }
+        const [nextAt, pausedUntil] = await client.hmget(key, "nextAt", "pausedUntil");
+        expect(nextAt === null ? undefined : Number(nextAt), where).toBe(
+          nextAtWritten ? h.nextAt : undefined,
+        );
+        expect(pausedUntil === null ? undefined : Number(pausedUntil), where).toBe(
+          pausedWritten ? h.pausedUntil : undefined,
+        );
+        await client.persist(key);
+        now = step(random, now);
+      }
+      for (const [name, n] of Object.entries(counts)) expect(n, name).toBeGreaterThan(STEPS / 100);
+      await client.del(key);
+    });
+  });
+});
