@@ -4,42 +4,9 @@
  * traffic. Pure: the wall clock comes in as a number.
  */
 
-import { type HeadersLike, headerValues } from "./retry-after.js";
-import { got } from "./show.js";
-
-/** Which allowance a window counts. `general` is a header without a suffix. */
-export type RateLimitWindowName = "requests" | "tokens" | "general";
-
-/** One window a response reports: what is left of it and when it starts again. */
-export interface RateLimitWindow {
-  name: RateLimitWindowName;
-  /** What the window allows in all (`x-ratelimit-limit-*`), when the response says. */
-  limit: number | undefined;
-  /** What is left of it (`x-ratelimit-remaining-*`). */
-  remaining: number;
-  /** Milliseconds until the window starts again (`x-ratelimit-reset-*`), when readable. */
-  resetMs: number | undefined;
-}
-
-/**
- * How much of the provider's window to leave for other traffic. Give exactly one of `share` and
- * `remaining`.
- */
-export interface ReserveOptions {
-  /**
-   * Share of each window to leave, between 0 and 1: with `x-ratelimit-limit-requests: 500` and
-   * `share: 0.2`, the host pauses once 100 or fewer requests remain. Works only for windows whose
-   * response also carries the limit; the others are left alone. `0` pauses only when a window is
-   * empty.
-   */
-  share?: number;
-  /**
-   * What to leave, as a count of the window's unit (requests or tokens), or a function of the
-   * window (its `name`, `limit` and `remaining`) returning that count. A count that is not a
-   * finite number >= 0, or a function that throws, keeps no reserve for that window.
-   */
-  remaining?: number | ((window: Readonly<RateLimitWindow>) => number);
-}
+import { got } from "../validate.js";
+import { headerValues } from "./retry-after.js";
+import type { HeadersLike, RateLimitWindow, RateLimitWindowName, ReserveOptions } from "./types.js";
 
 /** The headers of each window, in the order they are read. */
 const WINDOWS: ReadonlyArray<{

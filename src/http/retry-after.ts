@@ -2,17 +2,7 @@
  * Reading `Retry-After` and `Retry-After-Ms` from a response. Pure: the wall clock comes in as a
  * number, used only to turn an HTTP date into a delay.
  */
-
-/** One header's value as fetch, undici and `node:http` give it. */
-export type HeaderValue = string | readonly string[] | undefined;
-
-/**
- * Response headers: a fetch `Headers` (anything with `get(name)`), or a plain record as undici's
- * handlers and `node:http` give them (lowercase names; a repeated header is an array).
- */
-export type HeadersLike =
-  | { get(name: string): string | null | undefined }
-  | Readonly<Record<string, HeaderValue | number>>;
+import type { HeadersLike } from "./types.js";
 
 const DELTA = /^\d+(?:\.\d+)?$/;
 const MONTHS = ["jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec"];

@@ -5,56 +5,8 @@
 
 import type { Clock } from "../clock.js";
 import { FloodgateError } from "../errors.js";
-import type { ResponseLike } from "./fetch.js";
-import { got } from "./show.js";
-
-/** One status or error passed to `onRetry`, before the wait. */
-export interface RetryEvent {
-  /** Which retry comes next: 1 for the second attempt. */
-  retry: number;
-  /** How long the call waits before it, in milliseconds. */
-  delayMs: number;
-  /** The status of the attempt that failed, when it produced a response. */
-  status?: number;
-  /** The error of the attempt that failed, when it threw. */
-  error?: unknown;
-}
-
-/**
- * Options for `retry` in `wrapFetch` (and per call in `init.floodgate.retry`). Every field is
- * optional; `retry: {}` turns retries on with the defaults.
- */
-export interface RetryOptions {
-  /** Attempts after the first. An integer >= 0; `0` makes one attempt. @default 2 */
-  retries?: number;
-  /**
-   * Backoff before retry `n` (from 0) is `random() * min(maxMs, baseMs * 2 ** n)` milliseconds
-   * ("full jitter"). A finite number >= 0. @default 100
-   */
-  baseMs?: number;
-  /** Upper bound of one backoff, in milliseconds. A finite number >= 0. @default 10000 */
-  maxMs?: number;
-  /**
-   * Methods that may be retried, in any case. Only idempotent ones by default; add `"POST"` for
-   * an API whose POSTs are safe to repeat (an idempotency key).
-   * @default ["GET", "HEAD", "OPTIONS", "PUT", "DELETE"]
-   */
-  methods?: readonly string[];
-  /** Response statuses that are retried. @default [429, 500, 502, 503, 504] */
-  statuses?: readonly number[];
-  /**
-   * Retry a network failure (refused, reset) or a timeout. The caller's abort, a refusal by the
-   * gate and a name that did not resolve are never retried. @default true
-   */
-  networkErrors?: boolean;
-  /** Random numbers in [0, 1) for the jitter. @default `Math.random` */
-  random?: () => number;
-  /**
-   * Told about each retry before the wait. Throwing stops retrying: the call rejects with that
-   * error.
-   */
-  onRetry?: (event: RetryEvent) => void;
-}
+import { got } from "../validate.js";
+import type { ResponseLike, RetryAttempt, RetryEvent, RetryOptions } from "./types.js";
 
 /** `RetryOptions` with every default filled in. */
 export interface RetryPolicy {
@@ -66,16 +18,6 @@ export interface RetryPolicy {
   networkErrors: boolean;
   random: () => number;
   onRetry: ((event: RetryEvent) => void) | undefined;
-}
-
-/** One attempt of a call, as `RetryError.attempts` lists them. */
-export interface RetryAttempt {
-  /** The response's status, when the attempt produced one. */
-  status?: number;
-  /** The error, when the attempt threw. */
-  error?: unknown;
-  /** How long the call waited after this attempt before the next one, in milliseconds. */
-  delayMs?: number;
 }
 
 /**
