@@ -3,6 +3,8 @@
  * both backends fill an option left out with the same number. `src/options.ts` documents each.
  */
 export const DEFAULTS = {
+  /** Lease of a permit held on Redis (semaphore, queue, AIMD limiter), ms. */
+  leaseMs: 30_000,
   tokenBucket: {
     penalty: {
       /** Rate multiplier a drop applies. */
@@ -18,8 +20,6 @@ export const DEFAULTS = {
     min: 1,
     /** Multiplier of the limit on a drop. */
     backoffRatio: 0.9,
-    /** Lease of a permit held on Redis, ms. */
-    leaseMs: 30_000,
   },
   intervalGate: {
     /** Random extra spacing on top of `minIntervalMs`, ms. */

@@ -25,7 +25,7 @@ export class RedisAimd extends RedisPermitStage {
         limit: undefined,
         initial: o.initial,
         maxCost: min,
-        leaseMs: o.leaseMs ?? DEFAULTS.aimd.leaseMs,
+        leaseMs: o.leaseMs ?? DEFAULTS.leaseMs,
         whenFull: "block",
         logger: o.logger,
       },
