@@ -2,7 +2,7 @@ import { type LeaseTicket, type RedisBackendOptions, redis, stageKey } from "flo
 import type { Redis } from "ioredis";
 import { afterEach, beforeAll, describe, expect, it } from "vitest";
 import { redisUrl } from "../contract/backends.js";
-import { closeClient, connectedClient, randomPrefix, skewedClock, sleep } from "./helpers.js";
+import { closeClient, connectedClient, randomPrefix, skewedClock, until } from "./helpers.js";
 
 type Backend = ReturnType<typeof redis>;
 
@@ -80,10 +80,18 @@ describe("workers with skewed clocks on one Redis", () => {
       expect(left).toBeGreaterThan(0);
       expect(left).toBeLessThanOrEqual(leaseMs);
 
-      // Past a full lease, with renewals going on, the skewed worker still cannot get in.
-      await sleep(leaseMs * 1.5);
-      expect(await ahead.tryAdmit()).toBeUndefined();
+      // Once the server's time is past the lease's first expiry, renewed meanwhile, the skewed
+      // worker still cannot get in.
+      await until(async () => (await serverNow(r)) > expiry, {
+        timeoutMs: leaseMs * 10,
+        message: "the server's time never passed the first expiry of the lease",
+      });
+      for (let i = 0; i < 5; i++) expect(await ahead.tryAdmit()).toBeUndefined();
+      const renewed = Number(await r.zscore(stageKey(prefix, "sem", "holders"), held.leaseId));
+      expect(renewed).toBeGreaterThan(expiry);
+      expect(renewed - (await serverNow(r))).toBeLessThanOrEqual(leaseMs);
       expect(held.signal.aborted).toBe(false);
+      expect(held.released).toBe(false);
       await held.release("success");
     });
 

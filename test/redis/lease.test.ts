@@ -10,12 +10,17 @@ import {
   randomPrefix,
   rejectionOf,
   StallableClock,
-  sleep,
   until,
   within,
 } from "./helpers.js";
 
 type Backend = ReturnType<typeof redis>;
+
+/** The Redis server's clock in milliseconds, as the scripts read it. */
+async function serverNow(client: Redis): Promise<number> {
+  const [seconds, micros] = await client.time();
+  return Number(seconds) * 1000 + Math.floor(Number(micros) / 1000);
+}
 
 describe("Redis leases", () => {
   let url: string;
@@ -61,9 +66,18 @@ describe("Redis leases", () => {
     const acquired = await holder.message("acquired", 15_000);
 
     const sem = (await backend(prefix)).semaphore("sem", { limit: 1, leaseMs });
-    // The holder renews from its own process: past its first lease it still holds the permit.
-    await sleep(leaseMs * 1.5);
+    const r = await rawClient();
+    const holders = stageKey(prefix, "sem", "holders");
+    const firstExpiry = Number(await r.zscore(holders, String(acquired.leaseId)));
+    expect(firstExpiry).toBeGreaterThan(0);
+    // The holder renews from its own process: once the server's time is past its first lease's
+    // end, it still holds the permit.
+    await until(async () => (await serverNow(r)) > firstExpiry, {
+      timeoutMs: leaseMs * 10,
+      message: "the server's time never passed the first expiry of the lease",
+    });
     expect(await sem.tryAdmit()).toBeUndefined();
+    expect(Number(await r.zscore(holders, String(acquired.leaseId)))).toBeGreaterThan(firstExpiry);
 
     const waiting = sem.admit({ timeoutMs: 15_000 });
     await holder.kill();
