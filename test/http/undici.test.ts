@@ -78,65 +78,6 @@ describe("floodgateInterceptor", () => {
     expect(adaptive.snapshot().limit).toBe(3);
   });
 
-  it.each([429, 503])("releases a %i response as dropped", async (status) => {
-    const { gate, adaptive } = adaptiveGate();
-    server.respond = reply(status);
-    const res = await send(server.url, agent.compose(floodgateInterceptor(gate)));
-    expect(res.statusCode).toBe(status);
-    await res.body.dump();
-    expect(gate.snapshot().inFlight).toBe(0);
-    expect(adaptive.snapshot().limit).toBe(2);
-  });
-
-  describe("Retry-After", () => {
-    const wall = Date.UTC(2026, 2, 1, 12, 0, 0);
-    const cases: Array<[string, Record<string, string>, number]> = [
-      ["seconds", { "retry-after": "7" }, 7_000],
-      ["an HTTP date", { "retry-after": new Date(wall + 30_000).toUTCString() }, 30_000],
-      ["retry-after-ms", { "retry-after-ms": "1500" }, 1_500],
-    ];
-
-    it.each(cases)(
-      "pauses the host for Retry-After as %s before the response is seen",
-      async (_f, headers, ms) => {
-        const { gate, hosts } = adaptiveGate();
-        server.respond = reply(429, headers);
-        const res = await send(server.url, agent.compose(floodgateInterceptor(gate, { now: () => wall })));
-        expect(hosts.delayFor(server.host)).toBe(ms);
-        await res.body.dump();
-      },
-    );
-
-    it("ignores a malformed Retry-After", async () => {
-      const { gate, hosts, adaptive } = adaptiveGate();
-      server.respond = reply(429, { "retry-after": "Tomorrow-ish" });
-      const res = await send(server.url, agent.compose(floodgateInterceptor(gate)));
-      await res.body.dump();
-      expect(res.statusCode).toBe(429);
-      expect(hosts.delayFor(server.host)).toBe(0);
-      expect(adaptive.snapshot().limit).toBe(2);
-    });
-
-    it("holds the next request to a paused host until the pause has passed", async () => {
-      const { gate } = adaptiveGate();
-      const dispatcher = agent.compose(floodgateInterceptor(gate));
-      server.respond = reply(503, { "retry-after": "2" });
-      await (await send(server.url, dispatcher)).body.dump();
-      server.respond = reply(200);
-
-      const next = send(`${server.url}/next`, dispatcher);
-      await clock.advance(1_999);
-      expect(gate.snapshot().waiting).toBe(1);
-      expect(server.received).toHaveLength(1);
-
-      await clock.advance(1);
-      const res = await next;
-      expect(res.statusCode).toBe(200);
-      await res.body.dump();
-      expect(server.received).toHaveLength(2);
-    });
-  });
-
   describe("aborting", () => {
     function permitGate() {
       const backend = memory({ clock });
