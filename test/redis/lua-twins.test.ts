@@ -81,6 +81,8 @@ describe("Lua scripts against their TypeScript twins", () => {
       { capacity: 10, refillPerSecond: 3.7, recoveryMs: 5000, initial: 6, seed: 11 },
       { capacity: 1, refillPerSecond: 0.25, recoveryMs: 700, initial: 0, seed: 23 },
       { capacity: 1000, refillPerSecond: 250, recoveryMs: 30_000, initial: 1000, seed: 37 },
+      // A refill so slow that a debt lasts, and a penalty gone in a millisecond.
+      { capacity: 3, refillPerSecond: 0.001, recoveryMs: 1, initial: 3, seed: 41 },
     ];
 
     it.each(configs)(
@@ -228,6 +230,11 @@ describe("Lua scripts against their TypeScript twins", () => {
       let moved = 0;
       for (let i = 0; i < STEPS; i++) {
         const where = `seed ${c.seed}, step ${i}`;
+        if (random() < 0.02) {
+          // A limit outside [min, max], as a fleet finds it after a deploy changed them.
+          s = { limit: int(random, 1, 2 * c.max), epoch: s.epoch };
+          await client.hset(meta, "limit", s.limit);
+        }
         const cost = int(random, 1, Math.min(3, c.min));
         // In flight when the sample arrives, this call included: around the limit, either side.
         const used = int(random, cost, 2 * s.limit + 2);
