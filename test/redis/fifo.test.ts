@@ -53,12 +53,13 @@ describe("waiting across processes", () => {
     // A newcomer in the releasing process asks while b and c wait: it must not overtake them.
     expect(await semA.tryAdmit()).toBeUndefined();
     await held.release("success");
-    const tb = await waitB;
+    // Whichever is granted first shows in `order`; awaiting b alone would hang, not fail, if c were.
+    await until(() => order.length > 0, { timeoutMs: 5000, message: "nobody was granted" });
     expect(order).toEqual(["b"]);
-    await tb.release("success");
-    const tc = await waitC;
+    await (await waitB).release("success");
+    await until(() => order.length > 1, { timeoutMs: 5000, message: "c was never granted" });
     expect(order).toEqual(["b", "c"]);
-    await tc.release("success");
+    await (await waitC).release("success");
   });
 
   it("costs one Redis call per release, not one per waiter, and grants in line order", async () => {
