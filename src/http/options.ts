@@ -50,38 +50,6 @@ export function readingOptions<T>(field: string, what: string, fail: Fail, check
 }
 
 /**
- * The shape every per-call `floodgate` option shares (`init.floodgate` for fetch, `opts.floodgate`
- * for undici): `false`, or an object of known keys whose `key` and `host` are non-empty strings.
- * `where` names the holder in messages; `fail` throws the caller's error.
- */
-function checkCallShape(
-  call: unknown,
-  where: "init" | "opts",
-  keys: ReadonlySet<string>,
-  fail: Fail,
-): Record<string, unknown> | false {
-  if (call === undefined || call === false) return call === false ? false : {};
-  if (typeof call !== "object" || call === null || isArray(call)) {
-    fail("floodgate", `${where}.floodgate must be an object or false, ${got(call)}`);
-  }
-  return readingOptions("floodgate", `${where}.floodgate`, fail, () => {
-    // A copy: what is checked here is what the gate is given.
-    const c: Record<string, unknown> = {};
-    for (const k of Object.keys(call)) {
-      if (!keys.has(k)) fail(`floodgate.${k}`, `unknown option "floodgate.${k}"`);
-      c[k] = (call as Record<string, unknown>)[k];
-    }
-    for (const k of ["key", "host"]) {
-      const v = c[k];
-      if (v !== undefined && !(typeof v === "string" && v.length > 0)) {
-        fail(`floodgate.${k}`, `${where}.floodgate.${k} must be a non-empty string, ${got(v)}`);
-      }
-    }
-    return c;
-  });
-}
-
-/**
  * Whether `gate` is keyed by a call's `key`; a `key` option given for a gate that is not is
  * refused through `fail`, naming it.
  * @internal
@@ -178,14 +146,34 @@ export function checkOptions(spec: WrapperSpec, options: unknown): Record<string
 }
 
 /**
- * Check a call's `floodgate` options: `false`, or a copy of the object with each field checked
- * but `cost`, `costs` and `timeoutMs`, which the gate checks and names.
+ * Check a call's `floodgate` options (`init.floodgate` for fetch, `opts.floodgate` for undici):
+ * `false`, or a copy of an object of known keys whose `key` and `host` are non-empty strings and
+ * whose `retry` is a retry option. `cost`, `costs` and `timeoutMs` are left to the gate, which
+ * checks them and names the field.
  * @internal
  */
 export function checkCall(spec: WrapperSpec, call: unknown): Record<string, unknown> | false {
-  const { fail, where } = spec;
-  const c = checkCallShape(call, where, spec.callKeys, fail);
-  if (c === false) return false;
+  const { where } = spec;
+  const fail: Fail = spec.fail;
+  if (call === undefined || call === false) return call === false ? false : {};
+  if (typeof call !== "object" || call === null || isArray(call)) {
+    fail("floodgate", `${where}.floodgate must be an object or false, ${got(call)}`);
+  }
+  const c = readingOptions("floodgate", `${where}.floodgate`, fail, () => {
+    // A copy: what is checked here is what the gate is given.
+    const copy: Record<string, unknown> = {};
+    for (const k of Object.keys(call)) {
+      if (!spec.callKeys.has(k)) fail(`floodgate.${k}`, `unknown option "floodgate.${k}"`);
+      copy[k] = (call as Record<string, unknown>)[k];
+    }
+    for (const k of ["key", "host"]) {
+      const v = copy[k];
+      if (v !== undefined && !(typeof v === "string" && v.length > 0)) {
+        fail(`floodgate.${k}`, `${where}.floodgate.${k} must be a non-empty string, ${got(v)}`);
+      }
+    }
+    return copy;
+  });
   const retry = c.retry;
   if (retry !== undefined && retry !== false) {
     readingOptions("floodgate.retry", `${where}.floodgate.retry`, fail, () =>
