@@ -623,17 +623,17 @@ export class Gate implements Stage {
   }
 
   /**
-   * Pause `host` on every interval gate in this gate (and in gates nested in it). Bad arguments
-   * reject with `InvalidOptionsError`, whether or not the gate has an interval gate.
+   * Pause `host` on every stage of this gate that can pause a host (interval gates, gates nested
+   * in it, a stage of your own with a `pause(host, ms)` method). Bad arguments reject with
+   * `InvalidOptionsError`, whether or not the gate has such a stage.
    */
   async pause(host: string, ms: number): Promise<void> {
     const invalid = pauseError(this.name, host, ms, "gate");
     if (invalid) throw invalid;
     const pending: Promise<void>[] = [];
     for (const stage of this.stages) {
-      if (stage instanceof Gate || stage.kind === "intervalGate") {
-        pending.push((stage as IntervalGateStage).pause(host, ms));
-      }
+      const pause = (stage as Partial<IntervalGateStage>).pause;
+      if (typeof pause === "function") pending.push(pause.call(stage, host, ms));
     }
     await Promise.all(pending);
   }

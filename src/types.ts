@@ -18,7 +18,15 @@ import type {
 export type Outcome = "success" | "dropped" | "ignored";
 
 /** The kinds of stage floodgate ships. */
-export type StageKind = "semaphore" | "tokenBucket" | "queue" | "intervalGate" | "aimd" | "gate";
+export type StageKind =
+  | "semaphore"
+  | "tokenBucket"
+  | "queue"
+  | "intervalGate"
+  | "aimd"
+  | "gate"
+  // A stage of your own names its kind (see docs/custom-stage.md).
+  | (string & {});
 
 /**
  * Options for one admission. Every field is optional; a stage reads the ones it needs. Each
