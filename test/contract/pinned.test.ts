@@ -374,6 +374,27 @@ describe.each(backends)("pinned behaviour on $name", (backend) => {
       await gate.close(); // a second close is a no-op
     });
 
+    it("refuses a call at a stage closed on its own, though the gate is open", async () => {
+      const b = backend.make(clock);
+      const stages = [
+        b.semaphore("sem", { limit: 5 }),
+        b.tokenBucket("bucket", { capacity: 5, refillPerSecond: 1 }),
+        b.intervalGate("hosts", { minIntervalMs: 10, defaultHost: "h" }),
+      ];
+      for (const stage of stages) {
+        const gate = new Gate([stage], { clock });
+        await stage.close();
+        let called = false;
+        const run = gate.run(() => {
+          called = true;
+        });
+        await expect(gate.admit()).rejects.toBeInstanceOf(ClosedError);
+        await expect(run).rejects.toBeInstanceOf(ClosedError);
+        expect(called).toBe(false);
+        expect(gate.snapshot()).toMatchObject({ admitted: 0, inFlight: 0, waiting: 0 });
+      }
+    });
+
     it("rejects a waiting call with ClosedError when the gate closes, holding nothing", async () => {
       const b = backend.make(clock);
       const bucket = b.tokenBucket("bucket", { capacity: 1, refillPerSecond: 1 });
