@@ -1,5 +1,5 @@
 import { admitOptions, pauseError, settleValue } from "../admit.js";
-import { callWith, type RecordingTicket } from "../base/run.js";
+import { callWith, RESOLVED, type RecordingTicket } from "../base/run.js";
 import { outcomeError } from "../base/stage.js";
 import type { Clock } from "../clock.js";
 import { InvalidOptionsError, isFloodgateError } from "../errors.js";
@@ -16,7 +16,6 @@ import type {
   TryAdmitOptions,
 } from "../types.js";
 
-const RESOLVED: Promise<void> = Promise.resolve();
 const NEVER = new AbortController().signal;
 
 /** How long a stage stays on its fallback before it asks Redis again, in milliseconds. */
