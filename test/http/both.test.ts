@@ -1,12 +1,12 @@
 // The runs wrapFetch and floodgateInterceptor share: the same calls, the same assertions, once
 // through each.
-import { Gate, type MemoryAimd, type MemoryIntervalGate, memory } from "floodgate";
+import type { Gate } from "floodgate";
 import { wrapFetch } from "floodgate/fetch";
 import { FakeClock } from "floodgate/testing";
 import { floodgateInterceptor } from "floodgate/undici";
 import { Agent, type Dispatcher, request } from "undici";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
-import { reply, TestServer } from "./server.js";
+import { adaptiveGateOn, reply, TestServer } from "./server.js";
 
 let server: TestServer;
 let clock: FakeClock;
@@ -24,13 +24,7 @@ afterEach(async () => {
 });
 
 /** A gate of an interval gate (no spacing) and an AIMD limiter, on the fake clock. */
-function adaptiveGate(aimd: { initial: number; max: number } = { initial: 4, max: 4 }) {
-  const backend = memory({ clock });
-  const hosts = backend.intervalGate("hosts", { minIntervalMs: 0 });
-  const adaptive = backend.aimd("adaptive", { ...aimd, min: 1, backoffRatio: 0.5 });
-  const gate = new Gate([hosts, adaptive], { clock });
-  return { gate, hosts: hosts as MemoryIntervalGate, adaptive: adaptive as MemoryAimd };
-}
+const adaptiveGate = (aimd?: { initial: number; max: number }) => adaptiveGateOn(clock, aimd);
 
 /** A response as a test reads it: its status, and `ended`, which resolves once the call is over. */
 interface Sent {

@@ -2,8 +2,6 @@ import {
   AdmitTimeoutError,
   Gate,
   InvalidOptionsError,
-  type MemoryAimd,
-  type MemoryIntervalGate,
   type MemorySemaphore,
   type MemoryTokenBucket,
   memory,
@@ -11,7 +9,7 @@ import {
 import { wrapFetch } from "floodgate/fetch";
 import { FakeClock } from "floodgate/testing";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
-import { closedPort, reply, TestServer } from "./server.js";
+import { adaptiveGateOn, closedPort, reply, TestServer } from "./server.js";
 
 let server: TestServer;
 let clock: FakeClock;
@@ -27,13 +25,7 @@ afterEach(async () => {
 });
 
 /** A gate of an interval gate (no spacing) and an AIMD limiter, on the fake clock. */
-function adaptiveGate(aimd: { initial: number; max: number } = { initial: 4, max: 4 }) {
-  const backend = memory({ clock });
-  const hosts = backend.intervalGate("hosts", { minIntervalMs: 0 });
-  const adaptive = backend.aimd("adaptive", { ...aimd, min: 1, backoffRatio: 0.5 });
-  const gate = new Gate([hosts, adaptive], { clock });
-  return { gate, hosts: hosts as MemoryIntervalGate, adaptive: adaptive as MemoryAimd };
-}
+const adaptiveGate = (aimd?: { initial: number; max: number }) => adaptiveGateOn(clock, aimd);
 
 describe("wrapFetch", () => {
   it("sends a call through the gate and releases it as success", async () => {

@@ -3,15 +3,13 @@ import {
   type Clock,
   Gate,
   InvalidOptionsError,
-  type MemoryAimd,
-  type MemoryIntervalGate,
   type MemorySemaphore,
   memory,
 } from "floodgate";
 import { backoffMs, RetryError, type RetryEvent, wrapFetch } from "floodgate/fetch";
 import { FakeClock } from "floodgate/testing";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
-import { closedPort, reply, sequence, TestServer } from "./server.js";
+import { adaptiveGateOn, closedPort, reply, sequence, TestServer } from "./server.js";
 
 /** The retry events of a call, and a way to wait for the n-th. */
 class Events {
@@ -54,13 +52,7 @@ afterEach(async () => {
 });
 
 /** A gate of an interval gate and an AIMD limiter, on the fake clock. */
-function adaptiveGate(minIntervalMs = 0) {
-  const backend = memory({ clock });
-  const hosts = backend.intervalGate("hosts", { minIntervalMs }) as MemoryIntervalGate;
-  const adaptive = backend.aimd("adaptive", { initial: 8, min: 1, max: 8, backoffRatio: 0.5 }) as MemoryAimd;
-  const gate = new Gate([hosts, adaptive], { clock });
-  return { gate, hosts, adaptive };
-}
+const adaptiveGate = (minIntervalMs = 0) => adaptiveGateOn(clock, { initial: 8, max: 8 }, minIntervalMs);
 
 describe("backoffMs", () => {
   const policy = (random: number) => ({ baseMs: 100, maxMs: 1_000, random: () => random });

@@ -1,6 +1,6 @@
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
 import type { AddressInfo } from "node:net";
-import { Gate, type MemoryIntervalGate, memory } from "floodgate";
+import { Gate, type MemoryAimd, type MemoryIntervalGate, memory } from "floodgate";
 import type { FakeClock } from "floodgate/testing";
 
 export type Respond = (req: IncomingMessage, res: ServerResponse, body: string) => void;
@@ -84,4 +84,19 @@ export async function closedPort(): Promise<number> {
 export function hostsGate(clock: FakeClock): { gate: Gate; hosts: MemoryIntervalGate } {
   const hosts = memory({ clock }).intervalGate("hosts", { minIntervalMs: 0 }) as MemoryIntervalGate;
   return { gate: new Gate([hosts], { clock }), hosts };
+}
+
+/**
+ * A gate of an interval gate (`minIntervalMs` apart, none by default) and an AIMD limiter that
+ * halves on a drop, on `clock`.
+ */
+export function adaptiveGateOn(
+  clock: FakeClock,
+  aimd: { initial: number; max: number } = { initial: 4, max: 4 },
+  minIntervalMs = 0,
+): { gate: Gate; hosts: MemoryIntervalGate; adaptive: MemoryAimd } {
+  const backend = memory({ clock });
+  const hosts = backend.intervalGate("hosts", { minIntervalMs }) as MemoryIntervalGate;
+  const adaptive = backend.aimd("adaptive", { ...aimd, min: 1, backoffRatio: 0.5 }) as MemoryAimd;
+  return { gate: new Gate([hosts, adaptive], { clock }), hosts, adaptive };
 }

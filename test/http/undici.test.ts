@@ -3,7 +3,6 @@ import {
   AdmitTimeoutError,
   Gate,
   InvalidOptionsError,
-  type MemoryAimd,
   type MemoryIntervalGate,
   type MemorySemaphore,
   type MemoryTokenBucket,
@@ -13,7 +12,7 @@ import { FakeClock } from "floodgate/testing";
 import { floodgateInterceptor } from "floodgate/undici";
 import { Agent, type Dispatcher, interceptors, request } from "undici";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
-import { closedPort, type Respond, reply, TestServer } from "./server.js";
+import { adaptiveGateOn, closedPort, type Respond, reply, TestServer } from "./server.js";
 
 /** Answers with each status in turn, then repeats the last. */
 const sequence =
@@ -39,13 +38,8 @@ afterEach(async () => {
 });
 
 /** A gate of an interval gate and an AIMD limiter, on the fake clock. */
-function adaptiveGate(aimd: { initial: number; max: number } = { initial: 4, max: 4 }, minIntervalMs = 0) {
-  const backend = memory({ clock });
-  const hosts = backend.intervalGate("hosts", { minIntervalMs });
-  const adaptive = backend.aimd("adaptive", { ...aimd, min: 1, backoffRatio: 0.5 });
-  const gate = new Gate([hosts, adaptive], { clock });
-  return { gate, hosts: hosts as MemoryIntervalGate, adaptive: adaptive as MemoryAimd };
-}
+const adaptiveGate = (aimd?: { initial: number; max: number }, minIntervalMs?: number) =>
+  adaptiveGateOn(clock, aimd, minIntervalMs);
 
 /** `request` with options undici's types do not know (`floodgate`, an EventEmitter signal). */
 function send(url: string, dispatcher: Dispatcher, extra: Record<string, unknown> = {}) {
