@@ -1,6 +1,16 @@
-import { admitOptions, type Entry, pauseError, settleValue, tooCostly } from "./admit.js";
+/**
+ * The Gate. Over 350 lines because its admission path (the synchronous run through memory stages
+ * with room, the wait in one stage's line, the resumption after it, the give-up on failure) is
+ * one piece read together; its ticket is in gate-ticket.ts and the order rule in stage-order.ts.
+ */
+import { admitOptions, type Entry, pauseError, tooCostly } from "./admit.js";
+import { GateTicket, settleAll } from "./gate-ticket.js";
+import { stageOrderWarning, warnOrder } from "./stage-order.js";
+
+export { stageOrderWarning } from "./stage-order.js";
+
 import { callWith, RESOLVED } from "./base/run.js";
-import { type BaseStage, type BaseTicket, outcomeError, RunWaiter } from "./base/stage.js";
+import { type BaseStage, type BaseTicket, RunWaiter } from "./base/stage.js";
 import { type Clock, systemClock } from "./clock.js";
 import { ClosedError, InvalidOptionsError } from "./errors.js";
 import { stageLogger } from "./logger.js";
@@ -9,7 +19,6 @@ import type {
   GateSnapshot,
   IntervalGateStage,
   Logger,
-  Outcome,
   RunOptions,
   Snapshot,
   Stage,
@@ -38,91 +47,6 @@ export interface Job<T> {
   readonly done: Promise<T>;
 }
 
-/** The tickets a gate holds for one call, released together in reverse order. */
-class GateTicket implements Ticket {
-  released = false;
-  recorded: Outcome | undefined = undefined;
-  #signal: AbortSignal | undefined;
-
-  constructor(
-    readonly gate: Gate,
-    readonly cost: number,
-    readonly held: Ticket[],
-  ) {}
-
-  get stage(): string {
-    return this.gate.name;
-  }
-
-  get signal(): AbortSignal {
-    if (!this.#signal) {
-      const signals = this.held.map((t) => t.signal);
-      signals.push(this.gate.closedSignal);
-      this.#signal = signals.length === 1 ? signals[0]! : AbortSignal.any(signals);
-    }
-    return this.#signal;
-  }
-
-  record(outcome: Outcome): void {
-    const invalid = outcomeError("gate", this.gate.name, outcome);
-    if (invalid) throw invalid;
-    this.recorded = outcome;
-  }
-
-  release(outcome?: Outcome): Promise<void> {
-    if (outcome !== undefined) {
-      const invalid = outcomeError("gate", this.gate.name, outcome);
-      if (invalid) return Promise.reject(invalid);
-    }
-    if (this.released) return RESOLVED;
-    this.released = true;
-    this.gate.inFlight--;
-    return settleAll(this.held, outcome ?? this.recorded ?? "ignored");
-  }
-
-  refund(): Promise<void> {
-    if (this.released) return RESOLVED;
-    this.released = true;
-    this.gate.inFlight--;
-    return settleAll(this.held, undefined);
-  }
-
-  /**
-   * Check `actual` once, then settle every stage ticket with it: each stage that prices by cost
-   * (a token bucket) re-prices at its number, and every other stage ignores it. The gate
-   * ticket's own `cost` never changes.
-   */
-  async settle(actual: number | Readonly<Record<string, number>>): Promise<void> {
-    const value = settleValue("gate", this.gate.name, actual);
-    await Promise.all(this.held.map((t) => t.settle(value)));
-  }
-
-  close(): Promise<void> {
-    return this.release();
-  }
-
-  [Symbol.asyncDispose](): Promise<void> {
-    return this.release();
-  }
-}
-
-const noop = () => {};
-
-/** Release (or, with no outcome, refund) tickets last to first; resolves when all are done. */
-function settleAll(tickets: readonly Ticket[], outcome: Outcome | undefined): Promise<void> {
-  if (tickets.length === 1) return outcome ? tickets[0]!.release(outcome) : tickets[0]!.refund();
-  // In memory every release is done at once: no promise to gather.
-  let pending: Promise<void>[] | undefined;
-  for (let i = tickets.length - 1; i >= 0; i--) {
-    const t = tickets[i]!;
-    const p = outcome ? t.release(outcome) : t.refund();
-    if (p === RESOLVED) continue;
-    if (pending) pending.push(p);
-    else pending = [p];
-  }
-  return pending ? Promise.all(pending).then(noop) : RESOLVED;
-}
-
 /** Every stage name in `stages` and in gates among them, and whether any is keyed by `key`. */
 function namesOf(stages: readonly Stage[]): { all: Set<string>; keyed: boolean } {
   const all = new Set<string>();
@@ -133,45 +57,6 @@ function namesOf(stages: readonly Stage[]): { all: Set<string>; keyed: boolean }
     if (s instanceof Gate) for (const n of namesOf(s.stages).all) all.add(n);
   }
   return { all, keyed };
-}
-
-/** Stages that hold a call: a metering stage before one of them meters admissions, not call starts. */
-const HOLDING: ReadonlySet<StageKind> = new Set(["semaphore", "aimd", "queue"]);
-
-/**
- * Why the order of `stages` breaks what its metering stages promise, or undefined when it keeps
- * to the rule: stages that hold a call (queue, semaphore, AIMD) first, then token buckets, then
- * interval gates last. A stage after a metering stage can still make the call wait, so the
- * call would start later than its token or its host's slot allowed.
- */
-export function stageOrderWarning(stages: readonly Stage[]): string | undefined {
-  let meter: Stage | undefined;
-  for (const s of stages) {
-    if (meter && (HOLDING.has(s.kind) || (meter.kind === "intervalGate" && s.kind === "tokenBucket"))) {
-      return `${meter.kind} "${meter.name}" comes before ${s.kind} "${s.name}", which can still make a call wait after it: its ${meter.kind === "intervalGate" ? "spacing" : "rate"} then holds for admissions, not for the starts of calls. List stages that hold a call (queue, semaphore, aimd) first, token buckets next, interval gates last`;
-    }
-    if (s.kind === "tokenBucket" || s.kind === "intervalGate") {
-      if (meter?.kind !== "intervalGate") meter = s;
-    }
-  }
-  return undefined;
-}
-
-let orderWarned = false;
-
-/**
- * Say once that a gate's order breaks what its metering stages promise: on the gate's logger
- * when it was given one, else as a process warning (once per process, code
- * `FLOODGATE_STAGE_ORDER`), so that it is seen without a logger.
- */
-function warnOrder(log: Logger | undefined, gate: string, why: string): void {
-  if (log) {
-    log.warn({ gate }, why);
-    return;
-  }
-  if (orderWarned) return;
-  orderWarned = true;
-  process.emitWarning(`gate "${gate}": ${why}`, { code: "FLOODGATE_STAGE_ORDER" });
 }
 
 /** The cost of a call at `stage`: its entry in `costs`, else `cost`. */

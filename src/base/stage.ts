@@ -1,3 +1,8 @@
+/**
+ * The base of every built-in stage: its ticket, its waiters and the paths they share (admission,
+ * waiting with abort and timeout, release once, counters). Over 350 lines because those parts
+ * share the stage's private state; the wait list itself is in wait-list.ts and `run` in run.ts.
+ */
 import { admitOptions, type Entry, settleValue } from "../admit.js";
 import type { Clock } from "../clock.js";
 import { AdmitTimeoutError, ClosedError, InvalidOptionsError } from "../errors.js";

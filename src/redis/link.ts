@@ -1,3 +1,8 @@
+/**
+ * The Redis link: scripts by SHA with the NOSCRIPT fallback, command timeouts, corked batches,
+ * the first connection, the server's clock and the pub/sub subscriber. Over 350 lines because
+ * every call goes through its one queue of pending replies, which these parts share.
+ */
 import type { Clock, ClockTimer } from "../clock.js";
 import { BackendUnavailableError } from "../errors.js";
 import type { Logger } from "../types.js";

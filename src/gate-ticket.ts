@@ -1,0 +1,98 @@
+import { settleValue } from "./admit.js";
+import { RESOLVED } from "./base/run.js";
+import { outcomeError } from "./base/stage.js";
+import type { Outcome, Ticket } from "./types.js";
+
+/** What a gate ticket needs of its gate. */
+export interface TicketGate {
+  readonly name: string;
+  /** Calls holding a ticket of the gate; a release or refund counts one out. */
+  inFlight: number;
+  /** Aborts when the gate closes. */
+  readonly closedSignal: AbortSignal;
+}
+
+/** The tickets a gate holds for one call, released together in reverse order. */
+export class GateTicket implements Ticket {
+  released = false;
+  recorded: Outcome | undefined = undefined;
+  #signal: AbortSignal | undefined;
+
+  constructor(
+    readonly gate: TicketGate,
+    readonly cost: number,
+    readonly held: Ticket[],
+  ) {}
+
+  get stage(): string {
+    return this.gate.name;
+  }
+
+  get signal(): AbortSignal {
+    if (!this.#signal) {
+      const signals = this.held.map((t) => t.signal);
+      signals.push(this.gate.closedSignal);
+      this.#signal = signals.length === 1 ? signals[0]! : AbortSignal.any(signals);
+    }
+    return this.#signal;
+  }
+
+  record(outcome: Outcome): void {
+    const invalid = outcomeError("gate", this.gate.name, outcome);
+    if (invalid) throw invalid;
+    this.recorded = outcome;
+  }
+
+  release(outcome?: Outcome): Promise<void> {
+    if (outcome !== undefined) {
+      const invalid = outcomeError("gate", this.gate.name, outcome);
+      if (invalid) return Promise.reject(invalid);
+    }
+    if (this.released) return RESOLVED;
+    this.released = true;
+    this.gate.inFlight--;
+    return settleAll(this.held, outcome ?? this.recorded ?? "ignored");
+  }
+
+  refund(): Promise<void> {
+    if (this.released) return RESOLVED;
+    this.released = true;
+    this.gate.inFlight--;
+    return settleAll(this.held, undefined);
+  }
+
+  /**
+   * Check `actual` once, then settle every stage ticket with it: each stage that prices by cost
+   * (a token bucket) re-prices at its number, and every other stage ignores it. The gate
+   * ticket's own `cost` never changes.
+   */
+  async settle(actual: number | Readonly<Record<string, number>>): Promise<void> {
+    const value = settleValue("gate", this.gate.name, actual);
+    await Promise.all(this.held.map((t) => t.settle(value)));
+  }
+
+  close(): Promise<void> {
+    return this.release();
+  }
+
+  [Symbol.asyncDispose](): Promise<void> {
+    return this.release();
+  }
+}
+
+const noop = () => {};
+
+/** Release (or, with no outcome, refund) tickets last to first; resolves when all are done. */
+export function settleAll(tickets: readonly Ticket[], outcome: Outcome | undefined): Promise<void> {
+  if (tickets.length === 1) return outcome ? tickets[0]!.release(outcome) : tickets[0]!.refund();
+  // In memory every release is done at once: no promise to gather.
+  let pending: Promise<void>[] | undefined;
+  for (let i = tickets.length - 1; i >= 0; i--) {
+    const t = tickets[i]!;
+    const p = outcome ? t.release(outcome) : t.refund();
+    if (p === RESOLVED) continue;
+    if (pending) pending.push(p);
+    else pending = [p];
+  }
+  return pending ? Promise.all(pending).then(noop) : RESOLVED;
+}
