@@ -14,9 +14,12 @@ local host       = KEYS[1]
 local now        = floodgate_now(ARGV[1])
 local ms         = tonumber(ARGV[2])
 
+-- A field not yet written holds nothing back, whatever the clock reads (it may be negative).
 local state       = redis.call('HMGET', host, 'nextAt', 'pausedUntil')
-local nextAt      = math.max(tonumber(state[1] or '-1'), now + ms)
-local pausedUntil = math.max(tonumber(state[2] or '-1'), now + ms)
+local nextAt      = now + ms
+local pausedUntil = now + ms
+if state[1] then nextAt = math.max(tonumber(state[1]), nextAt) end
+if state[2] then pausedUntil = math.max(tonumber(state[2]), pausedUntil) end
 local waitMs      = math.min(math.ceil(nextAt - now), LONGEST_MS)
 local ttl         = floodgate_num(math.min(waitMs + 1000, LONGEST_MS))
 redis.call('HSET', host, 'nextAt', floodgate_num(nextAt), 'pausedUntil', floodgate_num(pausedUntil))

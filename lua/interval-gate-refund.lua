@@ -7,13 +7,18 @@
 -- ARGV[2] claimed   the nextAt the grant set, as returned by interval-gate-take
 -- ARGV[3] previous  the nextAt it replaced ("" when the host had none)
 --
--- Returns 1 when the slot was handed back, 0 when the host had moved on.
+-- Returns 1 when the slot was handed back, 0 when the host had moved on. A host that had no slot
+-- before and was never paused has none again, whatever the clock reads (it may be negative).
 local host     = KEYS[1]
 local claimed  = ARGV[2]
-local previous = tonumber(ARGV[3] ~= '' and ARGV[3] or '-1')
 
 local state = redis.call('HMGET', host, 'nextAt', 'pausedUntil')
 if state[1] ~= claimed then return 0 end
-local pausedUntil = tonumber(state[2] or '-1')
-redis.call('HSET', host, 'nextAt', floodgate_num(math.max(previous, pausedUntil)))
+local nextAt = tonumber(state[2])
+if ARGV[3] ~= '' then nextAt = math.max(tonumber(ARGV[3]), nextAt or tonumber(ARGV[3])) end
+if nextAt then
+  redis.call('HSET', host, 'nextAt', floodgate_num(nextAt))
+else
+  redis.call('HDEL', host, 'nextAt')
+end
 return 1

@@ -13,10 +13,13 @@ local host       = KEYS[1]
 local now        = floodgate_now(ARGV[1])
 local spacing    = tonumber(ARGV[2])
 
+-- A host with no slot yet may start at once, whatever the clock reads (it may be negative).
 local previous = redis.call('HGET', host, 'nextAt') or ''
-local nextAt = tonumber(previous ~= '' and previous or '-1')
-if nextAt > now then
-  return {0, floodgate_num(math.min(nextAt - now, LONGEST_MS))}
+if previous ~= '' then
+  local nextAt = tonumber(previous)
+  if nextAt > now then
+    return {0, floodgate_num(math.min(nextAt - now, LONGEST_MS))}
+  end
 end
 local claimed = floodgate_num(now + spacing)
 local ttl     = floodgate_num(math.min(math.ceil(spacing) + 1000, LONGEST_MS))

@@ -4,7 +4,9 @@
  * TypeScript function gives for the same state, time and arguments. (token-bucket-take and
  * token-bucket-take-many are checked the same way in scripts.test.ts.)
  */
+import { memory } from "floodgate";
 import { commandName, redis, type ScriptName } from "floodgate/redis";
+import { FakeClock } from "floodgate/testing";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { type AimdConfig, type AimdState, aimdStep } from "../../src/algorithms/aimd.js";
@@ -284,78 +286,101 @@ describe("Lua scripts against their TypeScript twins", () => {
 
   describe("interval-gate-take, -pause and -refund", () => {
     const configs = [
-      { minIntervalMs: 100, jitterMs: 0, seed: 3 },
-      { minIntervalMs: 250, jitterMs: 137.5, seed: 13 },
-      { minIntervalMs: 1, jitterMs: 2000, seed: 31 },
+      { minIntervalMs: 100, jitterMs: 0, start: 1_000_000, seed: 3 },
+      { minIntervalMs: 250, jitterMs: 137.5, start: 1_000_000, seed: 13 },
+      { minIntervalMs: 1, jitterMs: 2000, start: 1_000_000, seed: 31 },
+      // A clock below zero (only differences of its readings matter), crossing it.
+      { minIntervalMs: 300, jitterMs: 50, start: -200_000, seed: 43 },
     ];
 
-    it.each(configs)("minIntervalMs $minIntervalMs, jitterMs $jitterMs (seed $seed)", async (c) => {
-      const random = seeded(c.seed);
-      const key = `${randomPrefix("twin-interval")}h`;
-      /** The model, with the scripts' reading of a field never written: -1, long past. */
-      const never = (): HostState => ({ nextAt: -1, pausedUntil: -1 });
-      let h = never();
-      let nextAtWritten = false;
-      let pausedWritten = false;
-      const claims: { claimed: string; previous: string }[] = [];
-      const counts = { started: 0, waited: 0, pause: 0, handedBack: 0, kept: 0, expire: 0 };
-      let now = 1_000_000;
-      for (let i = 0; i < STEPS; i++) {
-        const where = `seed ${c.seed}, step ${i} at ${now}`;
-        const r = random();
-        if (r < 0.03) {
-          counts.expire++;
-          await client.del(key);
-          h = never();
-          nextAtWritten = false;
-          pausedWritten = false;
-        } else if (r < 0.6) {
-          const spacing = spacingMs(c.minIntervalMs, c.jitterMs, random());
-          const reply = (await run("interval-gate-take", [key], now, spacing)) as [number, string, string?];
-          if (h.nextAt > now) {
-            counts.waited++;
-            expect(reply[0], where).toBe(0);
-            expect(Number(reply[1]), where).toBe(h.nextAt - now);
-          } else {
-            counts.started++;
-            const previous = claimSlot(h, now, spacing);
-            expect(reply[0], where).toBe(1);
-            if (nextAtWritten) expect(Number(reply[1]), where).toBe(previous);
-            else expect(reply[1], where).toBe("");
-            expect(Number(reply[2]), where).toBe(h.nextAt);
-            claims.push({ claimed: reply[2]!, previous: reply[1] });
-            nextAtWritten = true;
+    it.each(configs)(
+      "minIntervalMs $minIntervalMs, jitterMs $jitterMs, from $start (seed $seed)",
+      async (c) => {
+        const random = seeded(c.seed);
+        const key = `${randomPrefix("twin-interval")}h`;
+        /** The model: a field not written (no slot yet, no pause) holds nothing back. */
+        const never = (): HostState => ({ nextAt: -Infinity, pausedUntil: -Infinity });
+        const read = (field: string | null | undefined) => (field == null ? -Infinity : Number(field));
+        let h = never();
+        const claims: { claimed: string; previous: string }[] = [];
+        const counts = { started: 0, waited: 0, pause: 0, handedBack: 0, kept: 0, expire: 0 };
+        let now = c.start;
+        for (let i = 0; i < STEPS; i++) {
+          const where = `seed ${c.seed}, step ${i} at ${now}`;
+          const r = random();
+          if (r < 0.03) {
+            counts.expire++;
+            await client.del(key);
+            h = never();
+          } else if (r < 0.6) {
+            const spacing = spacingMs(c.minIntervalMs, c.jitterMs, random());
+            const reply = (await run("interval-gate-take", [key], now, spacing)) as [number, string, string?];
+            if (h.nextAt > now) {
+              counts.waited++;
+              expect(reply[0], where).toBe(0);
+              expect(Number(reply[1]), where).toBe(h.nextAt - now);
+            } else {
+              counts.started++;
+              const previous = claimSlot(h, now, spacing);
+              expect(reply[0], where).toBe(1);
+              expect(read(reply[1] === "" ? null : reply[1]), where).toBe(previous);
+              expect(Number(reply[2]), where).toBe(h.nextAt);
+              claims.push({ claimed: reply[2]!, previous: reply[1] });
+            }
+          } else if (r < 0.75) {
+            counts.pause++;
+            const ms = random() < 0.5 ? int(random, 0, 3000) : random() * 500;
+            const reply = await run("interval-gate-pause", [key], now, ms);
+            pauseHost(h, now, ms);
+            expect(reply, where).toBe(Math.ceil(h.nextAt - now));
+          } else if (claims.length > 0) {
+            // The latest claim mostly, else an older one.
+            const at = random() < 0.7 ? claims.length - 1 : int(random, 0, claims.length - 1);
+            const { claimed, previous } = claims[at]!;
+            const reply = await run("interval-gate-refund", [key], now, claimed, previous);
+            const handed = refundSlot(h, Number(claimed), read(previous === "" ? null : previous));
+            if (handed) counts.handedBack++;
+            else counts.kept++;
+            expect(reply, where).toBe(handed ? 1 : 0);
           }
-        } else if (r < 0.75) {
-          counts.pause++;
-          const ms = random() < 0.5 ? int(random, 0, 3000) : random() * 500;
-          const reply = await run("interval-gate-pause", [key], now, ms);
-          pauseHost(h, now, ms);
-          expect(reply, where).toBe(Math.ceil(h.nextAt - now));
-          nextAtWritten = true;
-          pausedWritten = true;
-        } else if (claims.length > 0) {
-          // The latest claim mostly, else an older one.
-          const at = random() < 0.7 ? claims.length - 1 : int(random, 0, claims.length - 1);
-          const { claimed, previous } = claims[at]!;
-          const reply = await run("interval-gate-refund", [key], now, claimed, previous);
-          const handed = refundSlot(h, Number(claimed), previous === "" ? -1 : Number(previous));
-          if (handed) counts.handedBack++;
-          else counts.kept++;
-          expect(reply, where).toBe(handed ? 1 : 0);
+          const [nextAt, pausedUntil] = await client.hmget(key, "nextAt", "pausedUntil");
+          expect(read(nextAt), where).toBe(h.nextAt);
+          expect(read(pausedUntil), where).toBe(h.pausedUntil);
+          await client.persist(key);
+          now = step(random, now);
         }
-        const [nextAt, pausedUntil] = await client.hmget(key, "nextAt", "pausedUntil");
-        expect(nextAt === null ? undefined : Number(nextAt), where).toBe(
-          nextAtWritten ? h.nextAt : undefined,
-        );
-        expect(pausedUntil === null ? undefined : Number(pausedUntil), where).toBe(
-          pausedWritten ? h.pausedUntil : undefined,
-        );
-        await client.persist(key);
-        now = step(random, now);
-      }
-      for (const [name, n] of Object.entries(counts)) expect(n, name).toBeGreaterThan(STEPS / 100);
-      await client.del(key);
-    });
+        for (const [name, n] of Object.entries(counts)) expect(n, name).toBeGreaterThan(STEPS / 100);
+        await client.del(key);
+      },
+    );
+  });
+
+  it("starts, pauses and hands back a fresh host's slot alike in memory and on Redis on a clock below zero", async () => {
+    const clock = new FakeClock(-10_000);
+    const onRedis = redis(client, { prefix: randomPrefix("twin-below-zero"), clock, time: "clock" });
+    const inMemory = memory({ clock });
+    try {
+      const gates = [inMemory, onRedis].map((b) => b.intervalGate("g", { minIntervalMs: 100 }));
+      const started = async () =>
+        Promise.all(gates.map(async (g) => (await g.tryAdmit({ host: "h" })) !== undefined));
+      expect(await started()).toEqual([true, true]);
+      expect(await started()).toEqual([false, false]);
+      // The first slot of a fresh host handed back: the host may start again at once.
+      const tickets = await Promise.all(gates.map((g) => g.tryAdmit({ host: "r" })));
+      await Promise.all(tickets.map((t) => t!.refund()));
+      expect(
+        await Promise.all(gates.map(async (g) => (await g.tryAdmit({ host: "r" })) !== undefined)),
+      ).toEqual([true, true]);
+      await Promise.all(gates.map((g) => g.pause("p", 50)));
+      expect(
+        await Promise.all(gates.map(async (g) => (await g.tryAdmit({ host: "p" })) !== undefined)),
+      ).toEqual([false, false]);
+      await clock.advance(50);
+      expect(
+        await Promise.all(gates.map(async (g) => (await g.tryAdmit({ host: "p" })) !== undefined)),
+      ).toEqual([true, true]);
+    } finally {
+      await Promise.all([inMemory.close(), onRedis.close()]);
+    }
   });
 });
