@@ -1,4 +1,5 @@
 import type { WaitFor } from "../base/stage.js";
+import { DEFAULTS } from "../defaults.js";
 import type { QueueOptions } from "../options.js";
 import type { Snapshot, StageKind } from "../types.js";
 import { parseOptions, queueSchema } from "../validate.js";
@@ -21,7 +22,7 @@ export class RedisQueue extends RedisPermitStage {
         limit: o.maxSize,
         initial: o.maxSize,
         maxCost: o.maxSize,
-        leaseMs: 30_000,
+        leaseMs: DEFAULTS.leaseMs,
         whenFull: o.whenFull ?? "block",
         logger: o.logger,
       },

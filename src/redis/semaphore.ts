@@ -1,3 +1,4 @@
+import { DEFAULTS } from "../defaults.js";
 import type { SemaphoreOptions } from "../options.js";
 import type { StageKind } from "../types.js";
 import { parseOptions, semaphoreSchema } from "../validate.js";
@@ -19,7 +20,7 @@ export class RedisSemaphore extends RedisPermitStage {
         limit: o.limit,
         initial: o.limit,
         maxCost: o.limit,
-        leaseMs: o.leaseMs ?? 30_000,
+        leaseMs: o.leaseMs ?? DEFAULTS.leaseMs,
         whenFull: "block",
         logger: o.logger,
       },
