@@ -3,7 +3,7 @@
  * waiting with abort and timeout, release once, counters). Over 350 lines because those parts
  * share the stage's private state; the wait list itself is in wait-list.ts and `run` in run.ts.
  */
-import { admitOptions, type Entry, settleValue } from "../admit.js";
+import { admitOptions, type Entry, settleValue, tooCostly } from "../admit.js";
 import type { Clock } from "../clock.js";
 import { AdmitTimeoutError, ClosedError, InvalidOptionsError } from "../errors.js";
 import { enabled, stageLogger } from "../logger.js";
@@ -300,7 +300,20 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     if (this.closed) throw new ClosedError(this.name);
     // An aborted caller gets nothing, even where capacity is free.
     if (o.signal?.aborted) throw o.signal.reason;
+    // A cost above what the stage can ever grant is refused at once, never waited on.
+    const most = this.maxCost;
+    if (most !== undefined && o.cost !== undefined && o.cost > most) {
+      throw tooCostly(this.kind, this.name, o.cost, most);
+    }
     return o;
+  }
+
+  /**
+   * The largest cost one call can ever be admitted with (see `Stage.maxCost`), or undefined for a
+   * stage whose calls' cost is not bounded (an interval gate).
+   */
+  get maxCost(): number | undefined {
+    return undefined;
   }
 
   /** A granted ticket, counted. */

@@ -1,4 +1,3 @@
-import { tooCostly } from "../admit.js";
 import { BaseStage, type BaseTicket, type RunWaiter, type WaitFor } from "../base/stage.js";
 import { WaitList } from "../base/wait-list.js";
 import type { Clock } from "../clock.js";
@@ -24,7 +23,7 @@ export abstract class PermitStage extends BaseStage {
    * The largest cost one call can ever be admitted with: a larger one is refused at once with
    * `InvalidOptionsError`, and a Gate refuses it before it takes any stage.
    */
-  get maxCost(): number {
+  override get maxCost(): number {
     return this.limit;
   }
 
@@ -36,7 +35,6 @@ export abstract class PermitStage extends BaseStage {
       return Promise.reject(error);
     }
     const cost = o.cost ?? 1;
-    if (cost > this.maxCost) return Promise.reject(tooCostly(this.kind, this.name, cost, this.maxCost));
     // A cost of 0 takes nothing: admitted at once, even past callers in line (as on Redis).
     if ((this.waiters.size === 0 || cost === 0) && this.used + cost <= this.limit) {
       this.used += cost;
@@ -107,7 +105,6 @@ export abstract class PermitStage extends BaseStage {
       return Promise.reject(error);
     }
     const cost = o.cost ?? 1;
-    if (cost > this.maxCost) return Promise.reject(tooCostly(this.kind, this.name, cost, this.maxCost));
     // A cost of 0 takes nothing: admitted at once, even past callers in line (as on Redis).
     if ((this.waiters.size === 0 || cost === 0) && this.used + cost <= this.limit) {
       this.used += cost;
@@ -120,7 +117,6 @@ export abstract class PermitStage extends BaseStage {
     try {
       const o = this.check(options, "tryAdmit");
       const cost = o.cost ?? 1;
-      if (cost > this.maxCost) throw tooCostly(this.kind, this.name, cost, this.maxCost);
       if ((this.waiters.size > 0 && cost !== 0) || this.used + cost > this.limit)
         return Promise.resolve(undefined);
       this.used += cost;

@@ -1,4 +1,4 @@
-import { bucketKey, type Entry, LONGEST_MS, tooCostly, UNKEYED } from "../admit.js";
+import { bucketKey, type Entry, LONGEST_MS, UNKEYED } from "../admit.js";
 import {
   type BucketConfig,
   isIdle,
@@ -97,7 +97,7 @@ export class MemoryTokenBucket extends BaseStage {
    * The largest cost one call can ever be admitted with: a larger one is refused at once with
    * `InvalidOptionsError`, and a Gate refuses it before it takes any stage.
    */
-  get maxCost(): number {
+  override get maxCost(): number {
     return this.#config.capacity;
   }
 
@@ -120,8 +120,6 @@ export class MemoryTokenBucket extends BaseStage {
       return Promise.reject(error);
     }
     const cost = o.cost ?? 1;
-    const capacity = this.#config.capacity;
-    if (cost > capacity) return Promise.reject(tooCostly(this.kind, this.name, cost, capacity));
     const key = this.#keyed ? o.key! : UNKEYED;
     // A cost of 0 takes nothing: admitted at once, the bucket untouched (as on Redis).
     if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
@@ -164,8 +162,6 @@ export class MemoryTokenBucket extends BaseStage {
     try {
       const o = this.check(options, "tryAdmit");
       const cost = o.cost ?? 1;
-      const capacity = this.#config.capacity;
-      if (cost > capacity) throw tooCostly(this.kind, this.name, cost, capacity);
       const key = this.#keyed ? o.key! : UNKEYED;
       if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
       const now = this.clock.now();

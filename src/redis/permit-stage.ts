@@ -5,7 +5,6 @@
  * lease renewal lives in lease.ts, the connection in link.ts, the batching in batch.ts.
  */
 import { randomBytes } from "node:crypto";
-import { tooCostly } from "../admit.js";
 import { BaseStage, type BaseTicket, type WaitFor } from "../base/stage.js";
 import { Waiter, WaitList } from "../base/wait-list.js";
 import { type ClockTimer, unrefTimer } from "../clock.js";
@@ -109,7 +108,7 @@ export abstract class RedisPermitStage extends BaseStage {
    * The largest cost one call can ever be admitted with: a larger one is refused at once with
    * `InvalidOptionsError`, and a Gate refuses it before it takes any stage.
    */
-  get maxCost(): number {
+  override get maxCost(): number {
     return this.settings.maxCost;
   }
 
@@ -316,9 +315,6 @@ export abstract class RedisPermitStage extends BaseStage {
       return Promise.reject(error);
     }
     const cost = o.cost ?? 1;
-    if (cost > this.settings.maxCost) {
-      return Promise.reject(tooCostly(this.kind, this.name, cost, this.settings.maxCost));
-    }
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
     if (cost === 0) return Promise.resolve(this.issue(0, "", undefined, this.waitFor));
     if (this.settings.whenFull === "shed" || o.timeoutMs === 0) return this.#once(cost, o);
@@ -369,7 +365,6 @@ export abstract class RedisPermitStage extends BaseStage {
     try {
       const o = this.check(options, "tryAdmit");
       const cost = o.cost ?? 1;
-      if (cost > this.settings.maxCost) throw tooCostly(this.kind, this.name, cost, this.settings.maxCost);
       if (cost === 0) return Promise.resolve(this.issue(0, "", undefined, this.waitFor));
       return this.#tryOnce(cost);
     } catch (error) {

@@ -1,5 +1,5 @@
 import { randomBytes } from "node:crypto";
-import { bucketKey, type Entry, tooCostly, UNKEYED } from "../admit.js";
+import { bucketKey, type Entry, UNKEYED } from "../admit.js";
 import { BaseTicket } from "../base/stage.js";
 import type { Waiter, WaitList } from "../base/wait-list.js";
 import { DEFAULTS } from "../defaults.js";
@@ -141,7 +141,7 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
    * The largest cost one call can ever be admitted with: a larger one is refused at once with
    * `InvalidOptionsError`, and a Gate refuses it before it takes any stage.
    */
-  get maxCost(): number {
+  override get maxCost(): number {
     return this.#capacity;
   }
 
@@ -164,7 +164,6 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
       return Promise.reject(error);
     }
     const cost = o.cost ?? 1;
-    if (cost > this.#capacity) return Promise.reject(tooCostly(this.kind, this.name, cost, this.#capacity));
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
     const key = this.#keyed ? o.key! : UNKEYED;
     if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
@@ -218,7 +217,6 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
     try {
       const o = this.check(options, "tryAdmit");
       const cost = o.cost ?? 1;
-      if (cost > this.#capacity) throw tooCostly(this.kind, this.name, cost, this.#capacity);
       const key = this.#keyed ? o.key! : UNKEYED;
       if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
       const line = this.line(key);
