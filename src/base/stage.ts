@@ -351,11 +351,25 @@ export abstract class BaseStage implements Stage, WaiterOwner {
    * rejects at once. `retryAfterMs` (when known) goes on the timeout error.
    */
   protected wait(list: WaitList, cost: number, key: string, o: AdmitOptions): Promise<Ticket> {
+    const w = this.lineUpWaiter(list, cost, key, o);
+    return w instanceof Promise ? w : w.promise;
+  }
+
+  /**
+   * As `wait`, handing back the waiter now in line (its `promise` is the wait), or the rejection
+   * of a wait that ends before it starts.
+   */
+  protected lineUpWaiter(
+    list: WaitList,
+    cost: number,
+    key: string,
+    o: AdmitOptions,
+  ): Waiter | Promise<never> {
     const refused = this.refusal(cost, key, o);
     if (refused) return refused;
     const w = this.newWaiter(cost, key, this.clock.now());
     this.enter(list, w, o.signal, o.timeoutMs);
-    return w.promise;
+    return w;
   }
 
   /**

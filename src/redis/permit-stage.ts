@@ -318,12 +318,13 @@ export abstract class RedisPermitStage extends BaseStage {
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
     if (cost === 0) return Promise.resolve(this.issue(0, "", undefined, this.waitFor));
     if (this.settings.whenFull === "shed" || o.timeoutMs === 0) return this.#once(cost, o);
-    const promise = this.wait(this.waiters, cost, "", o);
-    const w = this.waiters.tail as RedisWaiter;
-    w.id = this.#memberId(cost);
-    this.#byId.set(w.id, w);
-    this.#attempt(w);
-    return promise;
+    const w = this.lineUpWaiter(this.waiters, cost, "", o);
+    if (w instanceof Promise) return w;
+    const waiter = w as RedisWaiter;
+    waiter.id = this.#memberId(cost);
+    this.#byId.set(waiter.id, waiter);
+    this.#attempt(waiter);
+    return waiter.promise;
   }
 
   /** One try, no queueing: a shed, or `timeoutMs: 0`. */
