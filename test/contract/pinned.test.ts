@@ -240,6 +240,25 @@ describe.each(backends)("pinned behaviour on $name", (backend) => {
       expect(next.settled).toBe(true);
     });
 
+    it("refuses at once a wait the penalised rate cannot meet, saying when it could", async () => {
+      clock = new FakeClock(50_000);
+      const b = backend.make(clock);
+      const bucket = b.tokenBucket("b", penalised);
+      const t = await bucket.admit();
+      await clock.advance(1000);
+      await t.release("dropped"); // at 51 000, as above: the next token is 1 833 ms away
+      await bucket.admit();
+      const error = await bucket.admit({ timeoutMs: 1500 }).catch((e) => e);
+      expect(error).toBeInstanceOf(AdmitTimeoutError);
+      expect(error.retryAfterMs).toBe(1833);
+      expect(clock.now()).toBe(51_000);
+      const next = track(bucket.admit({ timeoutMs: 1833 }));
+      await clock.flush();
+      await clock.advance(1833);
+      expect(next.settled).toBe(true);
+      expect(next.error).toBeUndefined();
+    });
+
     it("compounds a second drop made later, from the rate at that time", async () => {
       clock = new FakeClock(20_000);
       const b = backend.make(clock);
