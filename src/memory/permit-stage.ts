@@ -27,6 +27,20 @@ export abstract class PermitStage extends BaseStage {
     return this.limit;
   }
 
+  /**
+   * Whether `cost` can be granted now without overtaking anyone: nobody in line and room for it.
+   * A cost of 0 takes nothing, so it goes at once even past callers in line (as on Redis).
+   */
+  protected fitsNow(cost: number): boolean {
+    return (this.waiters.size === 0 || cost === 0) && this.used + cost <= this.limit;
+  }
+
+  /** Take `cost` permits now and issue their ticket. */
+  protected take(cost: number): BaseTicket {
+    this.used += cost;
+    return this.issue(cost, "", undefined, this.waitFor);
+  }
+
   admit(options?: AdmitOptions): Promise<Ticket> {
     let o: AdmitOptions;
     try {
@@ -35,28 +49,22 @@ export abstract class PermitStage extends BaseStage {
       return Promise.reject(error);
     }
     const cost = o.cost ?? 1;
-    // A cost of 0 takes nothing: admitted at once, even past callers in line (as on Redis).
-    if ((this.waiters.size === 0 || cost === 0) && this.used + cost <= this.limit) {
-      this.used += cost;
-      return Promise.resolve(this.issue(cost, "", undefined, this.waitFor));
-    }
+    if (this.fitsNow(cost)) return Promise.resolve(this.take(cost));
     return this.shedding() ?? this.wait(this.waiters, cost, "", o);
   }
 
   override tryAdmitSync(o: AdmitOptions, cost: unknown): BaseTicket | undefined {
     if (
       this.closed ||
-      (this.waiters.size !== 0 && cost !== 0) ||
       !Number.isInteger(cost) ||
       (cost as number) < 0 ||
       (cost as number) > this.maxCost ||
-      this.used + (cost as number) > this.limit ||
+      !this.fitsNow(cost as number) ||
       o.signal?.aborted
     ) {
       return undefined;
     }
-    this.used += cost as number;
-    return this.issue(cost as number, "", undefined, this.waitFor);
+    return this.take(cost as number);
   }
 
   override waitInGate<T>(
@@ -73,7 +81,7 @@ export abstract class PermitStage extends BaseStage {
       cost > this.maxCost ||
       timeoutMs === 0 ||
       o.signal?.aborted ||
-      ((this.waiters.size === 0 || cost === 0) && this.used + cost <= this.limit)
+      this.fitsNow(cost)
     ) {
       return undefined;
     }
@@ -105,11 +113,7 @@ export abstract class PermitStage extends BaseStage {
       return Promise.reject(error);
     }
     const cost = o.cost ?? 1;
-    // A cost of 0 takes nothing: admitted at once, even past callers in line (as on Redis).
-    if ((this.waiters.size === 0 || cost === 0) && this.used + cost <= this.limit) {
-      this.used += cost;
-      return this.callTicket(this.issue(cost, "", undefined, this.waitFor), fn, o.classify);
-    }
+    if (this.fitsNow(cost)) return this.callTicket(this.take(cost), fn, o.classify);
     return this.shedding() ?? this.waitToRun(this.waiters, cost, "", o, fn);
   }
 
@@ -117,10 +121,7 @@ export abstract class PermitStage extends BaseStage {
     try {
       const o = this.check(options, "tryAdmit");
       const cost = o.cost ?? 1;
-      if ((this.waiters.size > 0 && cost !== 0) || this.used + cost > this.limit)
-        return Promise.resolve(undefined);
-      this.used += cost;
-      return Promise.resolve(this.issue(cost, "", undefined, this.waitFor));
+      return Promise.resolve(this.fitsNow(cost) ? this.take(cost) : undefined);
     } catch (error) {
       return Promise.reject(error);
     }
