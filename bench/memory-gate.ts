@@ -86,7 +86,7 @@ export const memoryGate: Benchmark = {
     });
     const r = pairedRatio(figures.get("floodgate Gate, 5 stages")!, pl);
     table(
-      `Full memory Gate (queue, token bucket, interval gate, semaphore, AIMD; none binding), ${si(n)} tasks (median of ${count} rounds)`,
+      `Full memory Gate (queue, semaphore, AIMD, token bucket, interval gate; none binding), ${si(n)} tasks (median of ${count} rounds)`,
       ["contender", "tasks/s (median)", "min – max", "vs p-limit", "vs floor"],
       rows,
       [`Target ≥ 1× p-limit: ${verdict(r >= 1, times(r))}.`],
