@@ -229,7 +229,18 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     return this.#closeController.signal;
   }
 
-  abstract admit(options?: AdmitOptions): Promise<Ticket>;
+  admit(options?: AdmitOptions): Promise<Ticket> {
+    let o: AdmitOptions;
+    try {
+      o = this.check(options, "admit");
+    } catch (error) {
+      return Promise.reject(error);
+    }
+    return this.admitChecked(o);
+  }
+
+  /** The stage's own admission, for options `check` has passed (not closed, not aborted, cost in bounds). */
+  protected abstract admitChecked(o: AdmitOptions): Promise<Ticket>;
   abstract tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined>;
   abstract snapshot(): Snapshot;
 

@@ -115,13 +115,7 @@ export class MemoryIntervalGate extends BaseStage {
     return o;
   }
 
-  admit(options?: AdmitOptions): Promise<Ticket> {
-    let o: AdmitOptions;
-    try {
-      o = this.check(options, "admit");
-    } catch (error) {
-      return Promise.reject(error);
-    }
+  protected override admitChecked(o: AdmitOptions): Promise<Ticket> {
     const host = (o.host ?? this.#defaultHost)!;
     const now = this.clock.now();
     const h = this.#host(host, now);

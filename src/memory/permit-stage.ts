@@ -41,13 +41,7 @@ export abstract class PermitStage extends BaseStage {
     return this.issue(cost, "", undefined, this.waitFor);
   }
 
-  admit(options?: AdmitOptions): Promise<Ticket> {
-    let o: AdmitOptions;
-    try {
-      o = this.check(options, "admit");
-    } catch (error) {
-      return Promise.reject(error);
-    }
+  protected override admitChecked(o: AdmitOptions): Promise<Ticket> {
     const cost = o.cost ?? 1;
     if (this.fitsNow(cost)) return Promise.resolve(this.take(cost));
     return this.shedding() ?? this.wait(this.waiters, cost, "", o);

@@ -112,13 +112,7 @@ export class MemoryTokenBucket extends BaseStage {
     return o;
   }
 
-  admit(options?: AdmitOptions): Promise<Ticket> {
-    let o: AdmitOptions;
-    try {
-      o = this.check(options, "admit");
-    } catch (error) {
-      return Promise.reject(error);
-    }
+  protected override admitChecked(o: AdmitOptions): Promise<Ticket> {
     const cost = o.cost ?? 1;
     const key = this.#keyed ? o.key! : UNKEYED;
     // A cost of 0 takes nothing: admitted at once, the bucket untouched (as on Redis).

@@ -90,14 +90,7 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
     return o;
   }
 
-  admit(options?: AdmitOptions): Promise<Ticket> {
-    let o: AdmitOptions;
-    try {
-      o = this.check(options, "admit");
-    } catch (error) {
-      return Promise.reject(error);
-    }
-    if (o.signal?.aborted) return Promise.reject(o.signal.reason);
+  protected override admitChecked(o: AdmitOptions): Promise<Ticket> {
     const host = (o.host ?? this.#defaultHost)!;
     const line = this.line(host);
     if (o.timeoutMs === 0 && line.size === 0) {

@@ -307,15 +307,8 @@ export abstract class RedisPermitStage extends BaseStage {
     return t;
   }
 
-  admit(options?: AdmitOptions): Promise<Ticket> {
-    let o: AdmitOptions;
-    try {
-      o = this.check(options, "admit");
-    } catch (error) {
-      return Promise.reject(error);
-    }
+  protected override admitChecked(o: AdmitOptions): Promise<Ticket> {
     const cost = o.cost ?? 1;
-    if (o.signal?.aborted) return Promise.reject(o.signal.reason);
     if (cost === 0) return Promise.resolve(this.issue(0, "", undefined, this.waitFor));
     if (this.settings.whenFull === "shed" || o.timeoutMs === 0) return this.#once(cost, o);
     const w = this.lineUpWaiter(this.waiters, cost, "", o);

@@ -156,15 +156,8 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
     return o;
   }
 
-  admit(options?: AdmitOptions): Promise<Ticket> {
-    let o: AdmitOptions;
-    try {
-      o = this.check(options, "admit");
-    } catch (error) {
-      return Promise.reject(error);
-    }
+  protected override admitChecked(o: AdmitOptions): Promise<Ticket> {
     const cost = o.cost ?? 1;
-    if (o.signal?.aborted) return Promise.reject(o.signal.reason);
     const key = this.#keyed ? o.key! : UNKEYED;
     if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
     const line = this.line(key);
