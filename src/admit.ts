@@ -282,6 +282,29 @@ export function gateHost(name: string, defaultHost: string | undefined, o: Admit
   return host;
 }
 
+/**
+ * Which call option a stage keeps separate budgets by, and the check of a call's options
+ * against it: a keyed bucket needs `key`, an unkeyed one refuses it, an interval gate needs
+ * `host` unless it has a default.
+ */
+export interface CallRule {
+  readonly keyedBy: "key" | "host" | undefined;
+  check(name: string, o: AdmitOptions): void;
+}
+
+/** The rule of a stage with one budget for all calls. */
+export const ONE_BUDGET: CallRule = { keyedBy: undefined, check() {} };
+
+/** The rule of a token bucket, keyed (`keyed: true`) or not. */
+export function bucketRule(keyed: boolean): CallRule {
+  return { keyedBy: keyed ? "key" : undefined, check: (name, o) => void bucketKey(name, keyed, o) };
+}
+
+/** The rule of an interval gate with its `defaultHost`, if any. */
+export function hostRule(defaultHost: string | undefined): CallRule {
+  return { keyedBy: "host", check: (name, o) => void gateHost(name, defaultHost, o) };
+}
+
 /** A cost above what the stage can ever grant is refused at once, never waited on. */
 export function tooCostly(kind: StageKind, name: string, cost: number, most: number) {
   const bound = COST_BOUND[kind] ?? "the most the stage grants";

@@ -3,7 +3,7 @@
  * waiting with abort and timeout, release once, counters). Over 350 lines because those parts
  * share the stage's private state; the wait list itself is in wait-list.ts and `run` in run.ts.
  */
-import { admitOptions, type Entry, settleValue, tooCostly } from "../admit.js";
+import { admitOptions, type CallRule, type Entry, ONE_BUDGET, settleValue, tooCostly } from "../admit.js";
 import type { Clock } from "../clock.js";
 import { AdmitTimeoutError, ClosedError, InvalidOptionsError } from "../errors.js";
 import { enabled, stageLogger } from "../logger.js";
@@ -316,7 +316,16 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     if (most !== undefined && o.cost !== undefined && o.cost > most) {
       throw tooCostly(this.kind, this.name, o.cost, most);
     }
+    this.callRule.check(this.name, o);
     return o;
+  }
+
+  /** What a call must name (a key, a host) for this stage; keyed stages set it. */
+  protected callRule: CallRule = ONE_BUDGET;
+
+  /** The call option the stage keeps separate budgets by (see `Stage.keyedBy`). */
+  get keyedBy(): "key" | "host" | undefined {
+    return this.callRule.keyedBy;
   }
 
   /**

@@ -1,4 +1,4 @@
-import { type Entry, gateHost, LONGEST_MS, pauseError } from "../admit.js";
+import { hostRule, LONGEST_MS, pauseError } from "../admit.js";
 import {
   claimSlot,
   delayMs,
@@ -64,6 +64,7 @@ export class MemoryIntervalGate extends BaseStage {
     this.#jitterMs = o.jitterMs ?? DEFAULTS.intervalGate.jitterMs;
     this.#random = o.random ?? random;
     this.#defaultHost = o.defaultHost;
+    this.callRule = hostRule(this.#defaultHost);
     const sweepMs = Math.min(Math.max(1000, Math.ceil(this.#minIntervalMs + this.#jitterMs)), 600_000);
     this.#hosts = new KeyedStates(
       clock,
@@ -102,17 +103,6 @@ export class MemoryIntervalGate extends BaseStage {
 
   protected override newTicket(cost: number, key: string, now: number): BaseTicket {
     return new SlotTicket(this, cost, key, now);
-  }
-
-  /** Interval gates space calls by host. */
-  get keyedBy(): "host" {
-    return "host";
-  }
-
-  protected override check(options: AdmitOptions | undefined, entry?: Entry): AdmitOptions {
-    const o = super.check(options, entry);
-    gateHost(this.name, this.#defaultHost, o);
-    return o;
   }
 
   protected override admitChecked(o: AdmitOptions): Promise<Ticket> {

@@ -1,4 +1,4 @@
-import { bucketKey, type Entry, LONGEST_MS, UNKEYED } from "../admit.js";
+import { bucketRule, LONGEST_MS, UNKEYED } from "../admit.js";
 import {
   type BucketConfig,
   isIdle,
@@ -60,6 +60,7 @@ export class MemoryTokenBucket extends BaseStage {
     this.#penaltyFactor = o.penalty ? (o.penalty.factor ?? DEFAULTS.tokenBucket.penalty.factor) : undefined;
     this.#minFactor = o.penalty?.minFactor ?? DEFAULTS.tokenBucket.penalty.minFactor;
     this.#keyed = o.keyed ?? false;
+    this.callRule = bucketRule(this.#keyed);
     const fillMs = Math.ceil((o.capacity * 1000) / o.refillPerSecond);
     this.#keys = new KeyedStates(clock, Math.min(Math.max(1000, fillMs), 600_000), (b, now) =>
       this.#idle(b, now),
@@ -99,17 +100,6 @@ export class MemoryTokenBucket extends BaseStage {
    */
   override get maxCost(): number {
     return this.#config.capacity;
-  }
-
-  /** Whether calls name a key (`keyed: true`); `"key"` then, else undefined. */
-  get keyedBy(): "key" | undefined {
-    return this.#keyed ? "key" : undefined;
-  }
-
-  protected override check(options: AdmitOptions | undefined, entry?: Entry): AdmitOptions {
-    const o = super.check(options, entry);
-    bucketKey(this.name, this.#keyed, o);
-    return o;
   }
 
   protected override admitChecked(o: AdmitOptions): Promise<Ticket> {

@@ -1,4 +1,4 @@
-import { type Entry, gateHost, LONGEST_MS, pauseError } from "../admit.js";
+import { hostRule, LONGEST_MS, pauseError } from "../admit.js";
 import { spacingMs } from "../algorithms/interval.js";
 import { BaseTicket } from "../base/stage.js";
 import type { Waiter } from "../base/wait-list.js";
@@ -47,6 +47,7 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
     this.#jitterMs = o.jitterMs ?? DEFAULTS.intervalGate.jitterMs;
     this.#random = o.random ?? ctx.random;
     this.#defaultHost = o.defaultHost;
+    this.callRule = hostRule(this.#defaultHost);
     this.init(o.logger ?? ctx.logger);
   }
 
@@ -77,17 +78,6 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
     t.previous = String(reply[1] ?? "");
     t.claimed = String(reply[2] ?? "");
     return t;
-  }
-
-  /** Interval gates space calls by host. */
-  get keyedBy(): "host" {
-    return "host";
-  }
-
-  protected override check(options: AdmitOptions | undefined, entry?: Entry): AdmitOptions {
-    const o = super.check(options, entry);
-    gateHost(this.name, this.#defaultHost, o);
-    return o;
   }
 
   protected override admitChecked(o: AdmitOptions): Promise<Ticket> {

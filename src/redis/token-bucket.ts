@@ -1,5 +1,5 @@
 import { randomBytes } from "node:crypto";
-import { bucketKey, type Entry, UNKEYED } from "../admit.js";
+import { bucketRule, UNKEYED } from "../admit.js";
 import { BaseTicket } from "../base/stage.js";
 import type { Waiter, WaitList } from "../base/wait-list.js";
 import { DEFAULTS } from "../defaults.js";
@@ -70,6 +70,7 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
     this.#penaltyFactor = o.penalty ? (o.penalty.factor ?? DEFAULTS.tokenBucket.penalty.factor) : undefined;
     this.#minFactor = o.penalty?.minFactor ?? DEFAULTS.tokenBucket.penalty.minFactor;
     this.#keyed = o.keyed ?? false;
+    this.callRule = bucketRule(this.#keyed);
     this.#capacityArg = String(this.#capacity);
     this.#refillArg = String(this.#refill);
     this.#recoveryArg = String(this.#recoveryMs);
@@ -143,17 +144,6 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
    */
   override get maxCost(): number {
     return this.#capacity;
-  }
-
-  /** Whether calls name a key (`keyed: true`); `"key"` then, else undefined. */
-  get keyedBy(): "key" | undefined {
-    return this.#keyed ? "key" : undefined;
-  }
-
-  protected override check(options: AdmitOptions | undefined, entry?: Entry): AdmitOptions {
-    const o = super.check(options, entry);
-    bucketKey(this.name, this.#keyed, o);
-    return o;
   }
 
   protected override admitChecked(o: AdmitOptions): Promise<Ticket> {
