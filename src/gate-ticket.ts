@@ -1,7 +1,6 @@
-import { settleValue } from "./admit.js";
 import { RESOLVED } from "./base/run.js";
-import { outcomeError } from "./base/stage.js";
-import type { Outcome, Ticket } from "./types.js";
+import { HeldTicket } from "./ticket.js";
+import type { Outcome, StageKind, Ticket } from "./types.js";
 
 /** What a gate ticket needs of its gate. */
 export interface TicketGate {
@@ -13,19 +12,23 @@ export interface TicketGate {
 }
 
 /** The tickets a gate holds for one call, released together in reverse order. */
-export class GateTicket implements Ticket {
-  released = false;
-  recorded: Outcome | undefined = undefined;
+export class GateTicket extends HeldTicket {
   #signal: AbortSignal | undefined;
 
   constructor(
     readonly gate: TicketGate,
-    readonly cost: number,
+    cost: number,
     readonly held: Ticket[],
-  ) {}
+  ) {
+    super(cost);
+  }
 
   get stage(): string {
     return this.gate.name;
+  }
+
+  protected get ownerKind(): StageKind {
+    return "gate";
   }
 
   get signal(): AbortSignal {
@@ -37,46 +40,18 @@ export class GateTicket implements Ticket {
     return this.#signal;
   }
 
-  record(outcome: Outcome): void {
-    const invalid = outcomeError("gate", this.gate.name, outcome);
-    if (invalid) throw invalid;
-    this.recorded = outcome;
-  }
-
-  release(outcome?: Outcome): Promise<void> {
-    if (outcome !== undefined) {
-      const invalid = outcomeError("gate", this.gate.name, outcome);
-      if (invalid) return Promise.reject(invalid);
-    }
-    if (this.released) return RESOLVED;
-    this.released = true;
+  protected giveBack(outcome: Outcome | undefined): Promise<void> {
     this.gate.inFlight--;
-    return settleAll(this.held, outcome ?? this.recorded ?? "ignored");
-  }
-
-  refund(): Promise<void> {
-    if (this.released) return RESOLVED;
-    this.released = true;
-    this.gate.inFlight--;
-    return settleAll(this.held, undefined);
+    return settleAll(this.held, outcome);
   }
 
   /**
-   * Check `actual` once, then settle every stage ticket with it: each stage that prices by cost
-   * (a token bucket) re-prices at its number, and every other stage ignores it. The gate
-   * ticket's own `cost` never changes.
+   * Settle every stage ticket with the checked value: each stage that prices by cost (a token
+   * bucket) re-prices at its number, and every other stage ignores it. The gate ticket's own
+   * `cost` never changes.
    */
-  async settle(actual: number | Readonly<Record<string, number>>): Promise<void> {
-    const value = settleValue("gate", this.gate.name, actual);
+  protected override async settleWith(value: number | Readonly<Record<string, number>>): Promise<void> {
     await Promise.all(this.held.map((t) => t.settle(value)));
-  }
-
-  close(): Promise<void> {
-    return this.release();
-  }
-
-  [Symbol.asyncDispose](): Promise<void> {
-    return this.release();
   }
 }
 

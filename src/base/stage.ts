@@ -3,10 +3,11 @@
  * waiting with abort and timeout, release once, counters). Over 350 lines because those parts
  * share the stage's private state; the wait list itself is in wait-list.ts and `run` in run.ts.
  */
-import { admitOptions, type CallRule, type Entry, ONE_BUDGET, settleValue, tooCostly } from "../admit.js";
+import { admitOptions, type CallRule, type Entry, ONE_BUDGET, tooCostly } from "../admit.js";
 import type { Clock } from "../clock.js";
 import { AdmitTimeoutError, ClosedError, InvalidOptionsError } from "../errors.js";
 import { enabled, stageLogger } from "../logger.js";
+import { HeldTicket } from "../ticket.js";
 import type {
   AdmitOptions,
   Logger,
@@ -18,7 +19,7 @@ import type {
   Ticket,
   TryAdmitOptions,
 } from "../types.js";
-import { got, messageOf } from "../validate.js";
+import { messageOf } from "../validate.js";
 import { callWith, RESOLVED } from "./run.js";
 import { WaitEntry, Waiter, type WaiterOwner, type WaitList } from "./wait-list.js";
 
@@ -29,72 +30,42 @@ type AnyList = WaitList<WaitEntry>;
 export type WaitFor = "token" | "permit" | "queue";
 
 /** A ticket granted by a stage built on `BaseStage`. */
-export class BaseTicket implements Ticket {
-  released = false;
-  recorded: Outcome | undefined = undefined;
-
+export class BaseTicket extends HeldTicket {
   constructor(
     readonly owner: BaseStage,
-    public cost: number,
+    public override cost: number,
     readonly key: string,
     readonly admittedAt: number,
-  ) {}
+  ) {
+    super(cost);
+  }
 
   get stage(): string {
     return this.owner.name;
+  }
+
+  protected get ownerKind(): StageKind {
+    return this.owner.kind;
   }
 
   get signal(): AbortSignal {
     return this.owner.ticketSignal(this);
   }
 
-  record(outcome: Outcome): void {
-    checkOutcome(this.owner, outcome);
-    this.recorded = outcome;
-  }
-
-  release(outcome?: Outcome): Promise<void> {
-    if (outcome !== undefined) {
-      const invalid = outcomeError(this.owner.kind, this.owner.name, outcome);
-      if (invalid) return Promise.reject(invalid);
-    }
-    if (this.released) return RESOLVED;
-    this.released = true;
+  protected giveBack(outcome: Outcome | undefined): Promise<void> {
     this.owner.inFlight--;
-    return this.owner.releaseTicket(this, outcome ?? this.recorded ?? "ignored", false) ?? RESOLVED;
-  }
-
-  refund(): Promise<void> {
-    if (this.released) return RESOLVED;
-    this.released = true;
-    this.owner.inFlight--;
-    return this.owner.releaseTicket(this, "ignored", true) ?? RESOLVED;
+    return this.owner.releaseTicket(this, outcome ?? "ignored", outcome === undefined) ?? RESOLVED;
   }
 
   /**
-   * Checks `actual`, then hands the stage's own number to `settleTicket`. Only a stage that
-   * prices by cost (a token bucket) acts on it, and only such a stage changes `cost`: what a
-   * permit's release gives back never moves.
+   * Hands the stage's own number to `settleTicket`. Only a stage that prices by cost (a token
+   * bucket) acts on it, and only such a stage changes `cost`: what a permit's release gives
+   * back never moves.
    */
-  settle(actual: number | Readonly<Record<string, number>>): Promise<void> {
-    const owner = this.owner;
-    let n: number | undefined;
-    try {
-      const value = settleValue(owner.kind, owner.name, actual);
-      n = typeof value === "number" ? value : value[owner.name];
-    } catch (error) {
-      return Promise.reject(error);
-    }
+  protected override settleWith(value: number | Readonly<Record<string, number>>): Promise<void> {
+    const n = typeof value === "number" ? value : value[this.owner.name];
     if (n === undefined) return RESOLVED;
-    return owner.settleTicket(this, n) ?? RESOLVED;
-  }
-
-  close(): Promise<void> {
-    return this.release();
-  }
-
-  [Symbol.asyncDispose](): Promise<void> {
-    return this.release();
+    return this.owner.settleTicket(this, n) ?? RESOLVED;
   }
 }
 
@@ -156,25 +127,6 @@ function capture(resolve: (value: never) => void): void {
 /** Runs in the waiting caller's context once its wait is over. */
 function startCall<T>(w: RunWaiter<T>): T | PromiseLike<T> {
   return w.ticket === undefined ? w.fail(w.error) : w.start(w.ticket);
-}
-
-/** The error for an outcome that is not one of the three, or undefined. */
-export function outcomeError(
-  kind: StageKind,
-  name: string,
-  outcome: unknown,
-): InvalidOptionsError | undefined {
-  if (outcome === "success" || outcome === "dropped" || outcome === "ignored") return undefined;
-  return new InvalidOptionsError(
-    name,
-    "outcome",
-    `${kind} "${name}": outcome must be "success", "dropped" or "ignored", ${got(outcome)}`,
-  );
-}
-
-function checkOutcome(stage: BaseStage, outcome: unknown): void {
-  const invalid = outcomeError(stage.kind, stage.name, outcome);
-  if (invalid) throw invalid;
 }
 
 /**

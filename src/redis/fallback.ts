@@ -1,13 +1,12 @@
-import { admitOptions, pauseError, settleValue } from "../admit.js";
+import { admitOptions, pauseError } from "../admit.js";
 import { callWith, RESOLVED, type RecordingTicket } from "../base/run.js";
-import { outcomeError } from "../base/stage.js";
 import type { Clock } from "../clock.js";
 import { InvalidOptionsError, isFloodgateError } from "../errors.js";
+import { HeldTicket } from "../ticket.js";
 import type {
   AdmitOptions,
   IntervalGateStage,
   Logger,
-  Outcome,
   RunOptions,
   Snapshot,
   Stage,
@@ -21,48 +20,23 @@ const NEVER = new AbortController().signal;
 /** How long a stage stays on its fallback before it asks Redis again, in milliseconds. */
 export const RETRY_REDIS_MS = 1000;
 
-/** A ticket for a call let through with no limit (`fail-open`). */
-class OpenTicket implements RecordingTicket {
-  released = false;
-  recorded: Outcome | undefined = undefined;
+/** A ticket for a call let through with no limit (`fail-open`): it holds nothing to give back. */
+class OpenTicket extends HeldTicket {
   constructor(
     readonly stage: string,
     readonly kind: StageKind,
-    readonly cost: number,
-  ) {}
+    cost: number,
+  ) {
+    super(cost);
+  }
+  protected get ownerKind(): StageKind {
+    return this.kind;
+  }
   get signal(): AbortSignal {
     return NEVER;
   }
-  record(outcome: Outcome): void {
-    const invalid = outcomeError(this.kind, this.stage, outcome);
-    if (invalid) throw invalid;
-    this.recorded = outcome;
-  }
-  release(outcome?: Outcome): Promise<void> {
-    if (outcome !== undefined) {
-      const invalid = outcomeError(this.kind, this.stage, outcome);
-      if (invalid) return Promise.reject(invalid);
-    }
-    this.released = true;
+  protected giveBack(): Promise<void> {
     return RESOLVED;
-  }
-  refund(): Promise<void> {
-    return this.release();
-  }
-  /** Checks `actual` as every ticket does; nothing was taken, so nothing is re-priced. */
-  settle(actual: number | Readonly<Record<string, number>>): Promise<void> {
-    try {
-      settleValue(this.kind, this.stage, actual);
-    } catch (error) {
-      return Promise.reject(error);
-    }
-    return RESOLVED;
-  }
-  close(): Promise<void> {
-    return this.release();
-  }
-  [Symbol.asyncDispose](): Promise<void> {
-    return this.release();
   }
 }
 
