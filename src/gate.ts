@@ -111,8 +111,8 @@ function checkStages(stages: unknown): Stage[] {
   return list;
 }
 
-/** A stage that can say at once, without a promise, whether it admits (the memory stages). */
-type SyncStage = Stage & Required<Pick<BaseStage, "tryAdmitSync">>;
+/** A stage that can say at once, without a promise, whether it admits (see `Stage.admitNow`). */
+type SyncStage = Stage & Required<Pick<Stage, "admitNow">>;
 
 /** A stage a gate's call can wait at as a `RunWaiter` (the memory permit stages). */
 type LineStage = BaseStage & Required<Pick<BaseStage, "waitInGate">>;
@@ -170,7 +170,7 @@ export class Gate implements Stage {
     this.#holdsWait = this.stages.some((s) => s.holds === "wait");
     this.#callStages = this.stages.filter((s) => s.holds !== "wait").length;
     let sync = 0;
-    while (sync < this.stages.length && typeof (this.stages[sync] as SyncStage).tryAdmitSync === "function")
+    while (sync < this.stages.length && typeof (this.stages[sync] as SyncStage).admitNow === "function")
       sync++;
     this.#syncPrefix = sync;
     this.#names = namesOf(this.stages);
@@ -259,8 +259,9 @@ export class Gate implements Stage {
   }
 
   /**
-   * Admit the leading memory stages that admit at once into `held`, with no promise in between;
-   * returns how many did. The first that would wait (or refuse, or throw) is left to `#acquire`.
+   * Admit the leading stages that admit at once (`admitNow`) into `held`, with no promise in
+   * between; returns how many did. The first that would wait (or refuse) is left to `#acquire`;
+   * one whose `admitNow` throws throws here, and the caller gives back what is held.
    */
   #admitSync(held: Ticket[], o: AdmitOptions, from: number): number {
     const stages = this.stages;
@@ -268,8 +269,8 @@ export class Gate implements Stage {
     let i = from;
     for (; i < n; i++) {
       const stage = stages[i] as SyncStage;
-      const ticket = stage.tryAdmitSync(o, costAt(stage, o) ?? 1);
-      if (ticket === undefined) break;
+      const ticket = stage.admitNow(o, costAt(stage, o) ?? 1);
+      if (ticket == null) break;
       held.push(ticket);
     }
     return i;
@@ -343,7 +344,12 @@ export class Gate implements Stage {
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
     const held: Ticket[] = [];
     const n = this.stages.length;
-    const from = this.#admitSync(held, o, 0);
+    let from: number;
+    try {
+      from = this.#admitSync(held, o, 0);
+    } catch (error) {
+      return this.#refused(held, o, error);
+    }
     if (from === n) return Promise.resolve(this.#started(held, o));
     return this.#waitFrom<Ticket>(held, from, o, this.#deadline(o), undefined);
   }
@@ -389,10 +395,24 @@ export class Gate implements Stage {
     if (o.signal?.aborted) return this.#giveUp(held, o, o.signal.reason);
     if (this.#closed) return this.#giveUp(held, o, new ClosedError(this.name));
     const n = this.stages.length;
-    const from = this.#admitSync(held, o, w.index + 1);
+    let from: number;
+    try {
+      from = this.#admitSync(held, o, w.index + 1);
+    } catch (error) {
+      return this.#giveUp(held, o, error);
+    }
     if (from < n) return this.#waitFrom(held, from, o, w.deadline, w.fn);
     const started = this.#started(held, o);
     return w.fn ? callWith(started, w.fn, o.classify, this.#log) : (started as T);
+  }
+
+  /** As `#giveUp`, always as a rejected promise (for the entries that must not throw). */
+  #refused(held: Ticket[], o: AdmitOptions, error: unknown): Promise<never> {
+    try {
+      return Promise.resolve(this.#giveUp(held, o, error));
+    } catch (thrown) {
+      return Promise.reject(thrown);
+    }
   }
 
   /** A call's wait ended in `error`: count it, give back what it holds, and rethrow. */
@@ -478,7 +498,12 @@ export class Gate implements Stage {
     const classify = o.classify;
     const held: Ticket[] = [];
     const n = this.stages.length;
-    const from = this.#admitSync(held, o, 0);
+    let from: number;
+    try {
+      from = this.#admitSync(held, o, 0);
+    } catch (error) {
+      return this.#refused(held, o, error);
+    }
     if (from === n) return callWith(this.#started(held, o), fn, classify, this.#log);
     return this.#waitFrom(held, from, o, this.#deadline(o), fn);
   }

@@ -192,6 +192,18 @@ export interface Stage extends AsyncDisposable {
   /** Admit only if that needs no wait; resolves `undefined` when refused. */
   tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined>;
   /**
+   * Optional fast path for a `Gate`: the ticket, at once and without a promise, when `admit` with
+   * these options would grant one without waiting; `undefined`, with nothing taken, in every
+   * other case (it would wait, it refuses, it is closed, the signal is aborted). A Gate calls it
+   * on the stages at the head of its list that have it, in order, so a call they all admit at
+   * once needs no promise in between; at the first `undefined` it awaits that stage's `admit`
+   * as usual. `options` are the Gate call's own, already checked (read `key` only if the stage is
+   * `keyedBy: "key"`); `cost` is what the call costs at this stage (`costs[name]`, else `cost`,
+   * else 1). It should not throw: if it does, the Gate gives back what it holds and the call
+   * rejects with that error. The memory stages have it.
+   */
+  admitNow?(options: AdmitOptions, cost: number): Ticket | undefined;
+  /**
    * Admit, call `fn` with the ticket, release the ticket with the call's outcome, and settle as
    * `fn` does. Rejects as `admit` does, and then `fn` is never called. Every stage floodgate
    * builds has it; a stage of your own may leave it out (a `Gate` admits and releases such a

@@ -197,12 +197,10 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   abstract snapshot(): Snapshot;
 
   /**
-   * A ticket at once when `admit` with these (already checked) options and this `cost` would
-   * grant one without waiting; `undefined`, with nothing changed, in every other case (a wait, a
-   * refusal, a bad cost, a closed stage). Memory stages have it; a `Gate` uses it to admit every
-   * stage in one go, and `run` to call `fn` without a promise in between.
+   * See `Stage.admitNow`. Memory stages have it; `run` uses it too, to call `fn` without a
+   * promise in between.
    */
-  tryAdmitSync?(o: AdmitOptions, cost: unknown): BaseTicket | undefined;
+  admitNow?(o: AdmitOptions, cost: number): BaseTicket | undefined;
 
   /**
    * For a `Gate` whose call must wait here: line `w` up (its `cost` set, for `timeoutMs`, which
@@ -231,7 +229,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
       return Promise.reject(error);
     }
     const classify = o.classify;
-    const now = this.tryAdmitSync?.(o, o.cost ?? 1);
+    const now = this.admitNow?.(o, o.cost ?? 1);
     if (now !== undefined) return callWith(now, fn, classify, this.log);
     return this.admit(o).then((ticket) => callWith(ticket as BaseTicket, fn, classify, this.log));
   }

@@ -115,7 +115,7 @@ export class MemoryIntervalGate extends BaseStage {
     return promise;
   }
 
-  override tryAdmitSync(o: AdmitOptions, cost: unknown): BaseTicket | undefined {
+  override admitNow(o: AdmitOptions, cost: number): BaseTicket | undefined {
     if (this.closed || !Number.isInteger(cost) || (cost as number) < 0 || o.signal?.aborted) return undefined;
     const host = o.host ?? this.#defaultHost;
     if (host === undefined) return undefined;

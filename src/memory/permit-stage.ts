@@ -47,7 +47,7 @@ export abstract class PermitStage extends BaseStage {
     return this.shedding() ?? this.wait(this.waiters, cost, "", o);
   }
 
-  override tryAdmitSync(o: AdmitOptions, cost: unknown): BaseTicket | undefined {
+  override admitNow(o: AdmitOptions, cost: number): BaseTicket | undefined {
     if (
       this.closed ||
       !Number.isInteger(cost) ||

@@ -123,7 +123,7 @@ export class MemoryTokenBucket extends BaseStage {
     return promise;
   }
 
-  override tryAdmitSync(o: AdmitOptions, cost: unknown): BaseTicket | undefined {
+  override admitNow(o: AdmitOptions, cost: number): BaseTicket | undefined {
     if (
       this.closed ||
       !Number.isInteger(cost) ||

@@ -80,4 +80,86 @@ describe.each(backends)("a stage of one's own in a Gate on $name", (backend) => 
     await held.release("success");
     await gate.close();
   });
+
+  it("is admitted through admitNow while it has room, and through admit once admitNow says no", async () => {
+    const { clock, breaker, gate } = setup(1);
+    let admits = 0;
+    let nows = 0;
+    const admit = breaker.admit.bind(breaker);
+    const admitNow = breaker.admitNow!.bind(breaker);
+    breaker.admit = (o) => {
+      admits++;
+      return admit(o);
+    };
+    breaker.admitNow = (o, cost) => {
+      nows++;
+      return admitNow(o, cost);
+    };
+    let startedAt = -1;
+    const running = gate.run(async () => {
+      startedAt = nows;
+      return { status: 503 };
+    });
+    // Both stages admitted at once: the call started before run returned.
+    expect(startedAt).toBe(1);
+    await running;
+    expect(admits).toBe(0);
+    const refused = await gate.run(async () => "sent").catch((e: Error) => e);
+    expect((refused as { code?: string }).code).toBe("BREAKER_OPEN");
+    expect([nows, admits]).toEqual([2, 1]);
+    await clock.advance(1_000);
+    await gate.close();
+  });
+});
+
+describe.each(backends)("a stage of one's own whose admitNow throws, on $name", (backend) => {
+  useBackend(backend);
+
+  function setup() {
+    const clock = new FakeClock(1_000);
+    const b = backend.make(clock);
+    const sem = b.semaphore("inflight", { limit: 1 });
+    const broken = new Error("admitNow broke");
+    const stage: Stage = {
+      name: "broken",
+      kind: "broken",
+      holds: "call",
+      admit: () => Promise.reject(new Error("admit is not reached")),
+      tryAdmit: () => Promise.resolve(undefined),
+      admitNow: () => {
+        throw broken;
+      },
+      snapshot: () => sem.snapshot(),
+      close: () => Promise.resolve(),
+      [Symbol.asyncDispose]: () => Promise.resolve(),
+    };
+    const gate = new Gate([sem, stage], { clock });
+    return { sem, gate, broken };
+  }
+
+  it("rejects run and admit with its error and gives back what the gate held", async () => {
+    const { sem, gate, broken } = setup();
+    let called = false;
+    await expect(
+      gate.run(async () => {
+        called = true;
+      }),
+    ).rejects.toBe(broken);
+    await expect(gate.admit()).rejects.toBe(broken);
+    expect(called).toBe(false);
+    expect(sem.snapshot().inFlight).toBe(0);
+    expect(gate.snapshot().inFlight).toBe(0);
+    await gate.close();
+  });
+
+  it("gives back the permit a waiting call was just granted", async () => {
+    const { sem, gate, broken } = setup();
+    const held = await sem.admit();
+    const waiting = gate.run(async () => "sent");
+    await held.release("success");
+    await expect(waiting).rejects.toBe(broken);
+    expect(sem.snapshot()).toMatchObject({ inFlight: 0, waiting: 0 });
+    expect(gate.snapshot()).toMatchObject({ inFlight: 0, waiting: 0 });
+    await gate.close();
+  });
 });
