@@ -38,6 +38,17 @@ const EMPTY: AdmitOptions = Object.freeze(
   new Checked(undefined, undefined, undefined, undefined, undefined, undefined, undefined),
 );
 
+/** The error of `run` (or `enqueue`) given something other than a function, or undefined. */
+export function fnError(
+  kind: StageKind,
+  name: string,
+  fn: unknown,
+  entry: "run" | "enqueue" = "run",
+): InvalidOptionsError | undefined {
+  if (typeof fn === "function") return undefined;
+  return new InvalidOptionsError(name, "fn", `${kind} "${name}": ${entry} needs a function`);
+}
+
 /** The fields of admit and run options, in the order they are checked. */
 const FIELDS = ["key", "host", "cost", "costs", "signal", "timeoutMs", "classify"] as const;
 

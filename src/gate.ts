@@ -3,7 +3,7 @@
  * with room, the wait in one stage's line, the resumption after it, the give-up on failure) is
  * one piece read together; its ticket is in gate-ticket.ts and the order rule in stage-order.ts.
  */
-import { admitOptions, type Entry, pauseError, tooCostly } from "./admit.js";
+import { admitOptions, type Entry, fnError, pauseError, tooCostly } from "./admit.js";
 import { GateTicket, settleAll } from "./gate-ticket.js";
 import { stageOrderWarning, warnOrder } from "./stage-order.js";
 
@@ -343,14 +343,9 @@ export class Gate implements Stage {
     }
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
     const held: Ticket[] = [];
-    const n = this.stages.length;
-    let from: number;
-    try {
-      from = this.#admitSync(held, o, 0);
-    } catch (error) {
-      return this.#refused(held, o, error);
-    }
-    if (from === n) return Promise.resolve(this.#started(held, o));
+    const from = this.#admitFirst(held, o);
+    if (typeof from !== "number") return from;
+    if (from === this.stages.length) return Promise.resolve(this.#started(held, o));
     return this.#waitFrom<Ticket>(held, from, o, this.#deadline(o), undefined);
   }
 
@@ -406,12 +401,19 @@ export class Gate implements Stage {
     return w.fn ? callWith(started, w.fn, o.classify, this.#log) : (started as T);
   }
 
-  /** As `#giveUp`, always as a rejected promise (for the entries that must not throw). */
-  #refused(held: Ticket[], o: AdmitOptions, error: unknown): Promise<never> {
+  /**
+   * `#admitSync` from the first stage, for the entries that must not throw: when an `admitNow`
+   * throws, what is held is given back and the result is the call's rejection.
+   */
+  #admitFirst(held: Ticket[], o: AdmitOptions): number | Promise<never> {
     try {
-      return Promise.resolve(this.#giveUp(held, o, error));
-    } catch (thrown) {
-      return Promise.reject(thrown);
+      return this.#admitSync(held, o, 0);
+    } catch (error) {
+      try {
+        return Promise.resolve(this.#giveUp(held, o, error));
+      } catch (thrown) {
+        return Promise.reject(thrown);
+      }
     }
   }
 
@@ -483,11 +485,8 @@ export class Gate implements Stage {
    * stages with room), `fn` is called before `run` returns.
    */
   run<T>(fn: (ticket: Ticket) => T | PromiseLike<T>, options?: RunOptions<T>): Promise<T> {
-    if (typeof fn !== "function") {
-      return Promise.reject(
-        new InvalidOptionsError(this.name, "fn", `gate "${this.name}": run needs a function`),
-      );
-    }
+    const notFn = fnError("gate", this.name, fn);
+    if (notFn) return Promise.reject(notFn);
     let o: RunOptions<T>;
     try {
       o = this.#options(options, "run") as RunOptions<T>;
@@ -497,14 +496,9 @@ export class Gate implements Stage {
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
     const classify = o.classify;
     const held: Ticket[] = [];
-    const n = this.stages.length;
-    let from: number;
-    try {
-      from = this.#admitSync(held, o, 0);
-    } catch (error) {
-      return this.#refused(held, o, error);
-    }
-    if (from === n) return callWith(this.#started(held, o), fn, classify, this.#log);
+    const from = this.#admitFirst(held, o);
+    if (typeof from !== "number") return from;
+    if (from === this.stages.length) return callWith(this.#started(held, o), fn, classify, this.#log);
     return this.#waitFrom(held, from, o, this.#deadline(o), fn);
   }
 
@@ -515,9 +509,8 @@ export class Gate implements Stage {
    * settles with its result. A full queue with `whenFull: "shed"` rejects with `ShedError`.
    */
   async enqueue<T>(fn: (ticket: Ticket) => T | PromiseLike<T>, options?: RunOptions<T>): Promise<Job<T>> {
-    if (typeof fn !== "function") {
-      throw new InvalidOptionsError(this.name, "fn", `gate "${this.name}": enqueue needs a function`);
-    }
+    const notFn = fnError("gate", this.name, fn, "enqueue");
+    if (notFn) throw notFn;
     const o = this.#options(options, "run") as RunOptions<T>;
     if (o.signal?.aborted) throw o.signal.reason;
     const deadline = this.#deadline(o);

@@ -3,7 +3,7 @@
  * waiting with abort and timeout, release once, counters). Over 350 lines because those parts
  * share the stage's private state; the wait list itself is in wait-list.ts and `run` in run.ts.
  */
-import { admitOptions, type CallRule, type Entry, ONE_BUDGET, tooCostly } from "../admit.js";
+import { admitOptions, type CallRule, type Entry, fnError, ONE_BUDGET, tooCostly } from "../admit.js";
 import type { Clock } from "../clock.js";
 import { AdmitTimeoutError, ClosedError, InvalidOptionsError } from "../errors.js";
 import { enabled, stageLogger } from "../logger.js";
@@ -193,7 +193,16 @@ export abstract class BaseStage implements Stage, WaiterOwner {
 
   /** The stage's own admission, for options `check` has passed (not closed, not aborted, cost in bounds). */
   protected abstract admitChecked(o: AdmitOptions): Promise<Ticket>;
-  abstract tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined>;
+  tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
+    try {
+      return this.tryAdmitChecked(this.check(options, "tryAdmit"));
+    } catch (error) {
+      return Promise.reject(error);
+    }
+  }
+
+  /** The stage's own `tryAdmit`, for options `check` has passed; it may throw (then it rejects). */
+  protected abstract tryAdmitChecked(o: AdmitOptions): Promise<Ticket | undefined>;
   abstract snapshot(): Snapshot;
 
   /**
@@ -217,11 +226,8 @@ export abstract class BaseStage implements Stage, WaiterOwner {
    * called before `run` returns; otherwise once the wait is over, in the caller's context.
    */
   run<T>(fn: (ticket: Ticket) => T | PromiseLike<T>, options?: RunOptions<T>): Promise<T> {
-    if (typeof fn !== "function") {
-      return Promise.reject(
-        new InvalidOptionsError(this.name, "fn", `${this.kind} "${this.name}": run needs a function`),
-      );
-    }
+    const notFn = fnError(this.kind, this.name, fn);
+    if (notFn) return Promise.reject(notFn);
     let o: RunOptions<T>;
     try {
       o = this.check(options) as RunOptions<T>;

@@ -41,42 +41,35 @@ export function headerValues(headers: HeadersLike, name: string): string[] {
   return [];
 }
 
+/** Where year, month, day, hours, minutes and seconds stand in a match of each date form. */
+const IMF_AT = [3, 2, 1, 4, 5, 6] as const;
+const ASCTIME_AT = [6, 1, 2, 3, 4, 5] as const;
+
+/** The date fields of match `m`, read at `at` (the year given, when the form needs it worked out). */
+function fieldsAt(m: RegExpExecArray, at: readonly number[], year = Number(m[at[0]!])): number[] {
+  return [
+    year,
+    MONTHS.indexOf(m[at[1]!]!.toLowerCase()),
+    Number(m[at[2]!]),
+    Number(m[at[3]!]),
+    Number(m[at[4]!]),
+    Number(m[at[5]!]),
+  ];
+}
+
 /** The fields of an HTTP date in any of the three forms RFC 9110 accepts. */
 function dateFields(text: string, now: number): number[] | undefined {
   let m = IMF_FIXDATE.exec(text);
-  if (m)
-    return [
-      Number(m[3]),
-      MONTHS.indexOf(m[2]!.toLowerCase()),
-      Number(m[1]),
-      Number(m[4]),
-      Number(m[5]),
-      Number(m[6]),
-    ];
+  if (m) return fieldsAt(m, IMF_AT);
   m = RFC_850.exec(text);
   if (m) {
     // A two-digit year more than 50 years in the future means the past century (RFC 9110 §5.6.7).
     let year = 2000 + Number(m[3]);
     if (year > new Date(now).getUTCFullYear() + 50) year -= 100;
-    return [
-      year,
-      MONTHS.indexOf(m[2]!.toLowerCase()),
-      Number(m[1]),
-      Number(m[4]),
-      Number(m[5]),
-      Number(m[6]),
-    ];
+    return fieldsAt(m, IMF_AT, year);
   }
   m = ASCTIME.exec(text);
-  if (m)
-    return [
-      Number(m[6]),
-      MONTHS.indexOf(m[1]!.toLowerCase()),
-      Number(m[2]),
-      Number(m[3]),
-      Number(m[4]),
-      Number(m[5]),
-    ];
+  if (m) return fieldsAt(m, ASCTIME_AT);
   return undefined;
 }
 

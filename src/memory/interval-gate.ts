@@ -13,7 +13,7 @@ import { WaitList } from "../base/wait-list.js";
 import type { Clock, ClockTimer } from "../clock.js";
 import { DEFAULTS } from "../defaults.js";
 import type { IntervalGateOptions } from "../options.js";
-import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket, TryAdmitOptions } from "../types.js";
+import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket } from "../types.js";
 import { intervalGateSchema, parseOptions } from "../validate.js";
 
 /** One host: when its next call may start, its FIFO of waiters, and the timer for the head. */
@@ -125,17 +125,12 @@ export class MemoryIntervalGate extends BaseStage {
     return this.#start(h, cost as number, host, now);
   }
 
-  tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
-    try {
-      const o = this.check(options, "tryAdmit");
-      const host = (o.host ?? this.#defaultHost)!;
-      const now = this.clock.now();
-      const h = this.#host(host, now);
-      if (h.size > 0 || h.nextAt > now) return Promise.resolve(undefined);
-      return Promise.resolve(this.#start(h, o.cost ?? 1, host, now));
-    } catch (error) {
-      return Promise.reject(error);
-    }
+  protected tryAdmitChecked(o: AdmitOptions): Promise<Ticket | undefined> {
+    const host = (o.host ?? this.#defaultHost)!;
+    const now = this.clock.now();
+    const h = this.#host(host, now);
+    if (h.size > 0 || h.nextAt > now) return Promise.resolve(undefined);
+    return Promise.resolve(this.#start(h, o.cost ?? 1, host, now));
   }
 
   /**

@@ -1,7 +1,7 @@
 import { BaseStage, type BaseTicket, type RunWaiter, type WaitFor } from "../base/stage.js";
 import { WaitList } from "../base/wait-list.js";
 import type { Clock } from "../clock.js";
-import type { AdmitOptions, Outcome, RunOptions, Snapshot, Ticket, TryAdmitOptions } from "../types.js";
+import type { AdmitOptions, Outcome, RunOptions, Snapshot, Ticket } from "../types.js";
 
 /**
  * Permits counted against a limit, waiters served strictly first in, first out, so a large `cost`
@@ -111,14 +111,9 @@ export abstract class PermitStage extends BaseStage {
     return this.shedding() ?? this.waitToRun(this.waiters, cost, "", o, fn);
   }
 
-  tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
-    try {
-      const o = this.check(options, "tryAdmit");
-      const cost = o.cost ?? 1;
-      return Promise.resolve(this.fitsNow(cost) ? this.take(cost) : undefined);
-    } catch (error) {
-      return Promise.reject(error);
-    }
+  protected tryAdmitChecked(o: AdmitOptions): Promise<Ticket | undefined> {
+    const cost = o.cost ?? 1;
+    return Promise.resolve(this.fitsNow(cost) ? this.take(cost) : undefined);
   }
 
   releaseTicket(ticket: BaseTicket, _outcome: Outcome, _refund: boolean): void {

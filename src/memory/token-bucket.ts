@@ -16,7 +16,7 @@ import { WaitList } from "../base/wait-list.js";
 import type { Clock, ClockTimer } from "../clock.js";
 import { DEFAULTS } from "../defaults.js";
 import type { TokenBucketOptions } from "../options.js";
-import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket, TryAdmitOptions } from "../types.js";
+import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket } from "../types.js";
 import { parseOptions, tokenBucketSchema } from "../validate.js";
 
 /** One key's bucket: the algorithm's state plus its FIFO of waiters and the timer for its head. */
@@ -142,19 +142,14 @@ export class MemoryTokenBucket extends BaseStage {
     return this.#issue(b, cost as number, key);
   }
 
-  tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
-    try {
-      const o = this.check(options, "tryAdmit");
-      const cost = o.cost ?? 1;
-      const key = this.#keyed ? o.key! : UNKEYED;
-      if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
-      const now = this.clock.now();
-      const b = this.#bucket(key, now);
-      if (b.size > 0 || !this.#take(b, cost, now)) return Promise.resolve(undefined);
-      return Promise.resolve(this.#issue(b, cost, key));
-    } catch (error) {
-      return Promise.reject(error);
-    }
+  protected tryAdmitChecked(o: AdmitOptions): Promise<Ticket | undefined> {
+    const cost = o.cost ?? 1;
+    const key = this.#keyed ? o.key! : UNKEYED;
+    if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
+    const now = this.clock.now();
+    const b = this.#bucket(key, now);
+    if (b.size > 0 || !this.#take(b, cost, now)) return Promise.resolve(undefined);
+    return Promise.resolve(this.#issue(b, cost, key));
   }
 
   #timeout(timeoutMs: number, retryAfterMs: number) {

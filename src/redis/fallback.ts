@@ -1,7 +1,7 @@
-import { admitOptions, pauseError } from "../admit.js";
+import { admitOptions, fnError, pauseError } from "../admit.js";
 import { callWith, RESOLVED, type RecordingTicket } from "../base/run.js";
 import type { Clock } from "../clock.js";
-import { InvalidOptionsError, isFloodgateError } from "../errors.js";
+import { isFloodgateError } from "../errors.js";
 import { HeldTicket } from "../ticket.js";
 import type {
   AdmitOptions,
@@ -139,11 +139,8 @@ export class FallbackStage implements IntervalGateStage {
 
   /** As `stage.run`: admit (from Redis or the fallback), call `fn`, release with its outcome. */
   run<T>(fn: (ticket: Ticket) => T | PromiseLike<T>, options?: RunOptions<T>): Promise<T> {
-    if (typeof fn !== "function") {
-      return Promise.reject(
-        new InvalidOptionsError(this.name, "fn", `${this.kind} "${this.name}": run needs a function`),
-      );
-    }
+    const notFn = fnError(this.kind, this.name, fn);
+    if (notFn) return Promise.reject(notFn);
     let o: RunOptions<T>;
     try {
       o = admitOptions(this.kind, this.name, options) as RunOptions<T>;

@@ -5,7 +5,7 @@ import type { Waiter } from "../base/wait-list.js";
 import { DEFAULTS } from "../defaults.js";
 import { draw } from "../memory/interval-gate.js";
 import type { IntervalGateOptions } from "../options.js";
-import type { AdmitOptions, Outcome, StageKind, Ticket, TryAdmitOptions } from "../types.js";
+import type { AdmitOptions, Outcome, StageKind, Ticket } from "../types.js";
 import { intervalGateSchema, parseOptions } from "../validate.js";
 import { stageKey } from "./keys.js";
 import { type Attempt, RedisLine, RedisLineStage } from "./line-stage.js";
@@ -91,24 +91,19 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
     return promise;
   }
 
-  tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
-    try {
-      const o = this.check(options, "tryAdmit");
-      const host = (o.host ?? this.#defaultHost)!;
-      const line = this.line(host);
-      if (line.size > 0) return Promise.resolve(undefined);
-      return this.#take(line).then((reply) => {
-        if (Number(reply[0]) !== 1) return undefined;
-        const ticket = this.#mark(this.issue(o.cost ?? 1, host, undefined, "token"), reply);
-        if (this.closed) {
-          void this.#refund(ticket);
-          throw this.closedSignal.reason;
-        }
-        return ticket;
-      });
-    } catch (error) {
-      return Promise.reject(error);
-    }
+  protected tryAdmitChecked(o: AdmitOptions): Promise<Ticket | undefined> {
+    const host = (o.host ?? this.#defaultHost)!;
+    const line = this.line(host);
+    if (line.size > 0) return Promise.resolve(undefined);
+    return this.#take(line).then((reply) => {
+      if (Number(reply[0]) !== 1) return undefined;
+      const ticket = this.#mark(this.issue(o.cost ?? 1, host, undefined, "token"), reply);
+      if (this.closed) {
+        void this.#refund(ticket);
+        throw this.closedSignal.reason;
+      }
+      return ticket;
+    });
   }
 
   /**

@@ -9,7 +9,7 @@ import { BaseStage, type BaseTicket, type WaitFor } from "../base/stage.js";
 import { Waiter, WaitList } from "../base/wait-list.js";
 import { type ClockTimer, unrefTimer } from "../clock.js";
 import { isFloodgateError, LeaseLostError, ShedError } from "../errors.js";
-import type { AdmitOptions, Logger, Outcome, Snapshot, Ticket, TryAdmitOptions } from "../types.js";
+import type { AdmitOptions, Logger, Outcome, Snapshot, Ticket } from "../types.js";
 import { ScriptBatch } from "./batch.js";
 import type { RedisContext } from "./context.js";
 import { stageKey } from "./keys.js";
@@ -355,15 +355,10 @@ export abstract class RedisPermitStage extends BaseStage {
     return this.#lease(ticket, Number(reply[1]), Number(reply[4]), id, sentAt + this.settings.leaseMs);
   }
 
-  tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
-    try {
-      const o = this.check(options, "tryAdmit");
-      const cost = o.cost ?? 1;
-      if (cost === 0) return Promise.resolve(this.issue(0, "", undefined, this.waitFor));
-      return this.#tryOnce(cost);
-    } catch (error) {
-      return Promise.reject(error);
-    }
+  protected tryAdmitChecked(o: AdmitOptions): Promise<Ticket | undefined> {
+    const cost = o.cost ?? 1;
+    if (cost === 0) return Promise.resolve(this.issue(0, "", undefined, this.waitFor));
+    return this.#tryOnce(cost);
   }
 
   /** Ask Redis for `w`'s permits; on refusal, sleep until woken, the nearest expiry, or the poll. */

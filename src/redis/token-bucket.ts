@@ -4,7 +4,7 @@ import { BaseTicket } from "../base/stage.js";
 import type { Waiter, WaitList } from "../base/wait-list.js";
 import { DEFAULTS } from "../defaults.js";
 import type { TokenBucketOptions } from "../options.js";
-import type { AdmitOptions, Outcome, StageKind, Ticket, TryAdmitOptions } from "../types.js";
+import type { AdmitOptions, Outcome, StageKind, Ticket } from "../types.js";
 import { parseOptions, tokenBucketSchema } from "../validate.js";
 import { ScriptBatch } from "./batch.js";
 import { stageKey } from "./keys.js";
@@ -196,21 +196,16 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
     return ticket;
   }
 
-  tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
-    try {
-      const o = this.check(options, "tryAdmit");
-      const cost = o.cost ?? 1;
-      const key = this.#keyed ? o.key! : UNKEYED;
-      if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
-      const line = this.line(key);
-      if (line.size > 0) return Promise.resolve(undefined);
-      const grant = this.#grantId();
-      return this.#take(line, cost, grant).then(([taken]) =>
-        Number(taken) === 1 ? this.#granted(cost, key, grant) : undefined,
-      );
-    } catch (error) {
-      return Promise.reject(error);
-    }
+  protected tryAdmitChecked(o: AdmitOptions): Promise<Ticket | undefined> {
+    const cost = o.cost ?? 1;
+    const key = this.#keyed ? o.key! : UNKEYED;
+    if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
+    const line = this.line(key);
+    if (line.size > 0) return Promise.resolve(undefined);
+    const grant = this.#grantId();
+    return this.#take(line, cost, grant).then(([taken]) =>
+      Number(taken) === 1 ? this.#granted(cost, key, grant) : undefined,
+    );
   }
 
   protected async attempt(line: BucketLine, head: Waiter): Promise<Attempt> {
