@@ -7,18 +7,17 @@ import {
   refundSlot,
   spacingMs,
 } from "../algorithms/interval.js";
-import { KeyedStates } from "../base/keyed.js";
-import { BaseStage, BaseTicket } from "../base/stage.js";
-import { WaitList } from "../base/wait-list.js";
-import type { Clock, ClockTimer } from "../clock.js";
+import { BaseTicket } from "../base/stage.js";
+import type { WaitEntry, WaitList } from "../base/wait-list.js";
+import type { Clock } from "../clock.js";
 import { DEFAULTS } from "../defaults.js";
 import type { IntervalGateOptions } from "../options.js";
-import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket } from "../types.js";
+import type { AdmitOptions, Outcome, StageKind, Ticket } from "../types.js";
 import { intervalGateSchema, parseOptions } from "../validate.js";
+import { MemoryLine, MemoryLineStage } from "./line-stage.js";
 
 /** One host: when its next call may start, its FIFO of waiters, and the timer for the head. */
-class HostSlot extends WaitList implements HostState {
-  timer: ClockTimer | undefined = undefined;
+class HostSlot extends MemoryLine implements HostState {
   /** End of the latest pause; a refunded slot never reaches back inside it. */
   pausedUntil = Number.NEGATIVE_INFINITY;
   constructor(public nextAt: number) {
@@ -49,38 +48,43 @@ export function draw(random: () => number): number {
  * Minimum spacing between the starts of calls to each host: `minIntervalMs` plus a random
  * `[0, jitterMs)` on top, never less. `pause(host, ms)` holds a host back (Retry-After).
  */
-export class MemoryIntervalGate extends BaseStage {
+export class MemoryIntervalGate extends MemoryLineStage<HostSlot> {
   readonly kind: StageKind = "intervalGate";
   readonly #minIntervalMs: number;
   readonly #jitterMs: number;
   readonly #random: () => number;
-  readonly #hosts: KeyedStates<HostSlot>;
   readonly #defaultHost: string | undefined;
 
   constructor(name: string, options: IntervalGateOptions, clock: Clock, random: () => number = Math.random) {
-    super(name, clock);
     const o = parseOptions(intervalGateSchema, "intervalGate", name, options);
+    const jitterMs = o.jitterMs ?? DEFAULTS.intervalGate.jitterMs;
+    super(name, clock, Math.min(Math.max(1000, Math.ceil(o.minIntervalMs + jitterMs)), 600_000));
     this.#minIntervalMs = o.minIntervalMs;
-    this.#jitterMs = o.jitterMs ?? DEFAULTS.intervalGate.jitterMs;
+    this.#jitterMs = jitterMs;
     this.#random = o.random ?? random;
     this.#defaultHost = o.defaultHost;
     this.callRule = hostRule(this.#defaultHost);
-    const sweepMs = Math.min(Math.max(1000, Math.ceil(this.#minIntervalMs + this.#jitterMs)), 600_000);
-    this.#hosts = new KeyedStates(
-      clock,
-      sweepMs,
-      (h, now) => h.size === 0 && h.nextAt <= now && h.pausedUntil <= now,
-    );
     this.init(o.logger);
   }
 
-  #host(host: string, now: number): HostSlot {
-    let h = this.#hosts.get(host);
-    if (!h) {
-      h = new HostSlot(now);
-      this.#hosts.set(host, h);
+  protected isIdle(h: HostSlot, now: number): boolean {
+    return h.size === 0 && h.nextAt <= now && h.pausedUntil <= now;
+  }
+
+  protected newLine(now: number): HostSlot {
+    return new HostSlot(now);
+  }
+
+  protected grantReady(h: HostSlot, _host: string, now: number): void {
+    const w = h.head;
+    if (w && h.nextAt <= now) {
+      const previous = this.#claim(h, now);
+      this.#mark(this.grant(w, "token"), previous, h);
     }
-    return h;
+  }
+
+  protected headWaitMs(h: HostSlot, _head: WaitEntry, now: number): number {
+    return delayMs(h.nextAt, now);
   }
 
   #start(h: HostSlot, cost: number, host: string, now: number): SlotTicket {
@@ -108,27 +112,27 @@ export class MemoryIntervalGate extends BaseStage {
   protected override admitChecked(o: AdmitOptions): Promise<Ticket> {
     const host = (o.host ?? this.#defaultHost)!;
     const now = this.clock.now();
-    const h = this.#host(host, now);
+    const h = this.line(host, now);
     if (h.size === 0 && h.nextAt <= now) return Promise.resolve(this.#start(h, o.cost ?? 1, host, now));
     const promise = this.wait(h, o.cost ?? 1, host, o);
-    this.#schedule(h, host);
+    this.schedule(h, host);
     return promise;
   }
 
   override admitNow(o: AdmitOptions, cost: number): BaseTicket | undefined {
-    if (this.closed || !Number.isInteger(cost) || (cost as number) < 0 || o.signal?.aborted) return undefined;
+    if (this.closed || !Number.isInteger(cost) || cost < 0 || o.signal?.aborted) return undefined;
     const host = o.host ?? this.#defaultHost;
     if (host === undefined) return undefined;
     const now = this.clock.now();
-    const h = this.#host(host, now);
+    const h = this.line(host, now);
     if (h.size !== 0 || h.nextAt > now) return undefined;
-    return this.#start(h, cost as number, host, now);
+    return this.#start(h, cost, host, now);
   }
 
   protected tryAdmitChecked(o: AdmitOptions): Promise<Ticket | undefined> {
     const host = (o.host ?? this.#defaultHost)!;
     const now = this.clock.now();
-    const h = this.#host(host, now);
+    const h = this.line(host, now);
     if (h.size > 0 || h.nextAt > now) return Promise.resolve(undefined);
     return Promise.resolve(this.#start(h, o.cost ?? 1, host, now));
   }
@@ -144,78 +148,33 @@ export class MemoryIntervalGate extends BaseStage {
     if (invalid) return Promise.reject(invalid);
     ms = Math.min(ms, LONGEST_MS);
     const now = this.clock.now();
-    const h = this.#host(host, now);
+    const h = this.line(host, now);
     pauseHost(h, now, ms);
     this.log.warn({ host, ms }, "host paused");
-    this.#schedule(h, host);
+    this.schedule(h, host);
     return Promise.resolve();
   }
 
   /** Milliseconds until a call to `host` could start, ignoring waiters already queued. */
   delayFor(host: string = this.#defaultHost ?? "default"): number {
-    const h = this.#hosts.get(host);
+    const h = this.lines.get(host);
     return h ? delayMs(h.nextAt, this.clock.now()) : 0;
-  }
-
-  #drain(h: HostSlot, host: string): void {
-    const w = h.head;
-    const now = this.clock.now();
-    if (w && h.nextAt <= now) {
-      const previous = this.#claim(h, now);
-      this.#mark(this.grant(w, "token"), previous, h);
-    }
-    this.#schedule(h, host);
-  }
-
-  #schedule(h: HostSlot, host: string): void {
-    if (h.timer !== undefined) {
-      this.clock.clearTimeout(h.timer);
-      h.timer = undefined;
-    }
-    if (!h.head) return;
-    h.timer = this.clock.setTimeout(
-      () => {
-        h.timer = undefined;
-        this.#drain(h, host);
-      },
-      Math.min(delayMs(h.nextAt, this.clock.now()), LONGEST_MS),
-    );
   }
 
   releaseTicket(ticket: BaseTicket, _outcome: Outcome, refund: boolean): void {
     if (!refund) return;
     const t = ticket as SlotTicket;
-    const h = this.#hosts.get(t.key);
+    const h = this.lines.get(t.key);
     // Hand the slot back only when nothing has moved the host on since (a later call, a pause).
-    if (h && refundSlot(h, t.claimed, t.previous)) this.#drain(h, t.key);
-  }
-
-  protected override grantDue(list: WaitList, key: string): undefined {
-    this.#drain(list as HostSlot, key);
+    if (h && refundSlot(h, t.claimed, t.previous)) this.drain(h, t.key);
   }
 
   protected afterWaiterGone(list: WaitList, waiter: { key: string }): void {
-    this.#schedule(list as HostSlot, waiter.key);
-  }
-
-  protected lists(): Iterable<WaitList> {
-    return this.#hosts.map.values();
-  }
-
-  protected override onClose(): void {
-    for (const h of this.#hosts.map.values()) {
-      if (h.timer !== undefined) this.clock.clearTimeout(h.timer);
-      h.timer = undefined;
-    }
-    this.#hosts.close();
+    this.schedule(list as HostSlot, waiter.key);
   }
 
   /** Hosts currently kept in memory. */
   get hostCount(): number {
-    return this.#hosts.size;
-  }
-
-  snapshot(): Snapshot {
-    return this.baseSnapshot(Number.POSITIVE_INFINITY);
+    return this.lines.size;
   }
 }

@@ -51,14 +51,14 @@ export abstract class PermitStage extends BaseStage {
     if (
       this.closed ||
       !Number.isInteger(cost) ||
-      (cost as number) < 0 ||
-      (cost as number) > this.maxCost ||
-      !this.fitsNow(cost as number) ||
+      cost < 0 ||
+      cost > this.maxCost ||
+      !this.fitsNow(cost) ||
       o.signal?.aborted
     ) {
       return undefined;
     }
-    return this.take(cost as number);
+    return this.take(cost);
   }
 
   override waitInGate<T>(

@@ -10,18 +10,17 @@ import {
   tokensAt,
   waitMs,
 } from "../algorithms/token-bucket.js";
-import { KeyedStates } from "../base/keyed.js";
-import { BaseStage, type BaseTicket } from "../base/stage.js";
-import { WaitList } from "../base/wait-list.js";
-import type { Clock, ClockTimer } from "../clock.js";
+import type { BaseTicket } from "../base/stage.js";
+import type { WaitEntry, WaitList } from "../base/wait-list.js";
+import type { Clock } from "../clock.js";
 import { DEFAULTS } from "../defaults.js";
 import type { TokenBucketOptions } from "../options.js";
-import type { AdmitOptions, Outcome, Snapshot, StageKind, Ticket } from "../types.js";
+import type { AdmitOptions, Outcome, StageKind, Ticket } from "../types.js";
 import { parseOptions, tokenBucketSchema } from "../validate.js";
+import { MemoryLine, MemoryLineStage } from "./line-stage.js";
 
 /** One key's bucket: the algorithm's state plus its FIFO of waiters and the timer for its head. */
-class KeyBucket extends WaitList implements MutableBucketState {
-  timer: ClockTimer | undefined = undefined;
+class KeyBucket extends MemoryLine implements MutableBucketState {
   /** The latest ticket granted from this key; only it can be refunded exactly. */
   lastGrant: BaseTicket | undefined = undefined;
   constructor(
@@ -39,18 +38,18 @@ class KeyBucket extends WaitList implements MutableBucketState {
  * A call of cost `c` waits until its key holds `c` tokens; waiters of one key are served first in,
  * first out, each key on a single timer. A cost above `capacity` is refused at once.
  */
-export class MemoryTokenBucket extends BaseStage {
+export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
   readonly kind: StageKind = "tokenBucket";
   readonly #config: BucketConfig;
   readonly #initial: number;
   readonly #penaltyFactor: number | undefined;
   readonly #minFactor: number;
-  readonly #keys: KeyedStates<KeyBucket>;
   readonly #keyed: boolean;
 
   constructor(name: string, options: TokenBucketOptions, clock: Clock) {
-    super(name, clock);
     const o = parseOptions(tokenBucketSchema, "tokenBucket", name, options);
+    const fillMs = Math.ceil((o.capacity * 1000) / o.refillPerSecond);
+    super(name, clock, Math.min(Math.max(1000, fillMs), 600_000));
     this.#config = {
       capacity: o.capacity,
       refillPerSecond: o.refillPerSecond,
@@ -61,26 +60,27 @@ export class MemoryTokenBucket extends BaseStage {
     this.#minFactor = o.penalty?.minFactor ?? DEFAULTS.tokenBucket.penalty.minFactor;
     this.#keyed = o.keyed ?? false;
     this.callRule = bucketRule(this.#keyed);
-    const fillMs = Math.ceil((o.capacity * 1000) / o.refillPerSecond);
-    this.#keys = new KeyedStates(clock, Math.min(Math.max(1000, fillMs), 600_000), (b, now) =>
-      this.#idle(b, now),
-    );
     this.init(o.logger);
   }
 
-  #idle(b: KeyBucket, now: number): boolean {
+  protected isIdle(b: KeyBucket, now: number): boolean {
     // Full and unpenalised: a fresh key would be no better off. (A fresh key starts with
     // `initialTokens`, which is never more.)
     return b.size === 0 && isIdle(b, this.#config, now);
   }
 
-  #bucket(key: string, now: number): KeyBucket {
-    let b = this.#keys.get(key);
-    if (!b) {
-      b = new KeyBucket(this.#initial, now);
-      this.#keys.set(key, b);
-    }
-    return b;
+  protected newLine(now: number): KeyBucket {
+    return new KeyBucket(this.#initial, now);
+  }
+
+  /** Grant the key's waiters that fit. */
+  protected grantReady(b: KeyBucket, _key: string, now: number): void {
+    for (let w = b.head; w && this.#take(b, w.cost, now); w = b.head) b.lastGrant = this.grant(w, "token");
+  }
+
+  /** How long until the head's cost is in the bucket (a debt is waited out too). */
+  protected headWaitMs(b: KeyBucket, head: WaitEntry, now: number): number {
+    return waitMs(b, this.#config, head.cost, now);
   }
 
   /** Take `cost` from `b` if it holds that many now. */
@@ -108,7 +108,7 @@ export class MemoryTokenBucket extends BaseStage {
     // A cost of 0 takes nothing: admitted at once, the bucket untouched (as on Redis).
     if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
     const now = this.clock.now();
-    const b = this.#bucket(key, now);
+    const b = this.line(key, now);
     if (b.size === 0 && this.#take(b, cost, now)) return Promise.resolve(this.#issue(b, cost, key));
     if (o.timeoutMs !== undefined && !o.signal?.aborted && b.size === 0) {
       // Refuse at once what cannot be granted in time, rather than wait and fail.
@@ -119,7 +119,7 @@ export class MemoryTokenBucket extends BaseStage {
       }
     }
     const promise = this.wait(b, cost, key, o);
-    this.#schedule(b, key);
+    this.schedule(b, key);
     return promise;
   }
 
@@ -127,8 +127,8 @@ export class MemoryTokenBucket extends BaseStage {
     if (
       this.closed ||
       !Number.isInteger(cost) ||
-      (cost as number) < 0 ||
-      (cost as number) > this.#config.capacity ||
+      cost < 0 ||
+      cost > this.#config.capacity ||
       o.signal?.aborted
     ) {
       return undefined;
@@ -137,9 +137,9 @@ export class MemoryTokenBucket extends BaseStage {
     if (key === undefined) return undefined;
     if (cost === 0) return this.issue(0, key, undefined, "token");
     const now = this.clock.now();
-    const b = this.#bucket(key, now);
-    if (b.size !== 0 || !this.#take(b, cost as number, now)) return undefined;
-    return this.#issue(b, cost as number, key);
+    const b = this.line(key, now);
+    if (b.size !== 0 || !this.#take(b, cost, now)) return undefined;
+    return this.#issue(b, cost, key);
   }
 
   protected tryAdmitChecked(o: AdmitOptions): Promise<Ticket | undefined> {
@@ -147,7 +147,7 @@ export class MemoryTokenBucket extends BaseStage {
     const key = this.#keyed ? o.key! : UNKEYED;
     if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
     const now = this.clock.now();
-    const b = this.#bucket(key, now);
+    const b = this.line(key, now);
     if (b.size > 0 || !this.#take(b, cost, now)) return Promise.resolve(undefined);
     return Promise.resolve(this.#issue(b, cost, key));
   }
@@ -158,49 +158,23 @@ export class MemoryTokenBucket extends BaseStage {
     return e;
   }
 
-  /** Grant the key's waiters that fit, then set its timer for the next head. */
-  #drain(b: KeyBucket, key: string): void {
-    const now = this.clock.now();
-    for (let w = b.head; w && this.#take(b, w.cost, now); w = b.head) b.lastGrant = this.grant(w, "token");
-    this.#schedule(b, key);
-  }
-
-  #schedule(b: KeyBucket, key: string): void {
-    if (b.timer !== undefined) {
-      this.clock.clearTimeout(b.timer);
-      b.timer = undefined;
-    }
-    const head = b.head;
-    if (!head) return;
-    // A debt or a refill too slow to wait out is waited on for at most LONGEST_MS.
-    const ms = Math.min(waitMs(b, this.#config, head.cost, this.clock.now()), LONGEST_MS);
-    b.timer = this.clock.setTimeout(() => {
-      b.timer = undefined;
-      this.#drain(b, key);
-    }, ms);
-  }
-
   releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): void {
     if (refund) {
       // Tokens come back only when no call has taken from the key since: then the bucket ends
       // up no fuller than if this call had never been admitted. After another grant, the
       // refill the cap threw away cannot be told apart, so nothing comes back.
-      const b = this.#keys.get(ticket.key);
+      const b = this.lines.get(ticket.key);
       if (!b || b.lastGrant !== ticket) return;
       b.lastGrant = undefined;
       refundInPlace(b, this.#config, ticket.cost, this.clock.now());
-      this.#drain(b, ticket.key);
+      this.drain(b, ticket.key);
     } else if (outcome === "dropped" && this.#penaltyFactor !== undefined) {
       const now = this.clock.now();
-      const b = this.#bucket(ticket.key, now);
+      const b = this.line(ticket.key, now);
       const rateFactor = penalizeInPlace(b, this.#config, this.#penaltyFactor, this.#minFactor, now);
       this.log.warn({ key: ticket.key, rateFactor }, "key penalised after drop");
-      this.#schedule(b, ticket.key);
+      this.schedule(b, ticket.key);
     }
-  }
-
-  protected override grantDue(list: WaitList, key: string): undefined {
-    this.#drain(list as KeyBucket, key);
   }
 
   /** Re-price the ticket at `actual`: charge the difference, or give it back while still the latest. */
@@ -209,45 +183,29 @@ export class MemoryTokenBucket extends BaseStage {
     if (actual === estimated) return;
     ticket.cost = actual;
     const now = this.clock.now();
-    const b = this.#bucket(ticket.key, now);
+    const b = this.line(ticket.key, now);
     // A charge may leave a debt (see settleInPlace); a give-back needs the latest grant.
     if (!settleInPlace(b, this.#config, actual - estimated, b.lastGrant === ticket, now)) return;
-    this.#drain(b, ticket.key);
+    this.drain(b, ticket.key);
   }
 
   protected afterWaiterGone(list: WaitList, waiter: { key: string }): void {
-    this.#drain(list as KeyBucket, waiter.key);
-  }
-
-  protected lists(): Iterable<WaitList> {
-    return this.#keys.map.values();
-  }
-
-  protected override onClose(): void {
-    for (const b of this.#keys.map.values()) {
-      if (b.timer !== undefined) this.clock.clearTimeout(b.timer);
-      b.timer = undefined;
-    }
-    this.#keys.close();
+    this.drain(list as KeyBucket, waiter.key);
   }
 
   /** Tokens `key` holds now (refilled, capped). */
   tokens(key: string = UNKEYED): number {
-    const b = this.#keys.get(key);
+    const b = this.lines.get(key);
     return b ? tokensAt(b, this.#config, this.clock.now()) : this.#initial;
   }
 
   /** Keys currently kept in memory. */
   get keyCount(): number {
-    return this.#keys.size;
+    return this.lines.size;
   }
 
   /** Delete idle keys now rather than at the next sweep; returns how many went. */
   evictIdle(): number {
-    return this.#keys.sweep();
-  }
-
-  snapshot(): Snapshot {
-    return this.baseSnapshot(Number.POSITIVE_INFINITY);
+    return this.lines.sweep();
   }
 }

@@ -1,0 +1,90 @@
+import { LONGEST_MS } from "../admit.js";
+import { KeyedStates } from "../base/keyed.js";
+import { BaseStage } from "../base/stage.js";
+import { type WaitEntry, WaitList } from "../base/wait-list.js";
+import type { Clock, ClockTimer } from "../clock.js";
+import type { Snapshot } from "../types.js";
+
+/** One key's or host's waiters, first in, first out, and the timer for its head. */
+export class MemoryLine extends WaitList {
+  timer: ClockTimer | undefined = undefined;
+}
+
+/**
+ * A memory stage whose decisions are per key (token buckets) or per host (interval gates) and
+ * timed: each line grants from its head what its state allows now, then sleeps exactly until its
+ * head could go. Lines that are idle (see `isIdle`) are forgotten on a sweep. The counterpart of
+ * `RedisLineStage`, where Redis holds the state and says how long to sleep.
+ */
+export abstract class MemoryLineStage<L extends MemoryLine> extends BaseStage {
+  protected readonly lines: KeyedStates<L>;
+
+  constructor(name: string, clock: Clock, sweepMs: number) {
+    super(name, clock);
+    this.lines = new KeyedStates(clock, sweepMs, (line, now) => this.isIdle(line, now));
+  }
+
+  /** Whether `line` is no different from a fresh one at `now` (then a sweep forgets it). */
+  protected abstract isIdle(line: L, now: number): boolean;
+
+  /** A new line for a key first seen at `now`. */
+  protected abstract newLine(now: number): L;
+
+  /** Grant from the head of `line` whatever its state allows at `now`. */
+  protected abstract grantReady(line: L, key: string, now: number): void;
+
+  /** Milliseconds until `head`, at the head of `line`, could go. */
+  protected abstract headWaitMs(line: L, head: WaitEntry, now: number): number;
+
+  /** `key`'s line, made when first asked for. */
+  protected line(key: string, now: number): L {
+    let line = this.lines.get(key);
+    if (!line) {
+      line = this.newLine(now);
+      this.lines.set(key, line);
+    }
+    return line;
+  }
+
+  /** Grant what is due now, then sleep until the next head could go. */
+  protected drain(line: L, key: string): void {
+    this.grantReady(line, key, this.clock.now());
+    this.schedule(line, key);
+  }
+
+  /** Set the line's timer for its head (none when nobody waits). */
+  protected schedule(line: L, key: string): void {
+    if (line.timer !== undefined) {
+      this.clock.clearTimeout(line.timer);
+      line.timer = undefined;
+    }
+    const head = line.head;
+    if (!head) return;
+    // A wait too long to set a timer for (a debt, a slow refill, a long pause) is at most LONGEST_MS.
+    const ms = Math.min(this.headWaitMs(line, head, this.clock.now()), LONGEST_MS);
+    line.timer = this.clock.setTimeout(() => {
+      line.timer = undefined;
+      this.drain(line, key);
+    }, ms);
+  }
+
+  protected override grantDue(list: WaitList, key: string): undefined {
+    this.drain(list as L, key);
+  }
+
+  protected lists(): Iterable<WaitList> {
+    return this.lines.map.values();
+  }
+
+  protected override onClose(): void {
+    for (const line of this.lines.map.values()) {
+      if (line.timer !== undefined) this.clock.clearTimeout(line.timer);
+      line.timer = undefined;
+    }
+    this.lines.close();
+  }
+
+  snapshot(): Snapshot {
+    return this.baseSnapshot(Number.POSITIVE_INFINITY);
+  }
+}
