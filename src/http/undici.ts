@@ -150,11 +150,11 @@ export function floodgateInterceptor(
             return;
           }
           const state = new Admitted(ticket, pause, host, now);
-          const wrapped = gateHandler(handler, state);
           try {
-            dispatch(rest, wrapped);
+            dispatch(rest, gateHandler(handler, state));
           } catch (error) {
-            // A dispatcher that throws instead of calling the error callback.
+            // A dispatcher that throws instead of calling the error callback, or a handler
+            // whose callbacks cannot even be read.
             if (state.released) throw error;
             state.release("ignored");
             refuse(handler, error, false);

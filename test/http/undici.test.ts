@@ -181,6 +181,29 @@ describe("floodgateInterceptor", () => {
       expect(adaptive.snapshot().limit).toBe(2);
     });
 
+    it("leaves no permit held when reading the handler's callbacks throws", async () => {
+      const backend = memory({ clock });
+      const permits = backend.semaphore("permits", { limit: 1 }) as MemorySemaphore;
+      const gate = new Gate([permits], { clock });
+      const unreadable = new Error("onRequestStart cannot be read");
+      const dispatch = floodgateInterceptor(gate)(agent.dispatch.bind(agent));
+      const failed = new Promise<unknown>((resolve) => {
+        let reads = 0;
+        const handler = {
+          // Throws the first time it is read (when the request is admitted), then reads as a callback.
+          get onRequestStart() {
+            if (reads++ === 0) throw unreadable;
+            return () => {};
+          },
+          onResponseError: (_c: unknown, err: Error) => resolve(err),
+        };
+        dispatch({ origin: server.url, path: "/", method: "GET" }, handler as never);
+      });
+      expect(await failed).toBe(unreadable);
+      expect(permits.held).toBe(0);
+      expect(gate.snapshot().inFlight).toBe(0);
+    });
+
     it("releases a request undici refuses (invalid options) and passes the error on", async () => {
       const { gate, adaptive } = adaptiveGate({ initial: 2, max: 4 });
       const dispatcher = agent.compose(floodgateInterceptor(gate));
