@@ -22,6 +22,7 @@
 -- ARGV[10] claimMs longest a grant made here stays unclaimed, ms
 -- ARGV[11] listeners "1": pass over waiters nobody listens for (see floodgate_grant_heads); ""
 --                   on a cluster, where pub/sub counts are per node
+-- ARGV[12] initial  the limit to start from when meta has none (as semaphore-acquire starts)
 --
 -- Returns {released, limit, epoch, used, grants}: grants = the waiters granted the freed permits
 -- (floodgate_grant_heads), each as the message PUBLISHed on `channel`.
@@ -40,7 +41,7 @@ local ratio       = tonumber(ARGV[8])
 local slow        = ARGV[9] == '1'
 
 local state = redis.call('HMGET', meta, 'limit', 'epoch', 'used', 'quarantine')
-local limit = tonumber(state[1]) or maxLimit
+local limit = tonumber(state[1]) or tonumber(ARGV[12]) or maxLimit
 local epoch = tonumber(state[2]) or 0
 local used  = tonumber(state[3]) or 0
 

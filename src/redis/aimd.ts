@@ -15,6 +15,7 @@ export class RedisAimd extends RedisPermitStage {
   readonly #max: number;
   readonly #ratio: number;
   readonly #slowCallMs: number;
+  readonly #initial: number;
 
   constructor(name: string, options: AimdOptions, ctx: RedisContext) {
     const o = parseOptions(aimdSchema, "aimd", name, options);
@@ -33,6 +34,7 @@ export class RedisAimd extends RedisPermitStage {
     );
     this.#min = min;
     this.#max = o.max;
+    this.#initial = o.initial;
     this.#ratio = o.backoffRatio ?? DEFAULTS.aimd.backoffRatio;
     this.#slowCallMs = o.slowCallMs ?? Number.POSITIVE_INFINITY;
     this.stampsTickets = this.#slowCallMs !== Number.POSITIVE_INFINITY;
@@ -55,6 +57,7 @@ export class RedisAimd extends RedisPermitStage {
       slow ? "1" : "0",
       this.claimMs,
       this.link.listeners,
+      this.#initial,
     ]);
     this.limit = Number(reply[1]);
     this.granted(reply[4], sentAt);

@@ -282,6 +282,31 @@ describe("Lua scripts against their TypeScript twins", () => {
       expect(moved, "the limit moved").toBeGreaterThan(STEPS / 20);
       await client.del(...keys);
     });
+
+    it("starts from initial, as semaphore-acquire does, when meta has no limit (Redis lost it)", async () => {
+      const prefix = randomPrefix("twin-aimd-lost");
+      const keys = ["holders", "queue", "qexp", "meta", "procs"].map((k) => `${prefix}${k}`);
+      const meta = keys[3]!;
+      const c = { min: 1, max: 50, backoffRatio: 0.5 };
+      // A lease Redis no longer knows: nothing is learnt, and the limit written is where a fleet starts.
+      const args = [
+        "1000",
+        "gone-1:1",
+        `${prefix}channel`,
+        "success",
+        0,
+        c.min,
+        c.max,
+        c.backoffRatio,
+        "0",
+        1000,
+        "",
+      ];
+      const reply = (await run("aimd-release", keys, ...args, 7)) as number[];
+      expect(reply.slice(0, 3)).toEqual([0, 7, 0]);
+      expect(await client.hget(meta, "limit")).toBe("7");
+      await client.del(...keys);
+    });
   });
 
   describe("interval-gate-take, -pause and -refund", () => {
