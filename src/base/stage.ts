@@ -3,7 +3,8 @@
  * waiting with abort and timeout, release once, counters). Over 350 lines because those parts
  * share the stage's private state; the wait list itself is in wait-list.ts and `run` in run.ts.
  */
-import { admitOptions, type CallRule, type Entry, fnError, ONE_BUDGET, tooCostly } from "../admit.js";
+import { admitOptions, type Entry, fnError, tooCostly } from "../admit.js";
+import { type CallRule, ONE_BUDGET } from "../call-rule.js";
 import type { Clock } from "../clock.js";
 import { AdmitTimeoutError, ClosedError, InvalidOptionsError } from "../errors.js";
 import { enabled, stageLogger } from "../logger.js";

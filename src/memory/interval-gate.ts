@@ -1,4 +1,4 @@
-import { hostRule, LONGEST_MS, pauseError } from "../admit.js";
+import { LONGEST_MS, pauseError } from "../admit.js";
 import {
   claimSlot,
   delayMs,
@@ -9,6 +9,7 @@ import {
 } from "../algorithms/interval.js";
 import { BaseTicket } from "../base/stage.js";
 import type { WaitEntry, WaitList } from "../base/wait-list.js";
+import { hostRule } from "../call-rule.js";
 import type { Clock } from "../clock.js";
 import { DEFAULTS } from "../defaults.js";
 import type { IntervalGateOptions } from "../options.js";

@@ -1,4 +1,4 @@
-import { bucketRule, LONGEST_MS, UNKEYED } from "../admit.js";
+import { LONGEST_MS } from "../admit.js";
 import {
   type BucketConfig,
   isIdle,
@@ -12,6 +12,7 @@ import {
 } from "../algorithms/token-bucket.js";
 import type { BaseTicket } from "../base/stage.js";
 import type { WaitEntry, WaitList } from "../base/wait-list.js";
+import { bucketRule, UNKEYED } from "../call-rule.js";
 import type { Clock } from "../clock.js";
 import { DEFAULTS } from "../defaults.js";
 import type { TokenBucketOptions } from "../options.js";

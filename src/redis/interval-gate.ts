@@ -1,7 +1,8 @@
-import { hostRule, LONGEST_MS, pauseError } from "../admit.js";
+import { LONGEST_MS, pauseError } from "../admit.js";
 import { spacingMs } from "../algorithms/interval.js";
 import { BaseTicket } from "../base/stage.js";
 import type { Waiter } from "../base/wait-list.js";
+import { hostRule } from "../call-rule.js";
 import { DEFAULTS } from "../defaults.js";
 import { draw } from "../memory/interval-gate.js";
 import type { IntervalGateOptions } from "../options.js";

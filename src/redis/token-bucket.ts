@@ -1,7 +1,7 @@
 import { randomBytes } from "node:crypto";
-import { bucketRule, UNKEYED } from "../admit.js";
 import { BaseTicket } from "../base/stage.js";
 import type { Waiter, WaitList } from "../base/wait-list.js";
+import { bucketRule, UNKEYED } from "../call-rule.js";
 import { DEFAULTS } from "../defaults.js";
 import type { TokenBucketOptions } from "../options.js";
 import type { AdmitOptions, Outcome, StageKind, Ticket } from "../types.js";
