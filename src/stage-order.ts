@@ -7,11 +7,12 @@ const HOLDING: ReadonlySet<StageKind> = new Set(["semaphore", "aimd", "queue"]);
  * Why the order of `stages` breaks what its metering stages promise, or undefined when it keeps
  * to the rule: stages that hold a call (queue, semaphore, AIMD) first, then token buckets, then
  * interval gates last. A stage after a metering stage can still make the call wait, so the
- * call would start later than its token or its host's slot allowed.
+ * call would start later than its token or its host's slot allowed. Gates in the list are
+ * looked into: their stages count where the gate stands.
  */
 export function stageOrderWarning(stages: readonly Stage[]): string | undefined {
   let meter: Stage | undefined;
-  for (const s of stages) {
+  for (const s of inOrder(stages)) {
     if (meter && (HOLDING.has(s.kind) || (meter.kind === "intervalGate" && s.kind === "tokenBucket"))) {
       return `${meter.kind} "${meter.name}" comes before ${s.kind} "${s.name}", which can still make a call wait after it: its ${meter.kind === "intervalGate" ? "spacing" : "rate"} then holds for admissions, not for the starts of calls. List stages that hold a call (queue, semaphore, aimd) first, token buckets next, interval gates last`;
     }
@@ -20,6 +21,19 @@ export function stageOrderWarning(stages: readonly Stage[]): string | undefined 
     }
   }
   return undefined;
+}
+
+/**
+ * The stages in the order a call takes them: a gate in the list is taken stage by stage, where
+ * it stands.
+ */
+function* inOrder(stages: readonly Stage[], depth = 0): Generator<Stage> {
+  for (const s of stages) {
+    const nested = s.kind === "gate" ? (s as { stages?: unknown }).stages : undefined;
+    // A gate holds its stages in an array; deeper than any real nesting is not looked into.
+    if (Array.isArray(nested) && depth < 32) yield* inOrder(nested as Stage[], depth + 1);
+    else yield s;
+  }
 }
 
 let orderWarned = false;

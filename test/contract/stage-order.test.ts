@@ -145,6 +145,16 @@ describe("the Gate's warning", () => {
     );
   });
 
+  it("looks into a gate in the list: its stages count where it stands", () => {
+    const gate = (...stages: Stage[]) => ({ kind: "gate", name: "inner", stages }) as unknown as Stage;
+    const [bucket, sem, spacing] = kinds("tokenBucket", "semaphore", "intervalGate");
+    expect(stageOrderWarning([gate(bucket!), sem!])).toMatch(/^tokenBucket "s0" comes before semaphore "s1"/);
+    expect(stageOrderWarning([sem!, gate(gate(spacing!)), bucket!])).toMatch(
+      /^intervalGate "s2" comes before tokenBucket "s0"/,
+    );
+    expect(stageOrderWarning([gate(sem!, bucket!), spacing!])).toBe(undefined);
+  });
+
   it("is logged once, when the gate is built, on the gate's logger", async () => {
     const warned: string[] = [];
     const logger = quiet((msg) => warned.push(msg));
