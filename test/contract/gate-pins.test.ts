@@ -349,6 +349,25 @@ describe("Gate pins", () => {
     });
   });
 
+  it("warns once per process when it has no logger, naming the gate", async () => {
+    // A fresh copy of the modules: the process warning is given once per process.
+    vi.resetModules();
+    const fresh = await import("floodgate");
+    const emit = vi.spyOn(process, "emitWarning").mockImplementation(() => {});
+    try {
+      const b = fresh.memory({ clock });
+      new fresh.Gate(
+        [b.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 }), b.semaphore("sem", { limit: 1 })],
+        { clock, name: "g" },
+      );
+      expect(emit).toHaveBeenCalledTimes(1);
+      expect(emit.mock.calls[0]![0]).toMatch(/^gate "g": tokenBucket "rate" comes before semaphore "sem"/);
+      expect(emit.mock.calls[0]![1]).toEqual({ code: "FLOODGATE_STAGE_ORDER" });
+    } finally {
+      emit.mockRestore();
+    }
+  });
+
   describe("checking a call's options", () => {
     it("refuses a key no stage is keyed by, on admit, run and tryAdmit, before any stage is taken", async () => {
       const b = memory({ clock });
@@ -530,6 +549,20 @@ describe("Gate pins", () => {
       expect(pending.error).toBe(controller.signal.reason);
       expect(ticket.refunded).toBe(true);
       expect(gate.snapshot()).toMatchObject({ aborted: 1, timedOut: 0, waiting: 0, inFlight: 0 });
+    });
+
+    it("counts what the stage rejected with, not an abort, when the stage fails on its own after an abort", async () => {
+      const d = deferred<Ticket>();
+      const gate = new Gate([spyStage("deaf", { onAdmit: () => d.promise }).stage], { clock });
+      const controller = new AbortController();
+      const pending = watch(gate.admit({ signal: controller.signal }));
+      await clock.flush();
+      controller.abort(); // the stage does not listen: it times out on its own
+      const timeout = new AdmitTimeoutError("deaf", "deaf: timed out");
+      d.reject(timeout);
+      await clock.flush();
+      expect(pending.error).toBe(timeout);
+      expect(gate.snapshot()).toMatchObject({ aborted: 0, timedOut: 1, waiting: 0 });
     });
 
     it("gives back a ticket that arrives after the gate closed, and closes each stage once", async () => {
