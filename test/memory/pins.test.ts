@@ -2,6 +2,7 @@ import {
   AdmitTimeoutError,
   type Clock,
   ClosedError,
+  Gate,
   InvalidOptionsError,
   type Logger,
   memory,
@@ -96,6 +97,20 @@ describe("permit stages: admitNow", () => {
     expect(aimd.admitNow({}, 3)).toBeUndefined();
     expect(aimd.snapshot().inFlight).toBe(0);
     expect(aimd.admitNow({}, 2)?.cost).toBe(2);
+  });
+  it("admits a cost of 0 at once past callers in line, by every entry", async () => {
+    const clock = new FakeClock();
+    const sem = memory({ clock }).semaphore("sem", { limit: 2 });
+    await sem.admit({ cost: 1 });
+    const big = sem.admit({ cost: 2 });
+    expect(await settled(clock, big)).toBe(false);
+    expect(sem.admitNow({}, 1)).toBeUndefined(); // a permit is free, but someone is in line
+    expect(await sem.tryAdmit()).toBeUndefined();
+    expect(sem.admitNow({}, 0)?.cost).toBe(0);
+    expect((await sem.tryAdmit({ cost: 0 }))?.cost).toBe(0);
+    expect(await settled(clock, sem.admit({ cost: 0 }))).toBe(true);
+    expect(await sem.run(() => "now", { cost: 0 })).toBe("now");
+    expect(sem.snapshot()).toMatchObject({ waiting: 1, admitted: 5 });
   });
 });
 
@@ -642,5 +657,63 @@ describe("interval gate", () => {
     await gate.close();
     expect(await waiting).toBeInstanceOf(ClosedError);
     expect(clock.pendingTimers).toBe(0);
+  });
+});
+
+describe("a Gate's call waiting at a memory permit stage", () => {
+  it("counts its wait in the stage's permitWaitMs / queueWaitMs", async () => {
+    const clock = new FakeClock();
+    const b = memory({ clock });
+    const sem = b.semaphore("sem", { limit: 1 });
+    const q = b.queue("q", { maxSize: 1 });
+    const held = [await sem.admit(), await q.admit()];
+    const viaSem = new Gate([sem], { clock }).admit();
+    const viaQueue = new Gate([q], { clock }).admit();
+    expect(sem.snapshot().waiting).toBe(1);
+    expect(q.snapshot().waiting).toBe(1);
+    await clock.advance(7);
+    for (const t of held) await t.release();
+    await (await viaSem).release();
+    await (await viaQueue).release();
+    expect(sem.snapshot().permitWaitMs).toBe(7);
+    expect(q.snapshot().queueWaitMs).toBe(7);
+  });
+
+  it("times out at once with timeoutMs 0, without a timer", async () => {
+    const clock = new FakeClock();
+    const sem = memory({ clock }).semaphore("sem", { limit: 1 });
+    await sem.admit();
+    const call = new Gate([sem], { clock }).admit({ timeoutMs: 0 }).catch((e: unknown) => e);
+    expect(await settled(clock, call)).toBe(true);
+    expect(await call).toBeInstanceOf(AdmitTimeoutError);
+    expect(sem.snapshot()).toMatchObject({ waiting: 0, timedOut: 1 });
+  });
+
+  it("is shed at once by a full shedding queue", async () => {
+    const clock = new FakeClock();
+    const q = memory({ clock }).queue("q", { maxSize: 1, whenFull: "shed" });
+    await q.admit();
+    const call = new Gate([q], { clock }).admit().catch((e: unknown) => e);
+    expect(await settled(clock, call)).toBe(true);
+    expect(await call).toBeInstanceOf(ShedError);
+    expect(q.snapshot()).toMatchObject({ waiting: 0, shed: 1 });
+  });
+
+  it("waits in line at a blocking queue, and goes on when a slot frees", async () => {
+    const clock = new FakeClock();
+    const q = memory({ clock }).queue("q", { maxSize: 1 });
+    const first = await q.admit();
+    const call = new Gate([q], { clock }).admit();
+    expect(await settled(clock, call)).toBe(false);
+    expect(q.snapshot().waiting).toBe(1);
+    await first.release();
+    expect(await settled(clock, call)).toBe(true);
+  });
+
+  it("is refused with ClosedError by a closed stage", async () => {
+    const clock = new FakeClock();
+    const sem = memory({ clock }).semaphore("sem", { limit: 1 });
+    await sem.close();
+    await expect(new Gate([sem], { clock }).admit()).rejects.toBeInstanceOf(ClosedError);
   });
 });
