@@ -577,6 +577,28 @@ describe("interval gate", () => {
     expect(gate.snapshot()).toMatchObject({ admitted: 2, tokenWaitMs: 100 });
   });
 
+  it("lets no caller that comes the instant a slot opens overtake the waiter in line", async () => {
+    const clock = new FakeClock();
+    const gate = memory({ clock }).intervalGate("ig", { minIntervalMs: 1000 });
+    await gate.admit({ host: "h" });
+    const order: string[] = [];
+    let late: Promise<unknown> | undefined;
+    let atOnce: unknown[] = [];
+    // Due at the same instant as the waiter's slot, and set before it, so it runs first.
+    clock.setTimeout(() => {
+      atOnce = [gate.admitNow({ host: "h" }, 1)];
+      void gate.tryAdmit({ host: "h" }).then((t) => atOnce.push(t));
+      late = gate.admit({ host: "h" }).then(() => order.push("late"));
+    }, 1000);
+    const waiter = gate.admit({ host: "h" }).then(() => order.push("waiter"));
+    await clock.advance(1000);
+    expect(atOnce).toEqual([undefined, undefined]);
+    expect(order).toEqual(["waiter"]);
+    await clock.advance(1000);
+    await Promise.all([waiter, late]);
+    expect(order).toEqual(["waiter", "late"]);
+  });
+
   it("admitNow refuses a negative or fractional cost, a missing host, closed, aborted", async () => {
     const clock = new FakeClock();
     const gate = memory({ clock }).intervalGate("ig", { minIntervalMs: 100 });
