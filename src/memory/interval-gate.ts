@@ -7,6 +7,7 @@ import {
   refundSlot,
   spacingMs,
 } from "../algorithms/interval.js";
+import { TimedLine } from "../base/line-stage.js";
 import { BaseTicket } from "../base/stage.js";
 import type { WaitEntry, WaitList } from "../base/wait-list.js";
 import { hostRule } from "../call-rule.js";
@@ -15,10 +16,10 @@ import { DEFAULTS } from "../defaults.js";
 import type { IntervalGateOptions } from "../options.js";
 import type { AdmitOptions, Outcome, StageKind, Ticket } from "../types.js";
 import { intervalGateSchema, parseOptions } from "../validate.js";
-import { MemoryLine, MemoryLineStage } from "./line-stage.js";
+import { MemoryLineStage } from "./line-stage.js";
 
 /** One host: when its next call may start, its FIFO of waiters, and the timer for the head. */
-class HostSlot extends MemoryLine implements HostState {
+class HostSlot extends TimedLine implements HostState {
   /** End of the latest pause; a refunded slot never reaches back inside it. */
   pausedUntil = Number.NEGATIVE_INFINITY;
   constructor(public nextAt: number) {

@@ -1,14 +1,6 @@
 import { LONGEST_MS } from "../admit.js";
-import { KeyedStates } from "../base/keyed.js";
-import { BaseStage } from "../base/stage.js";
-import { type WaitEntry, WaitList } from "../base/wait-list.js";
-import type { Clock, ClockTimer } from "../clock.js";
-import type { Snapshot } from "../types.js";
-
-/** One key's or host's waiters, first in, first out, and the timer for its head. */
-export class MemoryLine extends WaitList {
-  timer: ClockTimer | undefined = undefined;
-}
+import { KeyedLineStage, type TimedLine } from "../base/line-stage.js";
+import type { WaitEntry, WaitList } from "../base/wait-list.js";
 
 /**
  * A memory stage whose decisions are per key (token buckets) or per host (interval gates) and
@@ -16,17 +8,7 @@ export class MemoryLine extends WaitList {
  * head could go. Lines that are idle (see `isIdle`) are forgotten on a sweep. The counterpart of
  * `RedisLineStage`, where Redis holds the state and says how long to sleep.
  */
-export abstract class MemoryLineStage<L extends MemoryLine> extends BaseStage {
-  protected readonly lines: KeyedStates<L>;
-
-  constructor(name: string, clock: Clock, sweepMs: number) {
-    super(name, clock);
-    this.lines = new KeyedStates(clock, sweepMs, (line, now) => this.isIdle(line, now));
-  }
-
-  /** Whether `line` is no different from a fresh one at `now` (then a sweep forgets it). */
-  protected abstract isIdle(line: L, now: number): boolean;
-
+export abstract class MemoryLineStage<L extends TimedLine> extends KeyedLineStage<L> {
   /** A new line for a key first seen at `now`. */
   protected abstract newLine(now: number): L;
 
@@ -70,21 +52,5 @@ export abstract class MemoryLineStage<L extends MemoryLine> extends BaseStage {
 
   protected override grantDue(list: WaitList, key: string): undefined {
     this.drain(list as L, key);
-  }
-
-  protected lists(): Iterable<WaitList> {
-    return this.lines.map.values();
-  }
-
-  protected override onClose(): void {
-    for (const line of this.lines.map.values()) {
-      if (line.timer !== undefined) this.clock.clearTimeout(line.timer);
-      line.timer = undefined;
-    }
-    this.lines.close();
-  }
-
-  snapshot(): Snapshot {
-    return this.baseSnapshot(Number.POSITIVE_INFINITY);
   }
 }

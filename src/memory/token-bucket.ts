@@ -10,6 +10,7 @@ import {
   tokensAt,
   waitMs,
 } from "../algorithms/token-bucket.js";
+import { TimedLine } from "../base/line-stage.js";
 import type { BaseTicket } from "../base/stage.js";
 import type { WaitEntry, WaitList } from "../base/wait-list.js";
 import { bucketRule, UNKEYED } from "../call-rule.js";
@@ -18,10 +19,10 @@ import { DEFAULTS } from "../defaults.js";
 import type { TokenBucketOptions } from "../options.js";
 import type { AdmitOptions, Outcome, StageKind, Ticket } from "../types.js";
 import { parseOptions, tokenBucketSchema } from "../validate.js";
-import { MemoryLine, MemoryLineStage } from "./line-stage.js";
+import { MemoryLineStage } from "./line-stage.js";
 
 /** One key's bucket: the algorithm's state plus its FIFO of waiters and the timer for its head. */
-class KeyBucket extends MemoryLine implements MutableBucketState {
+class KeyBucket extends TimedLine implements MutableBucketState {
   /** The latest ticket granted from this key; only it can be refunded exactly. */
   lastGrant: BaseTicket | undefined = undefined;
   constructor(

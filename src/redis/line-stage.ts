@@ -1,13 +1,10 @@
-import { KeyedStates } from "../base/keyed.js";
-import { BaseStage, type BaseTicket } from "../base/stage.js";
-import { type Waiter, WaitList } from "../base/wait-list.js";
-import type { ClockTimer } from "../clock.js";
-import type { Snapshot } from "../types.js";
+import { KeyedLineStage, TimedLine } from "../base/line-stage.js";
+import type { BaseTicket } from "../base/stage.js";
+import type { Waiter, WaitList } from "../base/wait-list.js";
 import type { RedisContext } from "./semaphore.js";
 
 /** This process's waiters for one key or host, asked for in order, one Redis call at a time. */
-export class RedisLine extends WaitList {
-  timer: ClockTimer | undefined = undefined;
+export class RedisLine extends TimedLine {
   busy: Promise<void> | undefined = undefined;
   again = false;
   constructor(readonly redisKey: string) {
@@ -25,13 +22,14 @@ export type Attempt =
  * are timed by Redis: each line asks Redis for its head, grants and goes on, or sleeps exactly as
  * long as Redis says. Lines of idle keys are forgotten.
  */
-export abstract class RedisLineStage<L extends RedisLine> extends BaseStage {
+export abstract class RedisLineStage<L extends RedisLine> extends KeyedLineStage<L> {
   override readonly backend = "redis";
-  protected readonly lines: KeyedStates<L>;
-
   constructor(name: string, ctx: RedisContext) {
-    super(name, ctx.clock);
-    this.lines = new KeyedStates<L>(ctx.clock, 10_000, (line) => line.size === 0 && !line.busy);
+    super(name, ctx.clock, 10_000);
+  }
+
+  protected isIdle(line: L): boolean {
+    return line.size === 0 && !line.busy;
   }
 
   /** A new, empty line for `key`. */
@@ -101,21 +99,5 @@ export abstract class RedisLineStage<L extends RedisLine> extends BaseStage {
 
   protected afterWaiterGone(list: WaitList, waiter: Waiter): void {
     void this.drain(list as L, waiter.key);
-  }
-
-  protected lists(): Iterable<WaitList> {
-    return this.lines.map.values();
-  }
-
-  protected override onClose(): void {
-    for (const line of this.lines.map.values()) {
-      if (line.timer !== undefined) this.clock.clearTimeout(line.timer);
-      line.timer = undefined;
-    }
-    this.lines.close();
-  }
-
-  snapshot(): Snapshot {
-    return this.baseSnapshot(Number.POSITIVE_INFINITY);
   }
 }
