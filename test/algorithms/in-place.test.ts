@@ -118,3 +118,19 @@ describe("interval host state", () => {
     expect(h.nextAt).toBe(230);
   });
 });
+
+describe("token bucket edges", () => {
+  it("takes a cost the bucket holds but for float error, leaving exactly zero, never a sliver of debt", () => {
+    const s: MutableBucketState = { ...at(3 - 1e-10, 500) };
+    expect(takeInPlace(s, c, 3, 500)).toBe(true);
+    expect(s.tokens).toBe(0);
+  });
+
+  it("gives nothing back for a settle of the same cost on a grant that is not the latest", () => {
+    const s: MutableBucketState = { ...at(4, 500) };
+    expect(settleInPlace(s, c, 0, false, 500)).toBe(false);
+    expect(s).toEqual(at(4, 500));
+    expect(settleInPlace(s, c, 0, true, 500)).toBe(true);
+    expect(s.tokens).toBe(4);
+  });
+});
