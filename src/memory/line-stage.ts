@@ -30,12 +30,13 @@ export abstract class MemoryLineStage<L extends TimedLine> extends KeyedLineStag
 
   /** Grant what is due now, then sleep until the next head could go. */
   protected drain(line: L, key: string): void {
-    this.grantReady(line, key, this.clock.now());
-    this.schedule(line, key);
+    const now = this.clock.now();
+    this.grantReady(line, key, now);
+    this.schedule(line, key, now);
   }
 
-  /** Set the line's timer for its head (none when nobody waits). */
-  protected schedule(line: L, key: string): void {
+  /** Set the line's timer for its head (none when nobody waits), as of `now`. */
+  protected schedule(line: L, key: string, now?: number): void {
     if (line.timer !== undefined) {
       this.clock.clearTimeout(line.timer);
       line.timer = undefined;
@@ -43,7 +44,7 @@ export abstract class MemoryLineStage<L extends TimedLine> extends KeyedLineStag
     const head = line.head;
     if (!head) return;
     // A wait too long to set a timer for (a debt, a slow refill, a long pause) is at most LONGEST_MS.
-    const ms = Math.min(this.headWaitMs(line, head, this.clock.now()), LONGEST_MS);
+    const ms = Math.min(this.headWaitMs(line, head, now ?? this.clock.now()), LONGEST_MS);
     line.timer = this.clock.setTimeout(() => {
       line.timer = undefined;
       this.drain(line, key);

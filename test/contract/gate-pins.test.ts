@@ -13,22 +13,13 @@ import {
 } from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { beforeEach, describe, expect, it, vi } from "vitest";
+import { thrown } from "../thrown.js";
 
 /**
  * What a Gate does that the other suites leave loose: its refusals (their field and message),
  * what it hands each stage (key, host, cost, costs, timeoutMs), its counters, its logs, and
  * what it gives back when a call fails part-way. Memory only: the Gate's own logic.
  */
-
-/** The error `fn` throws, or fails. */
-function thrown(fn: () => unknown): unknown {
-  try {
-    fn();
-  } catch (error) {
-    return error;
-  }
-  throw new Error("did not throw");
-}
 
 /** The reason `p` rejects with, or fails. */
 async function rejection(p: Promise<unknown>): Promise<unknown> {

@@ -11,6 +11,7 @@ import {
 } from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { describe, expect, it } from "vitest";
+import { thrown } from "../thrown.js";
 
 /**
  * Behaviour of the memory stages that the other suites leave loose: what `admitNow` refuses,
@@ -309,12 +310,7 @@ describe("memory() backend", () => {
       ['aimd "a"', () => b.aimd("a", { initial: 1, max: 3 })],
     ];
     for (const [where, build] of again) {
-      let error: unknown;
-      try {
-        build();
-      } catch (e) {
-        error = e;
-      }
+      const error = thrown(build);
       expect(error).toBeInstanceOf(InvalidOptionsError);
       expect((error as Error).message.startsWith(`${where}: already built with other options`)).toBe(true);
     }
