@@ -132,6 +132,49 @@ class Queued {
   ) {}
 }
 
+/** `admit` → `release` with nothing but a FIFO of resolve functions: the floor of that shape. */
+class MinimalAdmit {
+  used = 0;
+  #head: Pending | null = null;
+  #tail: Pending | null = null;
+  constructor(readonly limit: number) {}
+  drain(): void {
+    for (let w = this.#head; w && this.used < this.limit; w = this.#head) {
+      this.#head = w.next;
+      if (!this.#head) this.#tail = null;
+      this.used++;
+      w.resolve(new Ticket(this));
+    }
+  }
+  admit(): Promise<Ticket> {
+    if (!this.#head && this.used < this.limit) {
+      this.used++;
+      return Promise.resolve(new Ticket(this));
+    }
+    return new Promise<Ticket>((resolve) => {
+      const w = new Pending(resolve);
+      if (this.#tail) this.#tail.next = w;
+      else this.#head = w;
+      this.#tail = w;
+    });
+  }
+}
+
+class Pending {
+  next: Pending | null = null;
+  constructor(readonly resolve: (t: Ticket) => void) {}
+}
+
+/** The shape a caller of `admit` writes (the benchmark's `admit` → run → `release`). */
+async function admitted(sem: { admit(): Promise<{ release(): unknown }> }): Promise<number> {
+  const ticket = await sem.admit();
+  try {
+    return await task();
+  } finally {
+    ticket.release();
+  }
+}
+
 const contenders: Record<string, (c: number) => () => Promise<number>> = {
   "p-limit": (c) => {
     const limit = pLimit(c);
@@ -148,6 +191,14 @@ const contenders: Record<string, (c: number) => () => Promise<number>> = {
   "minimal, loses context": (c) => {
     const sem = new LosesContext(c);
     return () => sem.run(task);
+  },
+  "floodgate admit → release": (c) => {
+    const sem = memory().semaphore("floor", { limit: c });
+    return () => admitted(sem);
+  },
+  "minimal admit → release": (c) => {
+    const sem = new MinimalAdmit(c);
+    return () => admitted(sem);
   },
 };
 
@@ -193,7 +244,24 @@ const limited: Record<string, (fn: () => Promise<number>) => Promise<number>> = 
   "floodgate semaphore.run": (fn) => sem1.run(fn),
   "minimal, keeps context": (fn) => keeps1.run(fn),
   "minimal, loses context": (fn) => loses1.run(fn),
+  "floodgate admit → release": async (fn) => {
+    const ticket = await sem1.admit();
+    try {
+      return await fn();
+    } finally {
+      ticket.release();
+    }
+  },
+  "minimal admit → release": async (fn) => {
+    const ticket = await min1.admit();
+    try {
+      return await fn();
+    } finally {
+      ticket.release();
+    }
+  },
 };
+const min1 = new MinimalAdmit(1);
 const sem1 = memory().semaphore("context", { limit: 1 });
 const keeps1 = new KeepsContext(1);
 const loses1 = new LosesContext(1);

@@ -59,6 +59,15 @@ function namesOf(stages: readonly Stage[]): { all: Set<string>; keyed: boolean }
   return { all, keyed };
 }
 
+/**
+ * An empty list for the tickets of one call. `new Array()` starts with room for four, where the
+ * first push to `[]` makes room for seventeen: 80 bytes a call instead of 184.
+ */
+function newHeld(): Ticket[] {
+  // biome-ignore lint/style/useArrayLiterals: see above; `[]` allocates more on first push.
+  return new Array<Ticket>();
+}
+
 /** The cost of a call at `stage`: its entry in `costs`, else `cost`. */
 function costAt(stage: Stage, o: AdmitOptions): number | undefined {
   return o.costs?.[stage.name] ?? o.cost;
@@ -342,7 +351,7 @@ export class Gate implements Stage {
       return Promise.reject(error);
     }
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
-    const held: Ticket[] = [];
+    const held = newHeld();
     const from = this.#admitFirst(held, o);
     if (typeof from !== "number") return from;
     if (from === this.stages.length) return Promise.resolve(this.#started(held, o));
@@ -457,7 +466,7 @@ export class Gate implements Stage {
 
   async tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
     const o = this.#options(options, "tryAdmit");
-    const held: Ticket[] = [];
+    const held = newHeld();
     for (const stage of this.stages) {
       const cost = costAt(stage, o);
       let t: Ticket | undefined;
@@ -495,7 +504,7 @@ export class Gate implements Stage {
     }
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
     const classify = o.classify;
-    const held: Ticket[] = [];
+    const held = newHeld();
     const from = this.#admitFirst(held, o);
     if (typeof from !== "number") return from;
     if (from === this.stages.length) return callWith(this.#started(held, o), fn, classify, this.#log);
@@ -514,7 +523,7 @@ export class Gate implements Stage {
     const o = this.#options(options, "run") as RunOptions<T>;
     if (o.signal?.aborted) throw o.signal.reason;
     const deadline = this.#deadline(o);
-    const held: Ticket[] = [];
+    const held = newHeld();
     await this.#acquire(held, 0, this.#leading, o, deadline, false);
     const done = (async () => {
       const ticket = await this.#acquire(held, this.#leading, this.stages.length, o, deadline, true);
