@@ -48,7 +48,6 @@ export function fullBucket(capacity: number, now: number): BucketState {
 
 /** Rate multiplier at `now`: `factor` recovering linearly to 1 over `recoveryMs`. */
 export function rateFactor(s: BucketState, c: BucketConfig, now: number): number {
-  if (s.factor >= 1) return 1;
   const x = now - s.penalizedAt;
   if (x <= 0) return s.factor;
   if (x >= c.recoveryMs) return 1;
@@ -123,8 +122,8 @@ export function waitMs(s: BucketState, c: BucketConfig, cost: number, now: numbe
 export function takeInPlace(s: MutableBucketState, c: BucketConfig, cost: number, now: number): boolean {
   const tokens = tokensAt(s, c, now);
   if (tokens + EPSILON < cost) return false;
-  s.tokens = tokens > cost ? tokens - cost : 0;
-  if (now > s.updatedAt) s.updatedAt = now;
+  s.tokens = Math.max(0, tokens - cost);
+  s.updatedAt = Math.max(s.updatedAt, now);
   return true;
 }
 
@@ -137,7 +136,7 @@ export function take(s: BucketState, c: BucketConfig, cost: number, now: number)
 /** Give `cost` unused tokens back to `s` at `now`, in place (never above `capacity`). */
 export function refundInPlace(s: MutableBucketState, c: BucketConfig, cost: number, now: number): void {
   s.tokens = Math.min(c.capacity, tokensAt(s, c, now) + cost);
-  if (now > s.updatedAt) s.updatedAt = now;
+  s.updatedAt = Math.max(s.updatedAt, now);
 }
 
 /** The state after giving `cost` unused tokens back at `now` (never above `capacity`). */
@@ -173,7 +172,7 @@ export function settleInPlace(
   } else {
     return false;
   }
-  if (now > s.updatedAt) s.updatedAt = now;
+  s.updatedAt = Math.max(s.updatedAt, now);
   return true;
 }
 
