@@ -31,11 +31,16 @@ class Checked implements RunOptions {
     public signal: AbortSignal | undefined,
     public timeoutMs: number | undefined,
     public classify: RunOptions["classify"],
-  ) {}
+    cls: string | undefined,
+  ) {
+    this.class = cls;
+  }
+
+  class: string | undefined;
 }
 
 const EMPTY: AdmitOptions = Object.freeze(
-  new Checked(undefined, undefined, undefined, undefined, undefined, undefined, undefined),
+  new Checked(undefined, undefined, undefined, undefined, undefined, undefined, undefined, undefined),
 );
 
 /** The error of `run` (or `enqueue`) given something other than a function, or undefined. */
@@ -50,7 +55,7 @@ export function fnError(
 }
 
 /** The fields of admit and run options, in the order they are checked. */
-const FIELDS = ["key", "host", "cost", "costs", "signal", "timeoutMs", "classify"] as const;
+const FIELDS = ["key", "host", "class", "cost", "costs", "signal", "timeoutMs", "classify"] as const;
 
 /**
  * The call that options were given to: `tryAdmit` never waits (no `signal`, `timeoutMs`), only
@@ -60,8 +65,8 @@ export type Entry = "admit" | "tryAdmit" | "run";
 
 const ALLOWED: Record<Entry, ReadonlySet<string>> = {
   run: new Set(FIELDS),
-  admit: new Set(["key", "host", "cost", "costs", "signal", "timeoutMs"]),
-  tryAdmit: new Set(["key", "host", "cost", "costs"]),
+  admit: new Set(["key", "host", "class", "cost", "costs", "signal", "timeoutMs"]),
+  tryAdmit: new Set(["key", "host", "class", "cost", "costs"]),
 };
 
 /** The field a misspelt option most likely meant (`timeoutMS` → `timeoutMs`), or undefined. */
@@ -167,14 +172,24 @@ export function admitOptions(
   }
   if (Checked.is(options)) return options;
   let key: unknown, host: unknown, cost: unknown, costs: unknown, signal: unknown, timeoutMs: unknown;
-  let classify: unknown;
+  let classify: unknown, cls: unknown;
   try {
-    ({ key, host, cost, costs, signal, timeoutMs, classify } = options as Record<string, unknown>);
+    ({
+      key,
+      host,
+      cost,
+      costs,
+      signal,
+      timeoutMs,
+      classify,
+      class: cls,
+    } = options as Record<string, unknown>);
     for (const field in options) {
       // The hot path: a known field, compared without a lookup.
       switch (field) {
         case "key":
         case "host":
+        case "class":
         case "cost":
         case "costs":
           continue;
@@ -199,6 +214,9 @@ export function admitOptions(
   }
   if (host !== undefined && !(typeof host === "string" && host.length > 0)) {
     fail(kind, name, "host", "must be a non-empty string", host);
+  }
+  if (cls !== undefined && !(typeof cls === "string" && cls.length > 0)) {
+    fail(kind, name, "class", "must be a non-empty string", cls);
   }
   if (cost !== undefined && !isCount(cost)) fail(kind, name, "cost", "must be an integer >= 0", cost);
   if (costs !== undefined) {
@@ -241,6 +259,7 @@ export function admitOptions(
     signal as AbortSignal | undefined,
     timeoutMs === undefined ? undefined : (timeoutMs as number) + 0,
     classify as RunOptions["classify"],
+    cls as string | undefined,
   );
 }
 
@@ -253,8 +272,8 @@ const COST_BOUND: Partial<Record<StageKind, string>> = {
 };
 
 /** A cost above what the stage can ever grant is refused at once, never waited on. */
-export function tooCostly(kind: StageKind, name: string, cost: number, most: number) {
-  const bound = COST_BOUND[kind] ?? "the most the stage grants";
+export function tooCostly(kind: StageKind, name: string, cost: number, most: number, limitedBy?: string) {
+  const bound = limitedBy ?? COST_BOUND[kind] ?? "the most the stage grants";
   const [option, why] = bound.split("; ");
   return new InvalidOptionsError(
     name,

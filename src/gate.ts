@@ -47,16 +47,21 @@ export interface Job<T> {
   readonly done: Promise<T>;
 }
 
-/** Every stage name in `stages` and in gates among them, and whether any is keyed by `key`. */
-function namesOf(stages: readonly Stage[]): { all: Set<string>; keyed: boolean } {
+/**
+ * Every stage name in `stages` and in gates among them, whether any is keyed by `key`, and the
+ * traffic classes any of them knows.
+ */
+function namesOf(stages: readonly Stage[]): { all: Set<string>; keyed: boolean; classes: Set<string> } {
   const all = new Set<string>();
+  const classes = new Set<string>();
   let keyed = false;
   for (const s of stages) {
     all.add(s.name);
     if (s.keyedBy === "key") keyed = true;
+    for (const c of s.classes ?? []) classes.add(c);
     if (s instanceof Gate) for (const n of namesOf(s.stages).all) all.add(n);
   }
-  return { all, keyed };
+  return { all, keyed, classes };
 }
 
 /**
@@ -195,7 +200,7 @@ export class Gate implements Stage {
   readonly #leastMaxCost: number;
 
   /** Every stage name in the gate (and in gates in it), and whether any is keyed by `key`. */
-  readonly #names: { all: Set<string>; keyed: boolean };
+  readonly #names: { all: Set<string>; keyed: boolean; classes: Set<string> };
 
   /** Stages whose ticket a call holds while it runs (all but bounded queues). */
   readonly #callStages: number;
@@ -215,6 +220,11 @@ export class Gate implements Stage {
       if (this.#closed) this.#closeController.abort(new ClosedError(this.name));
     }
     return this.#closeController.signal;
+  }
+
+  /** Every traffic class some stage of the gate (or of a gate in it) knows, when any has classes. */
+  get classes(): readonly string[] | undefined {
+    return this.#names.classes.size > 0 ? [...this.#names.classes] : undefined;
   }
 
   /** Some stage of the gate (or of a gate in it) is keyed by the call's `key`. */
@@ -244,8 +254,30 @@ export class Gate implements Stage {
         `gate "${this.name}": key given, ${got(o.key)}, but no stage of the gate is keyed by it; build the token bucket with keyed: true`,
       );
     }
+    if (o.class !== undefined) this.#checkClass(o.class);
     if (this.#closed) throw new ClosedError(this.name);
     return o;
+  }
+
+  /** Refuse a class no stage knows, or one a stage with classes does not know. */
+  #checkClass(name: string): void {
+    if (this.#names.classes.size === 0) {
+      throw new InvalidOptionsError(
+        this.name,
+        "class",
+        `gate "${this.name}": class given, ${got(name)}, but no stage of the gate has classes; build the semaphore or AIMD limiter with classes`,
+      );
+    }
+    for (const stage of this.stages) {
+      const known = stage.classes;
+      if (known !== undefined && !known.includes(name)) {
+        throw new InvalidOptionsError(
+          this.name,
+          "class",
+          `gate "${this.name}": class "${name}" is not one of ${stage.kind} "${stage.name}"'s classes (${known.join(", ")})`,
+        );
+      }
+    }
   }
 
   /** Refuse a cost that one of the stages could never admit, before any stage is taken. */
@@ -264,7 +296,10 @@ export class Gate implements Stage {
     const key = stage.keyedBy === "key" ? o.key : undefined;
     // A gate in the gate resolves its own stages' costs.
     const costs = stage.kind === "gate" ? o.costs : undefined;
-    return { key, host: o.host, cost, signal: o.signal, timeoutMs, costs };
+    const given: AdmitOptions = { key, host: o.host, cost, signal: o.signal, timeoutMs, costs };
+    // Only a stage with classes is handed the call's class.
+    if (o.class !== undefined && stage.classes !== undefined) given.class = o.class;
+    return given;
   }
 
   /**
@@ -473,7 +508,9 @@ export class Gate implements Stage {
       try {
         const key = stage.keyedBy === "key" ? o.key : undefined;
         const costs = stage.kind === "gate" ? o.costs : undefined;
-        t = await stage.tryAdmit({ key, host: o.host, cost, costs });
+        const given: TryAdmitOptions = { key, host: o.host, cost, costs };
+        if (o.class !== undefined && stage.classes !== undefined) given.class = o.class;
+        t = await stage.tryAdmit(given);
       } catch (error) {
         await settleAll(held.splice(0), undefined);
         throw error;

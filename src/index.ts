@@ -36,6 +36,7 @@ export {
 } from "./memory/index.js";
 export type {
   AimdOptions,
+  ClassOptions,
   IntervalGateOptions,
   MemoryBackendOptions,
   PenaltyOptions,
@@ -43,10 +44,12 @@ export type {
   SemaphoreOptions,
   StageOptions,
   TokenBucketOptions,
+  TrafficClassOptions,
 } from "./options.js";
 export type {
   AdmitOptions,
   Backend,
+  ClassSnapshot,
   GateSnapshot,
   IntervalGateStage,
   Logger,

@@ -33,8 +33,41 @@ export interface BackendErrorOptions {
   localShare?: number;
 }
 
+/** One traffic class of a stage: its share of the limit, and how it borrows. See docs/classes.md. */
+export interface TrafficClassOptions {
+  /**
+   * Its weight. The limit is divided among the classes in proportion to their shares (80 and 20,
+   * or 4 and 1, give the same split); what a class gets is its guarantee, at least one permit.
+   * A finite number > 0.
+   */
+  share: number;
+  /**
+   * Among classes borrowing beyond their guarantee, a higher priority goes first. It never
+   * touches a guarantee: a class below its guarantee is served first whatever its priority.
+   * An integer. @default 0
+   */
+  priority?: number;
+  /**
+   * The most of the limit the class may hold, its guarantee and what it borrows together, as a
+   * fraction (rounded down to whole permits, never below its guarantee). In (0, 1]. @default 1
+   */
+  maxShare?: number;
+}
+
+/** Traffic classes of a semaphore or an AIMD limiter. */
+export interface ClassOptions {
+  /**
+   * Named classes that divide the limit into guaranteed shares and lend what they leave idle.
+   * A call names its class (`{ class: "interactive" }`). At most 16 classes. In memory only for
+   * now: a Redis stage refuses it.
+   */
+  classes?: Record<string, TrafficClassOptions>;
+  /** The class of a call that names none; without it such a call is refused. One of `classes`. */
+  defaultClass?: string;
+}
+
 /** `backend.semaphore(name, options)`: at most `limit` permits held at once. */
-export interface SemaphoreOptions extends StageOptions, BackendErrorOptions {
+export interface SemaphoreOptions extends StageOptions, BackendErrorOptions, ClassOptions {
   /** Permits. A call of cost `c` holds `c` of them. An integer in [1, 2^31). */
   limit: number;
   /**
@@ -119,7 +152,7 @@ export interface IntervalGateOptions extends StageOptions, BackendErrorOptions {
 }
 
 /** `backend.aimd(name, options)`: a semaphore whose limit adapts to the outcomes it sees. */
-export interface AimdOptions extends StageOptions, BackendErrorOptions {
+export interface AimdOptions extends StageOptions, BackendErrorOptions, ClassOptions {
   /** Limit to start at. An integer in [min, max]. */
   initial: number;
   /** Lowest limit. An integer >= 1. @default 1 */

@@ -39,6 +39,12 @@ export interface AdmitOptions {
   key?: string;
   /** Host for interval gates. A non-empty string. @default "default" */
   host?: string;
+  /**
+   * The traffic class the call draws on, at a stage built with `classes` (a non-empty string
+   * naming one of them; the stage's `defaultClass` when left out). A `Gate` hands it to its
+   * stages that have classes. See docs/classes.md.
+   */
+  class?: string;
   /** Weight of the call: permits for a semaphore, tokens for a bucket. An integer >= 0. @default 1 */
   cost?: number;
   /**
@@ -71,7 +77,7 @@ export interface RunOptions<T = unknown> extends AdmitOptions {
 }
 
 /** Options for an admission that never waits. */
-export type TryAdmitOptions = Pick<AdmitOptions, "key" | "host" | "cost" | "costs">;
+export type TryAdmitOptions = Pick<AdmitOptions, "key" | "host" | "class" | "cost" | "costs">;
 
 /**
  * Proof of admission. Release it exactly once with the call's outcome; a second release does
@@ -154,6 +160,26 @@ export interface Snapshot {
   leasesLost: number;
   /** Current concurrency limit (semaphore, AIMD, queue size); `Infinity` where none applies. */
   limit: number;
+  /** Each traffic class, by name, on a stage built with `classes`. */
+  classes?: Record<string, ClassSnapshot>;
+}
+
+/** One traffic class of a stage, at the moment of the snapshot. */
+export interface ClassSnapshot {
+  /** Permits the class is owed whenever it has demand, at the current limit. */
+  guarantee: number;
+  /** Most permits it may hold, borrowing included, at the current limit. */
+  ceiling: number;
+  /** Its priority among borrowers. */
+  priority: number;
+  /** Its calls holding a ticket. */
+  inFlight: number;
+  /** Permits it holds (a call of cost `c` holds `c`). */
+  held: number;
+  /** Its calls waiting. */
+  waiting: number;
+  /** Its admissions so far. */
+  admitted: number;
 }
 
 /** A gate's snapshot: the sums over its stages, and each stage's own. */
@@ -187,6 +213,14 @@ export interface Stage extends AsyncDisposable {
    * built: it does not change for the stages floodgate builds).
    */
   readonly maxCost?: number | undefined;
+  /**
+   * The traffic classes the stage divides its limit among, in declaration order, when it was
+   * built with `classes`. A `Gate` hands a call's `class` only to stages that have classes, and
+   * refuses a `class` that none of them knows.
+   */
+  readonly classes?: readonly string[] | undefined;
+  /** The class a call that names none draws on, at a stage with classes. */
+  readonly defaultClass?: string | undefined;
   /** Wait for admission. See `AdmitOptions` for cancellation and timeouts. */
   admit(options?: AdmitOptions): Promise<Ticket>;
   /** Admit only if that needs no wait; resolves `undefined` when refused. */

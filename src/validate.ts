@@ -42,11 +42,56 @@ const stageWithPolicy = {
     .optional(),
 };
 
-export const semaphoreSchema = z.strictObject({
-  ...stageWithPolicy,
-  limit: int(1),
-  leaseMs: int(100).optional(),
+/** Most traffic classes one stage may have. */
+export const MAX_CLASSES = 16;
+
+const trafficClass = z.strictObject({
+  share: finite("must be a finite number > 0").refine((v) => v > 0, { error: "must be a finite number > 0" }),
+  priority: z
+    .number({ error: "must be an integer" })
+    .int({ error: "must be an integer" })
+    .min(-MAX_INT, { error: "must be an integer" })
+    .max(MAX_INT, { error: "must be an integer" })
+    .optional(),
+  maxShare: finite("must be a number in (0, 1]")
+    .refine((v) => v > 0 && v <= 1, { error: "must be a number in (0, 1]" })
+    .optional(),
 });
+
+const nonEmpty = z
+  .string({ error: "must be a non-empty string" })
+  .min(1, { error: "must be a non-empty string" });
+
+/** `classes` and `defaultClass`, checked together. */
+const classFields = {
+  classes: z
+    .record(nonEmpty, trafficClass, { error: "must be an object of classes by name" })
+    .refine((c) => Object.keys(c).length >= 1 && Object.keys(c).length <= MAX_CLASSES, {
+      error: `must name 1 to ${MAX_CLASSES} classes`,
+    })
+    .optional(),
+  defaultClass: nonEmpty.optional(),
+};
+
+/** A `defaultClass` must name one of `classes`, and needs them. */
+function defaultClassKnown(o: { classes?: Record<string, unknown>; defaultClass?: string }): boolean {
+  if (o.defaultClass === undefined) return true;
+  return o.classes !== undefined && Object.hasOwn(o.classes, o.defaultClass);
+}
+
+const defaultClassRule: { path: string[]; error: string } = {
+  path: ["defaultClass"],
+  error: "must name one of classes",
+};
+
+export const semaphoreSchema = z
+  .strictObject({
+    ...stageWithPolicy,
+    limit: int(1),
+    leaseMs: int(100).optional(),
+    ...classFields,
+  })
+  .refine(defaultClassKnown, defaultClassRule);
 
 export const penaltySchema = z.strictObject({
   factor: finite("must be a number in (0, 1)")
@@ -108,7 +153,9 @@ export const aimdSchema = z
       .refine((v) => v > 0, { error: "must be a finite number > 0" })
       .optional(),
     leaseMs: int(100).optional(),
+    ...classFields,
   })
+  .refine(defaultClassKnown, defaultClassRule)
   .refine((o) => (o.min ?? 1) <= o.max, { path: ["max"], error: "must be >= min" })
   .refine((o) => o.initial >= (o.min ?? 1) && o.initial <= o.max, {
     path: ["initial"],

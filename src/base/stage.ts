@@ -21,6 +21,7 @@ import type {
   TryAdmitOptions,
 } from "../types.js";
 import { messageOf } from "../validate.js";
+import { noClasses } from "./classes.js";
 import { callWith, RESOLVED } from "./run.js";
 import { WaitEntry, Waiter, type WaiterOwner, type WaitList } from "./wait-list.js";
 
@@ -172,6 +173,8 @@ export abstract class BaseStage implements Stage, WaiterOwner {
 
   /** Whether grants are logged (debug), read once when the stage is built. */
   #debug = false;
+  /** Waiters lined up so far: each one's `seq`. */
+  #arrivals = 0;
 
   /** Aborts when the stage closes; every ticket's `signal`. */
   get closedSignal(): AbortSignal {
@@ -273,8 +276,14 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     if (most !== undefined && o.cost !== undefined && o.cost > most) {
       throw tooCostly(this.kind, this.name, o.cost, most);
     }
+    if (o.class !== undefined && this.classes === undefined) throw noClasses(this.kind, this.name, o.class);
     this.callRule.check(this.name, o);
     return o;
+  }
+
+  /** The stage's traffic classes (see `Stage.classes`); none unless a stage has them. */
+  get classes(): readonly string[] | undefined {
+    return undefined;
   }
 
   /** What a call must name (a key, a host) for this stage; keyed stages set it. */
@@ -406,6 +415,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     timeoutMs: number | undefined,
   ): void {
     list.push(w);
+    w.seq = ++this.#arrivals;
     this.waiting++;
     if (signal) {
       try {

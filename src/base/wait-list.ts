@@ -16,11 +16,13 @@ export abstract class WaitEntry {
   list: WaitList<any> | null = null;
   signal: AbortSignal | undefined = undefined;
   timer: ClockTimer | undefined = undefined;
+  /** Its place in the order of arrival at its stage, across all the stage's lines. */
+  seq = 0;
 
   constructor(
     readonly owner: WaiterOwner,
     readonly cost: number,
-    readonly key: string,
+    public key: string,
     /** When the wait began, on the stage's clock (a gate's waiter gets it from the stage). */
     public enqueuedAt: number,
   ) {}

@@ -1,4 +1,5 @@
 import { type AimdConfig, type AimdState, aimdStep } from "../algorithms/aimd.js";
+import { classBook } from "../base/classes.js";
 import { BaseTicket } from "../base/stage.js";
 import type { Clock } from "../clock.js";
 import { DEFAULTS } from "../defaults.js";
@@ -25,7 +26,7 @@ export class MemoryAimd extends PermitStage {
 
   constructor(name: string, options: AimdOptions, clock: Clock) {
     const o = parseOptions(aimdSchema, "aimd", name, options);
-    super(name, o.initial, clock);
+    super(name, o.initial, clock, classBook("aimd", name, o, o.initial, o.min ?? DEFAULTS.aimd.min));
     this.#config = {
       min: o.min ?? DEFAULTS.aimd.min,
       max: o.max,
@@ -50,6 +51,7 @@ export class MemoryAimd extends PermitStage {
 
   override releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): void {
     this.used -= ticket.cost;
+    this.book?.giveBack(ticket.key, ticket.cost);
     // A call admitted at cost 0 held no permit: its outcome teaches nothing (as on Redis).
     if (!refund && outcome !== "ignored" && ticket.cost > 0) {
       // Without `slowCallMs` no call is slow: the clock is not read.
@@ -72,6 +74,6 @@ export class MemoryAimd extends PermitStage {
   }
 
   override snapshot(): Snapshot {
-    return this.baseSnapshot(this.limit);
+    return this.withClasses(this.baseSnapshot(this.limit));
   }
 }

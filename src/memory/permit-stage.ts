@@ -1,5 +1,8 @@
+import { type ClassLine, nextClass } from "../algorithms/classes.js";
+import type { ClassBook } from "../base/classes.js";
 import { BaseStage, type BaseTicket, type RunWaiter, type WaitFor } from "../base/stage.js";
 import { WaitList } from "../base/wait-list.js";
+import type { CallRule } from "../call-rule.js";
 import type { Clock } from "../clock.js";
 import type { AdmitOptions, Outcome, RunOptions, Snapshot, Ticket } from "../types.js";
 
@@ -7,16 +10,71 @@ import type { AdmitOptions, Outcome, RunOptions, Snapshot, Ticket } from "../typ
  * Permits counted against a limit, waiters served strictly first in, first out, so a large `cost`
  * at the head is never starved by small ones behind it. The semaphore, the bounded queue and the
  * AIMD limiter are all this, with a different rule for the limit and for a full house.
+ *
+ * With traffic classes (`classes`), each class has its own line, FIFO within it, and a free
+ * permit goes to the head `nextClass` picks (src/algorithms/classes.ts); a class is then
+ * written on its tickets and waiters as their `key`. Without classes nothing of that is read.
  */
 export abstract class PermitStage extends BaseStage {
   protected limit: number;
   protected used = 0;
   protected readonly waiters = new WaitList();
   protected readonly waitFor: WaitFor = "permit";
+  /** The stage's classes, or undefined: one line for every call. */
+  protected readonly book: ClassBook | undefined;
+  /** One line per class, in the book's order (empty without classes). */
+  readonly #lines: WaitList[] = [];
+  /** What `nextClass` reads of each class (arrival as the head's `seq`), rewritten in place before each pick. */
+  readonly #view: { used: number; headCost: number | undefined; headAt: number }[] = [];
 
-  constructor(name: string, limit: number, clock: Clock) {
+  constructor(name: string, limit: number, clock: Clock, book?: ClassBook) {
     super(name, clock);
     this.limit = limit;
+    this.book = book;
+    if (book) {
+      for (let i = 0; i < book.names.length; i++) {
+        this.#lines.push(new WaitList());
+        this.#view.push({ used: 0, headCost: undefined, headAt: 0 });
+      }
+      this.callRule = classRule(book);
+    }
+  }
+
+  /** The names of the stage's classes, when it has them. */
+  override get classes(): readonly string[] | undefined {
+    return this.book?.names;
+  }
+
+  /** The class of a call that names none, when the stage has classes. */
+  get defaultClass(): string | undefined {
+    return this.book?.defaultClass;
+  }
+
+  /** The class a call draws on (its index in the book), or -1 on a stage without classes. */
+  protected classOf(o: AdmitOptions, cost: number): number {
+    return this.book === undefined ? -1 : this.book.indexOf(o, cost);
+  }
+
+  /** The line a call of class `cls` waits in. */
+  protected lineOf(cls: number): WaitList {
+    return cls < 0 ? this.waiters : this.#lines[cls]!;
+  }
+
+  /**
+   * The class whose head goes next, or -1. With `extra` (a class with nobody in line), that
+   * class is looked at as if a call of cost `extraCost` stood at its head, arrived after everyone.
+   */
+  #pick(extra = -1, extraCost = 0): number {
+    const book = this.book!;
+    const view = this.#view;
+    for (let i = 0; i < view.length; i++) {
+      const v = view[i]!;
+      const head = this.#lines[i]!.head;
+      v.used = book.used[i]!;
+      v.headCost = i === extra ? extraCost : head?.cost;
+      v.headAt = i === extra ? Number.POSITIVE_INFINITY : (head?.seq ?? 0);
+    }
+    return nextClass(view as ClassLine[], book.bounds(this.limit), book.configs, this.limit - this.used);
   }
 
   /**
@@ -29,36 +87,41 @@ export abstract class PermitStage extends BaseStage {
 
   /**
    * Whether `cost` can be granted now without overtaking anyone: nobody in line and room for it.
-   * A cost of 0 takes nothing, so it goes at once even past callers in line (as on Redis).
+   * A cost of 0 takes nothing, so it goes at once even past callers in line (as on Redis). With
+   * classes: nobody in the class's line, and the class would be picked next.
    */
-  protected fitsNow(cost: number): boolean {
-    return (this.waiters.size === 0 || cost === 0) && this.used + cost <= this.limit;
+  protected fitsNow(cost: number, cls = -1): boolean {
+    if (cls < 0) return (this.waiters.size === 0 || cost === 0) && this.used + cost <= this.limit;
+    if (cost === 0) return true;
+    return this.#lines[cls]!.size === 0 && this.#pick(cls, cost) === cls;
   }
 
-  /** Take `cost` permits now and issue their ticket. */
-  protected take(cost: number): BaseTicket {
+  /** Take `cost` permits now (for class `cls`) and issue their ticket. */
+  protected take(cost: number, cls = -1): BaseTicket {
     this.used += cost;
-    return this.issue(cost, "", undefined, this.waitFor);
+    if (cls < 0) return this.issue(cost, "", undefined, this.waitFor);
+    this.book!.take(cls, cost);
+    return this.issue(cost, this.book!.names[cls]!, undefined, this.waitFor);
   }
 
   protected override admitChecked(o: AdmitOptions): Promise<Ticket> {
     const cost = o.cost ?? 1;
-    if (this.fitsNow(cost)) return Promise.resolve(this.take(cost));
-    return this.shedding() ?? this.wait(this.waiters, cost, "", o);
+    const cls = this.classOf(o, cost);
+    if (this.fitsNow(cost, cls)) return Promise.resolve(this.take(cost, cls));
+    return this.shedding() ?? this.wait(this.lineOf(cls), cost, this.keyOf(cls), o);
+  }
+
+  /** What a waiter or ticket of class `cls` carries as its key: the class's name. */
+  protected keyOf(cls: number): string {
+    return cls < 0 ? "" : this.book!.names[cls]!;
   }
 
   override admitNow(o: AdmitOptions, cost: number): BaseTicket | undefined {
-    if (
-      this.closed ||
-      !Number.isInteger(cost) ||
-      cost < 0 ||
-      cost > this.maxCost ||
-      !this.fitsNow(cost) ||
-      o.signal?.aborted
-    ) {
+    if (this.closed || !Number.isInteger(cost) || cost < 0 || cost > this.maxCost || o.signal?.aborted) {
       return undefined;
     }
-    return this.take(cost);
+    const cls = this.classOf(o, cost);
+    return this.fitsNow(cost, cls) ? this.take(cost, cls) : undefined;
   }
 
   override waitInGate<T>(
@@ -74,13 +137,15 @@ export abstract class PermitStage extends BaseStage {
       cost < 0 ||
       cost > this.maxCost ||
       timeoutMs === 0 ||
-      o.signal?.aborted ||
-      this.fitsNow(cost)
+      o.signal?.aborted
     ) {
       return undefined;
     }
+    const cls = this.classOf(o, cost);
+    if (this.fitsNow(cost, cls)) return undefined;
     w.enqueuedAt = this.clock.now();
-    return this.lineUp(this.waiters, w, o.signal, timeoutMs);
+    w.key = this.keyOf(cls);
+    return this.lineUp(this.lineOf(cls), w, o.signal, timeoutMs);
   }
 
   /** Whether a call that finds no room waits for it (a queue may shed instead). */
@@ -107,22 +172,34 @@ export abstract class PermitStage extends BaseStage {
       return Promise.reject(error);
     }
     const cost = o.cost ?? 1;
-    if (this.fitsNow(cost)) return this.callTicket(this.take(cost), fn, o.classify);
-    return this.shedding() ?? this.waitToRun(this.waiters, cost, "", o, fn);
+    const cls = this.classOf(o, cost);
+    if (this.fitsNow(cost, cls)) return this.callTicket(this.take(cost, cls), fn, o.classify);
+    return this.shedding() ?? this.waitToRun(this.lineOf(cls), cost, this.keyOf(cls), o, fn);
   }
 
   protected tryAdmitChecked(o: AdmitOptions): Promise<Ticket | undefined> {
     const cost = o.cost ?? 1;
-    return Promise.resolve(this.fitsNow(cost) ? this.take(cost) : undefined);
+    const cls = this.classOf(o, cost);
+    return Promise.resolve(this.fitsNow(cost, cls) ? this.take(cost, cls) : undefined);
   }
 
   releaseTicket(ticket: BaseTicket, _outcome: Outcome, _refund: boolean): void {
     this.used -= ticket.cost;
+    this.book?.giveBack(ticket.key, ticket.cost);
     this.drain();
   }
 
-  /** Grant waiters from the head while they fit. */
+  /** Grant waiters from the head while they fit (with classes: in the order `nextClass` picks). */
   protected drain(): void {
+    if (this.book) {
+      for (let cls = this.#pick(); cls >= 0; cls = this.#pick()) {
+        const w = this.#lines[cls]!.head!;
+        this.used += w.cost;
+        this.book.take(cls, w.cost);
+        this.grant(w, this.waitFor);
+      }
+      return;
+    }
     const list = this.waiters;
     for (let w = list.head; w && this.used + w.cost <= this.limit; w = list.head) {
       this.used += w.cost;
@@ -135,7 +212,7 @@ export abstract class PermitStage extends BaseStage {
   }
 
   protected lists(): Iterable<WaitList> {
-    return [this.waiters];
+    return this.book ? this.#lines : [this.waiters];
   }
 
   /** Permits held now. */
@@ -144,6 +221,17 @@ export abstract class PermitStage extends BaseStage {
   }
 
   snapshot(): Snapshot {
-    return this.baseSnapshot(this.limit);
+    return this.withClasses(this.baseSnapshot(this.limit));
   }
+
+  /** `snap` with each class's figures, on a stage with classes. */
+  protected withClasses(snap: Snapshot): Snapshot {
+    if (this.book) snap.classes = this.book.snapshot(this.limit, (i) => this.#lines[i]!.size);
+    return snap;
+  }
+}
+
+/** The call rule of a stage with classes: a call names a known class (or has the default). */
+function classRule(book: ClassBook): CallRule {
+  return { keyedBy: undefined, check: (_name, o) => void book.indexOf(o, o.cost ?? 1) };
 }

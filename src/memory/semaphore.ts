@@ -1,3 +1,4 @@
+import { classBook } from "../base/classes.js";
 import type { Clock } from "../clock.js";
 import type { SemaphoreOptions } from "../options.js";
 import type { StageKind } from "../types.js";
@@ -7,13 +8,16 @@ import { PermitStage } from "./permit-stage.js";
 
 export { PermitStage } from "./permit-stage.js";
 
-/** Counting semaphore: at most `limit` permits held at once, FIFO, weighted by `cost`. */
+/**
+ * Counting semaphore: at most `limit` permits held at once, FIFO, weighted by `cost`; with
+ * `classes`, divided into guaranteed shares that lend what they leave idle.
+ */
 export class MemorySemaphore extends PermitStage {
   readonly kind: StageKind = "semaphore";
 
   constructor(name: string, options: SemaphoreOptions, clock: Clock) {
     const o = parseOptions(semaphoreSchema, "semaphore", name, options);
-    super(name, o.limit, clock);
+    super(name, o.limit, clock, classBook("semaphore", name, o, o.limit, o.limit));
     this.init(o.logger);
   }
 }

@@ -1,3 +1,4 @@
+import { refuseClasses } from "../base/classes.js";
 import { DEFAULTS } from "../defaults.js";
 import type { AimdOptions } from "../options.js";
 import type { Outcome, StageKind } from "../types.js";
@@ -19,6 +20,7 @@ export class RedisAimd extends RedisPermitStage {
 
   constructor(name: string, options: AimdOptions, ctx: RedisContext) {
     const o = parseOptions(aimdSchema, "aimd", name, options);
+    refuseClasses("aimd", name, o);
     const min = o.min ?? DEFAULTS.aimd.min;
     super(
       name,

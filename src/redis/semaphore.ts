@@ -1,3 +1,4 @@
+import { refuseClasses } from "../base/classes.js";
 import { DEFAULTS } from "../defaults.js";
 import type { SemaphoreOptions } from "../options.js";
 import type { StageKind } from "../types.js";
@@ -14,6 +15,7 @@ export class RedisSemaphore extends RedisPermitStage {
 
   constructor(name: string, options: SemaphoreOptions, ctx: RedisContext) {
     const o = parseOptions(semaphoreSchema, "semaphore", name, options);
+    refuseClasses("semaphore", name, o);
     super(
       name,
       {

@@ -62,9 +62,19 @@ const HOSTILE: [string, () => unknown][] = [
       Object.defineProperties(
         {},
         Object.fromEntries(
-          ["key", "host", "cost", "costs", "signal", "timeoutMs", "classify", "aborted", "name", "limit"].map(
-            (k) => [k, { get: boom, enumerable: true }],
-          ),
+          [
+            "key",
+            "host",
+            "class",
+            "cost",
+            "costs",
+            "signal",
+            "timeoutMs",
+            "classify",
+            "aborted",
+            "name",
+            "limit",
+          ].map((k) => [k, { get: boom, enumerable: true }]),
         ),
       ),
   ],
@@ -104,7 +114,7 @@ const HOSTILE: [string, () => unknown][] = [
   ["a record with a BigInt cost", () => ({ sem: 1n, tb: 2 })],
 ];
 
-const ADMIT_FIELDS = ["key", "host", "cost", "costs", "signal", "timeoutMs", "classify", "unknown"];
+const ADMIT_FIELDS = ["key", "host", "class", "cost", "costs", "signal", "timeoutMs", "classify", "unknown"];
 
 /** The stages of one case, fresh for it. */
 interface Env {
@@ -126,11 +136,20 @@ const GOOD: Record<Exclude<Kind, "gate">, Record<string, unknown>> = {
 
 /** Every option of each factory, to put a hostile value in. */
 const FACTORY_FIELDS: Record<Exclude<Kind, "gate">, string[]> = {
-  semaphore: ["limit", "leaseMs", "clock", "logger", "onBackendError", "localShare"],
+  semaphore: [
+    "limit",
+    "leaseMs",
+    "clock",
+    "logger",
+    "onBackendError",
+    "localShare",
+    "classes",
+    "defaultClass",
+  ],
   tokenBucket: ["capacity", "refillPerSecond", "initialTokens", "penalty"],
   queue: ["maxSize", "whenFull"],
   intervalGate: ["minIntervalMs", "jitterMs", "random"],
-  aimd: ["initial", "min", "max", "backoffRatio", "slowCallMs", "leaseMs"],
+  aimd: ["initial", "min", "max", "backoffRatio", "slowCallMs", "leaseMs", "classes", "defaultClass"],
 };
 
 function makeEnv(backend: (typeof backends)[number]): Env {

@@ -1,0 +1,168 @@
+/**
+ * Traffic classes as a stage holds them, whatever its backend: the configured classes in
+ * declaration order, the check of a call's `class`, the bounds at the current limit, and what
+ * each class holds and has been granted. The rule itself is `src/algorithms/classes.ts`.
+ */
+
+import { tooCostly } from "../admit.js";
+import { type ClassBounds, type ClassConfig, guarantees } from "../algorithms/classes.js";
+import { InvalidOptionsError } from "../errors.js";
+import type { TrafficClassOptions } from "../options.js";
+import type { AdmitOptions, ClassSnapshot, StageKind } from "../types.js";
+import { got } from "../validate.js";
+
+/** The classes of one stage, with what each holds. */
+export class ClassBook {
+  readonly names: readonly string[];
+  readonly configs: readonly ClassConfig[];
+  readonly #index = new Map<string, number>();
+  readonly #default: number;
+  /** Permits each class holds. */
+  readonly used: number[];
+  /** Admissions granted to each class. */
+  readonly admitted: number[];
+  /** Calls of each class holding a ticket. */
+  readonly calls: number[];
+  #bounds: ClassBounds;
+  #boundsLimit: number;
+  /** Each class's ceiling at the lowest limit the stage can have: the largest cost it can ever admit. */
+  readonly #maxCost: readonly number[];
+
+  constructor(
+    readonly kind: StageKind,
+    readonly stage: string,
+    classes: Readonly<Record<string, TrafficClassOptions>>,
+    defaultClass: string | undefined,
+    limit: number,
+    lowestLimit: number,
+  ) {
+    this.names = Object.keys(classes);
+    this.configs = this.names.map((n) => {
+      const c = classes[n]!;
+      return { share: c.share, priority: c.priority ?? 0, maxShare: c.maxShare ?? 1 };
+    });
+    for (let i = 0; i < this.names.length; i++) this.#index.set(this.names[i]!, i);
+    this.#default = defaultClass === undefined ? -1 : this.#index.get(defaultClass)!;
+    this.used = this.names.map(() => 0);
+    this.admitted = this.names.map(() => 0);
+    this.calls = this.names.map(() => 0);
+    this.#bounds = guarantees(limit, this.configs);
+    this.#boundsLimit = limit;
+    this.#maxCost = guarantees(lowestLimit, this.configs).ceiling;
+  }
+
+  /** The configured default class, if any. */
+  get defaultClass(): string | undefined {
+    return this.#default < 0 ? undefined : this.names[this.#default];
+  }
+
+  /** Guarantees and ceilings at `limit` (worked out again only when the limit moved). */
+  bounds(limit: number): ClassBounds {
+    if (limit !== this.#boundsLimit) {
+      this.#bounds = guarantees(limit, this.configs);
+      this.#boundsLimit = limit;
+    }
+    return this.#bounds;
+  }
+
+  /**
+   * The index of the class a call draws on: its `class`, else the default. Throws
+   * `InvalidOptionsError` for a call that names none (with no default), names an unknown class,
+   * or costs (`cost`, its cost at this stage) more than its class could ever hold.
+   */
+  indexOf(o: AdmitOptions, cost: number): number {
+    const name = o.class;
+    const i = name === undefined ? this.#default : (this.#index.get(name) ?? -2);
+    if (i < 0) {
+      const known = this.names.join(", ");
+      throw new InvalidOptionsError(
+        this.stage,
+        "class",
+        i === -1
+          ? `${this.kind} "${this.stage}": class is required: name each call's class (one of ${known}), or build the ${this.kind} with defaultClass`
+          : `${this.kind} "${this.stage}": class must be one of ${known}, ${got(name)}`,
+      );
+    }
+    if (cost > this.#maxCost[i]!) {
+      throw tooCostly(
+        this.kind,
+        this.stage,
+        cost,
+        this.#maxCost[i]!,
+        `the ceiling of class "${this.names[i]}"`,
+      );
+    }
+    return i;
+  }
+
+  /** `cost` permits granted to class `i`. */
+  take(i: number, cost: number): void {
+    this.used[i]! += cost;
+    this.admitted[i]!++;
+    this.calls[i]!++;
+  }
+
+  /** `cost` permits of the class named `name` given back. */
+  giveBack(name: string, cost: number): void {
+    const i = this.#index.get(name);
+    if (i === undefined) return;
+    this.used[i]! -= cost;
+    this.calls[i]!--;
+  }
+
+  /** Each class as the snapshot shows it; `waiting` by class index. */
+  snapshot(limit: number, waiting: (i: number) => number): Record<string, ClassSnapshot> {
+    const b = this.bounds(limit);
+    const out: Record<string, ClassSnapshot> = {};
+    this.names.forEach((n, i) => {
+      out[n] = {
+        guarantee: b.guarantee[i]!,
+        ceiling: b.ceiling[i]!,
+        priority: this.configs[i]!.priority,
+        inFlight: this.calls[i]!,
+        held: this.used[i]!,
+        waiting: waiting(i),
+        admitted: this.admitted[i]!,
+      };
+    });
+    return out;
+  }
+}
+
+/** The class book of a stage built with `classes`, or undefined. */
+export function classBook(
+  kind: StageKind,
+  stage: string,
+  o: { classes?: Readonly<Record<string, TrafficClassOptions>>; defaultClass?: string },
+  limit: number,
+  lowestLimit: number,
+): ClassBook | undefined {
+  if (o.classes === undefined) return undefined;
+  return new ClassBook(kind, stage, o.classes, o.defaultClass, limit, lowestLimit);
+}
+
+/** The refusal of a `class` given to a stage that has no classes. */
+export function noClasses(kind: StageKind, stage: string, name: unknown): InvalidOptionsError {
+  return new InvalidOptionsError(
+    stage,
+    "class",
+    `${kind} "${stage}": class given, ${got(name)}, but the ${kind} has no classes; build it with classes: { … } to divide its limit among them`,
+  );
+}
+
+/**
+ * Refuse `classes` on a stage that cannot keep them yet (a Redis stage): better an error now
+ * than a limit that silently ignores the shares.
+ */
+export function refuseClasses(
+  kind: StageKind,
+  stage: string,
+  o: { classes?: unknown; defaultClass?: unknown },
+): void {
+  if (o.classes === undefined && o.defaultClass === undefined) return;
+  throw new InvalidOptionsError(
+    stage,
+    "classes",
+    `${kind} "${stage}": classes are kept in memory only for now; build this ${kind} with memory(), or without classes`,
+  );
+}

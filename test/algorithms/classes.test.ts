@@ -1,0 +1,248 @@
+import fc from "fast-check";
+import { describe, expect, it } from "vitest";
+import { type ClassConfig, type ClassLine, guarantees, nextClass } from "../../src/algorithms/classes.js";
+
+const cls = (share: number, priority = 0, maxShare = 1): ClassConfig => ({ share, priority, maxShare });
+const idle = (used: number): ClassLine => ({ used, headCost: undefined, headAt: 0 });
+const line = (used: number, headCost: number, headAt: number): ClassLine => ({ used, headCost, headAt });
+
+describe("guarantees", () => {
+  const rows: {
+    name: string;
+    limit: number;
+    classes: ClassConfig[];
+    guarantee: number[];
+    ceiling: number[];
+  }[] = [
+    { name: "80 / 20 of 10", limit: 10, classes: [cls(80), cls(20)], guarantee: [8, 2], ceiling: [10, 10] },
+    {
+      name: "shares are weights, not fractions",
+      limit: 10,
+      classes: [cls(4), cls(1)],
+      guarantee: [8, 2],
+      ceiling: [10, 10],
+    },
+    {
+      name: "the leftover goes to the largest remainder",
+      limit: 10,
+      classes: [cls(1), cls(1), cls(1)],
+      guarantee: [4, 3, 3],
+      ceiling: [10, 10, 10],
+    },
+    {
+      name: "equal remainders: the earlier class",
+      limit: 16,
+      classes: [cls(1), cls(1), cls(1)],
+      guarantee: [6, 5, 5],
+      ceiling: [16, 16, 16],
+    },
+    {
+      name: "the largest remainder wins over the earlier class",
+      limit: 10,
+      classes: [cls(0.33), cls(0.67)],
+      guarantee: [3, 7],
+      ceiling: [10, 10],
+    },
+    {
+      name: "three leftovers on equal remainders go to the earliest three",
+      limit: 7,
+      classes: [cls(1), cls(1), cls(1), cls(1)],
+      guarantee: [2, 2, 2, 1],
+      ceiling: [7, 7, 7, 7],
+    },
+    {
+      name: "at least one each",
+      limit: 10,
+      classes: [cls(99), cls(1)],
+      guarantee: [10, 1],
+      ceiling: [10, 10],
+    },
+    {
+      name: "a limit below the number of classes: one each, overlapping",
+      limit: 1,
+      classes: [cls(9), cls(1)],
+      guarantee: [1, 1],
+      ceiling: [1, 1],
+    },
+    {
+      name: "maxShare caps what a class may borrow, rounded down",
+      limit: 10,
+      classes: [cls(5, 0, 0.75), cls(5, 0, 0.5)],
+      guarantee: [5, 5],
+      ceiling: [7, 5],
+    },
+    {
+      name: "a ceiling never below the guarantee",
+      limit: 10,
+      classes: [cls(8, 0, 0.1), cls(2)],
+      guarantee: [8, 2],
+      ceiling: [8, 10],
+    },
+    { name: "one class has it all", limit: 5, classes: [cls(1)], guarantee: [5], ceiling: [5] },
+  ];
+  it.each(rows)("$name", ({ limit, classes, guarantee, ceiling }) => {
+    expect(guarantees(limit, classes)).toEqual({ guarantee, ceiling });
+  });
+
+  it("sums to the limit (or the number of classes) and gives each at least one and its whole part", () => {
+    fc.assert(
+      fc.property(
+        fc.integer({ min: 1, max: 1000 }),
+        fc.array(fc.integer({ min: 1, max: 100 }), { minLength: 1, maxLength: 6 }),
+        (limit, shares) => {
+          const { guarantee, ceiling } = guarantees(
+            limit,
+            shares.map((s) => cls(s)),
+          );
+          const sum = guarantee.reduce((a, b) => a + b, 0);
+          const total = shares.reduce((a, b) => a + b, 0);
+          if (limit >= shares.length) expect(sum).toBeGreaterThanOrEqual(limit);
+          expect(sum).toBeLessThanOrEqual(limit + shares.length);
+          shares.forEach((s, i) => {
+            const exact = (limit * s) / total;
+            expect(guarantee[i]).toBeGreaterThanOrEqual(Math.max(1, Math.floor(exact)));
+            expect(guarantee[i]).toBeLessThanOrEqual(Math.max(1, Math.floor(exact) + 1));
+            expect(ceiling[i]).toBe(limit);
+          });
+          // Without the floor of one, the guarantees sum to the limit exactly.
+          if (guarantee.every((g, i) => g > 1 || Math.floor((limit * shares[i]!) / total) >= 1)) {
+            expect(sum).toBe(limit);
+          }
+        },
+      ),
+    );
+  });
+});
+
+describe("nextClass", () => {
+  // Interactive (share 8, priority 1) and bulk (share 2) on a limit of 10.
+  const two = [cls(8, 1), cls(2)];
+  const b2 = guarantees(10, two);
+  const rows: { name: string; lines: ClassLine[]; free: number; next: number; classes?: ClassConfig[] }[] = [
+    { name: "nobody waits", lines: [idle(0), idle(0)], free: 10, next: -1 },
+    { name: "bulk alone borrows the whole limit", lines: [idle(0), line(9, 1, 5)], free: 1, next: 1 },
+    { name: "interactive alone takes it all", lines: [line(9, 1, 5), idle(0)], free: 1, next: 0 },
+    {
+      name: "an owed class goes before an earlier borrower",
+      lines: [line(0, 1, 9), line(9, 1, 1)],
+      free: 1,
+      next: 0,
+    },
+    {
+      name: "owed classes go in arrival order, whatever their priority",
+      lines: [line(7, 1, 9), line(1, 1, 3)],
+      free: 2,
+      next: 1,
+    },
+    { name: "arrival order the other way", lines: [line(7, 1, 3), line(1, 1, 9)], free: 2, next: 0 },
+    {
+      name: "an arrival tie goes to the earlier class",
+      lines: [line(7, 1, 3), line(1, 1, 3)],
+      free: 2,
+      next: 0,
+    },
+    {
+      name: "borrowers go by priority before arrival",
+      lines: [line(5, 1, 9), line(4, 1, 3), idle(0)],
+      classes: [cls(4, 1), cls(4), cls(2)],
+      free: 1,
+      next: 0,
+    },
+    {
+      name: "borrowers of one priority go by arrival",
+      lines: [line(5, 1, 9), line(4, 1, 3), idle(0)],
+      classes: [cls(4), cls(4), cls(2)],
+      free: 1,
+      next: 1,
+    },
+    {
+      name: "the owed head that does not fit blocks a borrower that would",
+      lines: [line(0, 3, 9), line(8, 1, 1)],
+      free: 2,
+      next: -1,
+    },
+    {
+      name: "the first borrower that does not fit blocks a later one",
+      lines: [line(4, 2, 1), line(5, 1, 2), idle(0)],
+      classes: [cls(4, 1), cls(4), cls(2)],
+      free: 1,
+      next: -1,
+    },
+    { name: "fits exactly", lines: [line(8, 2, 1), idle(0)], free: 2, next: 0 },
+    {
+      name: "a cost above the share goes while the class holds less than its guarantee",
+      lines: [line(0, 3, 9), line(7, 1, 10)],
+      classes: [cls(2), cls(8)],
+      free: 3,
+      next: 0,
+    },
+    {
+      name: "a class at its ceiling is skipped, not blocking",
+      lines: [line(5, 1, 1), line(4, 1, 2)],
+      classes: [cls(5, 1, 0.5), cls(5)],
+      free: 1,
+      next: 1,
+    },
+    {
+      name: "a head that would pass its ceiling is skipped",
+      lines: [line(4, 2, 1), line(4, 1, 2)],
+      classes: [cls(5, 1, 0.5), cls(5)],
+      free: 2,
+      next: 1,
+    },
+    {
+      name: "every waiting class at its ceiling: none",
+      lines: [line(5, 1, 1), line(5, 1, 2)],
+      classes: [cls(5, 0, 0.5), cls(5, 0, 0.5)],
+      free: 0,
+      next: -1,
+    },
+    { name: "nothing free", lines: [line(0, 1, 1), line(10, 1, 2)], free: 0, next: -1 },
+  ];
+  it.each(rows)("$name", ({ lines, free, next, classes }) => {
+    const c = classes ?? two;
+    expect(nextClass(lines, classes ? guarantees(10, c) : b2, c, free)).toBe(next);
+  });
+
+  it("grants only what fits, never a class past its ceiling, and an owed class before any borrower", () => {
+    const arb = fc.record({
+      limit: fc.integer({ min: 1, max: 20 }),
+      classes: fc.array(
+        fc.record({
+          share: fc.integer({ min: 1, max: 10 }),
+          priority: fc.integer({ min: 0, max: 2 }),
+          maxShare: fc.constantFrom(0.25, 0.5, 1),
+        }),
+        { minLength: 1, maxLength: 4 },
+      ),
+      seed: fc.array(fc.tuple(fc.nat(20), fc.option(fc.integer({ min: 1, max: 5 })), fc.nat(50)), {
+        minLength: 4,
+        maxLength: 4,
+      }),
+    });
+    fc.assert(
+      fc.property(arb, ({ limit, classes, seed }) => {
+        const bounds = guarantees(limit, classes);
+        const lines = classes.map((_, i) => {
+          const [used, cost, at] = seed[i]!;
+          return { used: Math.min(used, bounds.ceiling[i]!), headCost: cost ?? undefined, headAt: at };
+        });
+        const held = lines.reduce((n, l) => n + l.used, 0);
+        const free = Math.max(0, limit - held);
+        const next = nextClass(lines, bounds, classes, free);
+        if (next === -1) return;
+        const l = lines[next]!;
+        expect(l.headCost).toBeLessThanOrEqual(free);
+        expect(l.used + l.headCost!).toBeLessThanOrEqual(bounds.ceiling[next]!);
+        if (l.used >= bounds.guarantee[next]!) {
+          // A borrower goes only when no class below its guarantee waits with a head within its ceiling.
+          lines.forEach((o, i) => {
+            if (o.headCost !== undefined && o.used + o.headCost <= bounds.ceiling[i]!) {
+              expect(o.used >= bounds.guarantee[i]!).toBe(true);
+            }
+          });
+        }
+      }),
+    );
+  });
+});

@@ -1,0 +1,476 @@
+import fc from "fast-check";
+import {
+  type Backend,
+  Gate,
+  InvalidOptionsError,
+  memory,
+  type SemaphoreOptions,
+  type Stage,
+  type Ticket,
+} from "floodgate";
+import { FakeClock } from "floodgate/testing";
+import { beforeEach, describe, expect, it } from "vitest";
+import { backends, track, useBackend } from "./backends.js";
+
+/** Interactive and bulk on a limit of 10: guarantees 8 and 2. */
+const TWO = { interactive: { share: 8, priority: 1 }, bulk: { share: 2 } };
+
+/** Let every grant made so far reach its caller. */
+const settle = () => new Promise((resolve) => setImmediate(resolve));
+
+/** Admissions of `cls` on `stage`, each tracked. */
+function admits(stage: Stage, cls: string, n: number, cost = 1) {
+  return Array.from({ length: n }, () => track(stage.admit({ class: cls, cost })));
+}
+
+const granted = (waits: ReturnType<typeof admits>) => waits.filter((w) => w.settled && !w.error).length;
+const ticketOf = (w: { value?: Ticket }) => w.value!;
+
+// Classes are kept in memory only for now; the Redis backends refuse them (pinned below).
+const classBackends = backends.filter((b) => b.name === "memory");
+
+describe.each(classBackends)("traffic classes on $name", (backend) => {
+  useBackend(backend);
+  let clock: FakeClock;
+  let mem: Backend;
+  const sem = (options: Partial<SemaphoreOptions> = {}) =>
+    mem.semaphore("sem", { limit: 10, classes: TWO, ...options });
+
+  beforeEach(() => {
+    clock = new FakeClock();
+    mem = backend.make(clock);
+  });
+
+  describe("the guarantee", () => {
+    it("bulk saturating the limit: interactive gets each freed permit until it holds its share", async () => {
+      const s = sem();
+      const bulk = admits(s, "bulk", 10);
+      const moreBulk = admits(s, "bulk", 5);
+      await settle();
+      expect(granted(bulk)).toBe(10);
+      const interactive = admits(s, "interactive", 9);
+      await settle();
+      expect(granted(interactive)).toBe(0);
+      for (let k = 1; k <= 10; k++) {
+        await ticketOf(bulk[k - 1]!).release("success");
+        await settle();
+        // One release per permit: interactive gains one each time up to its share of 8; bulk
+        // waits meanwhile, then takes back what it needs to keep its own guarantee of 2.
+        expect(granted(interactive)).toBe(Math.min(k, 8));
+        expect(granted(moreBulk)).toBe(Math.max(0, k - 8));
+      }
+      expect(s.snapshot().classes).toMatchObject({
+        interactive: { guarantee: 8, held: 8, waiting: 1 },
+        bulk: { guarantee: 2, held: 2, waiting: 3 },
+      });
+    });
+
+    it("bulk alone uses the whole limit, and so does interactive alone", async () => {
+      for (const cls of ["bulk", "interactive"]) {
+        const s = mem.semaphore(`alone-${cls}`, { limit: 10, classes: TWO });
+        const waits = admits(s, cls, 11);
+        await settle();
+        expect(granted(waits)).toBe(10);
+        expect(s.snapshot()).toMatchObject({ inFlight: 10, waiting: 1 });
+      }
+    });
+
+    it("a free permit goes to a class below its guarantee before a borrower that asked first", async () => {
+      const s = sem();
+      const bulk = admits(s, "bulk", 10);
+      await settle();
+      const bulkLater = admits(s, "bulk", 1);
+      const interactive = admits(s, "interactive", 1);
+      await ticketOf(bulk[0]!).release();
+      await settle();
+      expect(granted(interactive)).toBe(1);
+      expect(granted(bulkLater)).toBe(0);
+    });
+
+    it("nothing in flight is taken back: an owner reclaims its share only as borrowed permits come back", async () => {
+      const s = sem();
+      const bulk = admits(s, "bulk", 10);
+      await settle();
+      const interactive = admits(s, "interactive", 3);
+      await settle();
+      expect(granted(interactive)).toBe(0);
+      expect(bulk.every((w) => !ticketOf(w).released && !ticketOf(w).signal.aborted)).toBe(true);
+    });
+
+    it("a call of a class within its guarantee goes at once even while a borrower waits", async () => {
+      const s = sem();
+      const bulk = admits(s, "bulk", 8);
+      await settle();
+      // Bulk holds 8 (6 borrowed); 2 permits are free.
+      const bulkMore = admits(s, "bulk", 3);
+      await settle();
+      expect(granted(bulkMore)).toBe(2);
+      await ticketOf(bulk[0]!).release();
+      await settle();
+      // Bulk's third waiter takes the freed permit: nobody else wants it.
+      expect(granted(bulkMore)).toBe(3);
+      const interactive = admits(s, "interactive", 1);
+      await settle();
+      expect(granted(interactive)).toBe(0);
+      await ticketOf(bulk[1]!).release();
+      await settle();
+      expect(granted(interactive)).toBe(1);
+    });
+  });
+
+  describe("priority among borrowers, with each guarantee as the floor", () => {
+    // Three classes of 2 each on 6 permits; `idle` leaves its 2 to be borrowed.
+    const three = {
+      hi: { share: 1, priority: 2 },
+      lo: { share: 1, priority: 0 },
+      idle: { share: 1 },
+    };
+
+    it("the higher priority borrows first, whoever asked first", async () => {
+      const s = mem.semaphore("p", { limit: 6, classes: three });
+      const lo = admits(s, "lo", 2);
+      const hi = admits(s, "hi", 2);
+      await settle();
+      const loMore = admits(s, "lo", 2);
+      const hiMore = admits(s, "hi", 2);
+      await settle();
+      // Both hold their guarantee; the 2 idle permits went to lo, which asked first...
+      expect(granted(loMore)).toBe(2);
+      expect(granted(hiMore)).toBe(0);
+      const hiLast = admits(s, "hi", 1);
+      const loLast = admits(s, "lo", 1);
+      // ...but once freed, a borrowed permit goes to the higher priority.
+      await ticketOf(loMore[0]!).release();
+      await settle();
+      expect(granted(hiMore)).toBe(1);
+      expect(granted(loLast)).toBe(0);
+      void lo;
+      void hi;
+      void hiLast;
+    });
+
+    it("the lower priority still gets its guarantee under a flood of the higher", async () => {
+      const s = mem.semaphore("p", { limit: 6, classes: three });
+      const hi = admits(s, "hi", 200);
+      await settle();
+      // hi borrowed everything while nobody else asked.
+      expect(granted(hi)).toBe(6);
+      const lo = admits(s, "lo", 40);
+      const oldest = (of = [...hi, ...lo]) =>
+        of.map((w) => w.value).find((t): t is Ticket => t !== undefined && !t.released)!;
+      // Each release frees one permit. lo reclaims its guarantee of 2 with the first two...
+      for (let k = 1; k <= 2; k++) {
+        await oldest().release();
+        await settle();
+        expect(s.snapshot().classes!.lo!.held).toBe(k);
+      }
+      // ...and then holds it whatever the flood: a freed borrowed permit goes to hi (the higher
+      // priority), and one lo gives back comes straight back to lo.
+      for (let round = 0; round < 60; round++) {
+        await oldest(round % 3 === 0 ? lo : hi).release();
+        await settle();
+        expect(s.snapshot().classes).toMatchObject({ lo: { held: 2 }, hi: { held: 4 } });
+      }
+      expect(granted(lo)).toBeGreaterThan(2);
+      expect(granted(hi)).toBeGreaterThan(granted(lo));
+    });
+  });
+
+  describe("costs", () => {
+    it("a cost larger than its class's share goes first while the class holds less than its guarantee", async () => {
+      const s = sem();
+      const interactive = admits(s, "interactive", 9);
+      await settle();
+      const big = track(s.admit({ class: "bulk", cost: 5 }));
+      const interactiveMore = admits(s, "interactive", 3);
+      await settle();
+      expect(big.settled).toBe(false);
+      // Interactive holds 9 (one borrowed); bulk (owed) waits for 5 free permits, and nobody passes it.
+      for (let k = 0; k < 4; k++) {
+        await ticketOf(interactive[k]!).release();
+        await settle();
+        expect(big.settled).toBe(k === 3);
+        expect(granted(interactiveMore)).toBe(0);
+      }
+    });
+
+    it("refuses at once a cost above its class's ceiling", async () => {
+      const s = mem.semaphore("c", {
+        limit: 10,
+        classes: { a: { share: 1, maxShare: 0.5 }, b: { share: 1 } },
+      });
+      await expect(s.admit({ class: "a", cost: 6 })).rejects.toThrow(
+        'semaphore "c": cost must be <= the ceiling of class "a" (5), got 6 (number); it could never be admitted',
+      );
+      await expect(s.admit({ class: "b", cost: 10 })).resolves.toBeDefined();
+    });
+
+    it("a class at its ceiling waits while another class borrows past it", async () => {
+      const s = mem.semaphore("c", {
+        limit: 10,
+        classes: { a: { share: 1, maxShare: 0.6 }, b: { share: 1 } },
+      });
+      const a = admits(s, "a", 7);
+      await settle();
+      expect(granted(a)).toBe(6);
+      const b = admits(s, "b", 4);
+      await settle();
+      expect(granted(b)).toBe(4);
+      expect(s.snapshot().classes).toMatchObject({
+        a: { inFlight: 6, ceiling: 6, waiting: 1 },
+        b: { inFlight: 4 },
+      });
+    });
+
+    it("a cost of 0 goes at once, past any line", async () => {
+      const s = sem();
+      admits(s, "bulk", 11);
+      await settle();
+      await expect(s.admit({ class: "interactive", cost: 0 })).resolves.toBeDefined();
+    });
+  });
+
+  describe("timeouts, aborts and refunds go back to the right class", () => {
+    it("an owed head that times out lets the borrower behind it through", async () => {
+      const s = sem();
+      const bulk = admits(s, "bulk", 10);
+      await settle();
+      const owed = track(s.admit({ class: "interactive", cost: 3, timeoutMs: 100 }));
+      const borrower = admits(s, "bulk", 1);
+      await ticketOf(bulk[0]!).release();
+      await settle();
+      expect(granted(borrower)).toBe(0);
+      await clock.advance(100);
+      await settle();
+      expect(owed.error).toMatchObject({ code: "ADMIT_TIMEOUT" });
+      expect(granted(borrower)).toBe(1);
+      expect(s.snapshot().classes).toMatchObject({
+        interactive: { inFlight: 0, waiting: 0 },
+        bulk: { inFlight: 10 },
+      });
+    });
+
+    it("an aborted waiter leaves its class's line; a refund gives back to its class", async () => {
+      const s = sem();
+      const bulk = admits(s, "bulk", 10);
+      await settle();
+      const controller = new AbortController();
+      const aborted = track(s.admit({ class: "interactive", signal: controller.signal }));
+      await settle();
+      expect(s.snapshot().classes!.interactive!.waiting).toBe(1);
+      controller.abort(new Error("stop"));
+      await settle();
+      expect(aborted.error).toEqual(new Error("stop"));
+      expect(s.snapshot().classes!.interactive!.waiting).toBe(0);
+      await ticketOf(bulk[0]!).refund();
+      expect(s.snapshot().classes).toMatchObject({
+        bulk: { inFlight: 9, held: 9 },
+        interactive: { inFlight: 0 },
+      });
+      expect(s.snapshot().inFlight).toBe(9);
+    });
+
+    it("closing rejects the waiters of every class", async () => {
+      const s = sem();
+      admits(s, "bulk", 10);
+      const waits = [...admits(s, "bulk", 1), ...admits(s, "interactive", 2)];
+      await settle();
+      await s.close();
+      await settle();
+      expect(waits.every((w) => (w.error as { code?: string })?.code === "CLOSED")).toBe(true);
+    });
+  });
+
+  it("holds the limit and every ceiling, and leaves nothing behind, under random calls", async () => {
+    await fc.assert(
+      fc.asyncProperty(
+        fc.array(
+          fc.oneof(
+            fc.record({
+              op: fc.constant("admit" as const),
+              cls: fc.constantFrom("a", "b", "c"),
+              cost: fc.integer({ min: 0, max: 4 }),
+            }),
+            fc.record({ op: fc.constant("release" as const), at: fc.nat(30) }),
+            fc.record({ op: fc.constant("abort" as const), at: fc.nat(30) }),
+          ),
+          { maxLength: 60 },
+        ),
+        async (ops) => {
+          const s = memory({ clock: new FakeClock() }).semaphore("f", {
+            limit: 7,
+            classes: { a: { share: 3, priority: 1 }, b: { share: 2, maxShare: 0.5 }, c: { share: 1 } },
+          });
+          const calls: { w: ReturnType<typeof track<Ticket>>; c: AbortController }[] = [];
+          const check = () => {
+            const snap = s.snapshot();
+            expect(snap.inFlight).toBeLessThanOrEqual(7);
+            let sum = 0;
+            let calls = 0;
+            for (const cls of Object.values(snap.classes!)) {
+              expect(cls.held).toBeLessThanOrEqual(cls.ceiling);
+              sum += cls.held;
+              calls += cls.inFlight;
+            }
+            expect(sum).toBeLessThanOrEqual(7);
+            expect(calls).toBe(snap.inFlight);
+          };
+          for (const op of ops) {
+            if (op.op === "admit") {
+              const c = new AbortController();
+              calls.push({ w: track(s.admit({ class: op.cls, cost: op.cost, signal: c.signal })), c });
+            } else {
+              const call = calls[op.at % Math.max(1, calls.length)];
+              if (call && op.op === "release" && call.w.value) await call.w.value.release();
+              if (call && op.op === "abort") call.c.abort();
+            }
+            await settle();
+            check();
+          }
+          // Release everything granted until nobody waits: every call is then granted or aborted.
+          for (let round = 0; round < 100 && s.snapshot().waiting + s.snapshot().inFlight > 0; round++) {
+            for (const call of calls)
+              if (call.w.value && !call.w.value.released) await call.w.value.release();
+            await settle();
+            check();
+          }
+          expect(s.snapshot()).toMatchObject({ inFlight: 0, waiting: 0 });
+          expect(calls.every((call) => call.w.settled)).toBe(true);
+        },
+      ),
+      { numRuns: 60 },
+    );
+  });
+
+  describe("on an AIMD limiter, shares are of the current limit", () => {
+    it("moves the guarantees with the limit", async () => {
+      const a = mem.aimd("ai", { initial: 10, max: 20, min: 2, backoffRatio: 0.5, classes: TWO });
+      expect(a.snapshot().classes).toMatchObject({ interactive: { guarantee: 8 }, bulk: { guarantee: 2 } });
+      const t = await a.admit({ class: "bulk" });
+      await t.release("dropped");
+      expect(a.snapshot().limit).toBe(5);
+      expect(a.snapshot().classes).toMatchObject({ interactive: { guarantee: 4 }, bulk: { guarantee: 1 } });
+      const waits = admits(a, "bulk", 6);
+      await settle();
+      expect(granted(waits)).toBe(5);
+    });
+
+    it("refuses a cost above its class's ceiling at min", async () => {
+      const a = mem.aimd("ai", {
+        initial: 10,
+        max: 20,
+        min: 4,
+        classes: { a: { share: 1, maxShare: 0.5 }, b: { share: 1 } },
+      });
+      await expect(a.admit({ class: "a", cost: 3 })).rejects.toThrow('ceiling of class "a" (2)');
+      await expect(a.admit({ class: "a", cost: 2 })).resolves.toBeDefined();
+    });
+  });
+
+  describe("in a gate", () => {
+    it("hands the class to the stages with classes and waits in that class's line", async () => {
+      const s = sem();
+      const bucket = mem.tokenBucket("tb", { capacity: 100, refillPerSecond: 1 });
+      const gate = new Gate([s, bucket], { clock });
+      const bulk = Array.from({ length: 10 }, () => track(gate.admit({ class: "bulk" })));
+      await settle();
+      expect(granted(bulk)).toBe(10);
+      const bulkMore = track(gate.admit({ class: "bulk" }));
+      const interactive = track(gate.admit({ class: "interactive" }));
+      const run = track(gate.run(async () => "done", { class: "interactive" }));
+      await settle();
+      expect(interactive.settled || run.settled).toBe(false);
+      // The freed permit goes to interactive (owed), not to bulk which asked first (borrowing).
+      await ticketOf(bulk[0]!).release();
+      await settle();
+      expect(interactive.settled).toBe(true);
+      expect(bulkMore.settled || run.settled).toBe(false);
+      // The run waits in interactive's line the same way, and goes next.
+      await ticketOf(bulk[1]!).release();
+      await settle();
+      expect(run.value).toBe("done");
+      expect(s.snapshot().classes!.interactive!.admitted).toBe(2);
+    });
+
+    it("refuses a class no stage has, or one a stage with classes does not know, before taking anything", async () => {
+      const plain = new Gate([mem.semaphore("p", { limit: 1 })]);
+      await expect(plain.admit({ class: "bulk" })).rejects.toThrow(
+        'gate "gate": class given, got "bulk" (string), but no stage of the gate has classes',
+      );
+      const s = sem();
+      const gate = new Gate([s]);
+      await expect(gate.run(async () => 1, { class: "batch" })).rejects.toThrow(
+        `gate "gate": class "batch" is not one of semaphore "sem"'s classes (interactive, bulk)`,
+      );
+      await expect(gate.admit()).rejects.toThrow('semaphore "sem": class is required');
+      expect(s.snapshot()).toMatchObject({ inFlight: 0, waiting: 0 });
+    });
+  });
+
+  describe("bad input names the field", () => {
+    it.each([
+      [{ classes: {} }, "classes must name 1 to 16 classes"],
+      [{ classes: { a: { share: 0 } } }, "classes.a.share must be a finite number > 0"],
+      [{ classes: { a: { share: Number.NaN } } }, "classes.a.share must be a finite number > 0"],
+      [{ classes: { a: { share: 1, priority: 1.5 } } }, "classes.a.priority must be an integer"],
+      [{ classes: { a: { share: 1, maxShare: 0 } } }, "classes.a.maxShare must be a number in (0, 1]"],
+      [{ classes: { a: { share: 1, maxShare: 1.5 } } }, "classes.a.maxShare must be a number in (0, 1]"],
+      [{ classes: { a: { share: 1, weight: 2 } } }, "weight"],
+      [{ classes: { a: { share: 1 } }, defaultClass: "b" }, "defaultClass must name one of classes"],
+      [{ defaultClass: "b" }, "defaultClass must name one of classes"],
+      [{ classes: [1] }, "classes"],
+      [
+        { classes: Object.fromEntries(Array.from({ length: 17 }, (_, i) => [`c${i}`, { share: 1 }])) },
+        "classes must name 1 to 16 classes",
+      ],
+    ])("%j", (bad, message) => {
+      let error: unknown;
+      try {
+        mem.semaphore("bad", { limit: 4, ...(bad as object) });
+      } catch (e) {
+        error = e;
+      }
+      expect(error).toBeInstanceOf(InvalidOptionsError);
+      expect((error as Error).message).toContain(message);
+    });
+
+    it("refuses a call's bad class", async () => {
+      const s = sem();
+      await expect(s.admit()).rejects.toThrow(
+        'semaphore "sem": class is required: name each call\'s class (one of interactive, bulk), or build the semaphore with defaultClass',
+      );
+      await expect(s.admit({ class: "batch" })).rejects.toThrow(
+        'semaphore "sem": class must be one of interactive, bulk, got "batch" (string)',
+      );
+      await expect(s.admit({ class: "" })).rejects.toThrow(
+        'semaphore "sem": class must be a non-empty string, got ""',
+      );
+      await expect(s.admit({ class: 7 as unknown as string })).rejects.toThrow(
+        "class must be a non-empty string",
+      );
+      await expect(s.tryAdmit({ class: "batch" })).rejects.toThrow("class must be one of");
+      await expect(s.run!(async () => 1, { class: "batch" })).rejects.toThrow("class must be one of");
+      await expect(mem.semaphore("p", { limit: 1 }).admit({ class: "bulk" })).rejects.toThrow(
+        'semaphore "p": class given, got "bulk" (string), but the semaphore has no classes',
+      );
+      expect(s.snapshot()).toMatchObject({ inFlight: 0, waiting: 0 });
+    });
+
+    it("takes a call with no class as the default class", async () => {
+      const s = sem({ defaultClass: "bulk" });
+      await s.admit();
+      expect(s.snapshot().classes!.bulk).toMatchObject({ inFlight: 1, held: 1 });
+    });
+  });
+});
+
+describe.each(backends.filter((b) => b.name !== "memory"))("traffic classes on $name", (backend) => {
+  useBackend(backend);
+  it("are refused with an error that says where they work", () => {
+    const b = backend.make(new FakeClock());
+    expect(() => b.semaphore("s", { limit: 2, classes: TWO })).toThrow(
+      'semaphore "s": classes are kept in memory only for now; build this semaphore with memory(), or without classes',
+    );
+    expect(() => b.aimd("a", { initial: 2, max: 4, classes: TWO })).toThrow(InvalidOptionsError);
+  });
+});
