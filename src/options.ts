@@ -49,7 +49,8 @@ export interface TrafficClassOptions {
   priority?: number;
   /**
    * The most of the limit the class may hold, its guarantee and what it borrows together, as a
-   * fraction (rounded down to whole permits, never below its guarantee). In (0, 1]. @default 1
+   * fraction (rounded down to whole permits, never below its exact portion rounded up).
+   * In (0, 1]. @default 1
    */
   maxShare?: number;
 }

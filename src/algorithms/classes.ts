@@ -45,7 +45,8 @@ export interface ClassBounds {
  * portion, and the permits left over go to the largest remainders (the earlier class on a tie);
  * every class then gets at least one. The guarantees sum to `limit`, or to the number of
  * classes when that is larger. A class's ceiling is `maxShare` of the limit, rounded down, but
- * never below its guarantee.
+ * never below its exact portion rounded up (so never below its guarantee, and never lower at a
+ * higher limit).
  */
 export function guarantees(limit: number, classes: readonly ClassConfig[]): ClassBounds {
   const n = classes.length;
@@ -69,7 +70,11 @@ export function guarantees(limit: number, classes: readonly ClassConfig[]): Clas
   const ceiling = new Array<number>(n);
   for (let i = 0; i < n; i++) {
     guarantee[i] = Math.max(1, guarantee[i]!);
-    ceiling[i] = Math.max(guarantee[i]!, Math.floor(limit * classes[i]!.maxShare));
+    // Its exact portion rounded up is never below its guarantee, and never falls as the limit
+    // grows (a guarantee can: the leftovers move), so a cost that fits at the lowest limit
+    // fits at every limit above it.
+    const exact = Math.ceil((limit * classes[i]!.share) / total - 1e-9);
+    ceiling[i] = Math.max(exact, Math.floor(limit * classes[i]!.maxShare));
   }
   return { guarantee, ceiling };
 }

@@ -114,6 +114,40 @@ describe("guarantees", () => {
   });
 });
 
+it("never lowers a ceiling as the limit grows, so a cost that fits at min fits above it", () => {
+  fc.assert(
+    fc.property(
+      fc.array(
+        fc.record({
+          share: fc.integer({ min: 1, max: 50 }),
+          priority: fc.constant(0),
+          maxShare: fc.constantFrom(0.05, 0.1, 0.3, 1),
+        }),
+        { minLength: 1, maxLength: 5 },
+      ),
+      fc.integer({ min: 1, max: 60 }),
+      (classes, limit) => {
+        const now = guarantees(limit, classes);
+        const next = guarantees(limit + 1, classes);
+        classes.forEach((_, i) => {
+          expect(next.ceiling[i]).toBeGreaterThanOrEqual(now.ceiling[i]!);
+          expect(now.ceiling[i]).toBeGreaterThanOrEqual(now.guarantee[i]!);
+        });
+      },
+    ),
+  );
+});
+
+it("keeps a ceiling at the exact portion rounded up, not at a guarantee the leftovers raised", () => {
+  // 10 × 1/3 = 3.33…: guarantees 4, 3, 3; with a tiny maxShare each may hold its portion rounded up.
+  const tiny = { share: 1, priority: 0, maxShare: 0.01 };
+  expect(guarantees(10, [tiny, tiny, tiny])).toEqual({ guarantee: [4, 3, 3], ceiling: [4, 4, 4] });
+  // An exact portion stays exact despite float error: 10 × 0.7 / (0.1 + 0.2 + 0.7).
+  expect(guarantees(10, [cls(0.1, 0, 0.01), cls(0.2, 0, 0.01), cls(0.7, 0, 0.01)]).ceiling).toEqual([
+    1, 2, 7,
+  ]);
+});
+
 describe("nextClass", () => {
   // Interactive (share 8, priority 1) and bulk (share 2) on a limit of 10.
   const two = [cls(8, 1), cls(2)];
@@ -147,6 +181,13 @@ describe("nextClass", () => {
       classes: [cls(4, 1), cls(4), cls(2)],
       free: 1,
       next: 0,
+    },
+    {
+      name: "a later class of higher priority borrows before an earlier one",
+      lines: [line(4, 1, 3), line(5, 1, 9), idle(0)],
+      classes: [cls(4), cls(4, 1), cls(2)],
+      free: 1,
+      next: 1,
     },
     {
       name: "borrowers of one priority go by arrival",

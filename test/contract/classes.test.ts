@@ -407,6 +407,75 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
     });
   });
 
+  describe("each call keeps its place", () => {
+    it("a new call does not pass its own class's waiting head", async () => {
+      const s = sem();
+      const interactive = admits(s, "interactive", 8);
+      await settle();
+      // Bulk holds its 2; 0 free. A bulk call of 3 waits; then 2 permits come free.
+      const bulk = admits(s, "bulk", 2);
+      await settle();
+      const big = track(s.admit({ class: "bulk", cost: 3 }));
+      await ticketOf(interactive[0]!).release();
+      await ticketOf(interactive[1]!).release();
+      await settle();
+      expect(big.settled).toBe(false);
+      const small = track(s.admit({ class: "bulk", cost: 1 }));
+      await settle();
+      expect(small.settled).toBe(false);
+      void bulk;
+    });
+
+    it("a new call of an owed class does not pass an owed head that arrived first", async () => {
+      const s = sem();
+      const held = [...admits(s, "interactive", 7), ...admits(s, "bulk", 1)];
+      await settle();
+      expect(granted(held)).toBe(8);
+      // 2 free; interactive (owed) waits for 3.
+      const head = track(s.admit({ class: "interactive", cost: 3 }));
+      await settle();
+      expect(head.settled).toBe(false);
+      // Bulk is owed too (1 of 2), and 1 would fit, but interactive's head came first.
+      const later = track(s.admit({ class: "bulk" }));
+      await settle();
+      expect(later.settled).toBe(false);
+      expect(s.snapshot().classes).toMatchObject({ interactive: { waiting: 1 }, bulk: { waiting: 1 } });
+    });
+
+    it("a cost of 0 goes at once even with its own class in line", async () => {
+      const s = sem();
+      admits(s, "bulk", 11);
+      await settle();
+      expect(s.snapshot().classes!.bulk!.waiting).toBe(1);
+      await expect(s.admit({ class: "bulk", cost: 0 })).resolves.toBeDefined();
+    });
+
+    it("admitNow refuses what admit would refuse, and takes from the call's class", () => {
+      const s = sem() as unknown as {
+        admitNow(o: object, cost: number): Ticket | undefined;
+        snapshot(): { classes?: Record<string, { held: number }>; inFlight: number };
+      };
+      for (const cost of [-1, 1.5, 11, Number.NaN])
+        expect(s.admitNow({ class: "bulk" }, cost)).toBeUndefined();
+      expect(s.admitNow({ class: "bulk", signal: AbortSignal.abort() }, 1)).toBeUndefined();
+      expect(s.admitNow({ class: "bulk" }, 2)).toBeDefined();
+      expect(s.admitNow({ class: "bulk" }, 0)).toBeDefined();
+      expect(s.snapshot().classes!.bulk!.held).toBe(2);
+      expect(s.snapshot().inFlight).toBe(2);
+      const plain = mem.semaphore("plain", { limit: 2 }) as unknown as typeof s;
+      for (const cost of [-1, 1.5, 3]) expect(plain.admitNow({}, cost)).toBeUndefined();
+      expect(plain.snapshot().inFlight).toBe(0);
+    });
+
+    it("says its classes and default class", () => {
+      expect(sem().classes).toEqual(["interactive", "bulk"]);
+      expect(sem().defaultClass).toBeUndefined();
+      const d = mem.semaphore("d", { limit: 10, classes: TWO, defaultClass: "bulk" });
+      expect(d.defaultClass).toBe("bulk");
+      expect(mem.semaphore("none", { limit: 1 }).classes).toBeUndefined();
+    });
+  });
+
   describe("bad input names the field", () => {
     it.each([
       [{ classes: {} }, "classes must name 1 to 16 classes"],
@@ -436,6 +505,15 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
 
     it("refuses a call's bad class", async () => {
       const s = sem();
+      for (const bad of [{}, { class: "batch" }]) {
+        const error = await s.admit(bad).catch((e: unknown) => e);
+        expect(error).toMatchObject({ code: "INVALID_OPTIONS", field: "class" });
+      }
+      const none = await mem
+        .semaphore("none", { limit: 1 })
+        .admit({ class: "bulk" })
+        .catch((e: unknown) => e);
+      expect(none).toMatchObject({ code: "INVALID_OPTIONS", field: "class" });
       await expect(s.admit()).rejects.toThrow(
         'semaphore "sem": class is required: name each call\'s class (one of interactive, bulk), or build the semaphore with defaultClass',
       );
