@@ -146,7 +146,7 @@ export function noClasses(kind: StageKind, stage: string, name: unknown): Invali
   return new InvalidOptionsError(
     stage,
     "class",
-    `${kind} "${stage}": class given, ${got(name)}, but the ${kind} has no classes; build it with classes: { … } to divide its limit among them`,
+    `${kind} "${stage}": class given, ${got(name)}, but the ${kind} has no classes (a semaphore or AIMD limiter built in memory with classes has them: docs/classes.md)`,
   );
 }
 
