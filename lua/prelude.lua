@@ -255,3 +255,65 @@ local function floodgate_grant_heads(head, used, limit, now, claimMs, epoch, cha
   end
   return sent, used
 end
+
+-- Traffic classes, the twin of `guarantees` in src/algorithms/classes.ts: divide `limit`
+-- permits among classes by `shares` (arrays by class, 1-based), the leftovers to the largest
+-- remainders (the earlier class on a tie), at least one each; a ceiling is `maxShares` of the
+-- limit rounded down, never below the exact portion rounded up. Returns guarantees, ceilings.
+local function floodgate_class_bounds(limit, shares, maxShares)
+  local n = #shares
+  local total = 0
+  for i = 1, n do total = total + shares[i] end
+  local guarantee, remainder, given = {}, {}, 0
+  for i = 1, n do
+    local exact = (limit * shares[i]) / total
+    guarantee[i] = math.floor(exact)
+    remainder[i] = exact - guarantee[i]
+    given = given + guarantee[i]
+  end
+  for _ = 1, limit - given do
+    local best = 1
+    for i = 2, n do
+      if remainder[i] > remainder[best] then best = i end
+    end
+    guarantee[best] = guarantee[best] + 1
+    remainder[best] = -1
+  end
+  local ceiling = {}
+  for i = 1, n do
+    guarantee[i] = math.max(1, guarantee[i])
+    ceiling[i] = math.max(math.ceil((limit * shares[i]) / total - 1e-9), math.floor(limit * maxShares[i]))
+  end
+  return guarantee, ceiling
+end
+
+-- Traffic classes, the twin of `nextClass` in src/algorithms/classes.ts: the class (1-based)
+-- whose head goes next with `free` permits free, or 0. `headCost[i]` is false when nobody of
+-- class i waits; `headAt[i]` orders arrivals. Owed classes (holding less than their guarantee)
+-- first, in arrival order; then borrowers by priority, then arrival; the first in that order
+-- blocks the rest when its head does not fit; a head that would pass its ceiling is skipped.
+local function floodgate_next_class(used, headCost, headAt, guarantee, ceiling, priority, free)
+  local first, owed = 0, false
+  for i = 1, #used do
+    local cost = headCost[i]
+    if cost and used[i] + cost <= ceiling[i] then
+      local isOwed = used[i] < guarantee[i]
+      local ahead
+      if first == 0 then
+        ahead = true
+      elseif isOwed ~= owed then
+        ahead = isOwed
+      elseif not isOwed and priority[i] ~= priority[first] then
+        ahead = priority[i] > priority[first]
+      else
+        ahead = headAt[i] < headAt[first]
+      end
+      if ahead then
+        first = i
+        owed = isOwed
+      end
+    end
+  end
+  if first ~= 0 and headCost[first] <= free then return first end
+  return 0
+end

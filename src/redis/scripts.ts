@@ -113,6 +113,14 @@ function preludeFor(body: string): string {
     .join("");
 }
 
+/**
+ * `body` with the prelude definitions it uses in front, as a script is sent: for the tests that
+ * run a prelude function against its TypeScript twin.
+ */
+export function withPrelude(body: string): string {
+  return `${preludeFor(body)}\n${body}`;
+}
+
 const full = new Map<ScriptName, string>();
 
 /**

@@ -10,6 +10,7 @@ import { FakeClock } from "floodgate/testing";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { type AimdConfig, type AimdState, aimdStep } from "../../src/algorithms/aimd.js";
+import { type ClassConfig, type ClassLine, guarantees, nextClass } from "../../src/algorithms/classes.js";
 import {
   claimSlot,
   type HostState,
@@ -26,6 +27,7 @@ import {
   take,
   waitMs,
 } from "../../src/algorithms/token-bucket.js";
+import { withPrelude } from "../../src/redis/scripts.js";
 import { redisUrl } from "../contract/backends.js";
 import { closeClient, connectedClient, randomPrefix } from "./helpers.js";
 
@@ -76,6 +78,75 @@ describe("Lua scripts against their TypeScript twins", () => {
   afterAll(async () => {
     await close?.();
     await closeClient(client);
+  });
+
+  describe("traffic classes: floodgate_class_bounds and floodgate_next_class", () => {
+    // Each case as JSON, decided in Lua, the decisions back as JSON (all integers: exact).
+    const body = `
+      local out = {}
+      for _, c in ipairs(cjson.decode(ARGV[1])) do
+        local g, ceil = floodgate_class_bounds(c.limit, c.shares, c.maxShares)
+        local headCost = {}
+        for i = 1, #c.used do headCost[i] = c.headCost[i] >= 0 and c.headCost[i] or false end
+        local next = floodgate_next_class(c.used, headCost, c.headAt, g, ceil, c.priority, c.free)
+        out[#out + 1] = { g, ceil, next - 1 }
+      end
+      return cjson.encode(out)`;
+
+    it.each([5, 17, 29])(
+      "decide as the TypeScript does, over random classes and lines (seed %i)",
+      async (seed) => {
+        const random = seeded(seed);
+        const cases = Array.from({ length: 400 }, () => {
+          const n = int(random, 1, 5);
+          const classes: ClassConfig[] = Array.from({ length: n }, () => ({
+            // Whole and fractional shares, so the remainders and the float rounding are exercised.
+            share: random() < 0.5 ? int(random, 1, 100) : Math.round(random() * 1000) / 997,
+            priority: int(random, -2, 2),
+            maxShare: [0.05, 0.1, 0.25, 0.5, 0.75, 1][int(random, 0, 5)]!,
+          }));
+          const limit = random() < 0.3 ? int(random, 1, n) : int(random, 1, 1000);
+          const lines: ClassLine[] = classes.map(() => ({
+            used: int(random, 0, limit),
+            headCost: random() < 0.3 ? undefined : int(random, 0, Math.max(1, limit >> 1)),
+            headAt: int(random, 0, 40),
+          }));
+          return { classes, limit, lines, free: int(random, 0, limit) };
+        });
+        const json = JSON.stringify(
+          cases.map((c) => ({
+            limit: c.limit,
+            shares: c.classes.map((k) => k.share),
+            maxShares: c.classes.map((k) => k.maxShare),
+            priority: c.classes.map((k) => k.priority),
+            used: c.lines.map((l) => l.used),
+            headCost: c.lines.map((l) => l.headCost ?? -1),
+            headAt: c.lines.map((l) => l.headAt),
+            free: c.free,
+          })),
+        );
+        const reply = JSON.parse((await client.eval(withPrelude(body), 0, json)) as string) as [
+          number[],
+          number[],
+          number,
+        ][];
+        let picked = 0;
+        cases.forEach((c, i) => {
+          const bounds = guarantees(c.limit, c.classes);
+          const next = nextClass(c.lines, bounds, c.classes, c.free);
+          if (next >= 0) picked++;
+          expect({ case: i, guarantee: reply[i]![0], ceiling: reply[i]![1], next: reply[i]![2] }).toEqual({
+            case: i,
+            guarantee: bounds.guarantee,
+            ceiling: bounds.ceiling,
+            next,
+          });
+        });
+        // The sequences reach both answers: a class picked, and none.
+        expect(picked).toBeGreaterThan(40);
+        expect(picked).toBeLessThan(cases.length - 40);
+      },
+    );
   });
 
   describe("token-bucket-settle, -refund and -penalize, with -take for the grants", () => {
