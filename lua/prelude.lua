@@ -259,8 +259,9 @@ end
 -- Traffic classes, the twin of `guarantees` in src/algorithms/classes.ts: divide `limit`
 -- permits among classes by `shares` (arrays by class, 1-based), the leftovers to the largest
 -- remainders (the earlier class on a tie), at least one each; a ceiling is `maxShares` of the
--- limit rounded down, never below the exact portion rounded up. Returns guarantees, ceilings.
-local function floodgate_class_bounds(limit, shares, maxShares)
+-- limit rounded down, never below the exact portion rounded up; what a class keeps is the part
+-- of its guarantee it does not lend (`lendables`). Returns guarantees, ceilings, kept.
+local function floodgate_class_bounds(limit, shares, maxShares, lendables)
   local n = #shares
   local total = 0
   for i = 1, n do total = total + shares[i] end
@@ -279,20 +280,22 @@ local function floodgate_class_bounds(limit, shares, maxShares)
     guarantee[best] = guarantee[best] + 1
     remainder[best] = -1
   end
-  local ceiling = {}
+  local ceiling, kept = {}, {}
   for i = 1, n do
     guarantee[i] = math.max(1, guarantee[i])
+    kept[i] = guarantee[i] - math.floor(lendables[i] * guarantee[i])
     ceiling[i] = math.max(math.ceil((limit * shares[i]) / total - 1e-9), math.floor(limit * maxShares[i]))
   end
-  return guarantee, ceiling
+  return guarantee, ceiling, kept
 end
 
 -- Traffic classes, the twin of `nextClass` in src/algorithms/classes.ts: the class (1-based)
 -- whose head goes next with `free` permits free, or 0. `headCost[i]` is false when nobody of
 -- class i waits; `headAt[i]` orders arrivals. Owed classes (holding less than their guarantee)
 -- first, in arrival order; then borrowers by priority, then arrival; the first in that order
--- blocks the rest when its head does not fit; a head that would pass its ceiling is skipped.
-local function floodgate_next_class(used, headCost, headAt, guarantee, ceiling, priority, free)
+-- blocks the rest when its head does not fit; a head that would pass its ceiling is skipped; a
+-- borrower's head fits only in what stays free after what the others keep and do not use.
+local function floodgate_next_class(used, headCost, headAt, guarantee, ceiling, kept, priority, free)
   local first, owed = 0, false
   for i = 1, #used do
     local cost = headCost[i]
@@ -314,6 +317,13 @@ local function floodgate_next_class(used, headCost, headAt, guarantee, ceiling, 
       end
     end
   end
-  if first ~= 0 and headCost[first] <= free then return first end
+  if first == 0 then return 0 end
+  local room = free
+  if not owed then
+    for i = 1, #used do
+      if i ~= first then room = room - math.max(0, kept[i] - used[i]) end
+    end
+  end
+  if headCost[first] <= room then return first end
   return 0
 end

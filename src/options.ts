@@ -53,6 +53,13 @@ export interface TrafficClassOptions {
    * In (0, 1]. @default 1
    */
   maxShare?: number;
+  /**
+   * The fraction of its guarantee other classes may borrow while this class does not use it;
+   * the rest (rounded up to whole permits) stays free for it, so its next calls start at once
+   * instead of waiting for a borrowed permit to come back. Kubernetes API Priority and Fairness
+   * calls it `lendablePercent`. In [0, 1]. @default 1 (all of it, fully work-conserving)
+   */
+  lendable?: number;
 }
 
 /** Traffic classes of a semaphore or an AIMD limiter. */

@@ -170,6 +170,8 @@ export interface ClassSnapshot {
   guarantee: number;
   /** Most permits it may hold, borrowing included, at the current limit. */
   ceiling: number;
+  /** Permits of its guarantee it never lends, at the current limit (see `lendable`). */
+  kept: number;
   /** Its priority among borrowers. */
   priority: number;
   /** Its calls holding a ticket. */

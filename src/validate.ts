@@ -56,6 +56,9 @@ const trafficClass = z.strictObject({
   maxShare: finite("must be a number in (0, 1]")
     .refine((v) => v > 0 && v <= 1, { error: "must be a number in (0, 1]" })
     .optional(),
+  lendable: finite("must be a number in [0, 1]")
+    .refine((v) => v >= 0 && v <= 1, { error: "must be a number in [0, 1]" })
+    .optional(),
 });
 
 const nonEmpty = z

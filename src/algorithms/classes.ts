@@ -14,6 +14,9 @@
  * 3. **The first class in that order blocks the rest.** When its head's cost does not fit the
  *    free permits, nothing is granted until it does, so a large cost is never overtaken for ever
  *    by small ones (as in one FIFO line). A class whose head would pass its ceiling is skipped.
+ *    A borrower's head fits only in what stays free after the part of every other class's
+ *    guarantee that class does not lend (`lendable`) and does not use; an owed class's does not
+ *    look at that.
  *
  * Nothing is taken back from a call in flight: an owner reclaims its share as borrowed permits
  * are released, each freed permit going to it before any borrower. Every class is guaranteed at
@@ -30,6 +33,8 @@ export interface ClassConfig {
   readonly maxShare: number;
   /** Among borrowers, higher goes first. */
   readonly priority: number;
+  /** The fraction of its guarantee others may borrow while it does not use it, in [0, 1]. */
+  readonly lendable: number;
 }
 
 /** What each class may hold at one limit. */
@@ -38,6 +43,8 @@ export interface ClassBounds {
   readonly guarantee: number[];
   /** Permits the class may hold at most, borrowing included (never below its guarantee). */
   readonly ceiling: number[];
+  /** Permits of its guarantee never lent: `guarantee - floor(lendable × guarantee)`. */
+  readonly kept: number[];
 }
 
 /**
@@ -68,15 +75,17 @@ export function guarantees(limit: number, classes: readonly ClassConfig[]): Clas
     remainder[best] = -1;
   }
   const ceiling = new Array<number>(n);
+  const kept = new Array<number>(n);
   for (let i = 0; i < n; i++) {
     guarantee[i] = Math.max(1, guarantee[i]!);
+    kept[i] = guarantee[i]! - Math.floor(classes[i]!.lendable * guarantee[i]!);
     // Its exact portion rounded up is never below its guarantee, and never falls as the limit
     // grows (a guarantee can: the leftovers move), so a cost that fits at the lowest limit
     // fits at every limit above it.
     const exact = Math.ceil((limit * classes[i]!.share) / total - 1e-9);
     ceiling[i] = Math.max(exact, Math.floor(limit * classes[i]!.maxShare));
   }
-  return { guarantee, ceiling };
+  return { guarantee, ceiling, kept };
 }
 
 /** One class's line as `nextClass` sees it. */
@@ -113,7 +122,14 @@ export function nextClass(
     }
   }
   if (first === -1) return -1;
-  return lines[first]!.headCost! <= free ? first : -1;
+  let room = free;
+  // A borrower leaves the others the part of their guarantee they do not lend.
+  if (!owed) {
+    for (let i = 0; i < lines.length; i++) {
+      if (i !== first) room -= Math.max(0, bounds.kept[i]! - lines[i]!.used);
+    }
+  }
+  return lines[first]!.headCost! <= room ? first : -1;
 }
 
 /** Whether head `a` goes before head `b`: owed before borrowers, then priority among borrowers, then arrival. */

@@ -2,7 +2,12 @@ import fc from "fast-check";
 import { describe, expect, it } from "vitest";
 import { type ClassConfig, type ClassLine, guarantees, nextClass } from "../../src/algorithms/classes.js";
 
-const cls = (share: number, priority = 0, maxShare = 1): ClassConfig => ({ share, priority, maxShare });
+const cls = (share: number, priority = 0, maxShare = 1, lendable = 1): ClassConfig => ({
+  share,
+  priority,
+  maxShare,
+  lendable,
+});
 const idle = (used: number): ClassLine => ({ used, headCost: undefined, headAt: 0 });
 const line = (used: number, headCost: number, headAt: number): ClassLine => ({ used, headCost, headAt });
 
@@ -81,7 +86,14 @@ describe("guarantees", () => {
     { name: "one class has it all", limit: 5, classes: [cls(1)], guarantee: [5], ceiling: [5] },
   ];
   it.each(rows)("$name", ({ limit, classes, guarantee, ceiling }) => {
-    expect(guarantees(limit, classes)).toEqual({ guarantee, ceiling });
+    // Everything lendable (the default): nothing kept.
+    expect(guarantees(limit, classes)).toEqual({ guarantee, ceiling, kept: guarantee.map(() => 0) });
+  });
+
+  it("keeps what a class does not lend, rounded up to whole permits", () => {
+    const b = guarantees(10, [cls(6, 0, 1, 0.5), cls(3, 0, 1, 0), cls(1, 0, 1, 0.99)]);
+    expect(b.guarantee).toEqual([6, 3, 1]);
+    expect(b.kept).toEqual([3, 3, 1]);
   });
 
   it("sums to the limit (or the number of classes) and gives each at least one and its whole part", () => {
@@ -122,6 +134,7 @@ it("never lowers a ceiling as the limit grows, so a cost that fits at min fits a
           share: fc.integer({ min: 1, max: 50 }),
           priority: fc.constant(0),
           maxShare: fc.constantFrom(0.05, 0.1, 0.3, 1),
+          lendable: fc.constant(1),
         }),
         { minLength: 1, maxLength: 5 },
       ),
@@ -140,8 +153,8 @@ it("never lowers a ceiling as the limit grows, so a cost that fits at min fits a
 
 it("keeps a ceiling at the exact portion rounded up, not at a guarantee the leftovers raised", () => {
   // 10 × 1/3 = 3.33…: guarantees 4, 3, 3; with a tiny maxShare each may hold its portion rounded up.
-  const tiny = { share: 1, priority: 0, maxShare: 0.01 };
-  expect(guarantees(10, [tiny, tiny, tiny])).toEqual({ guarantee: [4, 3, 3], ceiling: [4, 4, 4] });
+  const tiny = { share: 1, priority: 0, maxShare: 0.01, lendable: 1 };
+  expect(guarantees(10, [tiny, tiny, tiny])).toMatchObject({ guarantee: [4, 3, 3], ceiling: [4, 4, 4] });
   // An exact portion stays exact despite float error: 10 × 0.7 / (0.1 + 0.2 + 0.7).
   expect(guarantees(10, [cls(0.1, 0, 0.01), cls(0.2, 0, 0.01), cls(0.7, 0, 0.01)]).ceiling).toEqual([
     1, 2, 7,
@@ -238,6 +251,34 @@ describe("nextClass", () => {
       free: 0,
       next: -1,
     },
+    {
+      name: "a borrower leaves an idle class the part it does not lend",
+      lines: [idle(0), line(5, 1, 1)],
+      classes: [cls(8, 1, 1, 0.5), cls(2)],
+      free: 5,
+      next: 1,
+    },
+    {
+      name: "a borrower that would eat into it waits",
+      lines: [idle(0), line(6, 1, 1)],
+      classes: [cls(8, 1, 1, 0.5), cls(2)],
+      free: 4,
+      next: -1,
+    },
+    {
+      name: "what the class uses of its kept part is not kept again",
+      lines: [idle(2), line(5, 1, 1)],
+      classes: [cls(8, 1, 1, 0.5), cls(2)],
+      free: 3,
+      next: 1,
+    },
+    {
+      name: "an owed class takes what it is owed whatever others keep",
+      lines: [idle(0), idle(7), line(1, 1, 2)],
+      classes: [cls(5, 0, 1, 0), cls(3), cls(2)],
+      free: 2,
+      next: 2,
+    },
     { name: "nothing free", lines: [line(0, 1, 1), line(10, 1, 2)], free: 0, next: -1 },
   ];
   it.each(rows)("$name", ({ lines, free, next, classes }) => {
@@ -253,6 +294,7 @@ describe("nextClass", () => {
           share: fc.integer({ min: 1, max: 10 }),
           priority: fc.integer({ min: 0, max: 2 }),
           maxShare: fc.constantFrom(0.25, 0.5, 1),
+          lendable: fc.constantFrom(0, 0.5, 1),
         }),
         { minLength: 1, maxLength: 4 },
       ),
@@ -276,6 +318,12 @@ describe("nextClass", () => {
         expect(l.headCost).toBeLessThanOrEqual(free);
         expect(l.used + l.headCost!).toBeLessThanOrEqual(bounds.ceiling[next]!);
         if (l.used >= bounds.guarantee[next]!) {
+          // A borrower leaves the others what they keep and do not use.
+          let kept = 0;
+          lines.forEach((o, i) => {
+            if (i !== next) kept += Math.max(0, bounds.kept[i]! - o.used);
+          });
+          expect(l.headCost).toBeLessThanOrEqual(free - kept);
           // A borrower goes only when no class below its guarantee waits with a head within its ceiling.
           lines.forEach((o, i) => {
             if (o.headCost !== undefined && o.used + o.headCost <= bounds.ceiling[i]!) {

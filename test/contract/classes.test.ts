@@ -118,6 +118,43 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
     });
   });
 
+  describe("lendable: the part of a guarantee kept free", () => {
+    const keeping = { interactive: { share: 8, priority: 1, lendable: 0.5 }, bulk: { share: 2 } };
+
+    it("bulk alone borrows only what interactive lends, and interactive then starts at once", async () => {
+      const s = mem.semaphore("keep", { limit: 10, classes: keeping });
+      const bulk = admits(s, "bulk", 10);
+      await settle();
+      expect(granted(bulk)).toBe(6);
+      expect(s.snapshot().classes!.interactive).toMatchObject({ guarantee: 8, kept: 4 });
+      const interactive = admits(s, "interactive", 5);
+      await settle();
+      // Four start at once on the kept permits; the fifth waits for a release, which is its own.
+      expect(granted(interactive)).toBe(4);
+      await ticketOf(bulk[0]!).release();
+      await settle();
+      expect(granted(interactive)).toBe(5);
+      expect(granted(bulk)).toBe(6);
+    });
+
+    it("what interactive holds of its kept part is not kept twice", async () => {
+      const s = mem.semaphore("keep2", { limit: 10, classes: keeping });
+      await Promise.all([s.admit({ class: "interactive" }), s.admit({ class: "interactive" })]);
+      const bulk = admits(s, "bulk", 10);
+      await settle();
+      // Interactive holds 2 of the 4 it keeps: 2 more stay free; bulk gets 10 - 2 - 2.
+      expect(granted(bulk)).toBe(6);
+    });
+
+    it("refuses a lendable outside [0, 1]", () => {
+      for (const lendable of [-0.1, 1.5, Number.NaN]) {
+        expect(() =>
+          mem.semaphore(`bad-${lendable}`, { limit: 4, classes: { a: { share: 1, lendable } } }),
+        ).toThrow("classes.a.lendable must be a number in [0, 1]");
+      }
+    });
+  });
+
   describe("priority among borrowers, with each guarantee as the floor", () => {
     // Three classes of 2 each on 6 permits; `idle` leaves its 2 to be borrowed.
     const three = {

@@ -85,11 +85,11 @@ describe("Lua scripts against their TypeScript twins", () => {
     const body = `
       local out = {}
       for _, c in ipairs(cjson.decode(ARGV[1])) do
-        local g, ceil = floodgate_class_bounds(c.limit, c.shares, c.maxShares)
+        local g, ceil, kept = floodgate_class_bounds(c.limit, c.shares, c.maxShares, c.lendables)
         local headCost = {}
         for i = 1, #c.used do headCost[i] = c.headCost[i] >= 0 and c.headCost[i] or false end
-        local next = floodgate_next_class(c.used, headCost, c.headAt, g, ceil, c.priority, c.free)
-        out[#out + 1] = { g, ceil, next - 1 }
+        local next = floodgate_next_class(c.used, headCost, c.headAt, g, ceil, kept, c.priority, c.free)
+        out[#out + 1] = { g, ceil, kept, next - 1 }
       end
       return cjson.encode(out)`;
 
@@ -104,6 +104,7 @@ describe("Lua scripts against their TypeScript twins", () => {
             share: random() < 0.5 ? int(random, 1, 100) : Math.round(random() * 1000) / 997,
             priority: int(random, -2, 2),
             maxShare: [0.05, 0.1, 0.25, 0.5, 0.75, 1][int(random, 0, 5)]!,
+            lendable: [0, 0.3, 0.5, 0.9, 1, 1][int(random, 0, 5)]!,
           }));
           const limit = random() < 0.3 ? int(random, 1, n) : int(random, 1, 1000);
           const lines: ClassLine[] = classes.map(() => ({
@@ -118,6 +119,7 @@ describe("Lua scripts against their TypeScript twins", () => {
             limit: c.limit,
             shares: c.classes.map((k) => k.share),
             maxShares: c.classes.map((k) => k.maxShare),
+            lendables: c.classes.map((k) => k.lendable),
             priority: c.classes.map((k) => k.priority),
             used: c.lines.map((l) => l.used),
             headCost: c.lines.map((l) => l.headCost ?? -1),
@@ -128,6 +130,7 @@ describe("Lua scripts against their TypeScript twins", () => {
         const reply = JSON.parse((await client.eval(withPrelude(body), 0, json)) as string) as [
           number[],
           number[],
+          number[],
           number,
         ][];
         let picked = 0;
@@ -135,12 +138,8 @@ describe("Lua scripts against their TypeScript twins", () => {
           const bounds = guarantees(c.limit, c.classes);
           const next = nextClass(c.lines, bounds, c.classes, c.free);
           if (next >= 0) picked++;
-          expect({ case: i, guarantee: reply[i]![0], ceiling: reply[i]![1], next: reply[i]![2] }).toEqual({
-            case: i,
-            guarantee: bounds.guarantee,
-            ceiling: bounds.ceiling,
-            next,
-          });
+          const [guarantee, ceiling, kept, lua] = reply[i]!;
+          expect({ case: i, guarantee, ceiling, kept, next: lua }).toEqual({ case: i, ...bounds, next });
         });
         // The sequences reach both answers: a class picked, and none.
         expect(picked).toBeGreaterThan(40);
