@@ -39,7 +39,12 @@ export class ClassBook {
     this.names = Object.keys(classes);
     this.configs = this.names.map((n) => {
       const c = classes[n]!;
-      return { share: c.share, priority: c.priority ?? 0, maxShare: c.maxShare ?? 1, lendable: c.lendable ?? 1 };
+      return {
+        share: c.share,
+        priority: c.priority ?? 0,
+        maxShare: c.maxShare ?? 1,
+        lendable: c.lendable ?? 1,
+      };
     });
     for (let i = 0; i < this.names.length; i++) this.#index.set(this.names[i]!, i);
     this.#default = defaultClass === undefined ? -1 : this.#index.get(defaultClass)!;
