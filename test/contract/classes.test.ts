@@ -392,6 +392,31 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
       expect(granted(waits)).toBe(5);
     });
 
+    it("after a cut below what is held, grants nothing until the held permits fit the new limit, then the owed class first", async () => {
+      const a = mem.aimd("cut", { initial: 10, max: 10, min: 2, backoffRatio: 0.5, classes: TWO });
+      const bulk = admits(a, "bulk", 10);
+      await settle();
+      expect(granted(bulk)).toBe(10);
+      const interactive = admits(a, "interactive", 3);
+      const bulkMore = admits(a, "bulk", 3);
+      await settle();
+      // A drop cuts the limit to 5 while bulk still holds 9.
+      await ticketOf(bulk[0]!).release("dropped");
+      await settle();
+      expect(a.snapshot()).toMatchObject({ limit: 5, inFlight: 9 });
+      expect(a.snapshot().classes).toMatchObject({ interactive: { guarantee: 4 }, bulk: { guarantee: 1 } });
+      for (let k = 1; k < 10; k++) {
+        await ticketOf(bulk[k]!).release("ignored");
+        await settle();
+        const snap = a.snapshot();
+        // Never more held than the limit once it is back under it; interactive (owed) goes first.
+        if (10 - k - 1 < 5)
+          expect(snap.classes!.bulk!.held + snap.classes!.interactive!.held).toBeLessThanOrEqual(5);
+        if (granted(bulkMore) > 0) expect(granted(interactive)).toBe(3);
+      }
+      expect(granted(interactive)).toBe(3);
+    });
+
     it("refuses a cost above its class's ceiling at min", async () => {
       const a = mem.aimd("ai", {
         initial: 10,
