@@ -338,24 +338,45 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
             limit: 7,
             classes: { a: { share: 3, priority: 1 }, b: { share: 2, maxShare: 0.5 }, c: { share: 1 } },
           });
-          const calls: { w: ReturnType<typeof track<Ticket>>; c: AbortController }[] = [];
+          const calls: {
+            w: ReturnType<typeof track<Ticket>>;
+            c: AbortController;
+            cls: string;
+            cost: number;
+          }[] = [];
           const check = () => {
             const snap = s.snapshot();
             expect(snap.inFlight).toBeLessThanOrEqual(7);
             let sum = 0;
-            let calls = 0;
+            let inFlight = 0;
             for (const cls of Object.values(snap.classes!)) {
               expect(cls.held).toBeLessThanOrEqual(cls.ceiling);
               sum += cls.held;
-              calls += cls.inFlight;
+              inFlight += cls.inFlight;
             }
             expect(sum).toBeLessThanOrEqual(7);
-            expect(calls).toBe(snap.inFlight);
+            expect(inFlight).toBe(snap.inFlight);
+            // Once things settle, the earliest waiting head of a class below its guarantee (within
+            // its ceiling) is one that does not fit: an owed class is never left waiting for room
+            // that is free. (Calls arrive in array order; a class's head is its first still waiting.)
+            const free = 7 - sum;
+            const owedHead = calls.find((call) => {
+              if (call.w.settled || call.c.signal.aborted) return false;
+              const k = snap.classes![call.cls]!;
+              const first = calls.find((o) => o.cls === call.cls && !o.w.settled && !o.c.signal.aborted);
+              return first === call && k.held < k.guarantee && k.held + call.cost <= k.ceiling;
+            });
+            if (owedHead) expect(owedHead.cost).toBeGreaterThan(free);
           };
           for (const op of ops) {
             if (op.op === "admit") {
               const c = new AbortController();
-              calls.push({ w: track(s.admit({ class: op.cls, cost: op.cost, signal: c.signal })), c });
+              calls.push({
+                w: track(s.admit({ class: op.cls, cost: op.cost, signal: c.signal })),
+                c,
+                cls: op.cls,
+                cost: op.cost,
+              });
             } else {
               const call = calls[op.at % Math.max(1, calls.length)];
               if (call && op.op === "release" && call.w.value) await call.w.value.release();
