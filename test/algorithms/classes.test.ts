@@ -56,6 +56,13 @@ describe("guarantees", () => {
       ceiling: [7, 7, 7, 7],
     },
     {
+      name: "the leftover goes to the largest fraction, not the largest class",
+      limit: 5,
+      classes: [cls(0.62), cls(0.38)],
+      guarantee: [3, 2],
+      ceiling: [5, 5],
+    },
+    {
       name: "at least one each",
       limit: 10,
       classes: [cls(99), cls(1)],
