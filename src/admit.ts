@@ -110,6 +110,13 @@ function read(kind: StageKind, name: string, options: object, field: string): un
   return guarded(kind, name, field, () => (options as Record<string, unknown>)[field]);
 }
 
+/** `value` is left out or a string of at least one character; else the error naming `field`. */
+function nonEmptyOrUndefined(kind: StageKind, name: string, field: string, value: unknown): void {
+  if (value !== undefined && !(typeof value === "string" && value.length > 0)) {
+    fail(kind, name, field, "must be a non-empty string", value);
+  }
+}
+
 function isCount(n: unknown): n is number {
   return typeof n === "number" && Number.isInteger(n) && n >= 0;
 }
@@ -209,15 +216,9 @@ export function admitOptions(
     for (const field of FIELDS) read(kind, name, options, field);
     throw new InvalidOptionsError(name, "options", `${kind} "${name}": options could not be read`);
   }
-  if (key !== undefined && !(typeof key === "string" && key.length > 0)) {
-    fail(kind, name, "key", "must be a non-empty string", key);
-  }
-  if (host !== undefined && !(typeof host === "string" && host.length > 0)) {
-    fail(kind, name, "host", "must be a non-empty string", host);
-  }
-  if (cls !== undefined && !(typeof cls === "string" && cls.length > 0)) {
-    fail(kind, name, "class", "must be a non-empty string", cls);
-  }
+  nonEmptyOrUndefined(kind, name, "key", key);
+  nonEmptyOrUndefined(kind, name, "host", host);
+  nonEmptyOrUndefined(kind, name, "class", cls);
   if (cost !== undefined && !isCount(cost)) fail(kind, name, "cost", "must be an integer >= 0", cost);
   if (costs !== undefined) {
     const byName = countsByName(

@@ -188,6 +188,7 @@ export class Gate implements Stage {
       sync++;
     this.#syncPrefix = sync;
     this.#names = namesOf(this.stages);
+    this.#classes = this.#names.classes.size > 0 ? [...this.#names.classes] : undefined;
     this.#bounded = this.stages.filter((s) => typeof s.maxCost === "number");
     this.#leastMaxCost = Math.min(...this.#bounded.map((s) => s.maxCost!));
     const misplaced = stageOrderWarning(this.stages);
@@ -201,6 +202,9 @@ export class Gate implements Stage {
 
   /** Every stage name in the gate (and in gates in it), and whether any is keyed by `key`. */
   readonly #names: { all: Set<string>; keyed: boolean; classes: Set<string> };
+
+  /** `#names.classes` as the list `classes` hands out, made once. */
+  readonly #classes: readonly string[] | undefined;
 
   /** Stages whose ticket a call holds while it runs (all but bounded queues). */
   readonly #callStages: number;
@@ -224,7 +228,7 @@ export class Gate implements Stage {
 
   /** Every traffic class some stage of the gate (or of a gate in it) knows, when any has classes. */
   get classes(): readonly string[] | undefined {
-    return this.#names.classes.size > 0 ? [...this.#names.classes] : undefined;
+    return this.#classes;
   }
 
   /** Some stage of the gate (or of a gate in it) is keyed by the call's `key`. */

@@ -24,6 +24,11 @@ const logger = z.custom<Logger>(
 );
 const random = z.custom<() => number>((v) => typeof v === "function", { error: "must be a function" });
 
+/** A string of at least one character (a host, a class, a gate's name). */
+const nonEmpty = z
+  .string({ error: "must be a non-empty string" })
+  .min(1, { error: "must be a non-empty string" });
+
 const stage = {
   clock: clock.optional(),
   logger: logger.optional(),
@@ -60,10 +65,6 @@ const trafficClass = z.strictObject({
     .refine((v) => v >= 0 && v <= 1, { error: "must be a number in [0, 1]" })
     .optional(),
 });
-
-const nonEmpty = z
-  .string({ error: "must be a non-empty string" })
-  .min(1, { error: "must be a non-empty string" });
 
 /** `classes` and `defaultClass`, checked together. */
 const classFields = {
@@ -137,10 +138,7 @@ export const intervalGateSchema = z.strictObject({
     .refine((v) => v >= 0, { error: "must be a finite number >= 0" })
     .optional(),
   random: random.optional(),
-  defaultHost: z
-    .string({ error: "must be a non-empty string" })
-    .min(1, { error: "must be a non-empty string" })
-    .optional(),
+  defaultHost: nonEmpty.optional(),
 });
 
 export const aimdSchema = z
@@ -167,10 +165,7 @@ export const aimdSchema = z
 
 export const gateSchema = z.strictObject({
   ...stage,
-  name: z
-    .string({ error: "must be a non-empty string" })
-    .min(1, { error: "must be a non-empty string" })
-    .optional(),
+  name: nonEmpty.optional(),
 });
 
 export const memoryBackendSchema = z.strictObject({ ...stage, random: random.optional() });

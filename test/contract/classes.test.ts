@@ -15,9 +15,6 @@ import { backends, track, useBackend } from "./backends.js";
 /** Interactive and bulk on a limit of 10: guarantees 8 and 2. */
 const TWO = { interactive: { share: 8, priority: 1 }, bulk: { share: 2 } };
 
-/** Let every grant made so far reach its caller. */
-const settle = () => new Promise((resolve) => setImmediate(resolve));
-
 /** Admissions of `cls` on `stage`, each tracked. */
 function admits(stage: Stage, cls: string, n: number, cost = 1) {
   return Array.from({ length: n }, () => track(stage.admit({ class: cls, cost })));
@@ -46,14 +43,14 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
       const s = sem();
       const bulk = admits(s, "bulk", 10);
       const moreBulk = admits(s, "bulk", 5);
-      await settle();
+      await clock.flush();
       expect(granted(bulk)).toBe(10);
       const interactive = admits(s, "interactive", 9);
-      await settle();
+      await clock.flush();
       expect(granted(interactive)).toBe(0);
       for (let k = 1; k <= 10; k++) {
         await ticketOf(bulk[k - 1]!).release("success");
-        await settle();
+        await clock.flush();
         // One release per permit: interactive gains one each time up to its share of 8; bulk
         // waits meanwhile, then takes back what it needs to keep its own guarantee of 2.
         expect(granted(interactive)).toBe(Math.min(k, 8));
@@ -69,7 +66,7 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
       for (const cls of ["bulk", "interactive"]) {
         const s = mem.semaphore(`alone-${cls}`, { limit: 10, classes: TWO });
         const waits = admits(s, cls, 11);
-        await settle();
+        await clock.flush();
         expect(granted(waits)).toBe(10);
         expect(s.snapshot()).toMatchObject({ inFlight: 10, waiting: 1 });
       }
@@ -78,11 +75,11 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
     it("a free permit goes to a class below its guarantee before a borrower that asked first", async () => {
       const s = sem();
       const bulk = admits(s, "bulk", 10);
-      await settle();
+      await clock.flush();
       const bulkLater = admits(s, "bulk", 1);
       const interactive = admits(s, "interactive", 1);
       await ticketOf(bulk[0]!).release();
-      await settle();
+      await clock.flush();
       expect(granted(interactive)).toBe(1);
       expect(granted(bulkLater)).toBe(0);
     });
@@ -90,9 +87,9 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
     it("nothing in flight is taken back: an owner reclaims its share only as borrowed permits come back", async () => {
       const s = sem();
       const bulk = admits(s, "bulk", 10);
-      await settle();
+      await clock.flush();
       const interactive = admits(s, "interactive", 3);
-      await settle();
+      await clock.flush();
       expect(granted(interactive)).toBe(0);
       expect(bulk.every((w) => !ticketOf(w).released && !ticketOf(w).signal.aborted)).toBe(true);
     });
@@ -100,20 +97,20 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
     it("a call of a class within its guarantee goes at once even while a borrower waits", async () => {
       const s = sem();
       const bulk = admits(s, "bulk", 8);
-      await settle();
+      await clock.flush();
       // Bulk holds 8 (6 borrowed); 2 permits are free.
       const bulkMore = admits(s, "bulk", 3);
-      await settle();
+      await clock.flush();
       expect(granted(bulkMore)).toBe(2);
       await ticketOf(bulk[0]!).release();
-      await settle();
+      await clock.flush();
       // Bulk's third waiter takes the freed permit: nobody else wants it.
       expect(granted(bulkMore)).toBe(3);
       const interactive = admits(s, "interactive", 1);
-      await settle();
+      await clock.flush();
       expect(granted(interactive)).toBe(0);
       await ticketOf(bulk[1]!).release();
-      await settle();
+      await clock.flush();
       expect(granted(interactive)).toBe(1);
     });
   });
@@ -124,15 +121,15 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
     it("bulk alone borrows only what interactive lends, and interactive then starts at once", async () => {
       const s = mem.semaphore("keep", { limit: 10, classes: keeping });
       const bulk = admits(s, "bulk", 10);
-      await settle();
+      await clock.flush();
       expect(granted(bulk)).toBe(6);
       expect(s.snapshot().classes!.interactive).toMatchObject({ guarantee: 8, kept: 4 });
       const interactive = admits(s, "interactive", 5);
-      await settle();
+      await clock.flush();
       // Four start at once on the kept permits; the fifth waits for a release, which is its own.
       expect(granted(interactive)).toBe(4);
       await ticketOf(bulk[0]!).release();
-      await settle();
+      await clock.flush();
       expect(granted(interactive)).toBe(5);
       expect(granted(bulk)).toBe(6);
     });
@@ -141,7 +138,7 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
       const s = mem.semaphore("keep2", { limit: 10, classes: keeping });
       await Promise.all([s.admit({ class: "interactive" }), s.admit({ class: "interactive" })]);
       const bulk = admits(s, "bulk", 10);
-      await settle();
+      await clock.flush();
       // Interactive holds 2 of the 4 it keeps: 2 more stay free; bulk gets 10 - 2 - 2.
       expect(granted(bulk)).toBe(6);
     });
@@ -165,31 +162,29 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
 
     it("the higher priority borrows first, whoever asked first", async () => {
       const s = mem.semaphore("p", { limit: 6, classes: three });
-      const lo = admits(s, "lo", 2);
-      const hi = admits(s, "hi", 2);
-      await settle();
+      // lo and hi each take their guarantee of 2.
+      admits(s, "lo", 2);
+      admits(s, "hi", 2);
+      await clock.flush();
       const loMore = admits(s, "lo", 2);
       const hiMore = admits(s, "hi", 2);
-      await settle();
+      await clock.flush();
       // Both hold their guarantee; the 2 idle permits went to lo, which asked first...
       expect(granted(loMore)).toBe(2);
       expect(granted(hiMore)).toBe(0);
-      const hiLast = admits(s, "hi", 1);
+      admits(s, "hi", 1);
       const loLast = admits(s, "lo", 1);
       // ...but once freed, a borrowed permit goes to the higher priority.
       await ticketOf(loMore[0]!).release();
-      await settle();
+      await clock.flush();
       expect(granted(hiMore)).toBe(1);
       expect(granted(loLast)).toBe(0);
-      void lo;
-      void hi;
-      void hiLast;
     });
 
     it("the lower priority still gets its guarantee under a flood of the higher", async () => {
       const s = mem.semaphore("p", { limit: 6, classes: three });
       const hi = admits(s, "hi", 200);
-      await settle();
+      await clock.flush();
       // hi borrowed everything while nobody else asked.
       expect(granted(hi)).toBe(6);
       const lo = admits(s, "lo", 40);
@@ -198,14 +193,14 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
       // Each release frees one permit. lo reclaims its guarantee of 2 with the first two...
       for (let k = 1; k <= 2; k++) {
         await oldest().release();
-        await settle();
+        await clock.flush();
         expect(s.snapshot().classes!.lo!.held).toBe(k);
       }
       // ...and then holds it whatever the flood: a freed borrowed permit goes to hi (the higher
       // priority), and one lo gives back comes straight back to lo.
       for (let round = 0; round < 60; round++) {
         await oldest(round % 3 === 0 ? lo : hi).release();
-        await settle();
+        await clock.flush();
         expect(s.snapshot().classes).toMatchObject({ lo: { held: 2 }, hi: { held: 4 } });
       }
       expect(granted(lo)).toBeGreaterThan(2);
@@ -217,15 +212,15 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
     it("a cost larger than its class's share goes first while the class holds less than its guarantee", async () => {
       const s = sem();
       const interactive = admits(s, "interactive", 9);
-      await settle();
+      await clock.flush();
       const big = track(s.admit({ class: "bulk", cost: 5 }));
       const interactiveMore = admits(s, "interactive", 3);
-      await settle();
+      await clock.flush();
       expect(big.settled).toBe(false);
       // Interactive holds 9 (one borrowed); bulk (owed) waits for 5 free permits, and nobody passes it.
       for (let k = 0; k < 4; k++) {
         await ticketOf(interactive[k]!).release();
-        await settle();
+        await clock.flush();
         expect(big.settled).toBe(k === 3);
         expect(granted(interactiveMore)).toBe(0);
       }
@@ -248,10 +243,10 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
         classes: { a: { share: 1, maxShare: 0.6 }, b: { share: 1 } },
       });
       const a = admits(s, "a", 7);
-      await settle();
+      await clock.flush();
       expect(granted(a)).toBe(6);
       const b = admits(s, "b", 4);
-      await settle();
+      await clock.flush();
       expect(granted(b)).toBe(4);
       expect(s.snapshot().classes).toMatchObject({
         a: { inFlight: 6, ceiling: 6, waiting: 1 },
@@ -262,7 +257,7 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
     it("a cost of 0 goes at once, past any line", async () => {
       const s = sem();
       admits(s, "bulk", 11);
-      await settle();
+      await clock.flush();
       await expect(s.admit({ class: "interactive", cost: 0 })).resolves.toBeDefined();
     });
   });
@@ -271,14 +266,14 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
     it("an owed head that times out lets the borrower behind it through", async () => {
       const s = sem();
       const bulk = admits(s, "bulk", 10);
-      await settle();
+      await clock.flush();
       const owed = track(s.admit({ class: "interactive", cost: 3, timeoutMs: 100 }));
       const borrower = admits(s, "bulk", 1);
       await ticketOf(bulk[0]!).release();
-      await settle();
+      await clock.flush();
       expect(granted(borrower)).toBe(0);
       await clock.advance(100);
-      await settle();
+      await clock.flush();
       expect(owed.error).toMatchObject({ code: "ADMIT_TIMEOUT" });
       expect(granted(borrower)).toBe(1);
       expect(s.snapshot().classes).toMatchObject({
@@ -290,13 +285,13 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
     it("an aborted waiter leaves its class's line; a refund gives back to its class", async () => {
       const s = sem();
       const bulk = admits(s, "bulk", 10);
-      await settle();
+      await clock.flush();
       const controller = new AbortController();
       const aborted = track(s.admit({ class: "interactive", signal: controller.signal }));
-      await settle();
+      await clock.flush();
       expect(s.snapshot().classes!.interactive!.waiting).toBe(1);
       controller.abort(new Error("stop"));
-      await settle();
+      await clock.flush();
       expect(aborted.error).toEqual(new Error("stop"));
       expect(s.snapshot().classes!.interactive!.waiting).toBe(0);
       await ticketOf(bulk[0]!).refund();
@@ -311,9 +306,9 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
       const s = sem();
       admits(s, "bulk", 10);
       const waits = [...admits(s, "bulk", 1), ...admits(s, "interactive", 2)];
-      await settle();
+      await clock.flush();
       await s.close();
-      await settle();
+      await clock.flush();
       expect(waits.every((w) => (w.error as { code?: string })?.code === "CLOSED")).toBe(true);
     });
   });
@@ -334,7 +329,7 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
           { maxLength: 60 },
         ),
         async (ops) => {
-          const s = memory({ clock: new FakeClock() }).semaphore("f", {
+          const s = memory({ clock }).semaphore("f", {
             limit: 7,
             classes: { a: { share: 3, priority: 1 }, b: { share: 2, maxShare: 0.5 }, c: { share: 1 } },
           });
@@ -382,14 +377,14 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
               if (call && op.op === "release" && call.w.value) await call.w.value.release();
               if (call && op.op === "abort") call.c.abort();
             }
-            await settle();
+            await clock.flush();
             check();
           }
           // Release everything granted until nobody waits: every call is then granted or aborted.
           for (let round = 0; round < 100 && s.snapshot().waiting + s.snapshot().inFlight > 0; round++) {
             for (const call of calls)
               if (call.w.value && !call.w.value.released) await call.w.value.release();
-            await settle();
+            await clock.flush();
             check();
           }
           expect(s.snapshot()).toMatchObject({ inFlight: 0, waiting: 0 });
@@ -409,26 +404,26 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
       expect(a.snapshot().limit).toBe(5);
       expect(a.snapshot().classes).toMatchObject({ interactive: { guarantee: 4 }, bulk: { guarantee: 1 } });
       const waits = admits(a, "bulk", 6);
-      await settle();
+      await clock.flush();
       expect(granted(waits)).toBe(5);
     });
 
     it("after a cut below what is held, grants nothing until the held permits fit the new limit, then the owed class first", async () => {
       const a = mem.aimd("cut", { initial: 10, max: 10, min: 2, backoffRatio: 0.5, classes: TWO });
       const bulk = admits(a, "bulk", 10);
-      await settle();
+      await clock.flush();
       expect(granted(bulk)).toBe(10);
       const interactive = admits(a, "interactive", 3);
       const bulkMore = admits(a, "bulk", 3);
-      await settle();
+      await clock.flush();
       // A drop cuts the limit to 5 while bulk still holds 9.
       await ticketOf(bulk[0]!).release("dropped");
-      await settle();
+      await clock.flush();
       expect(a.snapshot()).toMatchObject({ limit: 5, inFlight: 9 });
       expect(a.snapshot().classes).toMatchObject({ interactive: { guarantee: 4 }, bulk: { guarantee: 1 } });
       for (let k = 1; k < 10; k++) {
         await ticketOf(bulk[k]!).release("ignored");
-        await settle();
+        await clock.flush();
         const snap = a.snapshot();
         // Never more held than the limit once it is back under it; interactive (owed) goes first.
         if (10 - k - 1 < 5)
@@ -456,21 +451,21 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
       const bucket = mem.tokenBucket("tb", { capacity: 100, refillPerSecond: 1 });
       const gate = new Gate([s, bucket], { clock });
       const bulk = Array.from({ length: 10 }, () => track(gate.admit({ class: "bulk" })));
-      await settle();
+      await clock.flush();
       expect(granted(bulk)).toBe(10);
       const bulkMore = track(gate.admit({ class: "bulk" }));
       const interactive = track(gate.admit({ class: "interactive" }));
       const run = track(gate.run(async () => "done", { class: "interactive" }));
-      await settle();
+      await clock.flush();
       expect(interactive.settled || run.settled).toBe(false);
       // The freed permit goes to interactive (owed), not to bulk which asked first (borrowing).
       await ticketOf(bulk[0]!).release();
-      await settle();
+      await clock.flush();
       expect(interactive.settled).toBe(true);
       expect(bulkMore.settled || run.settled).toBe(false);
       // The run waits in interactive's line the same way, and goes next.
       await ticketOf(bulk[1]!).release();
-      await settle();
+      await clock.flush();
       expect(run.value).toBe("done");
       expect(s.snapshot().classes!.interactive!.admitted).toBe(2);
     });
@@ -494,33 +489,32 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
     it("a new call does not pass its own class's waiting head", async () => {
       const s = sem();
       const interactive = admits(s, "interactive", 8);
-      await settle();
+      await clock.flush();
       // Bulk holds its 2; 0 free. A bulk call of 3 waits; then 2 permits come free.
-      const bulk = admits(s, "bulk", 2);
-      await settle();
+      admits(s, "bulk", 2);
+      await clock.flush();
       const big = track(s.admit({ class: "bulk", cost: 3 }));
       await ticketOf(interactive[0]!).release();
       await ticketOf(interactive[1]!).release();
-      await settle();
+      await clock.flush();
       expect(big.settled).toBe(false);
       const small = track(s.admit({ class: "bulk", cost: 1 }));
-      await settle();
+      await clock.flush();
       expect(small.settled).toBe(false);
-      void bulk;
     });
 
     it("a new call of an owed class does not pass an owed head that arrived first", async () => {
       const s = sem();
       const held = [...admits(s, "interactive", 7), ...admits(s, "bulk", 1)];
-      await settle();
+      await clock.flush();
       expect(granted(held)).toBe(8);
       // 2 free; interactive (owed) waits for 3.
       const head = track(s.admit({ class: "interactive", cost: 3 }));
-      await settle();
+      await clock.flush();
       expect(head.settled).toBe(false);
       // Bulk is owed too (1 of 2), and 1 would fit, but interactive's head came first.
       const later = track(s.admit({ class: "bulk" }));
-      await settle();
+      await clock.flush();
       expect(later.settled).toBe(false);
       expect(s.snapshot().classes).toMatchObject({ interactive: { waiting: 1 }, bulk: { waiting: 1 } });
     });
@@ -528,7 +522,7 @@ describe.each(classBackends)("traffic classes on $name", (backend) => {
     it("a cost of 0 goes at once even with its own class in line", async () => {
       const s = sem();
       admits(s, "bulk", 11);
-      await settle();
+      await clock.flush();
       expect(s.snapshot().classes!.bulk!.waiting).toBe(1);
       await expect(s.admit({ class: "bulk", cost: 0 })).resolves.toBeDefined();
     });
