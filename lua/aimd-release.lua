@@ -7,7 +7,7 @@
 -- KEYS[1] holders  ZSET  member "<lease id>:<cost>" -> lease expiry (ms)
 -- KEYS[2] queue    ZSET  member -> arrival sequence
 -- KEYS[3] qexp     ZSET  member -> waiter expiry (ms)
--- KEYS[4] meta     HASH  used, seq, limit, epoch
+-- KEYS[4] meta     HASH  used, seq, limit, epoch, and u0, u1, … with classes
 -- KEYS[5] procs    ZSET  token of each waiting process -> end of its last sign of life (ms)
 --
 -- ARGV[1] now      ms, or "" for the server's TIME (read only when someone is in line)
@@ -23,6 +23,9 @@
 -- ARGV[11] listeners "1": pass over waiters nobody listens for (see floodgate_grant_heads); ""
 --                   on a cluster, where pub/sub counts are per node
 -- ARGV[12] initial  the limit to start from when meta has none (as semaphore-acquire starts)
+-- ARGV[13] classes  the stage's traffic classes (floodgate_classes), or "" for none: their
+--                   shares are of the limit as moved here, and the freed permits go by
+--                   floodgate_grant_classes
 --
 -- Returns {released, limit, epoch, used, grants}: grants = the waiters granted the freed permits
 -- (floodgate_grant_heads), each as the message PUBLISHed on `channel`.
@@ -39,6 +42,7 @@ local minLimit    = tonumber(ARGV[6])
 local maxLimit    = tonumber(ARGV[7])
 local ratio       = tonumber(ARGV[8])
 local slow        = ARGV[9] == '1'
+local classes     = floodgate_classes(ARGV[13])
 
 local state = redis.call('HMGET', meta, 'limit', 'epoch', 'used', 'quarantine')
 local limit = tonumber(state[1]) or tonumber(ARGV[12]) or maxLimit
@@ -61,15 +65,30 @@ end
 if released == 1 then used = used - floodgate_cost(member) end
 if used < 0 then used = 0 end
 redis.call('HSET', meta, 'used', used, 'limit', limit, 'epoch', epoch)
+if classes then
+  floodgate_class_load(classes, meta)
+  if released == 1 then
+    floodgate_class_free(classes, member)
+    floodgate_set_used(meta, used, classes)
+  end
+end
 
 local grants = {}
 if redis.call('ZRANGE', queue, 0, 0)[1] then
   local now = floodgate_now(ARGV[1])
-  local head = floodgate_live_head(queue, qexp, procs, now)
-  if head and used < limit and (tonumber(state[4]) or 0) <= now then
-    grants, used = floodgate_grant_heads(head, used, limit, now, tonumber(ARGV[10]), epoch,
-      channel, ARGV[11] == '1', floodgate_token(member))
-    redis.call('HSET', meta, 'used', used)
+  if (tonumber(state[4]) or 0) <= now then
+    if classes then
+      grants, used = floodgate_grant_classes(classes, used, limit, now, tonumber(ARGV[10]), epoch,
+        channel, ARGV[11] == '1', floodgate_token(member))
+      if #grants > 0 then floodgate_set_used(meta, used, classes) end
+    else
+      local head = floodgate_live_head(queue, qexp, procs, now)
+      if head and used < limit then
+        grants, used = floodgate_grant_heads(head, used, limit, now, tonumber(ARGV[10]), epoch,
+          channel, ARGV[11] == '1', floodgate_token(member))
+        redis.call('HSET', meta, 'used', used)
+      end
+    end
   end
 end
 return {released, limit, epoch, used, grants}

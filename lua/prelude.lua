@@ -187,71 +187,87 @@ local function floodgate_live_head(queue, qexp, procs, now)
   return head
 end
 
+-- Whether waiter `head` can be granted now. Returns 0 when its process went silent
+-- (floodgate_alive_until): it is taken out of the line here; 1 when nobody listens on its
+-- process's channel (the process was killed and its connections closed, or it is not subscribed
+-- yet): it keeps its place but is passed over this time, so a permit never goes where no one can
+-- take it; else 2, the channel to tell it on and when its process stops counting as alive (nil:
+-- not known). `hears` remembers each process's listeners for the rest of the call; `own` is the
+-- calling process's token (its grants come back in the reply, so it needs no listener).
+local function floodgate_reach(head, now, channel, listeners, own, hears)
+  local token = floodgate_token(head)
+  local alive = token and floodgate_alive_until(KEYS[5], token)
+  if alive and alive <= now then
+    redis.call('ZREM', KEYS[2], head)
+    redis.call('ZREM', KEYS[3], head)
+    return 0
+  end
+  local to = token and (channel .. ':' .. token) or channel
+  if token and listeners and token ~= own then
+    local heard = hears[token]
+    if heard == nil then
+      heard = tonumber(redis.call('PUBSUB', 'NUMSUB', to)[2]) > 0
+      hears[token] = heard
+    end
+    if not heard then return 1 end
+  end
+  return 2, to, alive
+end
+
+-- Grant waiter `head`: it moves from the line into holders with a lease that ends at the
+-- earliest of when its place in line would have (qexp), `claimMs` from now and when its process
+-- stops counting as alive (`alive`), until its process claims it (its first renewal makes it a
+-- full lease), and is told with PUBLISH "<member>|<fence>|<epoch>|<ends>|<now>" (server ms: its
+-- process judges from them whether the grant is still good when the message reaches it) on
+-- channel `to`. Returns the message, or nil when its place in line had already ended (it leaves
+-- the line granted nothing).
+local function floodgate_hand(head, now, claimMs, alive, epoch, to)
+  local expiry = tonumber(redis.call('ZSCORE', KEYS[3], head))
+  redis.call('ZREM', KEYS[2], head)
+  redis.call('ZREM', KEYS[3], head)
+  if not expiry or expiry <= now then return nil end
+  expiry = math.min(expiry, now + claimMs)
+  if alive then expiry = math.min(expiry, alive) end
+  redis.call('ZADD', KEYS[1], expiry, head)
+  local fence = redis.call('HINCRBY', KEYS[4], 'seq', 1)
+  local message = head .. '|' .. fence .. '|' .. epoch .. '|' .. floodgate_num(expiry) .. '|' .. floodgate_num(now)
+  redis.call('PUBLISH', to, message)
+  return message
+end
+
 -- Grant on release: give the waiters at the head of the line their permits while they fit, so a
 -- freed permit goes straight to the next waiter with no round trip of its own. KEYS are the
 -- permit stage's, in the order every permit script takes them: holders, queue, qexp, meta,
 -- procs. `channel` is the stage's grant channel, `listeners` whether to ask Redis who listens
 -- (pub/sub counts are exact on one server, not across a cluster's nodes) and `own` the token of
 -- the calling process (its grants come back in this call's reply).
--- `head` is the first member in line. Waiter by waiter, from the head:
---   * its process went silent (floodgate_alive_until): it leaves the line, granted nothing;
---   * nobody listens on its process's channel (the process was killed and its connections
---     closed, or it is not subscribed yet): it keeps its place but is passed over this time, so
---     a permit never goes where no one can take it; it is granted when it asks again;
---   * it does not fit: granting stops, so a large waiter is not overtaken by small ones;
---   * else it moves from the line into holders with a lease that ends at the earliest of when
---     its place in line would have (qexp), `claimMs` from now and when its process stops
---     counting as alive, until its process claims it (its first renewal makes it a full lease),
---     and is told with PUBLISH "<member>|<fence>|<epoch>|<ends>|<now>" (server ms: its process
---     judges from them whether the grant is still good when the message reaches it) on
---     `channel`:<token> when the member is "<token>-<n>:<cost>" (the channel of its own
---     process, so a grant wakes no other process), else on `channel`.
+-- `head` is the first member in line. Waiter by waiter, from the head: one whose process went
+-- silent leaves the line, one nobody listens for is passed over (floodgate_reach); one that does
+-- not fit stops the granting, so a large waiter is not overtaken by small ones; else it is
+-- granted (floodgate_hand) on `channel`:<token> when the member is "<token>-<n>:<cost>" (the
+-- channel of its own process, so a grant wakes no other process), else on `channel`.
 -- Returns the messages sent and the permits now used. At most 64 grants per call.
 local function floodgate_grant_heads(head, used, limit, now, claimMs, epoch, channel, listeners, own)
-  local holders, queue, qexp, meta, procs = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5]
   local sent = {}
   local n = 0
   local passed = 0
   local hears = {}
   for _ = 1, 256 do
     if not head or n >= 64 then break end
-    local token = floodgate_token(head)
-    local alive = token and floodgate_alive_until(procs, token)
-    local to = token and (channel .. ':' .. token) or channel
-    if alive and alive <= now then
-      redis.call('ZREM', queue, head)
-      redis.call('ZREM', qexp, head)
-    else
-      local heard = true
-      if token and listeners and token ~= own then
-        heard = hears[token]
-        if heard == nil then
-          heard = tonumber(redis.call('PUBSUB', 'NUMSUB', to)[2]) > 0
-          hears[token] = heard
-        end
-      end
-      if not heard then
-        passed = passed + 1
-      else
-        local cost = floodgate_cost(head)
-        if used + cost > limit then break end
-        local expiry = tonumber(redis.call('ZSCORE', qexp, head))
-        redis.call('ZREM', queue, head)
-        redis.call('ZREM', qexp, head)
-        if expiry and expiry > now then
-          expiry = math.min(expiry, now + claimMs)
-          if alive then expiry = math.min(expiry, alive) end
-          redis.call('ZADD', holders, expiry, head)
-          used = used + cost
-          local fence = redis.call('HINCRBY', meta, 'seq', 1)
-          local message = head .. '|' .. fence .. '|' .. epoch .. '|' .. floodgate_num(expiry) .. '|' .. floodgate_num(now)
-          redis.call('PUBLISH', to, message)
-          n = n + 1
-          sent[n] = message
-        end
+    local state, to, alive = floodgate_reach(head, now, channel, listeners, own, hears)
+    if state == 1 then
+      passed = passed + 1
+    elseif state == 2 then
+      local cost = floodgate_cost(head)
+      if used + cost > limit then break end
+      local message = floodgate_hand(head, now, claimMs, alive, epoch, to)
+      if message then
+        used = used + cost
+        n = n + 1
+        sent[n] = message
       end
     end
-    head = redis.call('ZRANGE', queue, passed, passed)[1]
+    head = redis.call('ZRANGE', KEYS[2], passed, passed)[1]
   end
   return sent, used
 end
@@ -326,4 +342,151 @@ local function floodgate_next_class(used, headCost, headAt, guarantee, ceiling, 
   end
   if headCost[first] <= room then return first end
   return 0
+end
+
+-- Traffic classes on Redis. A member of class i (0-based, in the order the stage declares its
+-- classes) is "<token>-<n>~<i>:<cost>"; one without "~" is of class 0. Each class waits in its
+-- own band of the queue's scores, i * 2^48 + its arrival sequence: the line of a stage without
+-- classes is band 0, scored as before, and each band is in arrival order. (2^48 arrivals per
+-- stage; 16 classes keep every score below 2^52, exact in a double.)
+local floodgate_band = 281474976710656
+
+-- The class (0-based) of a member.
+local function floodgate_class(member)
+  return tonumber(string.match(member, '~(%d+):')) or 0
+end
+
+-- The traffic classes of a permit stage from `spec`, "share,maxShare,lendable,priority" per
+-- class in declaration order joined by ";", or nil for "" (a stage without classes). What each
+-- class holds lives in meta as u0, u1, …; floodgate_class_load reads it into `used`.
+local function floodgate_classes(spec)
+  if spec == nil or spec == '' then return nil end
+  local c = { n = 0, share = {}, maxShare = {}, lendable = {}, priority = {}, fields = {}, used = {} }
+  for s, m, l, p in string.gmatch(spec, '([^,;]+),([^,;]+),([^,;]+),([^,;]+)') do
+    local n = c.n + 1
+    c.n = n
+    c.share[n] = tonumber(s)
+    c.maxShare[n] = tonumber(m)
+    c.lendable[n] = tonumber(l)
+    c.priority[n] = tonumber(p)
+    c.fields[n] = 'u' .. (n - 1)
+  end
+  return c
+end
+
+-- Read what each class of `c` holds from `meta` into c.used (1-based).
+local function floodgate_class_load(c, meta)
+  local v = redis.call('HMGET', meta, unpack(c.fields))
+  for i = 1, c.n do c.used[i] = tonumber(v[i]) or 0 end
+end
+
+-- Write `used` (all permits held) to `meta` in one HSET, with what each class of `c` holds when
+-- `c` is given, and the fencing sequence when `seq` is.
+local function floodgate_set_used(meta, used, c, seq)
+  if not c then
+    if seq then
+      redis.call('HSET', meta, 'used', used, 'seq', seq)
+    else
+      redis.call('HSET', meta, 'used', used)
+    end
+    return
+  end
+  local args = { 'used', used }
+  for i = 1, c.n do
+    args[2 * i + 1] = c.fields[i]
+    args[2 * i + 2] = math.max(0, c.used[i])
+  end
+  if seq then
+    args[#args + 1] = 'seq'
+    args[#args + 1] = seq
+  end
+  redis.call('HSET', meta, unpack(args))
+end
+
+-- Permits of `member` no longer held by its class (a release, a lapsed grant, a reaped lease).
+local function floodgate_class_free(c, member)
+  local k = floodgate_class(member) + 1
+  if c.used[k] then c.used[k] = math.max(0, c.used[k] - floodgate_cost(member)) end
+end
+
+-- The guarantees, ceilings and kept parts of `c` at `limit`, worked out once per limit per call.
+local function floodgate_class_limits(c, limit)
+  if c.limit ~= limit then
+    c.guarantee, c.ceiling, c.kept = floodgate_class_bounds(limit, c.share, c.maxShare, c.lendable)
+    c.limit = limit
+  end
+end
+
+-- The member at place `offset` (0: the head) of class i's line (1-based), its cost and its
+-- arrival sequence; nil, false, 0 when there is none.
+local function floodgate_class_head(queue, i, offset)
+  local low = (i - 1) * floodgate_band
+  local r = redis.call('ZRANGEBYSCORE', queue, low, '(' .. floodgate_num(low + floodgate_band),
+    'WITHSCORES', 'LIMIT', offset, 1)
+  if not r[1] then return nil, false, 0 end
+  return r[1], floodgate_cost(r[1]), tonumber(r[2]) - low
+end
+
+-- Whether `member` (class k, 1-based, costing `cost`) goes now on a stage with classes `c`
+-- (floodgate_class_load done) with `used` of `limit` permits held: nobody of its class is ahead
+-- of it, and floodgate_next_class picks its class with it at the head of its line (arrived after
+-- everyone when it is not in line yet).
+local function floodgate_class_goes(c, k, member, cost, used, limit)
+  local headCost, headAt = {}, {}
+  for i = 1, c.n do
+    headCost[i] = false
+    headAt[i] = 0
+  end
+  if redis.call('ZRANGE', KEYS[2], 0, 0)[1] then
+    for i = 1, c.n do
+      local head
+      head, headCost[i], headAt[i] = floodgate_class_head(KEYS[2], i, 0)
+      if i == k and head and head ~= member then return false end
+    end
+  end
+  if not headCost[k] then headAt[k] = math.huge end
+  headCost[k] = cost
+  floodgate_class_limits(c, limit)
+  return floodgate_next_class(c.used, headCost, headAt, c.guarantee, c.ceiling, c.kept, c.priority,
+    limit - used) == k
+end
+
+-- Grant on release with traffic classes `c` (floodgate_class_load done): as
+-- floodgate_grant_heads, with a line per class and the head that goes next chosen by
+-- floodgate_next_class each time, so a freed permit goes to a class below its guarantee before
+-- any borrower, then to borrowers by priority, and each class is served in arrival order. A head
+-- whose process went silent leaves the line and one nobody listens for is passed over, as there;
+-- granting stops when the head picked does not fit. Keeps c.used up to date (the caller writes
+-- it, floodgate_set_used). Returns the messages sent and the permits now used.
+local function floodgate_grant_classes(c, used, limit, now, claimMs, epoch, channel, listeners, own)
+  local sent = {}
+  if not redis.call('ZRANGE', KEYS[2], 0, 0)[1] then return sent, used end
+  floodgate_class_limits(c, limit)
+  local heads, headCost, headAt, passed, hears = {}, {}, {}, {}, {}
+  for i = 1, c.n do
+    passed[i] = 0
+    heads[i], headCost[i], headAt[i] = floodgate_class_head(KEYS[2], i, 0)
+  end
+  local n = 0
+  for _ = 1, 256 do
+    if n >= 64 then break end
+    local k = floodgate_next_class(c.used, headCost, headAt, c.guarantee, c.ceiling, c.kept,
+      c.priority, limit - used)
+    if k == 0 then break end
+    local head = heads[k]
+    local state, to, alive = floodgate_reach(head, now, channel, listeners, own, hears)
+    if state == 1 then
+      passed[k] = passed[k] + 1
+    elseif state == 2 then
+      local message = floodgate_hand(head, now, claimMs, alive, epoch, to)
+      if message then
+        used = used + headCost[k]
+        c.used[k] = c.used[k] + headCost[k]
+        n = n + 1
+        sent[n] = message
+      end
+    end
+    heads[k], headCost[k], headAt[k] = floodgate_class_head(KEYS[2], k, passed[k])
+  end
+  return sent, used
 end

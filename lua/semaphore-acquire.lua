@@ -2,14 +2,17 @@
 -- Used by semaphores, bounded queues and AIMD limiters (whose limit lives in `meta`).
 --
 -- KEYS[1] holders  ZSET  member "<lease id>:<cost>" -> lease expiry (ms)
--- KEYS[2] queue    ZSET  member "<waiter id>:<cost>" -> arrival sequence (FIFO order)
+-- KEYS[2] queue    ZSET  member "<waiter id>:<cost>" -> arrival sequence (FIFO order); with
+--                       traffic classes, class i's waiters in band i (floodgate_band)
 -- KEYS[3] qexp     ZSET  member -> waiter expiry (ms); a waiter not heard from is dropped
 -- KEYS[4] meta     HASH  used (permits held), seq (arrivals and fencing tokens), limit, epoch,
---                       quarantine (ms: no grants before, after Redis lost its data)
+--                       quarantine (ms: no grants before, after Redis lost its data), and
+--                       with classes u0, u1, … (permits each class holds)
 -- KEYS[5] procs    ZSET  token of each waiting process -> end of its last sign of life (ms)
 --
 -- ARGV[1]  now         ms, or "" for the server's TIME
--- ARGV[2]  member      "<id>:<cost>", the cost in permits (integer >= 1)
+-- ARGV[2]  member      "<id>:<cost>", the cost in permits (integer >= 1); "<id>~<class>:<cost>"
+--                      on a stage with classes
 -- ARGV[3]  limit       permits, or "" to read `limit` from meta (AIMD)
 -- ARGV[4]  leaseMs     lease length, ms
 -- ARGV[5]  mode        "wait": line up when refused; "try": never line up
@@ -23,7 +26,8 @@
 -- ARGV[12] listeners   "1": pass over waiters nobody listens for (see floodgate_grant_heads);
 --                      "" on a cluster, where pub/sub counts are per node
 -- ARGV[13] claimMs     longest a grant made here to another waiter stays unclaimed, ms
--- ARGV[14] member2     more callers of this turn, each a member and its "again" flag (ARGV[15]),
+-- ARGV[14] classes     the stage's traffic classes (floodgate_classes), or "" for none
+-- ARGV[15] member2     more callers of this turn, each a member and its "again" flag (ARGV[16]),
 --                      and so on: each is decided in turn, exactly as if each had called alone
 --
 -- Returns {granted, fenceOrWaitMs, used, limit, epoch, grants, quarantineMs, now}:
@@ -47,6 +51,11 @@
 --
 -- Expired leases are reaped only when they stand in the way (no room, or someone in line), so
 -- an uncontended grant is four commands (HMGET, ZRANGE, ZADD, HSET), and TIME.
+--
+-- With traffic classes, a call goes at once only when nobody of its class is ahead of it and
+-- floodgate_next_class picks its class; room made by reaping goes to the line first; grants on
+-- the way choose the class the same way (floodgate_grant_classes). Classes only choose who gets
+-- a permit: the limit bounds them all together, as without.
 local holders     = KEYS[1]
 local queue       = KEYS[2]
 local qexp        = KEYS[3]
@@ -60,15 +69,30 @@ local lastFence   = tonumber(ARGV[9]) or 0
 local procs       = KEYS[5]
 local claimMs     = tonumber(ARGV[13])          -- ms
 local listeners   = ARGV[12] == '1'
+local classes     = floodgate_classes(ARGV[14])
 
 -- A caller that lines up is a sign of life of its process: its waiters stay in line, and grants
 -- are made to them, only while it keeps giving one. Given once per call, and only by one that
 -- waits: a grant at once needs none.
 local signed = false
 
+-- Grant the waiters what is free (floodgate_grant_heads from `head`, the first in line, or
+-- floodgate_grant_classes), for a call of `member`. Returns the grants and the permits now used;
+-- the caller writes them (floodgate_set_used) when there are any.
+local function serve(head, used, limit, epoch, member)
+  if classes then
+    return floodgate_grant_classes(classes, used, limit, now, claimMs, epoch, channel, listeners, floodgate_token(member))
+  elseif head and used < limit then
+    return floodgate_grant_heads(head, used, limit, now, claimMs, epoch, channel, listeners, floodgate_token(member))
+  end
+  return {}, used
+end
+
 local function acquire(member, again)
   local cost = floodgate_cost(member)      -- permits
+  local k = floodgate_class(member) + 1    -- its class (1-based), with classes
   local state = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'seq', 'quarantine')
+  if classes then floodgate_class_load(classes, meta) end
   local used  = tonumber(state[1]) or 0
   local limit = tonumber(ARGV[3])
   local epoch = 0
@@ -89,7 +113,7 @@ local function acquire(member, again)
   end
   if quarantine > now then
     if mode == 'wait' and not redis.call('ZSCORE', queue, member) then
-      redis.call('ZADD', queue, redis.call('HINCRBY', meta, 'seq', 1), member)
+      redis.call('ZADD', queue, (k - 1) * floodgate_band + redis.call('HINCRBY', meta, 'seq', 1), member)
     end
     if mode == 'wait' then
       redis.call('ZADD', qexp, now + waiterTtlMs, member)
@@ -112,7 +136,8 @@ local function acquire(member, again)
       end
       redis.call('ZREM', holders, member)
       used = math.max(0, used - cost)
-      redis.call('HSET', meta, 'used', used)
+      if classes then floodgate_class_free(classes, member) end
+      floodgate_set_used(meta, used, classes)
       gone = true
     elseif not redis.call('ZSCORE', queue, member) then
       gone = true
@@ -120,65 +145,90 @@ local function acquire(member, again)
     if gone then
       redis.call('ZREM', qexp, member)
       -- What the lapsed grant held goes to the head of the line.
-      local grants = {}
-      head = floodgate_live_head(queue, qexp, procs, now)
-      if head and used < limit then
-        grants, used = floodgate_grant_heads(head, used, limit, now, claimMs, epoch, channel, listeners, floodgate_token(member))
-        redis.call('HSET', meta, 'used', used)
-      end
+      if not classes then head = floodgate_live_head(queue, qexp, procs, now) end
+      local grants
+      grants, used = serve(head, used, limit, epoch, member)
+      if #grants > 0 then floodgate_set_used(meta, used, classes) end
       return {-1, -1, used, limit, epoch, grants, 0, now}
     end
   end
 
   head = redis.call('ZRANGE', queue, 0, 0)[1]
-  if used + cost > limit or (head and head ~= member) then
+  local goes
+  if classes then
+    goes = floodgate_class_goes(classes, k, member, cost, used, limit)
+  else
+    goes = used + cost <= limit and (not head or head == member)
+  end
+  local grants = {}
+  if not goes then
     -- Something stands in the way: first take back the leases of dead holders, drop waiters
     -- that stopped asking and those whose process stopped giving a sign of life.
     local dead = floodgate_expired(holders, now)
     if #dead > 0 then
-      for i = 1, #dead do used = used - floodgate_cost(dead[i]) end
-      if used < 0 or redis.call('ZCARD', holders) == 0 then used = 0 end
-      redis.call('HSET', meta, 'used', used)
+      for i = 1, #dead do
+        used = used - floodgate_cost(dead[i])
+        if classes then floodgate_class_free(classes, dead[i]) end
+      end
+      if used < 0 or redis.call('ZCARD', holders) == 0 then
+        used = 0
+        if classes then
+          for i = 1, classes.n do classes.used[i] = 0 end
+        end
+      end
+      floodgate_set_used(meta, used, classes)
     end
     local gone = floodgate_expired(qexp, now)
     if #gone > 0 then redis.call('ZREM', queue, unpack(gone)) end
     -- Signs of life that ended ten minutes ago are of processes long gone.
     redis.call('ZREMRANGEBYSCORE', procs, '-inf', '(' .. floodgate_num(now - 600000))
-    if head and head ~= member then head = floodgate_live_head(queue, qexp, procs, now) end
+    if classes then
+      -- What reaping freed goes to the line first; then this call is looked at again.
+      grants, used = serve(nil, used, limit, epoch, member)
+      if #grants > 0 then floodgate_set_used(meta, used, classes) end
+      goes = floodgate_class_goes(classes, k, member, cost, used, limit)
+    else
+      if head and head ~= member then head = floodgate_live_head(queue, qexp, procs, now) end
+      goes = used + cost <= limit and (not head or head == member)
+    end
   end
 
-  local grants = {}
-  if used + cost <= limit and (not head or head == member) then
-    if redis.call('ZADD', holders, now + leaseMs, member) == 1 then used = used + cost end
+  if goes then
+    if redis.call('ZADD', holders, now + leaseMs, member) == 1 then
+      used = used + cost
+      if classes then classes.used[k] = classes.used[k] + cost end
+    end
     if head then
       redis.call('ZREM', queue, member)
       redis.call('ZREM', qexp, member)
       head = redis.call('ZRANGE', queue, 0, 0)[1]
     end
-    if head then
+    -- (Grants made on the way moved the fencing sequence: this one is then read from Redis too.)
+    if head or #grants > 0 then
       local fence = redis.call('HINCRBY', meta, 'seq', 1)
-      grants, used = floodgate_grant_heads(head, used, limit, now, claimMs, epoch, channel, listeners, floodgate_token(member))
-      redis.call('HSET', meta, 'used', used)
+      local more
+      more, used = serve(head, used, limit, epoch, member)
+      for i = 1, #more do grants[#grants + 1] = more[i] end
+      floodgate_set_used(meta, used, classes)
       return {1, fence, used, limit, epoch, grants, 0, now}
     end
     -- Nobody else in line: the count and the fencing sequence go in one write.
     local fence = (tonumber(state[4]) or 0) + 1
-    redis.call('HSET', meta, 'used', used, 'seq', fence)
+    floodgate_set_used(meta, used, classes, fence)
     return {1, fence, used, limit, epoch, grants, 0, now}
   end
 
   if mode == 'wait' then
     if not redis.call('ZSCORE', queue, member) then
-      redis.call('ZADD', queue, redis.call('HINCRBY', meta, 'seq', 1), member)
+      redis.call('ZADD', queue, (k - 1) * floodgate_band + redis.call('HINCRBY', meta, 'seq', 1), member)
     end
     redis.call('ZADD', qexp, now + waiterTtlMs, member)
     if not signed then signed = floodgate_sign_of_life(procs, member, now, tonumber(ARGV[11])) end
     -- Room made by reaping (or a raised limit) goes to the head of the line.
-    head = head or member
-    if used < limit then
-      grants, used = floodgate_grant_heads(head, used, limit, now, claimMs, epoch, channel, listeners, floodgate_token(member))
-      redis.call('HSET', meta, 'used', used)
-    end
+    local more
+    more, used = serve(head or member, used, limit, epoch, member)
+    if #more > 0 then floodgate_set_used(meta, used, classes) end
+    for i = 1, #more do grants[#grants + 1] = more[i] end
   end
   local first = redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')
   local waitMs = -1
@@ -186,14 +236,15 @@ local function acquire(member, again)
   return {0, waitMs, used, limit, epoch, grants, 0, now}
 end
 
-if #ARGV <= 13 then return acquire(ARGV[2], ARGV[10]) end
+if #ARGV <= 14 then return acquire(ARGV[2], ARGV[10]) end
 
 -- Many callers. While nobody is in line, no quarantine holds and they fit, the first ones are
 -- granted with one read and one write of meta (what one call each would have done); the first
--- that does not fit, or asks again, and every one after it, go the general way.
+-- that does not fit, or asks again, and every one after it, go the general way, as does every
+-- one on a stage with classes.
 local members = { ARGV[2] }
 local agains = { ARGV[10] }
-for i = 14, #ARGV, 2 do
+for i = 15, #ARGV, 2 do
   members[#members + 1] = ARGV[i]
   agains[#agains + 1] = ARGV[i + 1]
 end
@@ -202,7 +253,7 @@ local state = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'seq', 'quaran
 local limit = tonumber(ARGV[3]) or tonumber(state[2])
 local seq = tonumber(state[4]) or 0
 local next = 1
-if limit and lastFence <= seq and (tonumber(state[5]) or 0) <= now
+if not classes and limit and lastFence <= seq and (tonumber(state[5]) or 0) <= now
     and not redis.call('ZRANGE', queue, 0, 0)[1] then
   local used = tonumber(state[1]) or 0
   local epoch = 0

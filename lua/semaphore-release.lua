@@ -6,7 +6,7 @@
 -- KEYS[1] holders  ZSET  member "<lease id>:<cost>" -> lease expiry (ms)
 -- KEYS[2] queue    ZSET  member -> arrival sequence
 -- KEYS[3] qexp     ZSET  member -> waiter expiry (ms)
--- KEYS[4] meta     HASH  used, seq, limit, epoch, quarantine
+-- KEYS[4] meta     HASH  used, seq, limit, epoch, quarantine, and u0, u1, … with classes
 -- KEYS[5] procs    ZSET  token of each waiting process -> end of its last sign of life (ms)
 --
 -- ARGV[1] now      ms, or "" for the server's TIME (read only when someone is in line)
@@ -17,7 +17,9 @@
 -- ARGV[6] claimMs  longest a grant made here stays unclaimed, ms
 -- ARGV[7] listeners "1": pass over waiters nobody listens for (see floodgate_grant_heads); ""
 --                   on a cluster, where pub/sub counts are per node
--- ARGV[8] member2  more releases of this turn, each a member and its "what" (ARGV[9]), and so
+-- ARGV[8] classes  the stage's traffic classes (floodgate_classes), or "" for none: the freed
+--                  permits then go by floodgate_grant_classes
+-- ARGV[9] member2  more releases of this turn, each a member and its "what" (ARGV[10]), and so
 --                  on: each is done in turn, exactly as if each had called alone
 --
 -- Returns {released, dequeued, used, grants}: released = 1 when the lease was held and is now
@@ -30,6 +32,7 @@ local qexp    = KEYS[3]
 local meta    = KEYS[4]
 local procs   = KEYS[5]
 local channel = ARGV[4]
+local classes = floodgate_classes(ARGV[8])
 
 -- Take `by` permits off the count; returns the permits still used.
 local function lower(by)
@@ -39,6 +42,14 @@ local function lower(by)
     redis.call('HSET', meta, 'used', 0)
   end
   return used
+end
+
+-- Take what `member` held off its class's count, on a stage with classes.
+local function lowerClass(member)
+  local field = 'u' .. floodgate_class(member)
+  if redis.call('HINCRBY', meta, field, -floodgate_cost(member)) < 0 then
+    redis.call('HSET', meta, field, 0)
+  end
 end
 
 -- Grant the head of the line what is free now. `used` is the count when known (else read).
@@ -52,9 +63,16 @@ local function grantFreed(used)
   local limit = tonumber(ARGV[3]) or tonumber(state[2]) or 0
   local now = floodgate_now(ARGV[1])
   if (tonumber(state[4]) or 0) > now then return {}, used end
+  local grants
+  if classes then
+    floodgate_class_load(classes, meta)
+    grants, used = floodgate_grant_classes(classes, used, limit, now, tonumber(ARGV[6]),
+      tonumber(state[3]) or 0, channel, ARGV[7] == '1', floodgate_token(ARGV[2]))
+    if #grants > 0 then floodgate_set_used(meta, used, classes) end
+    return grants, used
+  end
   local head = floodgate_live_head(queue, qexp, procs, now)
   if not head or used >= limit then return {}, used end
-  local grants
   grants, used = floodgate_grant_heads(head, used, limit, now, tonumber(ARGV[6]),
     tonumber(state[3]) or 0, channel, ARGV[7] == '1', floodgate_token(ARGV[2]))
   redis.call('HSET', meta, 'used', used)
@@ -64,7 +82,10 @@ end
 local function release(member, what)
   local used
   local released = redis.call('ZREM', holders, member)
-  if released == 1 then used = lower(floodgate_cost(member)) end
+  if released == 1 then
+    used = lower(floodgate_cost(member))
+    if classes then lowerClass(member) end
+  end
   local dequeued = 0
   if what ~= 'lease' then
     dequeued = redis.call('ZREM', queue, member)
@@ -75,13 +96,13 @@ local function release(member, what)
   return {released, dequeued, used, grants}
 end
 
-if #ARGV <= 7 then return release(ARGV[2], ARGV[5]) end
+if #ARGV <= 8 then return release(ARGV[2], ARGV[5]) end
 
-local leasesOnly = ARGV[5] == 'lease'
-for i = 9, #ARGV, 2 do leasesOnly = leasesOnly and ARGV[i] == 'lease' end
+local leasesOnly = ARGV[5] == 'lease' and not classes
+for i = 10, #ARGV, 2 do leasesOnly = leasesOnly and ARGV[i] == 'lease' end
 if not leasesOnly then
   local replies = { release(ARGV[2], ARGV[5]) }
-  for i = 8, #ARGV, 2 do replies[#replies + 1] = release(ARGV[i], ARGV[i + 1]) end
+  for i = 9, #ARGV, 2 do replies[#replies + 1] = release(ARGV[i], ARGV[i + 1]) end
   return replies
 end
 
@@ -96,7 +117,7 @@ local function free(member)
   replies[#replies + 1] = {released, 0, 0, {}}
 end
 free(ARGV[2])
-for i = 8, #ARGV, 2 do free(ARGV[i]) end
+for i = 9, #ARGV, 2 do free(ARGV[i]) end
 local used
 if freed > 0 then used = lower(freed) end
 local last = replies[#replies]

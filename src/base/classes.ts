@@ -6,6 +6,7 @@
 
 import { tooCostly } from "../admit.js";
 import { type ClassBounds, type ClassConfig, guarantees } from "../algorithms/classes.js";
+import type { CallRule } from "../call-rule.js";
 import { InvalidOptionsError } from "../errors.js";
 import type { TrafficClassOptions } from "../options.js";
 import type { AdmitOptions, ClassSnapshot, StageKind } from "../types.js";
@@ -107,6 +108,12 @@ export class ClassBook {
     this.calls[i]!++;
   }
 
+  /** `cost` permits granted to the class named `name` (a ticket's key). */
+  takeNamed(name: string, cost: number): void {
+    const i = this.#index.get(name);
+    if (i !== undefined) this.take(i, cost);
+  }
+
   /** `cost` permits of the class named `name` given back. */
   giveBack(name: string, cost: number): void {
     const i = this.#index.get(name);
@@ -152,23 +159,21 @@ export function noClasses(kind: StageKind, stage: string, name: unknown): Invali
   return new InvalidOptionsError(
     stage,
     "class",
-    `${kind} "${stage}": class given, ${got(name)}, but the ${kind} has no classes (a semaphore or AIMD limiter built in memory with classes has them: docs/classes.md)`,
+    `${kind} "${stage}": class given, ${got(name)}, but the ${kind} has no classes (a semaphore or AIMD limiter built with classes has them: docs/classes.md)`,
   );
 }
 
+/** The call rule of a stage with classes: a call names a known class (or has the default). */
+export function classRule(book: ClassBook): CallRule {
+  return { keyedBy: undefined, check: (_name, o) => void book.indexOf(o, o.cost ?? 1) };
+}
+
 /**
- * Refuse `classes` on a stage that cannot keep them yet (a Redis stage): better an error now
- * than a limit that silently ignores the shares.
+ * The classes of `book` as the Redis permit scripts take them (`floodgate_classes` in
+ * lua/prelude.lua): "share,maxShare,lendable,priority" per class, in order, joined by ";"; ""
+ * without classes. Numbers as JavaScript writes them, which Lua reads back to the same double.
  */
-export function refuseClasses(
-  kind: StageKind,
-  stage: string,
-  o: { classes?: unknown; defaultClass?: unknown },
-): void {
-  if (o.classes === undefined && o.defaultClass === undefined) return;
-  throw new InvalidOptionsError(
-    stage,
-    "classes",
-    `${kind} "${stage}": classes are kept in memory only for now; build this ${kind} with memory(), or without classes`,
-  );
+export function classSpec(book: ClassBook | undefined): string {
+  if (book === undefined) return "";
+  return book.configs.map((c) => `${c.share},${c.maxShare},${c.lendable},${c.priority}`).join(";");
 }

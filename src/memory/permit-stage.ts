@@ -1,8 +1,7 @@
 import { type ClassLine, nextClass } from "../algorithms/classes.js";
-import type { ClassBook } from "../base/classes.js";
+import { type ClassBook, classRule } from "../base/classes.js";
 import { BaseStage, type BaseTicket, type RunWaiter, type WaitFor } from "../base/stage.js";
 import { WaitList } from "../base/wait-list.js";
-import type { CallRule } from "../call-rule.js";
 import type { Clock } from "../clock.js";
 import type { AdmitOptions, Outcome, RunOptions, Snapshot, Ticket } from "../types.js";
 
@@ -229,9 +228,4 @@ export abstract class PermitStage extends BaseStage {
     if (this.book) snap.classes = this.book.snapshot(this.limit, (i) => this.#lines[i]!.size);
     return snap;
   }
-}
-
-/** The call rule of a stage with classes: a call names a known class (or has the default). */
-function classRule(book: ClassBook): CallRule {
-  return { keyedBy: undefined, check: (_name, o) => void book.indexOf(o, o.cost ?? 1) };
 }

@@ -1,4 +1,4 @@
-import { refuseClasses } from "../base/classes.js";
+import { classBook } from "../base/classes.js";
 import { DEFAULTS } from "../defaults.js";
 import type { AimdOptions } from "../options.js";
 import type { Outcome, StageKind } from "../types.js";
@@ -20,7 +20,6 @@ export class RedisAimd extends RedisPermitStage {
 
   constructor(name: string, options: AimdOptions, ctx: RedisContext) {
     const o = parseOptions(aimdSchema, "aimd", name, options);
-    refuseClasses("aimd", name, o);
     const min = o.min ?? DEFAULTS.aimd.min;
     super(
       name,
@@ -33,6 +32,7 @@ export class RedisAimd extends RedisPermitStage {
         logger: o.logger,
       },
       ctx,
+      classBook("aimd", name, o, o.initial, min),
     );
     this.#min = min;
     this.#max = o.max;
@@ -60,6 +60,7 @@ export class RedisAimd extends RedisPermitStage {
       this.claimMs,
       this.link.listeners,
       this.#initial,
+      this.classSpec,
     ]);
     this.limit = Number(reply[1]);
     this.granted(reply[4], sentAt);

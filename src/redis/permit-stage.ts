@@ -5,6 +5,7 @@
  * lease renewal lives in lease.ts, the connection in link.ts, the batching in batch.ts.
  */
 import { randomBytes } from "node:crypto";
+import { type ClassBook, classRule, classSpec } from "../base/classes.js";
 import { BaseStage, type BaseTicket, type WaitFor } from "../base/stage.js";
 import { Waiter, WaitList } from "../base/wait-list.js";
 import { type ClockTimer, unrefTimer } from "../clock.js";
@@ -32,6 +33,8 @@ class RedisWaiter extends Waiter {
   /** Granted (by its own acquire or on someone's release). */
   granted = false;
   retry: ClockTimer | undefined = undefined;
+  /** Its traffic class (index in the stage's book), or -1 on a stage without classes. */
+  cls = -1;
 }
 
 /** Reply of `semaphore-acquire`. */
@@ -72,6 +75,11 @@ export interface PermitSettings {
  * frozen never acts on a grant or a lease that ran out meanwhile. Waiters stay in line only while
  * their process gives a sign of life (`livenessMs`) and can be heard (someone listens on its
  * grant channel); a grant not claimed within `claimMs` comes back.
+ *
+ * With traffic classes, each member carries its class and the scripts keep a line per class and
+ * what each class holds, and choose whom a free permit goes to by the same rule as in memory
+ * (`floodgate_grant_classes` in lua/prelude.lua, the twin of src/algorithms/classes.ts); a
+ * class is written on its waiters and tickets as their `key`, as in memory.
  */
 export abstract class RedisPermitStage extends BaseStage {
   override readonly backend = "redis";
@@ -104,6 +112,11 @@ export abstract class RedisPermitStage extends BaseStage {
   /** Longest a grant made to a waiter on someone's release stays unclaimed: never past a lease. */
   protected readonly claimMs: number;
 
+  /** The stage's classes, or undefined: one line for every call. */
+  protected readonly book: ClassBook | undefined;
+  /** The classes as the scripts take them (`classSpec`); "" without. */
+  protected readonly classSpec: string;
+
   /**
    * The largest cost one call can ever be admitted with: a larger one is refused at once with
    * `InvalidOptionsError`, and a Gate refuses it before it takes any stage.
@@ -112,8 +125,11 @@ export abstract class RedisPermitStage extends BaseStage {
     return this.settings.maxCost;
   }
 
-  constructor(name: string, settings: PermitSettings, ctx: RedisContext) {
+  constructor(name: string, settings: PermitSettings, ctx: RedisContext, book?: ClassBook) {
     super(name, ctx.clock);
+    this.book = book;
+    this.classSpec = classSpec(book);
+    if (book) this.callRule = classRule(book);
     this.claimMs = Math.min(ctx.claimMs, settings.leaseMs);
     this.#ctx = ctx;
     this.link = ctx.link;
@@ -136,12 +152,41 @@ export abstract class RedisPermitStage extends BaseStage {
     });
   }
 
+  /** The names of the stage's classes, when it has them. */
+  override get classes(): readonly string[] | undefined {
+    return this.book?.names;
+  }
+
+  /** The class of a call that names none, when the stage has classes. */
+  get defaultClass(): string | undefined {
+    return this.book?.defaultClass;
+  }
+
   /**
-   * A lease or waiter member, `<token>-<n>:<cost>`: unique, naming the process's grant channel,
-   * and carrying its cost so no side table is needed.
+   * A lease or waiter member, `<token>-<n>:<cost>` (`<token>-<n>~<class>:<cost>` for class
+   * index `cls` on a stage with classes): unique, naming the process's grant channel, and
+   * carrying its cost and class so no side table is needed.
    */
-  #memberId(cost: number): string {
-    return `${this.#token}-${++this.#members}:${cost}`;
+  #memberId(cost: number, cls: number): string {
+    const n = ++this.#members;
+    return cls < 0 ? `${this.#token}-${n}:${cost}` : `${this.#token}-${n}~${cls}:${cost}`;
+  }
+
+  /** The class index of a call (checked already by the call rule), or -1 on a stage without classes. */
+  #classOf(o: AdmitOptions, cost: number): number {
+    return this.book === undefined ? -1 : this.book.indexOf(o, cost);
+  }
+
+  /** What a waiter or ticket of class `cls` carries as its key: the class's name ("" without). */
+  #keyOf(cls: number): string {
+    return cls < 0 ? "" : this.book!.names[cls]!;
+  }
+
+  /** A ticket of class `cls` that takes nothing (a cost of 0), so needs no lease. */
+  #free(cls: number): Ticket {
+    const ticket = this.issue(0, this.#keyOf(cls), undefined, this.waitFor);
+    if (cls >= 0) this.book!.take(cls, 0);
+    return ticket;
   }
 
   /** ARGV[4] of acquire: the fixed limit, or "" for the one kept in Redis. */
@@ -193,6 +238,7 @@ export abstract class RedisPermitStage extends BaseStage {
         this.#ctx.livenessMs,
         this.link.listeners,
         this.claimMs,
+        this.classSpec,
       ];
       for (let i = 2; i < pairs.length; i++) args.push(pairs[i]!);
       return this.link.run(this.name, "semaphore-acquire", this.keys, args);
@@ -209,6 +255,7 @@ export abstract class RedisPermitStage extends BaseStage {
       pairs[1]!,
       this.claimMs,
       this.link.listeners,
+      this.classSpec,
     ];
     for (let i = 2; i < pairs.length; i++) args.push(pairs[i]!);
     return this.link.run(this.name, "semaphore-release", this.keys, args);
@@ -241,6 +288,7 @@ export abstract class RedisPermitStage extends BaseStage {
         "any",
         this.claimMs,
         this.link.listeners,
+        this.classSpec,
       ])
       .then(
         (reply) => this.granted(reply[3], sentAt),
@@ -301,6 +349,7 @@ export abstract class RedisPermitStage extends BaseStage {
     t.leaseId = id;
     t.fence = fence;
     t.epoch = epoch;
+    if (this.book) this.book.takeNamed(t.key, t.cost);
     this.#leases.keep(t, validUntil);
     // A waiter that got its ticket may have been the last: no sign of life is needed then.
     this.#leases.quiet();
@@ -309,20 +358,22 @@ export abstract class RedisPermitStage extends BaseStage {
 
   protected override admitChecked(o: AdmitOptions): Promise<Ticket> {
     const cost = o.cost ?? 1;
-    if (cost === 0) return Promise.resolve(this.issue(0, "", undefined, this.waitFor));
-    if (this.settings.whenFull === "shed" || o.timeoutMs === 0) return this.#once(cost, o);
-    const w = this.lineUpWaiter(this.waiters, cost, "", o);
+    const cls = this.#classOf(o, cost);
+    if (cost === 0) return Promise.resolve(this.#free(cls));
+    if (this.settings.whenFull === "shed" || o.timeoutMs === 0) return this.#once(cost, cls, o);
+    const w = this.lineUpWaiter(this.waiters, cost, this.#keyOf(cls), o);
     if (w instanceof Promise) return w;
     const waiter = w as RedisWaiter;
-    waiter.id = this.#memberId(cost);
+    waiter.cls = cls;
+    waiter.id = this.#memberId(cost, cls);
     this.#byId.set(waiter.id, waiter);
     this.#attempt(waiter);
     return waiter.promise;
   }
 
   /** One try, no queueing: a shed, or `timeoutMs: 0`. */
-  async #once(cost: number, o: AdmitOptions): Promise<Ticket> {
-    const ticket = await this.#tryOnce(cost);
+  async #once(cost: number, cls: number, o: AdmitOptions): Promise<Ticket> {
+    const ticket = await this.#tryOnce(cost, cls);
     if (ticket) return ticket;
     if (this.settings.whenFull === "shed") {
       this.shed++;
@@ -334,8 +385,8 @@ export abstract class RedisPermitStage extends BaseStage {
     throw this.timeoutError(0);
   }
 
-  async #tryOnce(cost: number): Promise<Ticket | undefined> {
-    const id = this.#memberId(cost);
+  async #tryOnce(cost: number, cls: number): Promise<Ticket | undefined> {
+    const id = this.#memberId(cost, cls);
     let reply: AcquireReply;
     const sentAt = this.clock.now();
     try {
@@ -351,14 +402,15 @@ export abstract class RedisPermitStage extends BaseStage {
       this.#forget(id);
       throw this.closedSignal.reason;
     }
-    const ticket = this.issue(cost, "", undefined, this.waitFor);
+    const ticket = this.issue(cost, this.#keyOf(cls), undefined, this.waitFor);
     return this.#lease(ticket, Number(reply[1]), Number(reply[4]), id, sentAt + this.settings.leaseMs);
   }
 
   protected tryAdmitChecked(o: AdmitOptions): Promise<Ticket | undefined> {
     const cost = o.cost ?? 1;
-    if (cost === 0) return Promise.resolve(this.issue(0, "", undefined, this.waitFor));
-    return this.#tryOnce(cost);
+    const cls = this.#classOf(o, cost);
+    if (cost === 0) return Promise.resolve(this.#free(cls));
+    return this.#tryOnce(cost, cls);
   }
 
   /** Ask Redis for `w`'s permits; on refusal, sleep until woken, the nearest expiry, or the poll. */
@@ -401,7 +453,7 @@ export abstract class RedisPermitStage extends BaseStage {
           // Its grant ended unclaimed, or it left the line while this process was silent: it
           // lines up again as a new member, so no member is ever granted twice.
           this.#byId.delete(id);
-          w.id = this.#memberId(w.cost);
+          w.id = this.#memberId(w.cost, w.cls);
           this.#byId.set(w.id, w);
           w.asked = false;
           return this.#attempt(w);
@@ -497,6 +549,7 @@ export abstract class RedisPermitStage extends BaseStage {
   releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): Promise<void> | undefined {
     const t = ticket as LeaseTicket;
     this.#leases.drop(t);
+    this.book?.giveBack(t.key, t.cost);
     if (t.cost === 0 || t.leaseId === "") return undefined;
     return this.giveBack(t, outcome, refund).then(
       (released) => {
@@ -526,7 +579,19 @@ export abstract class RedisPermitStage extends BaseStage {
     this.#byId.clear();
   }
 
+  /**
+   * Figures of this process, as in memory; with classes, each class's too (what this process's
+   * calls of it hold and wait for, against the fleet-wide guarantee at the limit last seen).
+   */
   snapshot(): Snapshot {
-    return this.baseSnapshot(this.limit);
+    const snap = this.baseSnapshot(this.limit);
+    if (this.book) {
+      const waiting = this.book.names.map(() => 0);
+      for (let w = this.waiters.head as RedisWaiter | null; w; w = w.next as RedisWaiter | null) {
+        if (w.cls >= 0) waiting[w.cls]!++;
+      }
+      snap.classes = this.book.snapshot(this.limit, (i) => waiting[i]!);
+    }
+    return snap;
   }
 }

@@ -1,4 +1,4 @@
-import { refuseClasses } from "../base/classes.js";
+import { classBook } from "../base/classes.js";
 import { DEFAULTS } from "../defaults.js";
 import type { SemaphoreOptions } from "../options.js";
 import type { StageKind } from "../types.js";
@@ -9,13 +9,15 @@ import { RedisPermitStage } from "./permit-stage.js";
 export type { RedisContext } from "./context.js";
 export { RedisPermitStage } from "./permit-stage.js";
 
-/** `redis(...).semaphore(name, options)`: at most `limit` permits held across the fleet. */
+/**
+ * `redis(...).semaphore(name, options)`: at most `limit` permits held across the fleet; with
+ * `classes`, divided into guaranteed shares that lend what they leave idle, decided in Redis.
+ */
 export class RedisSemaphore extends RedisPermitStage {
   readonly kind: StageKind = "semaphore";
 
   constructor(name: string, options: SemaphoreOptions, ctx: RedisContext) {
     const o = parseOptions(semaphoreSchema, "semaphore", name, options);
-    refuseClasses("semaphore", name, o);
     super(
       name,
       {
@@ -27,6 +29,7 @@ export class RedisSemaphore extends RedisPermitStage {
         logger: o.logger,
       },
       ctx,
+      classBook("semaphore", name, o, o.limit, o.limit),
     );
     this.init(o.logger ?? ctx.logger);
   }

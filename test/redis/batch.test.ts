@@ -45,8 +45,9 @@ describe("calls of one turn in one script call", () => {
     2_000,
     "1",
     30_000,
+    "",
   ];
-  const releaseArgs = (now: number, member: string) => [now, member, 3, "ch", "lease", 30_000, "1"];
+  const releaseArgs = (now: number, member: string) => [now, member, 3, "ch", "lease", 30_000, "1", ""];
 
   it("decides many members in one acquire and release exactly as one call each", async () => {
     const one = keysOf(randomPrefix("one"));

@@ -68,7 +68,8 @@ describe("the prelude in front of each script", () => {
   /** Code without comments: the `floodgate_*` names it calls, and those it defines. */
   function prelude(name: ScriptName) {
     const code = scriptSource(name).replace(/--[^\n]*/g, "");
-    const defined = [...code.matchAll(/^local function (floodgate_\w+)/gm)].map((m) => m[1]!);
+    // Functions, and one-line values (`local floodgate_band = …`).
+    const defined = [...code.matchAll(/^local (?:function )?(floodgate_\w+)/gm)].map((m) => m[1]!);
     const named = new Set(code.match(/floodgate_\w+/g) ?? []);
     return { code, defined, named };
   }
@@ -77,8 +78,8 @@ describe("the prelude in front of each script", () => {
     const { code, defined, named } = prelude(name);
     for (const fn of named) expect(defined, `${fn} in ${name}`).toContain(fn);
     for (const fn of defined) {
-      const definition = code.indexOf(`local function ${fn}(`);
-      const uses = [...code.matchAll(new RegExp(`\\b${fn}\\(`, "g"))].map((m) => m.index!);
+      const definition = code.search(new RegExp(`^local (?:function )?${fn}\\b`, "m"));
+      const uses = [...code.matchAll(new RegExp(`\\b${fn}\\b`, "g"))].map((m) => m.index!);
       expect(
         uses.every((at) => at >= definition),
         `${fn} is called before it is defined in ${name}`,
@@ -89,7 +90,7 @@ describe("the prelude in front of each script", () => {
   it.each(names)("%s carries no prelude function it never calls", (name) => {
     const { code, defined } = prelude(name);
     for (const fn of defined) {
-      const calls = code.match(new RegExp(`\\b${fn}\\(`, "g"))?.length ?? 0;
+      const calls = code.match(new RegExp(`\\b${fn}\\b`, "g"))?.length ?? 0;
       expect(calls, `${fn} is only defined in ${name}`).toBeGreaterThan(1);
     }
   });
