@@ -66,8 +66,9 @@ export interface TrafficClassOptions {
 export interface ClassOptions {
   /**
    * Named classes that divide the limit into guaranteed shares and lend what they leave idle.
-   * A call names its class (`{ class: "interactive" }`). At most 16 classes. In memory only for
-   * now: a Redis stage refuses it.
+   * A call names its class (`{ class: "interactive" }`). At most 16 classes. On Redis the
+   * classes are fleet-wide, and every process must build the stage with the same classes in the
+   * same order. See docs/classes.md.
    */
   classes?: Record<string, TrafficClassOptions>;
   /** The class of a call that names none; without it such a call is refused. One of `classes`. */
