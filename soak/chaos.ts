@@ -71,6 +71,11 @@ export interface ChaosSettings extends Partial<typeof DEFAULTS> {
   /** Length of each phase, ms. */
   phaseMs: number;
   phases?: readonly PhaseName[];
+  /**
+   * Build the semaphore with traffic classes (interactive: share 2, priority 1; bulk: share 1),
+   * each worker's callers taking turns between them.
+   */
+  classes?: boolean;
   /** Told a line as each phase ends. */
   progress?: (line: string) => void;
 }
@@ -119,8 +124,9 @@ export interface Leftovers {
   liveLeases: number;
   expiredLeases: number;
   waiters: number;
-  /** Permits meta counts as held. */
+  /** Permits meta counts as held: in all, and by the classes together (u0, u1; 0 without classes). */
   used: number;
+  classesUsed: number;
 }
 
 export interface ChaosReport {
@@ -162,6 +168,7 @@ class ChaosRun {
   readonly prefix = `chaos:${randomUUID()}:`;
   readonly admin: Redis;
   env: Record<string, string> = {};
+  readonly classes: boolean;
   readonly all: Child[] = [];
   readonly ids = new Map<Child, number>();
   live: Child[] = [];
@@ -174,6 +181,7 @@ class ChaosRun {
 
   constructor(settings: ChaosSettings) {
     this.s = { ...DEFAULTS, ...settings };
+    this.classes = settings.classes === true;
     this.admin = new Redis(this.s.server.url, { maxRetriesPerRequest: 0, retryStrategy: () => 50 });
     this.admin.on("error", () => {});
   }
@@ -448,6 +456,7 @@ class ChaosRun {
       expiredLeases: await a.zcount(key("holders"), "-inf", now),
       waiters: await a.zcard(key("queue")),
       used: Number((await a.hget(key("meta"), "used")) ?? 0),
+      classesUsed: (await a.hmget(key("meta"), "u0", "u1")).reduce((sum, v) => sum + Number(v ?? 0), 0),
     };
   }
 
@@ -463,6 +472,7 @@ class ChaosRun {
       POLL_MS: String(s.pollMs),
       CALLERS: String(s.callers),
       HOLD_MS: String(s.holdMs),
+      CLASSES: this.classes ? "1" : "",
     };
     try {
       const names = s.phases ?? PHASES;
@@ -545,7 +555,7 @@ export function formatReport(r: ChaosReport): string {
   const rows = [head, ...r.phases.map(row), row(r.whole)];
   const widths = head.map((_, i) => Math.max(...rows.map((cells) => cells[i]!.length)));
   const pad = (c: string, i: number) => (i === 0 ? c.padEnd(widths[i]!) : c.padStart(widths[i]!));
-  const { keys, liveLeases, expiredLeases, waiters, used } = r.left;
+  const { keys, liveLeases, expiredLeases, waiters, used, classesUsed } = r.left;
   const ratio = Number.isNaN(r.ratio) ? "n/a" : `${(r.ratio * 100).toFixed(0)}%`;
   const freezes = (kind: "holder" | "waiter") => {
     const ms = r.freezes.filter((f) => f.kind === kind).map((f) => f.ms);
@@ -562,7 +572,7 @@ export function formatReport(r: ChaosReport): string {
       `${r.tapBreaches}, counted by the provider ${r.providerBreaches}`,
     `freezes: holders ${freezes("holder")}, waiters ${freezes("waiter")}`,
     `left in Redis: keys [${keys.join(", ")}], live leases ${liveLeases}, expired leases ${expiredLeases}, ` +
-      `waiters ${waiters}, used ${used}`,
+      `waiters ${waiters}, used ${used} (by the classes ${classesUsed})`,
     ...r.problems.map((p) => `problem: ${p}`),
   ].join("\n");
 }
@@ -577,8 +587,8 @@ export function broken(r: ChaosReport): string[] {
     if (p.stallMs > STALL_BOUND_MS) out.push(`${p.name}: stalled ${p.stallMs.toFixed(0)} ms`);
   }
   if (r.ratio < MIN_CHURN_RATIO) out.push(`kill churn kept ${(r.ratio * 100).toFixed(0)}% of calm`);
-  const { keys, liveLeases, expiredLeases, waiters, used } = r.left;
-  if (keys.length + liveLeases + expiredLeases + waiters + used > 0)
+  const { keys, liveLeases, expiredLeases, waiters, used, classesUsed } = r.left;
+  if (keys.length + liveLeases + expiredLeases + waiters + used + classesUsed > 0)
     out.push(`left in Redis: ${keys.join(", ")}`);
   return [...out, ...r.problems];
 }
@@ -603,6 +613,7 @@ const COMMAND = command({
       default: DEFAULTS.killEveryMs,
       help: "a worker is SIGKILLed about this often under kill churn, ms",
     },
+    classes: { type: "boolean", help: "build the semaphore with traffic classes (interactive 2 : bulk 1)" },
     phase: {
       type: "string",
       multiple: true,
@@ -628,6 +639,7 @@ async function main(): Promise<void> {
       leaseMs: v["lease-ms"],
       pollMs: v["poll-ms"],
       killEveryMs: v["kill-every-ms"],
+      classes: v.classes,
       phases: (v.phase.length > 0 ? v.phase : PHASES) as PhaseName[],
       progress: (line) => console.error(line),
     });

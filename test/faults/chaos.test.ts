@@ -80,6 +80,66 @@ describe("a Redis semaphore fleet under crashes, freezes and Redis faults", () =
   });
 
   it("leaves no lease, waiter or key in Redis once the workers have stopped", () => {
-    expect(report.left).toEqual({ keys: [], liveLeases: 0, expiredLeases: 0, waiters: 0, used: 0 });
+    expect(report.left).toEqual({
+      keys: [],
+      liveLeases: 0,
+      expiredLeases: 0,
+      waiters: 0,
+      used: 0,
+      classesUsed: 0,
+    });
+  });
+});
+
+/**
+ * The same fleet with traffic classes (interactive: share 2, priority 1; bulk: share 1; each
+ * worker's callers taking turns), through the phases that take processes and scripts away
+ * under it: the class counts kept in Redis must come back to nothing, and the cap must hold as
+ * without classes.
+ */
+describe("a Redis semaphore fleet with traffic classes under crashes, freezes and Redis faults", () => {
+  const phases = ["calm", "kill churn", "frozen holders", "frozen waiters", "script flush"] as const;
+  let redis: Awaited<ReturnType<typeof startPersistentRedis>> | undefined;
+  let report: ChaosReport;
+
+  beforeAll(
+    async () => {
+      redis = await startPersistentRedis();
+      report = await runChaos({ server: redis.server, phaseMs: PHASE_MS, phases, classes: true });
+      console.log(`chaos with classes, ${PHASE_MS / 1000} s per phase:\n${formatReport(report)}`);
+    },
+    PHASE_MS * phases.length + 90_000,
+  );
+
+  afterAll(async () => {
+    await redis?.remove();
+  });
+
+  it("runs every worker to a clean stop and injects every fault", () => {
+    expect(report.problems).toEqual([]);
+    for (const p of report.phases.filter((p) => p.name !== "calm"))
+      expect(p.faults, p.name).toBeGreaterThan(0);
+    expect(report.phases[0]!.peak).toBeGreaterThanOrEqual(DEFAULTS.limit);
+  });
+
+  it("keeps the provider at or under its cap in every phase, save a holder frozen after its signal check", () => {
+    expect(byPhase(report, (p) => p.breaches - p.causes.frozenHolder)).toEqual(zeros(report));
+    expect(byPhase(report, (p) => p.staleGrantSends)).toEqual(zeros(report));
+  });
+
+  it(`never goes ${STALL_BOUND_MS} ms without a successful call while callers wait`, () => {
+    const over = byPhase(report, (p) => (p.stallMs > STALL_BOUND_MS ? p.stallMs : 0));
+    expect(over).toEqual(zeros(report));
+  });
+
+  it("leaves no lease, waiter, class count or key in Redis once the workers have stopped", () => {
+    expect(report.left).toEqual({
+      keys: [],
+      liveLeases: 0,
+      expiredLeases: 0,
+      waiters: 0,
+      used: 0,
+      classesUsed: 0,
+    });
   });
 });
