@@ -1,9 +1,14 @@
 /**
  * Traffic classes: interactive calls arriving while bulk work saturates the limit, through one
  * semaphore with classes, one shared semaphore, and a static split (two semaphores). Real time:
- * each call holds its permit for a fixed service time.
+ * each call holds its permit for a fixed service time. In one process on memory (`classes`), and
+ * on Redis with the bulk producers spread over worker processes and the interactive calls made
+ * by one more (`redis-classes`, bench/classes-worker.ts).
  */
-import { memory } from "floodgate";
+import { type ChildProcess, fork } from "node:child_process";
+import { once } from "node:events";
+import { type Backend, memory } from "floodgate";
+import type { ClassesRun } from "./classes-worker.js";
 import {
   type BenchArgs,
   type Benchmark,
@@ -19,6 +24,7 @@ import {
   table,
   verdict,
 } from "./lib.js";
+import { freshPrefix } from "./redis-clients.js";
 
 const LIMIT = 10;
 const SERVICE_MS = 20;
@@ -28,67 +34,169 @@ const BULK_PRODUCERS = 40;
 const INTERACTIVE_EVERY_MS = 25;
 
 /** Admission as the three set-ups offer it: the class's `admit`. */
-type Admit = (cls: "interactive" | "bulk") => Promise<{ release(outcome?: "success"): Promise<void> }>;
+export type Admit = (cls: "interactive" | "bulk") => Promise<{ release(outcome?: "success"): Promise<void> }>;
 
-const SETUPS: Record<string, () => Admit> = {
-  classes: () => {
-    const sem = memory().semaphore("classes", {
+/** The three set-ups, each built on a backend: one per process, or one per process on Redis. */
+export const SETUPS = {
+  classes: (b: Backend): Admit => {
+    const sem = b.semaphore("classes", {
       limit: LIMIT,
       classes: { interactive: { share: 8, priority: 1 }, bulk: { share: 2 } },
     });
     return (cls) => sem.admit({ class: cls });
   },
-  "one shared semaphore": () => {
-    const sem = memory().semaphore("shared", { limit: LIMIT });
+  "one shared semaphore": (b: Backend): Admit => {
+    const sem = b.semaphore("shared", { limit: LIMIT });
     return () => sem.admit();
   },
-  "static split (8 + 2)": () => {
-    const b = memory();
+  "static split (8 + 2)": (b: Backend): Admit => {
     const interactive = b.semaphore("interactive", { limit: 8 });
     const bulk = b.semaphore("bulk", { limit: 2 });
     return (cls) => (cls === "interactive" ? interactive : bulk).admit();
   },
 };
+export type SetupName = keyof typeof SETUPS;
 
-/** One run of `seconds`: bulk producers (if any) and interactive arrivals (if any). */
+/** What runs in one place: `producers` bulk loops, or interactive arrivals every INTERACTIVE_EVERY_MS. */
+export type Role = { kind: "bulk"; producers: number } | { kind: "interactive" };
+
+/** Interactive waits (ms), and bulk calls done before the deadline. */
+export interface RoleReport {
+  waits: number[];
+  bulkDone: number;
+}
+
+/** Run `role` through `admit` until `endAt` (on the clock `now`). */
+export async function runRole(
+  admit: Admit,
+  role: Role,
+  endAt: number,
+  now: () => number,
+): Promise<RoleReport> {
+  let bulkDone = 0;
+  const waits: number[] = [];
+  if (role.kind === "bulk") {
+    await Promise.all(
+      Array.from({ length: role.producers }, async () => {
+        while (now() < endAt) {
+          const t = await admit("bulk");
+          await sleep(SERVICE_MS);
+          await t.release("success");
+          // Calls admitted before the end but finished after it do not count.
+          if (now() <= endAt) bulkDone++;
+        }
+      }),
+    );
+    return { waits, bulkDone };
+  }
+  const calls: Promise<void>[] = [];
+  while (now() < endAt) {
+    const asked = now();
+    calls.push(
+      admit("interactive").then(async (t) => {
+        waits.push(now() - asked);
+        await sleep(SERVICE_MS);
+        await t.release("success");
+      }),
+    );
+    await sleep(INTERACTIVE_EVERY_MS);
+  }
+  await Promise.all(calls);
+  return { waits, bulkDone };
+}
+
+/** One run in this process of `seconds`: bulk producers (if any) and interactive arrivals (if any). */
 async function scenario(
   admit: Admit,
   seconds: number,
   bulk: boolean,
   interactive: boolean,
-): Promise<{ waits: number[]; bulkDone: number }> {
-  const end = performance.now() + seconds * 1000;
-  let bulkDone = 0;
-  const producers = bulk
-    ? Array.from({ length: BULK_PRODUCERS }, async () => {
-        while (performance.now() < end) {
-          const t = await admit("bulk");
-          await sleep(SERVICE_MS);
-          await t.release("success");
-          // Calls admitted before the end but finished after it do not count.
-          if (performance.now() <= end) bulkDone++;
-        }
-      })
-    : [];
-  const waits: number[] = [];
-  const calls: Promise<void>[] = [];
+): Promise<RoleReport> {
+  const now = () => performance.now();
+  const end = now() + seconds * 1000;
+  const roles: Promise<RoleReport>[] = [];
+  if (bulk) roles.push(runRole(admit, { kind: "bulk", producers: BULK_PRODUCERS }, end, now));
   if (interactive) {
     // Let bulk fill the limit first.
-    await sleep(bulk ? 3 * SERVICE_MS : 0);
-    while (performance.now() < end) {
-      const asked = performance.now();
-      calls.push(
-        admit("interactive").then(async (t) => {
-          waits.push(performance.now() - asked);
-          await sleep(SERVICE_MS);
-          await t.release("success");
-        }),
-      );
-      await sleep(INTERACTIVE_EVERY_MS);
-    }
+    roles.push(
+      sleep(bulk ? 3 * SERVICE_MS : 0).then(() => runRole(admit, { kind: "interactive" }, end, now)),
+    );
   }
-  await Promise.all([...producers, ...calls]);
-  return { waits, bulkDone: bulkDone / seconds };
+  const reports = await Promise.all(roles);
+  return {
+    waits: reports.flatMap((r) => r.waits),
+    bulkDone: reports.reduce((sum, r) => sum + r.bulkDone, 0) / seconds,
+  };
+}
+
+/** Runs one set-up (`make`) with bulk and/or interactive traffic for `seconds`. */
+type Scenario = (
+  setup: SetupName,
+  seconds: number,
+  bulk: boolean,
+  interactive: boolean,
+) => Promise<RoleReport>;
+
+/** Every contender of both forms, measured in rounds, and the table. */
+async function measure(label: string, where: string, run: Scenario, seconds: number, count: number) {
+  const p95 = new Map<string, number[]>();
+  const p50 = new Map<string, number[]>();
+  const contenders: Contender[] = [];
+  const names = Object.keys(SETUPS) as SetupName[];
+  for (const name of names) {
+    p95.set(name, []);
+    p50.set(name, []);
+    contenders.push({
+      name: `${name}: interactive under bulk`,
+      async run() {
+        const { waits } = await run(name, seconds, true, true);
+        const s = sorted(waits);
+        p95.get(name)!.push(percentile(s, 95));
+        p50.get(name)!.push(percentile(s, 50));
+        return percentile(s, 95);
+      },
+    });
+    contenders.push({
+      name: `${name}: bulk alone`,
+      async run() {
+        return (await run(name, seconds, true, false)).bulkDone;
+      },
+    });
+  }
+  contenders.push({
+    name: "idle: interactive alone",
+    async run() {
+      return percentile(sorted((await run("classes", seconds, false, true)).waits), 95);
+    },
+  });
+  const figures = await rounds(contenders, count, { warmup: false });
+  const idle = median(figures.get("idle: interactive alone")!);
+  // The whole limit's throughput, as measured: one semaphore of the whole limit, bulk alone.
+  const whole = median(figures.get("one shared semaphore: bulk alone")!);
+  const ideal = (LIMIT * 1000) / SERVICE_MS;
+  const rows = names.map((name) => {
+    const bulkAlone = median(figures.get(`${name}: bulk alone`)!);
+    return [
+      name,
+      ms(median(p50.get(name)!), 1),
+      ms(median(p95.get(name)!), 1),
+      `${si(bulkAlone)}/s`,
+      pct(bulkAlone / whole),
+    ];
+  });
+  const classesP95 = median(p95.get("classes")!);
+  const classesBulk = median(figures.get("classes: bulk alone")!) / whole;
+  const splitBulk = median(figures.get("static split (8 + 2): bulk alone")!) / whole;
+  table(
+    `${label}: limit ${LIMIT}, ${SERVICE_MS} ms a call, ${BULK_PRODUCERS} bulk producers${where}, interactive every ${INTERACTIVE_EVERY_MS} ms (median of ${count} rounds of ${seconds} s)`,
+    ["set-up", "interactive wait p50", "interactive wait p95", "bulk alone", "of one semaphore's"],
+    rows,
+    [
+      `Interactive alone on an idle system: wait p95 ${ms(idle, 2)}.`,
+      `Target: interactive p95 under bulk within one service time (${SERVICE_MS} ms) of idle: ${verdict(classesP95 <= idle + SERVICE_MS, `${ms(classesP95, 1)} against ${ms(idle + SERVICE_MS, 1)}`)}.`,
+      `Target: bulk alone ≥ 95% of the whole limit's throughput (one semaphore of ${LIMIT}, bulk alone: ${si(whole)}/s, ${pct(whole / ideal)} of ${si(ideal)}/s, timers being late): ${verdict(classesBulk >= 0.95, pct(classesBulk))}; the static split reaches ${pct(splitBulk)}.`,
+    ],
+  );
 }
 
 export const classesBench: Benchmark = {
@@ -98,63 +206,96 @@ export const classesBench: Benchmark = {
   async run(args: BenchArgs) {
     const seconds = args.seconds ?? (args.quick ? 1 : 3);
     const count = args.rounds ?? (args.quick ? 1 : 3);
-    const p95 = new Map<string, number[]>();
-    const p50 = new Map<string, number[]>();
-    const contenders: Contender[] = [];
-    for (const [name, make] of Object.entries(SETUPS)) {
-      p95.set(name, []);
-      p50.set(name, []);
-      contenders.push({
-        name: `${name}: interactive under bulk`,
-        async run() {
-          const { waits } = await scenario(make(), seconds, true, true);
-          const s = sorted(waits);
-          p95.get(name)!.push(percentile(s, 95));
-          p50.get(name)!.push(percentile(s, 50));
-          return percentile(s, 95);
-        },
-      });
-      contenders.push({
-        name: `${name}: bulk alone`,
-        async run() {
-          return (await scenario(make(), seconds, true, false)).bulkDone;
-        },
+    const inProcess: Scenario = (setup, s, bulk, interactive) =>
+      scenario(SETUPS[setup](memory()), s, bulk, interactive);
+    await measure("Traffic classes in memory", "", inProcess, seconds, count);
+  },
+};
+
+/** Bulk worker processes of the Redis form; one more process sends the interactive calls. */
+const BULK_PROCESSES = 4;
+
+type Reply = ({ kind: "done" } & RoleReport) | { kind: "ready" } | { kind: "error"; message: string };
+
+/** A worker process of the Redis form, and its replies in order. */
+class Worker {
+  readonly child: ChildProcess;
+  readonly #replies: Reply[] = [];
+  #notify: (() => void) | undefined;
+
+  constructor(redisUrl: string) {
+    this.child = fork(new URL("./classes-worker.ts", import.meta.url).pathname, [redisUrl], {
+      execArgv: ["--import", "tsx"],
+      stdio: ["ignore", "inherit", "inherit", "ipc"],
+    });
+    this.child.on("message", (m: Reply) => {
+      this.#replies.push(m);
+      this.#notify?.();
+    });
+  }
+
+  async next(timeoutMs: number): Promise<Reply> {
+    const deadline = Date.now() + timeoutMs;
+    while (this.#replies.length === 0) {
+      if (Date.now() > deadline || this.child.exitCode !== null)
+        throw new Error("classes worker did not answer");
+      await new Promise<void>((resolve) => {
+        this.#notify = resolve;
+        setTimeout(resolve, 200);
       });
     }
-    contenders.push({
-      name: "idle: interactive alone",
-      async run() {
-        const { waits } = await scenario(SETUPS.classes!(), seconds, false, true);
-        return percentile(sorted(waits), 95);
-      },
-    });
-    const figures = await rounds(contenders, count, { warmup: false });
-    const idle = median(figures.get("idle: interactive alone")!);
-    // The whole limit's throughput, as measured: one semaphore of the whole limit, bulk alone.
-    const whole = median(figures.get("one shared semaphore: bulk alone")!);
-    const ideal = (LIMIT * 1000) / SERVICE_MS;
-    const rows = Object.keys(SETUPS).map((name) => {
-      const bulkAlone = median(figures.get(`${name}: bulk alone`)!);
-      return [
-        name,
-        ms(median(p50.get(name)!), 1),
-        ms(median(p95.get(name)!), 1),
-        `${si(bulkAlone)}/s`,
-        pct(bulkAlone / whole),
-      ];
-    });
-    const classesP95 = median(p95.get("classes")!);
-    const classesBulk = median(figures.get("classes: bulk alone")!) / whole;
-    const splitBulk = median(figures.get("static split (8 + 2): bulk alone")!) / whole;
-    table(
-      `Traffic classes: limit ${LIMIT}, ${SERVICE_MS} ms a call, ${BULK_PRODUCERS} bulk producers, interactive every ${INTERACTIVE_EVERY_MS} ms (median of ${count} rounds of ${seconds} s)`,
-      ["set-up", "interactive wait p50", "interactive wait p95", "bulk alone", "of one semaphore's"],
-      rows,
-      [
-        `Interactive alone on an idle system: wait p95 ${ms(idle, 2)}.`,
-        `Target: interactive p95 under bulk within one service time (${SERVICE_MS} ms) of idle: ${verdict(classesP95 <= idle + SERVICE_MS, `${ms(classesP95, 1)} against ${ms(idle + SERVICE_MS, 1)}`)}.`,
-        `Target: bulk alone ≥ 95% of the whole limit's throughput (one semaphore of ${LIMIT}, bulk alone: ${si(whole)}/s, ${pct(whole / ideal)} of ${si(ideal)}/s, timers being late): ${verdict(classesBulk >= 0.95, pct(classesBulk))}; the static split reaches ${pct(splitBulk)}.`,
-      ],
-    );
+    const r = this.#replies.shift()!;
+    if (r.kind === "error") throw new Error(`classes worker: ${r.message}`);
+    return r;
+  }
+}
+
+export const redisClassesBench: Benchmark = {
+  name: "redis-classes",
+  title: "traffic classes on Redis, worker processes",
+  redis: true,
+  async run(args: BenchArgs) {
+    const url = await args.redisUrl();
+    const seconds = args.seconds ?? (args.quick ? 1 : 3);
+    const count = args.rounds ?? (args.quick ? 1 : 3);
+    const workers = Array.from({ length: BULK_PROCESSES + 1 }, () => new Worker(url));
+    try {
+      for (const w of workers) await w.next(30_000);
+      const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
+      const run: Scenario = async (setup, s, bulk, interactive) => {
+        const prefix = freshPrefix("classes");
+        // Time for every process to build its stages; interactive starts once bulk fills the limit.
+        const startAt = nowMs() + 300;
+        const endAt = startAt + s * 1000;
+        const busy: Worker[] = [];
+        const send = (w: Worker, role: Role, from: number) => {
+          w.child.send({ kind: "run", setup, role, prefix, startAt: from, endAt } satisfies ClassesRun);
+          busy.push(w);
+        };
+        if (bulk) {
+          for (const w of workers.slice(1)) {
+            send(w, { kind: "bulk", producers: BULK_PRODUCERS / BULK_PROCESSES }, startAt);
+          }
+        }
+        if (interactive) send(workers[0]!, { kind: "interactive" }, startAt + (bulk ? 3 * SERVICE_MS : 0));
+        const reports = (await Promise.all(busy.map((w) => w.next((s + 30) * 1000)))) as RoleReport[];
+        return {
+          waits: reports.flatMap((r) => r.waits),
+          bulkDone: reports.reduce((sum, r) => sum + r.bulkDone, 0) / s,
+        };
+      };
+      await measure(
+        "Traffic classes on Redis",
+        ` in ${BULK_PROCESSES} processes, interactive in another`,
+        run,
+        seconds,
+        count,
+      );
+    } finally {
+      for (const w of workers) {
+        if (w.child.connected) w.child.send({ kind: "exit" });
+      }
+      await Promise.all(workers.map((w) => (w.child.exitCode === null ? once(w.child, "exit") : undefined)));
+    }
   },
 };

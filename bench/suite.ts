@@ -3,7 +3,7 @@ import { execFileSync } from "node:child_process";
 import { readFileSync } from "node:fs";
 import { cpus, loadavg, totalmem } from "node:os";
 import { command, parseOrExit } from "../examples/cli.js";
-import { classesBench } from "./classes.js";
+import { classesBench, redisClassesBench } from "./classes.js";
 import { fleet } from "./fleet.js";
 import { handoff } from "./handoff.js";
 import { idleKeys } from "./idle-keys.js";
@@ -28,6 +28,7 @@ export const BENCHMARKS: readonly Benchmark[] = [
   redisTokenBucket,
   redisCommands,
   handoff,
+  redisClassesBench,
   fleet,
 ];
 
