@@ -5,6 +5,11 @@
  * permit within its acquire budget defers the entity instead of forcing the cap, and deferred
  * entities are polled after the main sweep.
  *
+ * Every tenth entity has a filing deadline. Deferred once, it goes to a small priority channel:
+ * a traffic class of the same semaphore (`priority`, a quarter of the permits, guaranteed when
+ * it has work and lent to the sweep when it has none), taken before the sweep's next entity and
+ * with a longer acquire budget. The summary prints each class.
+ *
  * In memory the twelve workers are async workers in this one process, sharing one in-memory
  * semaphore. With REDIS_URL set they are twelve child processes (`fork`), each with its own Redis
  * connection, sharing the Redis semaphore: the cap holds across processes, and a worker that
@@ -23,18 +28,33 @@ import { Gate } from "floodgate";
 import {
   deadline,
   exampleCommand,
+  msText,
   newPrefix,
   openBackend,
   parseFlags,
   perSec,
   progress,
+  quantile,
   secs,
   where,
 } from "./common.js";
-import { type ChildArgs, type JobSource, pollWorker, type Report, SEMAPHORE } from "./delaware-worker.js";
+import {
+  type ChildArgs,
+  type EntityClass,
+  entityClasses,
+  type Job,
+  type JobSource,
+  pollWorker,
+  type Report,
+  SEMAPHORE,
+} from "./delaware-worker.js";
 import { startProvider } from "./provider.js";
 
-export const about = "12 workers (processes on Redis) share 8 permits against a registry that blocks above 8";
+export const about =
+  "12 workers (processes on Redis) share 8 permits against a registry that blocks above 8; a priority class for deadlines";
+
+/** Every tenth entity has a filing deadline. */
+const critical = (id: string) => Number(id.slice(3)) % 10 === 0;
 
 const COMMAND = exampleCommand(
   "delaware",
@@ -66,10 +86,23 @@ const COMMAND = exampleCommand(
   ["REDIS_URL=redis://host:port runs the workers as processes sharing a Redis semaphore."],
 );
 
-/** The entities still to poll: the main sweep first, then what was deferred. */
+/** Per class: polls done, deferrals, and the permit waits of the polls done. */
+interface ClassFigures {
+  polled: number;
+  deferred: number;
+  waits: number[];
+}
+
+/** The entities still to poll: deadline-critical ones deferred once first, then the main sweep, then what was deferred. */
 class EntityQueue implements JobSource {
   readonly pending: string[];
   readonly deferred: string[] = [];
+  /** Deadline-critical entities that were deferred: polled next, through the priority class. */
+  readonly urgent: string[] = [];
+  readonly byClass: Record<EntityClass, ClassFigures> = {
+    sweep: { polled: 0, deferred: 0, waits: [] },
+    priority: { polled: 0, deferred: 0, waits: [] },
+  };
   outstanding = 0;
   done = 0;
   ok = 0;
@@ -87,13 +120,18 @@ class EntityQueue implements JobSource {
     this.pending = ids;
   }
 
-  async next(): Promise<string | undefined> {
+  async next(): Promise<Job | undefined> {
     for (;;) {
       if (this.stopped) return undefined;
+      const urgent = this.urgent.shift();
+      if (urgent !== undefined) {
+        this.outstanding++;
+        return { id: urgent, cls: "priority" };
+      }
       const id = this.pending.shift() ?? this.deferred.shift();
       if (id !== undefined) {
         this.outstanding++;
-        return id;
+        return { id, cls: "sweep" };
       }
       // Nothing queued, but entities out with workers may still come back deferred.
       if (this.outstanding === 0) return undefined;
@@ -105,26 +143,34 @@ class EntityQueue implements JobSource {
     this.outstanding--;
     if (r.type === "deferred") {
       this.deferrals++;
+      this.byClass[r.cls].deferred++;
       if (r.reason === "backend") this.deferredForBackend++;
-      this.deferred.push(r.id);
+      // A deadline-critical entity goes to the priority channel; anything else waits for the sweep's end.
+      if (critical(r.id)) this.urgent.push(r.id);
+      else this.deferred.push(r.id);
     } else {
       this.done++;
+      if (r.type === "result") {
+        this.byClass[r.cls].polled++;
+        this.byClass[r.cls].waits.push(r.waitedMs);
+      }
       if (r.type === "failed") {
         this.failed++;
         if (this.failures.length < 3) this.failures.push(`${r.id}: ${r.message}`);
       } else if (r.status === 200) this.ok++;
       else this.rejected++;
     }
-    if (this.pending.length === 0 && this.deferred.length === 0 && this.outstanding === 0) {
+    if (this.pending.length + this.deferred.length + this.urgent.length === 0 && this.outstanding === 0) {
       this.finishedAt = performance.now();
     }
     this.#wake();
   }
 
-  /** A worker went away holding `id`: put it back. */
-  requeue(id: string): void {
+  /** A worker went away holding `job`: put it back. */
+  requeue(job: Job): void {
     this.outstanding--;
-    this.pending.unshift(id);
+    if (job.cls === "priority") this.urgent.unshift(job.id);
+    else this.pending.unshift(job.id);
     this.#wake();
   }
 
@@ -176,9 +222,10 @@ export async function main(argv: string[]): Promise<number> {
   let timedOut = 0;
   let crashed = 0;
   if (!onRedis) {
-    const gate = new Gate([handle.backend.semaphore(SEMAPHORE, { limit: permits, leaseMs })], {
-      name: "delaware",
-    });
+    const gate = new Gate(
+      [handle.backend.semaphore(SEMAPHORE, { limit: permits, leaseMs, classes: entityClasses(permits) })],
+      { name: "delaware" },
+    );
     started = performance.now();
     await Promise.all(
       Array.from({ length: workers }, (_, worker) =>
@@ -210,7 +257,7 @@ export async function main(argv: string[]): Promise<number> {
         stdio: ["ignore", "inherit", "inherit", "ipc"],
       });
       children.push(child);
-      let holding: string | undefined;
+      let holding: Job | undefined;
       ready.push(
         new Promise((resolve) => {
           child.on(
@@ -218,10 +265,10 @@ export async function main(argv: string[]): Promise<number> {
             (m: { type: string; snapshot?: { permitWaitMs: number; timedOut: number } }) => {
               if (m.type === "ready") resolve();
               else if (m.type === "next") {
-                void queue.next().then((id) => {
-                  holding = id;
-                  if (child.connected) child.send({ type: "job", id: id ?? null });
-                  else if (id !== undefined) queue.requeue(id);
+                void queue.next().then((job) => {
+                  holding = job;
+                  if (child.connected) child.send({ type: "job", job: job ?? null });
+                  else if (job !== undefined) queue.requeue(job);
                 });
               } else if (m.type === "done") {
                 permitWaitMs += m.snapshot?.permitWaitMs ?? 0;
@@ -275,6 +322,14 @@ export async function main(argv: string[]): Promise<number> {
   if (queue.failed > 0) failures.push(`${queue.failed} polls failed (${queue.failures.join("; ")})`);
   if (crashed > 0) failures.push(`${crashed} worker processes exited with an error`);
   if (stop.aborted) failures.push((stop.reason as Error).message);
+  const classLine = (cls: EntityClass) => {
+    const c = queue.byClass[cls];
+    const share = entityClasses(permits)[cls].share;
+    return (
+      `${cls} (share ${share} of ${permits}) ${c.polled} polled, ${c.deferred} deferred,` +
+      ` permit wait p95 ${msText(quantile(c.waits, 0.95))}`
+    );
+  };
 
   process.stdout.write(
     `delaware [${onRedis ? "redis" : "memory"}; ${fleet}]: ${queue.ok}/${entities} entities in ${secs(elapsedMs)}` +
@@ -283,7 +338,9 @@ export async function main(argv: string[]): Promise<number> {
       (queue.deferredForBackend > 0 ? ` (${queue.deferredForBackend} with Redis unavailable)` : "") +
       ` · ${failures.length === 0 ? "OK" : `FAILED: ${failures.join("; ")}`}\n` +
       `  permits: ${permits} shared by ${workers} workers · permit wait ${secs(permitWaitMs)} in total` +
-      ` · ${timedOut} waits timed out · registry answers ${serviceMs}–${Math.round(serviceMs * 1.5)} ms\n`,
+      ` · ${timedOut} waits timed out · registry answers ${serviceMs}–${Math.round(serviceMs * 1.5)} ms\n` +
+      `  classes: ${classLine("sweep")} · ${classLine("priority")}` +
+      ` (deadline entities deferred once go through priority)\n`,
   );
   return failures.length === 0 ? 0 : 1;
 }
