@@ -129,10 +129,22 @@ export interface Provider {
   close(): Promise<void>;
 }
 
-/** In-flight requests across several providers: `peak` is the most at once over all of them. */
+/**
+ * In-flight requests across several providers: `peak` is the most at once over all of them.
+ * `arrived` and `left`, when given, are told each request's `x-call-id` header (or undefined)
+ * as it is counted in and out, so a watcher can tell which calls were in flight at each arrival.
+ */
 export interface ProviderGroup {
   inFlight: number;
   peak: number;
+  arrived?(id: string | undefined): void;
+  left?(id: string | undefined): void;
+}
+
+/** A request's `x-call-id` header, when it has one. */
+function callId(req: IncomingMessage): string | undefined {
+  const id = req.headers["x-call-id"];
+  return typeof id === "string" ? id : undefined;
 }
 
 /** A counter to hand to several providers as `group`. */
@@ -290,19 +302,23 @@ export async function startProvider(options: ProviderOptions): Promise<Provider>
     ...tokAllowance?.headers("tokens", t),
   });
 
-  function leave(): void {
+  function leave(req: IncomingMessage): void {
     inFlight--;
-    if (group) group.inFlight--;
+    if (group) {
+      group.left?.(callId(req));
+      group.inFlight--;
+    }
   }
 
   /** Answer 429 now; `waitMs` becomes `retry-after-ms` and `retry-after` (whole seconds, rounded up). */
   function reject(
+    req: IncomingMessage,
     res: ServerResponse,
     reason: keyof Rejections,
     waitMs: number | undefined,
     t: number,
   ): void {
-    leave();
+    leave(req);
     rejected429++;
     rejectedBy[reason]++;
     const headers = limitHeaders(t);
@@ -324,6 +340,7 @@ export async function startProvider(options: ProviderOptions): Promise<Provider>
     inFlight++;
     if (inFlight > peak) peak = inFlight;
     if (group) {
+      group.arrived?.(callId(req));
       group.inFlight++;
       if (group.inFlight > group.peak) group.peak = group.inFlight;
     }
@@ -338,28 +355,28 @@ export async function startProvider(options: ProviderOptions): Promise<Provider>
     lastArrival = t;
 
     if (t < blockedUntil) {
-      reject(res, "blocked", blockedUntil - t, t);
+      reject(req, res, "blocked", blockedUntil - t, t);
       return;
     }
     // The allowance is spent before anything else is checked: a refused request still counts.
     if (reqAllowance) {
       const got = reqAllowance.take(1, t);
       if (!got.ok) {
-        reject(res, "requests", got.waitMs, t);
+        reject(req, res, "requests", got.waitMs, t);
         return;
       }
     }
     if (inFlight > cap) {
       if (blockMs !== undefined && blockMs > 0) blockedUntil = t + blockMs;
-      reject(res, "cap", retryAfterMs ?? (blockMs || undefined), t);
+      reject(req, res, "cap", retryAfterMs ?? (blockMs || undefined), t);
       return;
     }
     if (minIntervalMs !== undefined && previous !== undefined && t - previous < minIntervalMs) {
-      reject(res, "spacing", minIntervalMs - (t - previous), t);
+      reject(req, res, "spacing", minIntervalMs - (t - previous), t);
       return;
     }
     if (throttleEvery !== undefined && requests % throttleEvery === 0) {
-      reject(res, "throttle", retryAfterMs ?? 1000, t);
+      reject(req, res, "throttle", retryAfterMs ?? 1000, t);
       return;
     }
     let usage: { prompt_tokens: number; completion_tokens: number; total_tokens: number } | undefined;
@@ -378,7 +395,7 @@ export async function startProvider(options: ProviderOptions): Promise<Provider>
       const total = promptTokens + completionTokens;
       const got = tokAllowance.take(total, t);
       if (!got.ok) {
-        reject(res, "tokens", got.waitMs, t);
+        reject(req, res, "tokens", got.waitMs, t);
         return;
       }
       tokens += total;
@@ -389,7 +406,7 @@ export async function startProvider(options: ProviderOptions): Promise<Provider>
         timers.delete(timer);
         // Leave the count before answering, so a caller that sends its next request as soon as this
         // answer arrives never finds this one still counted.
-        leave();
+        leave(req);
         completed++;
         res
           .writeHead(200, limitHeaders(now()))

@@ -25,7 +25,7 @@
 -- ARGV[12] initial  the limit to start from when meta has none (as semaphore-acquire starts)
 -- ARGV[13] classes  the stage's traffic classes (floodgate_classes), or "" for none: their
 --                   shares are of the limit as moved here, and the freed permits go by
---                   floodgate_grant_classes
+--                   classes.grant (floodgate_classes)
 --
 -- Returns {released, limit, epoch, used, grants}: grants = the waiters granted the freed permits
 -- (floodgate_grant_heads), each as the message PUBLISHed on `channel`.
@@ -66,9 +66,9 @@ if released == 1 then used = used - floodgate_cost(member) end
 if used < 0 then used = 0 end
 redis.call('HSET', meta, 'used', used, 'limit', limit, 'epoch', epoch)
 if classes then
-  floodgate_class_load(classes, meta)
+  classes.load(meta)
   if released == 1 then
-    floodgate_class_free(classes, member)
+    classes.free(member)
     floodgate_set_used(meta, used, classes)
   end
 end
@@ -78,7 +78,7 @@ if redis.call('ZRANGE', queue, 0, 0)[1] then
   local now = floodgate_now(ARGV[1])
   if (tonumber(state[4]) or 0) <= now then
     if classes then
-      grants, used = floodgate_grant_classes(classes, used, limit, now, tonumber(ARGV[10]), epoch,
+      grants, used = classes.grant(used, limit, now, tonumber(ARGV[10]), epoch,
         channel, ARGV[11] == '1', floodgate_token(member))
       if #grants > 0 then floodgate_set_used(meta, used, classes) end
     else

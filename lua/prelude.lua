@@ -272,78 +272,6 @@ local function floodgate_grant_heads(head, used, limit, now, claimMs, epoch, cha
   return sent, used
 end
 
--- Traffic classes, the twin of `guarantees` in src/algorithms/classes.ts: divide `limit`
--- permits among classes by `shares` (arrays by class, 1-based), the leftovers to the largest
--- remainders (the earlier class on a tie), at least one each; a ceiling is `maxShares` of the
--- limit rounded down, never below the exact portion rounded up; what a class keeps is the part
--- of its guarantee it does not lend (`lendables`). Returns guarantees, ceilings, kept.
-local function floodgate_class_bounds(limit, shares, maxShares, lendables)
-  local n = #shares
-  local total = 0
-  for i = 1, n do total = total + shares[i] end
-  local guarantee, remainder, given = {}, {}, 0
-  for i = 1, n do
-    local exact = (limit * shares[i]) / total
-    guarantee[i] = math.floor(exact)
-    remainder[i] = exact - guarantee[i]
-    given = given + guarantee[i]
-  end
-  for _ = 1, limit - given do
-    local best = 1
-    for i = 2, n do
-      if remainder[i] > remainder[best] then best = i end
-    end
-    guarantee[best] = guarantee[best] + 1
-    remainder[best] = -1
-  end
-  local ceiling, kept = {}, {}
-  for i = 1, n do
-    guarantee[i] = math.max(1, guarantee[i])
-    kept[i] = guarantee[i] - math.floor(lendables[i] * guarantee[i])
-    ceiling[i] = math.max(math.ceil((limit * shares[i]) / total - 1e-9), math.floor(limit * maxShares[i]))
-  end
-  return guarantee, ceiling, kept
-end
-
--- Traffic classes, the twin of `nextClass` in src/algorithms/classes.ts: the class (1-based)
--- whose head goes next with `free` permits free, or 0. `headCost[i]` is false when nobody of
--- class i waits; `headAt[i]` orders arrivals. Owed classes (holding less than their guarantee)
--- first, in arrival order; then borrowers by priority, then arrival; the first in that order
--- blocks the rest when its head does not fit; a head that would pass its ceiling is skipped; a
--- borrower's head fits only in what stays free after what the others keep and do not use.
-local function floodgate_next_class(used, headCost, headAt, guarantee, ceiling, kept, priority, free)
-  local first, owed = 0, false
-  for i = 1, #used do
-    local cost = headCost[i]
-    if cost and used[i] + cost <= ceiling[i] then
-      local isOwed = used[i] < guarantee[i]
-      local ahead
-      if first == 0 then
-        ahead = true
-      elseif isOwed ~= owed then
-        ahead = isOwed
-      elseif not isOwed and priority[i] ~= priority[first] then
-        ahead = priority[i] > priority[first]
-      else
-        ahead = headAt[i] < headAt[first]
-      end
-      if ahead then
-        first = i
-        owed = isOwed
-      end
-    end
-  end
-  if first == 0 then return 0 end
-  local room = free
-  if not owed then
-    for i = 1, #used do
-      if i ~= first then room = room - math.max(0, kept[i] - used[i]) end
-    end
-  end
-  if headCost[first] <= room then return first end
-  return 0
-end
-
 -- Traffic classes on Redis. A member of class i (0-based, in the order the stage declares its
 -- classes) is "<token>-<n>~<i>:<cost>"; one without "~" is of class 0. Each class waits in its
 -- own band of the queue's scores, i * 2^48 + its arrival sequence: the line of a stage without
@@ -354,30 +282,6 @@ local floodgate_band = 281474976710656
 -- The class (0-based) of a member.
 local function floodgate_class(member)
   return tonumber(string.match(member, '~(%d+):')) or 0
-end
-
--- The traffic classes of a permit stage from `spec`, "share,maxShare,lendable,priority" per
--- class in declaration order joined by ";", or nil for "" (a stage without classes). What each
--- class holds lives in meta as u0, u1, …; floodgate_class_load reads it into `used`.
-local function floodgate_classes(spec)
-  if spec == nil or spec == '' then return nil end
-  local c = { n = 0, share = {}, maxShare = {}, lendable = {}, priority = {}, fields = {}, used = {} }
-  for s, m, l, p in string.gmatch(spec, '([^,;]+),([^,;]+),([^,;]+),([^,;]+)') do
-    local n = c.n + 1
-    c.n = n
-    c.share[n] = tonumber(s)
-    c.maxShare[n] = tonumber(m)
-    c.lendable[n] = tonumber(l)
-    c.priority[n] = tonumber(p)
-    c.fields[n] = 'u' .. (n - 1)
-  end
-  return c
-end
-
--- Read what each class of `c` holds from `meta` into c.used (1-based).
-local function floodgate_class_load(c, meta)
-  local v = redis.call('HMGET', meta, unpack(c.fields))
-  for i = 1, c.n do c.used[i] = tonumber(v[i]) or 0 end
 end
 
 -- Write `used` (all permits held) to `meta` in one HSET, with what each class of `c` holds when
@@ -403,90 +307,189 @@ local function floodgate_set_used(meta, used, c, seq)
   redis.call('HSET', meta, unpack(args))
 end
 
--- Permits of `member` no longer held by its class (a release, a lapsed grant, a reaped lease).
-local function floodgate_class_free(c, member)
-  local k = floodgate_class(member) + 1
-  if c.used[k] then c.used[k] = math.max(0, c.used[k] - floodgate_cost(member)) end
-end
-
--- The guarantees, ceilings and kept parts of `c` at `limit`, worked out once per limit per call.
-local function floodgate_class_limits(c, limit)
-  if c.limit ~= limit then
-    c.guarantee, c.ceiling, c.kept = floodgate_class_bounds(limit, c.share, c.maxShare, c.lendable)
-    c.limit = limit
+-- The traffic classes of a permit stage from `spec`, "share,maxShare,lendable,priority" per
+-- class in declaration order joined by ";", or nil for "" (a stage without classes). What each
+-- class holds lives in meta as u0, u1, …, read into c.used (1-based) by c.load. The methods are
+-- made here, so a script run for a stage without classes pays for none of them:
+--   c.bounds(limit)    guarantees, ceilings and kept parts (the twin of `guarantees` in
+--                      src/algorithms/classes.ts)
+--   c.next(used, headCost, headAt, guarantee, ceiling, kept, free)
+--                      the class whose head goes next (the twin of `nextClass`)
+--   c.load(meta), c.free(member), c.goes(…), c.grant(…): below
+local function floodgate_classes(spec)
+  if spec == nil or spec == '' then return nil end
+  local c = { n = 0, fields = {}, used = {} }
+  local share, maxShare, lendable, priority = {}, {}, {}, {}
+  for s, m, l, p in string.gmatch(spec, '([^,;]+),([^,;]+),([^,;]+),([^,;]+)') do
+    local n = c.n + 1
+    c.n = n
+    share[n] = tonumber(s)
+    maxShare[n] = tonumber(m)
+    lendable[n] = tonumber(l)
+    priority[n] = tonumber(p)
+    c.fields[n] = 'u' .. (n - 1)
   end
-end
 
--- The member at place `offset` (0: the head) of class i's line (1-based), its cost and its
--- arrival sequence; nil, false, 0 when there is none.
-local function floodgate_class_head(queue, i, offset)
-  local low = (i - 1) * floodgate_band
-  local r = redis.call('ZRANGEBYSCORE', queue, low, '(' .. floodgate_num(low + floodgate_band),
-    'WITHSCORES', 'LIMIT', offset, 1)
-  if not r[1] then return nil, false, 0 end
-  return r[1], floodgate_cost(r[1]), tonumber(r[2]) - low
-end
-
--- Whether `member` (class k, 1-based, costing `cost`) goes now on a stage with classes `c`
--- (floodgate_class_load done) with `used` of `limit` permits held: nobody of its class is ahead
--- of it, and floodgate_next_class picks its class with it at the head of its line (arrived after
--- everyone when it is not in line yet).
-local function floodgate_class_goes(c, k, member, cost, used, limit)
-  local headCost, headAt = {}, {}
-  for i = 1, c.n do
-    headCost[i] = false
-    headAt[i] = 0
-  end
-  if redis.call('ZRANGE', KEYS[2], 0, 0)[1] then
-    for i = 1, c.n do
-      local head
-      head, headCost[i], headAt[i] = floodgate_class_head(KEYS[2], i, 0)
-      if i == k and head and head ~= member then return false end
+  -- Divide `limit` permits by the shares, the leftovers to the largest remainders (the earlier
+  -- class on a tie), at least one each; a ceiling is maxShare of the limit rounded down, never
+  -- below the exact portion rounded up; what a class keeps is the part of its guarantee it does
+  -- not lend.
+  function c.bounds(limit)
+    local n = c.n
+    local total = 0
+    for i = 1, n do total = total + share[i] end
+    local guarantee, remainder, given = {}, {}, 0
+    for i = 1, n do
+      local exact = (limit * share[i]) / total
+      guarantee[i] = math.floor(exact)
+      remainder[i] = exact - guarantee[i]
+      given = given + guarantee[i]
     end
+    for _ = 1, limit - given do
+      local best = 1
+      for i = 2, n do
+        if remainder[i] > remainder[best] then best = i end
+      end
+      guarantee[best] = guarantee[best] + 1
+      remainder[best] = -1
+    end
+    local ceiling, kept = {}, {}
+    for i = 1, n do
+      guarantee[i] = math.max(1, guarantee[i])
+      kept[i] = guarantee[i] - math.floor(lendable[i] * guarantee[i])
+      ceiling[i] = math.max(math.ceil((limit * share[i]) / total - 1e-9), math.floor(limit * maxShare[i]))
+    end
+    return guarantee, ceiling, kept
   end
-  if not headCost[k] then headAt[k] = math.huge end
-  headCost[k] = cost
-  floodgate_class_limits(c, limit)
-  return floodgate_next_class(c.used, headCost, headAt, c.guarantee, c.ceiling, c.kept, c.priority,
-    limit - used) == k
-end
 
--- Grant on release with traffic classes `c` (floodgate_class_load done): as
--- floodgate_grant_heads, with a line per class and the head that goes next chosen by
--- floodgate_next_class each time, so a freed permit goes to a class below its guarantee before
--- any borrower, then to borrowers by priority, and each class is served in arrival order. A head
--- whose process went silent leaves the line and one nobody listens for is passed over, as there;
--- granting stops when the head picked does not fit. Keeps c.used up to date (the caller writes
--- it, floodgate_set_used). Returns the messages sent and the permits now used.
-local function floodgate_grant_classes(c, used, limit, now, claimMs, epoch, channel, listeners, own)
-  local sent = {}
-  if not redis.call('ZRANGE', KEYS[2], 0, 0)[1] then return sent, used end
-  floodgate_class_limits(c, limit)
-  local heads, headCost, headAt, passed, hears = {}, {}, {}, {}, {}
-  for i = 1, c.n do
-    passed[i] = 0
-    heads[i], headCost[i], headAt[i] = floodgate_class_head(KEYS[2], i, 0)
-  end
-  local n = 0
-  for _ = 1, 256 do
-    if n >= 64 then break end
-    local k = floodgate_next_class(c.used, headCost, headAt, c.guarantee, c.ceiling, c.kept,
-      c.priority, limit - used)
-    if k == 0 then break end
-    local head = heads[k]
-    local state, to, alive = floodgate_reach(head, now, channel, listeners, own, hears)
-    if state == 1 then
-      passed[k] = passed[k] + 1
-    elseif state == 2 then
-      local message = floodgate_hand(head, now, claimMs, alive, epoch, to)
-      if message then
-        used = used + headCost[k]
-        c.used[k] = c.used[k] + headCost[k]
-        n = n + 1
-        sent[n] = message
+  -- The class (1-based) whose head goes next with `free` permits free, or 0. `headCost[i]` is
+  -- false when nobody of class i waits; `headAt[i]` orders arrivals. Owed classes (holding less
+  -- than their guarantee) first, in arrival order; then borrowers by priority, then arrival; the
+  -- first in that order blocks the rest when its head does not fit; a head that would pass its
+  -- ceiling is skipped; a borrower's head fits only in what stays free after what the others
+  -- keep and do not use.
+  function c.next(used, headCost, headAt, guarantee, ceiling, kept, free)
+    local first, owed = 0, false
+    for i = 1, #used do
+      local cost = headCost[i]
+      if cost and used[i] + cost <= ceiling[i] then
+        local isOwed = used[i] < guarantee[i]
+        local ahead
+        if first == 0 then
+          ahead = true
+        elseif isOwed ~= owed then
+          ahead = isOwed
+        elseif not isOwed and priority[i] ~= priority[first] then
+          ahead = priority[i] > priority[first]
+        else
+          ahead = headAt[i] < headAt[first]
+        end
+        if ahead then
+          first = i
+          owed = isOwed
+        end
       end
     end
-    heads[k], headCost[k], headAt[k] = floodgate_class_head(KEYS[2], k, passed[k])
+    if first == 0 then return 0 end
+    local room = free
+    if not owed then
+      for i = 1, #used do
+        if i ~= first then room = room - math.max(0, kept[i] - used[i]) end
+      end
+    end
+    if headCost[first] <= room then return first end
+    return 0
   end
-  return sent, used
+
+  -- Read what each class holds from `meta` into c.used.
+  function c.load(meta)
+    local v = redis.call('HMGET', meta, unpack(c.fields))
+    for i = 1, c.n do c.used[i] = tonumber(v[i]) or 0 end
+  end
+
+  -- Permits of `member` no longer held by its class (a release, a lapsed grant, a reaped lease).
+  function c.free(member)
+    local k = floodgate_class(member) + 1
+    if c.used[k] then c.used[k] = math.max(0, c.used[k] - floodgate_cost(member)) end
+  end
+
+  -- The bounds at `limit`, worked out once per limit per call.
+  local function limits(limit)
+    if c.limit ~= limit then
+      c.guarantee, c.ceiling, c.kept = c.bounds(limit)
+      c.limit = limit
+    end
+  end
+
+  -- The member at place `offset` (0: the head) of class i's line (1-based), its cost and its
+  -- arrival sequence; nil, false, 0 when there is none.
+  local function head(i, offset)
+    local low = (i - 1) * floodgate_band
+    local r = redis.call('ZRANGEBYSCORE', KEYS[2], low, '(' .. floodgate_num(low + floodgate_band),
+      'WITHSCORES', 'LIMIT', offset, 1)
+    if not r[1] then return nil, false, 0 end
+    return r[1], floodgate_cost(r[1]), tonumber(r[2]) - low
+  end
+
+  -- Whether `member` (class k, 1-based, costing `cost`) goes now with `used` of `limit` permits
+  -- held (c.load done): nobody of its class is ahead of it, and c.next picks its class with it
+  -- at the head of its line (arrived after everyone when it is not in line yet).
+  function c.goes(k, member, cost, used, limit)
+    local headCost, headAt = {}, {}
+    for i = 1, c.n do
+      headCost[i] = false
+      headAt[i] = 0
+    end
+    if redis.call('ZRANGE', KEYS[2], 0, 0)[1] then
+      for i = 1, c.n do
+        local first
+        first, headCost[i], headAt[i] = head(i, 0)
+        if i == k and first and first ~= member then return false end
+      end
+    end
+    if not headCost[k] then headAt[k] = math.huge end
+    headCost[k] = cost
+    limits(limit)
+    return c.next(c.used, headCost, headAt, c.guarantee, c.ceiling, c.kept, limit - used) == k
+  end
+
+  -- Grant on release (c.load done): as floodgate_grant_heads, with a line per class and the
+  -- head that goes next chosen by c.next each time, so a freed permit goes to a class below its
+  -- guarantee before any borrower, then to borrowers by priority, and each class is served in
+  -- arrival order. A head whose process went silent leaves the line and one nobody listens for
+  -- is passed over, as there; granting stops when the head picked does not fit. Keeps c.used up
+  -- to date (the caller writes it, floodgate_set_used). Returns the messages sent and the
+  -- permits now used.
+  function c.grant(used, limit, now, claimMs, epoch, channel, listeners, own)
+    local sent = {}
+    if not redis.call('ZRANGE', KEYS[2], 0, 0)[1] then return sent, used end
+    limits(limit)
+    local heads, headCost, headAt, passed, hears = {}, {}, {}, {}, {}
+    for i = 1, c.n do
+      passed[i] = 0
+      heads[i], headCost[i], headAt[i] = head(i, 0)
+    end
+    local n = 0
+    for _ = 1, 256 do
+      if n >= 64 then break end
+      local k = c.next(c.used, headCost, headAt, c.guarantee, c.ceiling, c.kept, limit - used)
+      if k == 0 then break end
+      local state, to, alive = floodgate_reach(heads[k], now, channel, listeners, own, hears)
+      if state == 1 then
+        passed[k] = passed[k] + 1
+      elseif state == 2 then
+        local message = floodgate_hand(heads[k], now, claimMs, alive, epoch, to)
+        if message then
+          used = used + headCost[k]
+          c.used[k] = c.used[k] + headCost[k]
+          n = n + 1
+          sent[n] = message
+        end
+      end
+      heads[k], headCost[k], headAt[k] = head(k, passed[k])
+    end
+    return sent, used
+  end
+
+  return c
 end

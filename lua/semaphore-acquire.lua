@@ -52,10 +52,10 @@
 -- Expired leases are reaped only when they stand in the way (no room, or someone in line), so
 -- an uncontended grant is four commands (HMGET, ZRANGE, ZADD, HSET), and TIME.
 --
--- With traffic classes, a call goes at once only when nobody of its class is ahead of it and
--- floodgate_next_class picks its class; room made by reaping goes to the line first; grants on
--- the way choose the class the same way (floodgate_grant_classes). Classes only choose who gets
--- a permit: the limit bounds them all together, as without.
+-- With traffic classes (floodgate_classes), a call goes at once only when nobody of its class is
+-- ahead of it and the class rule picks its class (classes.goes); room made by reaping goes to
+-- the line first; grants on the way choose the class the same way (classes.grant). Classes only
+-- choose who gets a permit: the limit bounds them all together, as without.
 local holders     = KEYS[1]
 local queue       = KEYS[2]
 local qexp        = KEYS[3]
@@ -77,11 +77,11 @@ local classes     = floodgate_classes(ARGV[14])
 local signed = false
 
 -- Grant the waiters what is free (floodgate_grant_heads from `head`, the first in line, or
--- floodgate_grant_classes), for a call of `member`. Returns the grants and the permits now used;
+-- classes.grant), for a call of `member`. Returns the grants and the permits now used;
 -- the caller writes them (floodgate_set_used) when there are any.
 local function serve(head, used, limit, epoch, member)
   if classes then
-    return floodgate_grant_classes(classes, used, limit, now, claimMs, epoch, channel, listeners, floodgate_token(member))
+    return classes.grant(used, limit, now, claimMs, epoch, channel, listeners, floodgate_token(member))
   elseif head and used < limit then
     return floodgate_grant_heads(head, used, limit, now, claimMs, epoch, channel, listeners, floodgate_token(member))
   end
@@ -90,9 +90,9 @@ end
 
 local function acquire(member, again)
   local cost = floodgate_cost(member)      -- permits
-  local k = floodgate_class(member) + 1    -- its class (1-based), with classes
+  local k = classes and floodgate_class(member) + 1 or 1    -- its class (1-based)
   local state = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'seq', 'quarantine')
-  if classes then floodgate_class_load(classes, meta) end
+  if classes then classes.load(meta) end
   local used  = tonumber(state[1]) or 0
   local limit = tonumber(ARGV[3])
   local epoch = 0
@@ -136,7 +136,7 @@ local function acquire(member, again)
       end
       redis.call('ZREM', holders, member)
       used = math.max(0, used - cost)
-      if classes then floodgate_class_free(classes, member) end
+      if classes then classes.free(member) end
       floodgate_set_used(meta, used, classes)
       gone = true
     elseif not redis.call('ZSCORE', queue, member) then
@@ -156,7 +156,7 @@ local function acquire(member, again)
   head = redis.call('ZRANGE', queue, 0, 0)[1]
   local goes
   if classes then
-    goes = floodgate_class_goes(classes, k, member, cost, used, limit)
+    goes = classes.goes(k, member, cost, used, limit)
   else
     goes = used + cost <= limit and (not head or head == member)
   end
@@ -168,7 +168,7 @@ local function acquire(member, again)
     if #dead > 0 then
       for i = 1, #dead do
         used = used - floodgate_cost(dead[i])
-        if classes then floodgate_class_free(classes, dead[i]) end
+        if classes then classes.free(dead[i]) end
       end
       if used < 0 or redis.call('ZCARD', holders) == 0 then
         used = 0
@@ -186,7 +186,7 @@ local function acquire(member, again)
       -- What reaping freed goes to the line first; then this call is looked at again.
       grants, used = serve(nil, used, limit, epoch, member)
       if #grants > 0 then floodgate_set_used(meta, used, classes) end
-      goes = floodgate_class_goes(classes, k, member, cost, used, limit)
+      goes = classes.goes(k, member, cost, used, limit)
     else
       if head and head ~= member then head = floodgate_live_head(queue, qexp, procs, now) end
       goes = used + cost <= limit and (not head or head == member)

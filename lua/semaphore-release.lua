@@ -18,7 +18,7 @@
 -- ARGV[7] listeners "1": pass over waiters nobody listens for (see floodgate_grant_heads); ""
 --                   on a cluster, where pub/sub counts are per node
 -- ARGV[8] classes  the stage's traffic classes (floodgate_classes), or "" for none: the freed
---                  permits then go by floodgate_grant_classes
+--                  permits then go by classes.grant (floodgate_classes)
 -- ARGV[9] member2  more releases of this turn, each a member and its "what" (ARGV[10]), and so
 --                  on: each is done in turn, exactly as if each had called alone
 --
@@ -65,8 +65,8 @@ local function grantFreed(used)
   if (tonumber(state[4]) or 0) > now then return {}, used end
   local grants
   if classes then
-    floodgate_class_load(classes, meta)
-    grants, used = floodgate_grant_classes(classes, used, limit, now, tonumber(ARGV[6]),
+    classes.load(meta)
+    grants, used = classes.grant(used, limit, now, tonumber(ARGV[6]),
       tonumber(state[3]) or 0, channel, ARGV[7] == '1', floodgate_token(ARGV[2]))
     if #grants > 0 then floodgate_set_used(meta, used, classes) end
     return grants, used

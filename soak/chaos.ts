@@ -146,6 +146,8 @@ export interface ChaosReport {
 
 /** A call a worker reported (see the fixture): all but the plain 200s, and any across a freeze. */
 interface CallRecord {
+  /** Sent as `x-call-id`: the provider tap records which calls were in flight at each arrival. */
+  id: string;
   outcome: string;
   admittedAt: number;
   sentAt?: number;
@@ -365,6 +367,7 @@ class ChaosRun {
   /** The figures of the window [from, to), from the provider's arrivals and the workers' reports. */
   figures(calls: CallRecord[], [name, from, to, faults, before, after]: Window): PhaseFigures {
     const { at, level } = this.tap;
+    const byId = new Map(calls.map((c) => [c.id, c]));
     const causes = Object.fromEntries(CAUSES.map((c) => [c, 0])) as Record<Cause, number>;
     let [breaches, peak, ok, stallMs, last] = [0, 0, 0, 0, from];
     for (let i = 0; i < at.length; i++) {
@@ -373,7 +376,7 @@ class ChaosRun {
       peak = Math.max(peak, level[i]!);
       if (level[i]! > this.s.limit) {
         breaches++;
-        causes[this.cause(t, calls)]++;
+        causes[this.cause(i, byId)]++;
         continue;
       }
       ok++;
@@ -404,12 +407,18 @@ class ChaosRun {
     };
   }
 
-  /** What was at the provider when a breach arrived at `t`: a call stays there until it ends, and at least serviceMs. */
-  cause(t: number, calls: CallRecord[]): Cause {
-    const there = calls.filter((c) => {
-      if (c.sentAt === undefined) return false;
-      return c.sentAt - 5 <= t && t <= Math.max(c.endedAt ?? 0, c.sentAt + this.s.serviceMs) + 5;
-    });
+  /**
+   * What was at the provider when the breach at arrival `i` came: the calls the tap saw in flight
+   * then (by their `x-call-id`), as the workers reported them. A call the workers did not report
+   * was a plain one: admitted, sent on a live lease, answered 200, no freeze.
+   */
+  cause(i: number, byId: ReadonlyMap<string, CallRecord>): Cause {
+    const t = this.tap.at[i]!;
+    const there: CallRecord[] = [];
+    for (const id of this.tap.ids[i]!) {
+      const c = byId.get(id);
+      if (c !== undefined) there.push(c);
+    }
     if (there.some((c) => c.frozen === "waiter" && c.stale)) return "staleGrant";
     const lostAt = (c: CallRecord) => c.lostAt ?? Number.POSITIVE_INFINITY;
     if (there.some((c) => c.frozen === "holder" && lostAt(c) > c.sentAt!)) return "frozenHolder";

@@ -169,11 +169,11 @@ export function classRule(book: ClassBook): CallRule {
 }
 
 /**
- * The classes of `book` as the Redis permit scripts take them (`floodgate_classes` in
+ * Classes (a book's `configs`) as the Redis permit scripts take them (`floodgate_classes` in
  * lua/prelude.lua): "share,maxShare,lendable,priority" per class, in order, joined by ";"; ""
  * without classes. Numbers as JavaScript writes them, which Lua reads back to the same double.
  */
-export function classSpec(book: ClassBook | undefined): string {
-  if (book === undefined) return "";
-  return book.configs.map((c) => `${c.share},${c.maxShare},${c.lendable},${c.priority}`).join(";");
+export function classSpec(configs: readonly ClassConfig[] | undefined): string {
+  if (configs === undefined) return "";
+  return configs.map((c) => `${c.share},${c.maxShare},${c.lendable},${c.priority}`).join(";");
 }

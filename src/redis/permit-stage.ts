@@ -78,7 +78,7 @@ export interface PermitSettings {
  *
  * With traffic classes, each member carries its class and the scripts keep a line per class and
  * what each class holds, and choose whom a free permit goes to by the same rule as in memory
- * (`floodgate_grant_classes` in lua/prelude.lua, the twin of src/algorithms/classes.ts); a
+ * (`floodgate_classes` in lua/prelude.lua, the twin of src/algorithms/classes.ts); a
  * class is written on its waiters and tickets as their `key`, as in memory.
  */
 export abstract class RedisPermitStage extends BaseStage {
@@ -128,7 +128,7 @@ export abstract class RedisPermitStage extends BaseStage {
   constructor(name: string, settings: PermitSettings, ctx: RedisContext, book?: ClassBook) {
     super(name, ctx.clock);
     this.book = book;
-    this.classSpec = classSpec(book);
+    this.classSpec = classSpec(book?.configs);
     if (book) this.callRule = classRule(book);
     this.claimMs = Math.min(ctx.claimMs, settings.leaseMs);
     this.#ctx = ctx;

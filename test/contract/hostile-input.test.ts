@@ -123,10 +123,11 @@ interface Env {
   stages: Record<Kind, Stage>;
 }
 
-type Kind = "semaphore" | "tokenBucket" | "queue" | "intervalGate" | "aimd" | "gate";
-const KINDS: Kind[] = ["semaphore", "tokenBucket", "queue", "intervalGate", "aimd", "gate"];
+/** The stages under test: one of each factory, a semaphore with traffic classes, and a gate. */
+type Kind = "semaphore" | "tokenBucket" | "queue" | "intervalGate" | "aimd" | "classes" | "gate";
+const KINDS: Kind[] = ["semaphore", "tokenBucket", "queue", "intervalGate", "aimd", "classes", "gate"];
 
-const GOOD: Record<Exclude<Kind, "gate">, Record<string, unknown>> = {
+const GOOD: Record<Exclude<Kind, "gate" | "classes">, Record<string, unknown>> = {
   semaphore: { limit: 2 },
   tokenBucket: { keyed: true, capacity: 3, refillPerSecond: 1 },
   queue: { maxSize: 2 },
@@ -135,7 +136,7 @@ const GOOD: Record<Exclude<Kind, "gate">, Record<string, unknown>> = {
 };
 
 /** Every option of each factory, to put a hostile value in. */
-const FACTORY_FIELDS: Record<Exclude<Kind, "gate">, string[]> = {
+const FACTORY_FIELDS: Record<Exclude<Kind, "gate" | "classes">, string[]> = {
   semaphore: [
     "limit",
     "leaseMs",
@@ -161,6 +162,11 @@ function makeEnv(backend: (typeof backends)[number]): Env {
     queue: b.queue("q", GOOD.queue as never),
     intervalGate: b.intervalGate("ig", GOOD.intervalGate as never),
     aimd: b.aimd("adaptive", GOOD.aimd as never),
+    classes: b.semaphore("classful", {
+      limit: 2,
+      classes: { a: { share: 1 }, b: { share: 1, priority: 1 } },
+      defaultClass: "a",
+    }),
     gate: new Gate(
       [
         b.queue("gq", { maxSize: 4 }),
@@ -205,6 +211,7 @@ const CAPACITY: Record<Kind, number> = {
   queue: 2,
   intervalGate: 1,
   aimd: 2,
+  classes: 2,
   gate: 2,
 };
 
@@ -381,7 +388,7 @@ function entries(): Entry[] {
       },
     );
   }
-  for (const kind of Object.keys(GOOD) as Exclude<Kind, "gate">[]) {
+  for (const kind of Object.keys(GOOD) as Exclude<Kind, "gate" | "classes">[]) {
     const factory = (env: Env) => env.b[kind] as (name: unknown, options: unknown) => Stage;
     list.push(
       {

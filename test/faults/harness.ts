@@ -92,8 +92,11 @@ export const epochNow = (): number => performance.timeOrigin + performance.now()
 export class ProviderTap implements ProviderGroup {
   readonly at: number[] = [];
   readonly level: number[] = [];
+  /** The `x-call-id` of every call in flight at the provider at each arrival (this one included). */
+  readonly ids: string[][] = [];
   peak = 0;
   #inFlight = 0;
+  readonly #there = new Set<string>();
   get inFlight(): number {
     return this.#inFlight;
   }
@@ -101,8 +104,15 @@ export class ProviderTap implements ProviderGroup {
     if (value > this.#inFlight) {
       this.at.push(epochNow());
       this.level.push(value);
+      this.ids.push([...this.#there]);
     }
     this.#inFlight = value;
+  }
+  arrived(id: string | undefined): void {
+    if (id !== undefined) this.#there.add(id);
+  }
+  left(id: string | undefined): void {
+    if (id !== undefined) this.#there.delete(id);
   }
 }
 

@@ -240,6 +240,11 @@ describe("traffic classes across processes", () => {
     await lineUp(semB, "bulk", "B bulk");
     await lineUp(semC, "interactive", "C interactive");
     await lineUp(semB, "interactive", "B interactive");
+    // Both waiting processes listen for their grants (a waiter nobody listens for is passed over).
+    await until(async () => (await clients[0]!.pubsub("CHANNELS", `${prefix}{cls}:wake:*`)).length === 2, {
+      timeoutMs: 5000,
+      message: "B and C did not subscribe",
+    });
     for (let k = 0; k < 3; k++) {
       await held[k]!.release("success");
       await until(() => order.length > k, {

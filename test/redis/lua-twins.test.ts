@@ -27,6 +27,7 @@ import {
   take,
   waitMs,
 } from "../../src/algorithms/token-bucket.js";
+import { classSpec } from "../../src/base/classes.js";
 import { withPrelude } from "../../src/redis/scripts.js";
 import { redisUrl } from "../contract/backends.js";
 import { closeClient, connectedClient, randomPrefix } from "./helpers.js";
@@ -80,15 +81,17 @@ describe("Lua scripts against their TypeScript twins", () => {
     await closeClient(client);
   });
 
-  describe("traffic classes: floodgate_class_bounds and floodgate_next_class", () => {
-    // Each case as JSON, decided in Lua, the decisions back as JSON (all integers: exact).
+  describe("traffic classes: the bounds and the next class of floodgate_classes", () => {
+    // Each case as JSON, its classes as the stage sends them (classSpec), decided in Lua, the
+    // decisions back as JSON (all integers: exact).
     const body = `
       local out = {}
       for _, c in ipairs(cjson.decode(ARGV[1])) do
-        local g, ceil, kept = floodgate_class_bounds(c.limit, c.shares, c.maxShares, c.lendables)
+        local classes = floodgate_classes(c.spec)
+        local g, ceil, kept = classes.bounds(c.limit)
         local headCost = {}
         for i = 1, #c.used do headCost[i] = c.headCost[i] >= 0 and c.headCost[i] or false end
-        local next = floodgate_next_class(c.used, headCost, c.headAt, g, ceil, kept, c.priority, c.free)
+        local next = classes.next(c.used, headCost, c.headAt, g, ceil, kept, c.free)
         out[#out + 1] = { g, ceil, kept, next - 1 }
       end
       return cjson.encode(out)`;
@@ -117,10 +120,7 @@ describe("Lua scripts against their TypeScript twins", () => {
         const json = JSON.stringify(
           cases.map((c) => ({
             limit: c.limit,
-            shares: c.classes.map((k) => k.share),
-            maxShares: c.classes.map((k) => k.maxShare),
-            lendables: c.classes.map((k) => k.lendable),
-            priority: c.classes.map((k) => k.priority),
+            spec: classSpec(c.classes),
             used: c.lines.map((l) => l.used),
             headCost: c.lines.map((l) => l.headCost ?? -1),
             headAt: c.lines.map((l) => l.headAt),
