@@ -1,0 +1,307 @@
+/**
+ * Traffic classes of a token bucket: how its refill and capacity are divided into guaranteed
+ * shares, and which class's head of line takes tokens next. Pure: numbers in, numbers out, no
+ * timers. The memory token bucket calls `nextBucketClass` for every grant and `chargeClass` /
+ * `creditClass` as tokens are taken and given back; `test/algorithms/bucket-classes.test.ts`
+ * pins them. The rule is the one of `nextClass` (src/algorithms/classes.ts), with tokens for
+ * permits:
+ *
+ * - Each class has a **guarantee**: its share of the refill (`rate`) and of the capacity
+ *   (`capacity`), kept as a ledger of its own (`ClassLedger.guarantee`): tokens that refill at
+ *   its rate, and that each of its admissions charges by its cost, whether it takes them within
+ *   its share or borrows. A class is **owed** while its ledger holds its head's cost: it has
+ *   drawn less than its share lately. The ledger refills up to the class's capacity while nobody
+ *   of the class waits, and up to its capacity plus its head's cost while one does, so a head
+ *   that waits for the bucket (or costs more than the class's capacity) loses none of the
+ *   class's rate meanwhile. It may go below zero, by what the class borrowed, down to minus the
+ *   bucket's capacity: a class that borrowed while the others were idle is owed again at most
+ *   (bucket capacity + its head's cost) ÷ its rate after it stops.
+ * - **Owed first**, in arrival order; **then borrowers by priority**, then arrival; **the first
+ *   blocks the rest** until the bucket holds its cost. A class with a ceiling (`maxShare` below
+ *   1) also keeps a ceiling ledger refilled at `maxShare` of the rate; a head it cannot pay is
+ *   skipped, not waited for.
+ * - A borrower leaves in the bucket, for every other class, the part of that class's ledger it
+ *   does not lend (`(1 − lendable) × capacity`, as far as the ledger holds it): those tokens stay
+ *   there for the class's next calls. An owed class's head does not look at that.
+ *
+ * The bucket itself bounds everything: no class takes a token the bucket does not hold, so the
+ * rate and burst of the whole bucket hold exactly as without classes. A penalty slows the
+ * bucket's refill only; the guarantees stay shares of the configured rate, so under a penalty
+ * the owed classes are served first and the bucket is the bound.
+ */
+import type { ClassConfig } from "./classes.js";
+import { type BucketConfig, type BucketState, tokensAt, waitMs } from "./token-bucket.js";
+
+/** Tolerance for float error when comparing token counts. */
+const EPSILON = 1e-9;
+
+/** Each class's part of one bucket. */
+export interface BucketShares {
+  /** Tokens per second of each class's guarantee: its share of the refill. */
+  readonly rate: readonly number[];
+  /** Most tokens each class's guarantee holds: its share of the capacity. */
+  readonly capacity: readonly number[];
+  /**
+   * Each class's ceiling as a fraction of the bucket's refill and capacity: its `maxShare`,
+   * never below its share; 1 for a class without one.
+   */
+  readonly ceiling: readonly number[];
+  /** Tokens of each class's guarantee it never lends: `(1 − lendable) × capacity`. */
+  readonly kept: readonly number[];
+  /** The bucket's capacity: how far below zero a class's ledger may go. */
+  readonly debt: number;
+}
+
+/** Divide `config`'s refill and capacity among `classes` by share. */
+export function bucketShares(config: BucketConfig, classes: readonly ClassConfig[]): BucketShares {
+  let total = 0;
+  for (const c of classes) total += c.share;
+  const rate: number[] = [];
+  const capacity: number[] = [];
+  const ceiling: number[] = [];
+  const kept: number[] = [];
+  for (const c of classes) {
+    const part = c.share / total;
+    rate.push(config.refillPerSecond * part);
+    capacity.push(config.capacity * part);
+    ceiling.push(Math.max(part, c.maxShare));
+    kept.push((1 - c.lendable) * config.capacity * part);
+  }
+  return { rate, capacity, ceiling, kept, debt: config.capacity };
+}
+
+/**
+ * What each class of one bucket has drawn lately: tokens of its guarantee and of its ceiling
+ * (read only for a class whose ceiling is below 1), each class's as of its own `at`.
+ */
+export interface ClassLedger {
+  readonly at: number[];
+  readonly guarantee: number[];
+  readonly ceiling: number[];
+}
+
+/** A ledger at `now` of classes that have drawn nothing: every guarantee and ceiling full. */
+export function newLedger(shares: BucketShares, config: BucketConfig, now: number): ClassLedger {
+  return {
+    at: shares.capacity.map(() => now),
+    guarantee: [...shares.capacity],
+    ceiling: shares.ceiling.map((f) => f * config.capacity),
+  };
+}
+
+/**
+ * Class `i`'s guarantee tokens at `now`: refilled at its rate, up to its capacity, or up to its
+ * capacity plus `headCost` while a head of that cost waits.
+ */
+export function guaranteeAt(
+  ledger: ClassLedger,
+  shares: BucketShares,
+  i: number,
+  now: number,
+  headCost = 0,
+): number {
+  const cap = shares.capacity[i]! + headCost;
+  return refilled(ledger.guarantee[i]!, shares.rate[i]!, cap, now - ledger.at[i]!);
+}
+
+/** Class `i`'s ceiling tokens at `now`. */
+function ceilingAt(
+  ledger: ClassLedger,
+  shares: BucketShares,
+  config: BucketConfig,
+  i: number,
+  now: number,
+): number {
+  const f = shares.ceiling[i]!;
+  return refilled(ledger.ceiling[i]!, config.refillPerSecond * f, config.capacity * f, now - ledger.at[i]!);
+}
+
+/** `tokens` after `ms` of refill at `perSecond`, capped at `cap` (a clock that went back refills nothing). */
+function refilled(tokens: number, perSecond: number, cap: number, ms: number): number {
+  if (!(ms > 0)) return Math.min(tokens, cap);
+  const t = tokens + (ms * perSecond) / 1000;
+  // A debt of -Infinity refilled by +Infinity is NaN: full, as the bucket reads it (not Math.min).
+  if (t < cap) return t;
+  return cap;
+}
+
+/** Whole milliseconds (at least 1) until `tokens` refilled at `perSecond` reach `need`. */
+function msUntil(tokens: number, need: number, perSecond: number): number {
+  const ms = Math.ceil(((need - tokens) * 1000) / perSecond - EPSILON);
+  // NaN (an infinite rate) is at once, as any wait under a millisecond (not Math.max).
+  if (ms >= 1) return ms;
+  return 1;
+}
+
+/**
+ * Bring class `i` of `ledger` to `now` (never back), its guarantee refilled up to its capacity
+ * plus `headCost`.
+ */
+function advance(
+  ledger: ClassLedger,
+  shares: BucketShares,
+  config: BucketConfig,
+  i: number,
+  now: number,
+  headCost: number,
+): void {
+  if (!(now > ledger.at[i]!)) return;
+  ledger.guarantee[i] = guaranteeAt(ledger, shares, i, now, headCost);
+  if (shares.ceiling[i]! < 1) ledger.ceiling[i] = ceilingAt(ledger, shares, config, i, now);
+  ledger.at[i] = now;
+}
+
+/**
+ * Class `i`'s head took `cost` tokens at `now` (or a settle charged the class `cost` more): its
+ * guarantee and ceiling are charged, the guarantee down to minus the bucket's capacity at most
+ * (a settle that charges more is forgotten beyond that, so no class is held back for ever).
+ */
+export function chargeClass(
+  ledger: ClassLedger,
+  shares: BucketShares,
+  config: BucketConfig,
+  i: number,
+  cost: number,
+  now: number,
+): void {
+  advance(ledger, shares, config, i, now, cost);
+  ledger.guarantee[i] = Math.max(-shares.debt, ledger.guarantee[i]! - cost);
+  if (shares.ceiling[i]! < 1) ledger.ceiling[i] = Math.max(-shares.debt, ledger.ceiling[i]! - cost);
+}
+
+/**
+ * Class `i` got `amount` tokens back at `now` (a refund, or a settle below the estimate) while a
+ * head of `headCost` waits (0: none): back up to what its ledger may hold then.
+ */
+export function creditClass(
+  ledger: ClassLedger,
+  shares: BucketShares,
+  config: BucketConfig,
+  i: number,
+  amount: number,
+  now: number,
+  headCost = 0,
+): void {
+  advance(ledger, shares, config, i, now, headCost);
+  ledger.guarantee[i] = Math.min(shares.capacity[i]! + headCost, ledger.guarantee[i]! + amount);
+  const f = shares.ceiling[i]!;
+  if (f < 1) ledger.ceiling[i] = Math.min(config.capacity * f, ledger.ceiling[i]! + amount);
+}
+
+/**
+ * Whether nothing in `ledger` differs from a fresh one at `now`: every guarantee and ceiling
+ * full again (then the bucket's key can be forgotten without changing any decision).
+ */
+export function ledgerIsFull(
+  ledger: ClassLedger,
+  shares: BucketShares,
+  config: BucketConfig,
+  now: number,
+): boolean {
+  for (let i = 0; i < ledger.guarantee.length; i++) {
+    if (guaranteeAt(ledger, shares, i, now) + EPSILON < shares.capacity[i]!) return false;
+    const f = shares.ceiling[i]!;
+    if (f < 1 && ceilingAt(ledger, shares, config, i, now) + EPSILON < config.capacity * f) return false;
+  }
+  return true;
+}
+
+/** The most a call of class `i` can ever cost: its ceiling's capacity. */
+export function classMaxCost(shares: BucketShares, config: BucketConfig, i: number): number {
+  return Math.floor(config.capacity * shares.ceiling[i]! + EPSILON);
+}
+
+/** One class's line as `nextBucketClass` sees it. */
+export interface BucketClassLine {
+  /** The cost of the head of its line, or undefined when nobody waits. */
+  headCost: number | undefined;
+  /** When the head arrived (any clock that orders arrivals; ties go to the earlier class). */
+  headAt: number;
+}
+
+/** What `nextBucketClass` decides: the class to grant now, or -1 and how long until that may change. */
+export interface BucketPick {
+  cls: number;
+  /** 0 when `cls` goes now; else ms until the bucket could hold the first head's cost, or a class becomes owed or clears its ceiling; `Infinity` when nobody waits. */
+  waitMs: number;
+}
+
+/**
+ * The class whose head takes tokens from bucket `s` next at `now`, by the rule in the header,
+ * written into `out` (and returned). When none may go now, `out.cls` is -1 and `out.waitMs` the
+ * time after which asking again may find one: when the bucket could hold what the first head
+ * needs, or when a class that is not owed becomes owed (it would go first), or a head skipped at
+ * its ceiling could go. Never later than the first of those, so a waiter woken then misses
+ * nothing; possibly earlier (what others keep grows as their ledgers refill), then it asks
+ * again.
+ */
+export function nextBucketClass(
+  lines: readonly BucketClassLine[],
+  ledger: ClassLedger,
+  shares: BucketShares,
+  classes: readonly ClassConfig[],
+  s: BucketState,
+  config: BucketConfig,
+  now: number,
+  out: BucketPick,
+): BucketPick {
+  let first = -1;
+  let owed = false;
+  let changes = Number.POSITIVE_INFINITY;
+  for (let i = 0; i < lines.length; i++) {
+    const cost = lines[i]!.headCost;
+    if (cost === undefined) continue;
+    const f = shares.ceiling[i]!;
+    if (f < 1) {
+      const c = ceilingAt(ledger, shares, config, i, now);
+      if (c + EPSILON < cost) {
+        changes = Math.min(changes, msUntil(c, cost, config.refillPerSecond * f));
+        continue;
+      }
+    }
+    const g = guaranteeAt(ledger, shares, i, now, cost);
+    const isOwed = g + EPSILON >= cost;
+    if (!isOwed) changes = Math.min(changes, msUntil(g, cost, shares.rate[i]!));
+    if (first === -1 || ahead(i, isOwed, first, owed, lines, classes)) {
+      first = i;
+      owed = isOwed;
+    }
+  }
+  if (first === -1) {
+    out.cls = -1;
+    out.waitMs = changes;
+    return out;
+  }
+  let need = lines[first]!.headCost!;
+  // A borrower leaves the others what they keep of their guarantee and have not drawn.
+  if (!owed) {
+    for (let i = 0; i < lines.length; i++) {
+      if (i === first) continue;
+      const g = guaranteeAt(ledger, shares, i, now, lines[i]!.headCost ?? 0);
+      need += Math.min(Math.max(0, g), shares.kept[i]!);
+    }
+  }
+  if (tokensAt(s, config, now) + EPSILON >= need) {
+    out.cls = first;
+    out.waitMs = 0;
+    return out;
+  }
+  out.cls = -1;
+  out.waitMs = Math.min(waitMs(s, config, need, now), changes);
+  return out;
+}
+
+/** Whether head `a` goes before head `b`: owed before borrowers, then priority among borrowers, then arrival. */
+function ahead(
+  a: number,
+  aOwed: boolean,
+  b: number,
+  bOwed: boolean,
+  lines: readonly BucketClassLine[],
+  classes: readonly ClassConfig[],
+): boolean {
+  if (aOwed !== bOwed) return aOwed;
+  if (!aOwed && classes[a]!.priority !== classes[b]!.priority)
+    return classes[a]!.priority > classes[b]!.priority;
+  return lines[a]!.headAt < lines[b]!.headAt;
+}
