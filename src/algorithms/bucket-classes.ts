@@ -29,7 +29,7 @@
  * bucket's refill only; the guarantees stay shares of the configured rate, so under a penalty
  * the owed classes are served first and the bucket is the bound.
  */
-import type { ClassConfig } from "./classes.js";
+import { type ClassConfig, guarantees } from "./classes.js";
 import { type BucketConfig, type BucketState, tokensAt, waitMs } from "./token-bucket.js";
 
 /** Tolerance for float error when comparing token counts. */
@@ -42,10 +42,15 @@ export interface BucketShares {
   /** Most tokens each class's guarantee holds: its share of the capacity. */
   readonly capacity: readonly number[];
   /**
-   * Each class's ceiling as a fraction of the bucket's refill and capacity: its `maxShare`,
-   * never below its share; 1 for a class without one.
+   * Each class's ceiling as a fraction of the bucket's refill: its `maxShare`, never below its
+   * share; 1 for a class without one.
    */
   readonly ceiling: readonly number[];
+  /**
+   * Most tokens each class's ceiling holds: whole tokens, as a permit stage's ceiling at a limit
+   * of `capacity` (`guarantees`), so the largest cost a class is let ask for can always be paid.
+   */
+  readonly ceilingCapacity: readonly number[];
   /** Tokens of each class's guarantee it never lends: `(1 − lendable) × capacity`. */
   readonly kept: readonly number[];
   /** The bucket's capacity: how far below zero a class's ledger may go. */
@@ -64,10 +69,11 @@ export function bucketShares(config: BucketConfig, classes: readonly ClassConfig
     const part = c.share / total;
     rate.push(config.refillPerSecond * part);
     capacity.push(config.capacity * part);
-    ceiling.push(Math.max(part, c.maxShare));
+    ceiling.push(c.maxShare >= 1 ? 1 : Math.max(part, c.maxShare));
     kept.push((1 - c.lendable) * config.capacity * part);
   }
-  return { rate, capacity, ceiling, kept, debt: config.capacity };
+  const ceilingCapacity = guarantees(config.capacity, classes).ceiling;
+  return { rate, capacity, ceiling, ceilingCapacity, kept, debt: config.capacity };
 }
 
 /**
@@ -81,11 +87,11 @@ export interface ClassLedger {
 }
 
 /** A ledger at `now` of classes that have drawn nothing: every guarantee and ceiling full. */
-export function newLedger(shares: BucketShares, config: BucketConfig, now: number): ClassLedger {
+export function newLedger(shares: BucketShares, now: number): ClassLedger {
   return {
     at: shares.capacity.map(() => now),
     guarantee: [...shares.capacity],
-    ceiling: shares.ceiling.map((f) => f * config.capacity),
+    ceiling: [...shares.ceilingCapacity],
   };
 }
 
@@ -112,8 +118,8 @@ function ceilingAt(
   i: number,
   now: number,
 ): number {
-  const f = shares.ceiling[i]!;
-  return refilled(ledger.ceiling[i]!, config.refillPerSecond * f, config.capacity * f, now - ledger.at[i]!);
+  const rate = config.refillPerSecond * shares.ceiling[i]!;
+  return refilled(ledger.ceiling[i]!, rate, shares.ceilingCapacity[i]!, now - ledger.at[i]!);
 }
 
 /** `tokens` after `ms` of refill at `perSecond`, capped at `cap` (a clock that went back refills nothing). */
@@ -184,8 +190,9 @@ export function creditClass(
 ): void {
   advance(ledger, shares, config, i, now, headCost);
   ledger.guarantee[i] = Math.min(shares.capacity[i]! + headCost, ledger.guarantee[i]! + amount);
-  const f = shares.ceiling[i]!;
-  if (f < 1) ledger.ceiling[i] = Math.min(config.capacity * f, ledger.ceiling[i]! + amount);
+  if (shares.ceiling[i]! < 1) {
+    ledger.ceiling[i] = Math.min(shares.ceilingCapacity[i]!, ledger.ceiling[i]! + amount);
+  }
 }
 
 /**
@@ -200,15 +207,15 @@ export function ledgerIsFull(
 ): boolean {
   for (let i = 0; i < ledger.guarantee.length; i++) {
     if (guaranteeAt(ledger, shares, i, now) + EPSILON < shares.capacity[i]!) return false;
-    const f = shares.ceiling[i]!;
-    if (f < 1 && ceilingAt(ledger, shares, config, i, now) + EPSILON < config.capacity * f) return false;
+    const full = shares.ceilingCapacity[i]!;
+    if (shares.ceiling[i]! < 1 && ceilingAt(ledger, shares, config, i, now) + EPSILON < full) return false;
   }
   return true;
 }
 
-/** The most a call of class `i` can ever cost: its ceiling's capacity. */
-export function classMaxCost(shares: BucketShares, config: BucketConfig, i: number): number {
-  return Math.floor(config.capacity * shares.ceiling[i]! + EPSILON);
+/** The most a call of class `i` can ever cost: its ceiling's capacity (the bucket's without one). */
+export function classMaxCost(shares: BucketShares, i: number): number {
+  return shares.ceilingCapacity[i]!;
 }
 
 /** One class's line as `nextBucketClass` sees it. */

@@ -47,7 +47,7 @@ interface Demand {
  */
 function simulate(config: BucketConfig, classes: ClassConfig[], demand: (Demand | undefined)[], ms: number) {
   const shares = bucketShares(config, classes);
-  const ledger = newLedger(shares, config, 0);
+  const ledger = newLedger(shares, 0);
   const bucket: MutableBucketState = { ...fullBucket(config.capacity, 0) };
   const got = classes.map(() => 0);
   const times: number[][] = classes.map(() => []);
@@ -91,21 +91,23 @@ describe("bucketShares", () => {
     expect(s.rate).toEqual([75, 25]);
     expect(s.capacity).toEqual([15, 5]);
     expect(s.ceiling).toEqual([1, 0.25]);
+    // Whole tokens: a quarter of 20 is 5 (more than a tenth's 2).
+    expect(s.ceilingCapacity).toEqual([20, 5]);
     expect(s.kept).toEqual([7.5, 0]);
     expect(s.debt).toBe(20);
   });
 
   it("gives the largest cost a class can ever be admitted with: its ceiling's capacity", () => {
     const s = bucketShares(CONFIG, [cls(3), cls(1, { maxShare: 0.5 })]);
-    expect(classMaxCost(s, CONFIG, 0)).toBe(20);
-    expect(classMaxCost(s, CONFIG, 1)).toBe(10);
+    expect(classMaxCost(s, 0)).toBe(20);
+    expect(classMaxCost(s, 1)).toBe(10);
   });
 });
 
 describe("the ledger", () => {
   it("refills each guarantee at its class's rate up to its capacity, and never back in time", () => {
     const s = bucketShares(CONFIG, TWO);
-    const l = newLedger(s, CONFIG, 1000);
+    const l = newLedger(s, 1000);
     chargeClass(l, s, CONFIG, 1, 4, 1000);
     expect(guaranteeAt(l, s, 1, 1000)).toBe(0);
     expect(guaranteeAt(l, s, 1, 1100)).toBeCloseTo(2);
@@ -115,7 +117,7 @@ describe("the ledger", () => {
 
   it("goes below zero by what a class borrowed, down to minus the bucket's capacity", () => {
     const s = bucketShares(CONFIG, TWO);
-    const l = newLedger(s, CONFIG, 0);
+    const l = newLedger(s, 0);
     for (let k = 0; k < 10; k++) chargeClass(l, s, CONFIG, 1, 5, 0);
     expect(guaranteeAt(l, s, 1, 0)).toBe(-20);
     creditClass(l, s, CONFIG, 1, 3, 0);
@@ -126,7 +128,7 @@ describe("the ledger", () => {
 
   it("is full again, like a fresh one, once every class has refilled", () => {
     const s = bucketShares(CONFIG, [cls(1), cls(1, { maxShare: 0.5 })]);
-    const l = newLedger(s, CONFIG, 0);
+    const l = newLedger(s, 0);
     expect(ledgerIsFull(l, s, CONFIG, 0)).toBe(true);
     chargeClass(l, s, CONFIG, 1, 10, 0);
     expect(ledgerIsFull(l, s, CONFIG, 100)).toBe(false);
@@ -144,7 +146,7 @@ describe("nextBucketClass", () => {
     setUp: (l: ReturnType<typeof newLedger>, s: ReturnType<typeof bucketShares>) => void = () => {},
   ) => {
     const s = bucketShares(CONFIG, classes);
-    const l = newLedger(s, CONFIG, 0);
+    const l = newLedger(s, 0);
     setUp(l, s);
     return nextBucketClass(lines, l, s, classes, { ...fullBucket(20, 0), tokens }, CONFIG, 0, {
       cls: -1,
@@ -205,7 +207,7 @@ describe("nextBucketClass", () => {
     expect(pick([line(undefined), line(6)], TWO, 20).cls).toBe(1);
     // While it waits, its ledger refills past its capacity, up to 4 + 6: owed after 100 ms at 20/s.
     const s = bucketShares(CONFIG, TWO);
-    const l = newLedger(s, CONFIG, 0);
+    const l = newLedger(s, 0);
     const out: BucketPick = { cls: -1, waitMs: 0 };
     const lines = [line(1, 1), line(6, 0)];
     const bucket = { ...fullBucket(20, 0), tokens: 20 };
@@ -231,9 +233,9 @@ describe("nextBucketClass", () => {
         (rows, tokens) => {
           const classes = rows.map((r) => cls(r.share, r));
           const s = bucketShares(CONFIG, classes);
-          const l = newLedger(s, CONFIG, 0);
+          const l = newLedger(s, 0);
           rows.forEach((r, i) => {
-            if (r.head !== undefined && r.head > classMaxCost(s, CONFIG, i)) r.head = undefined;
+            if (r.head !== undefined && r.head > classMaxCost(s, i)) r.head = undefined;
             chargeClass(l, s, CONFIG, i, r.drawn, 0);
           });
           const lines = rows.map((r, i) => ({ headCost: r.head, headAt: i }));
