@@ -62,7 +62,10 @@ export interface TrafficClassOptions {
   lendable?: number;
 }
 
-/** Traffic classes of a semaphore or an AIMD limiter. */
+/**
+ * Traffic classes of a semaphore or an AIMD limiter (shares of its limit), or of a token bucket
+ * (shares of its refill and capacity; in memory only for now).
+ */
 export interface ClassOptions {
   /**
    * Named classes that divide the limit into guaranteed shares and lend what they leave idle.
@@ -99,7 +102,7 @@ export interface PenaltyOptions {
 }
 
 /** `backend.tokenBucket(name, options)`: a sustained rate per key with bursts up to `capacity`. */
-export interface TokenBucketOptions extends StageOptions, BackendErrorOptions {
+export interface TokenBucketOptions extends StageOptions, BackendErrorOptions, ClassOptions {
   /** Most tokens a key can hold: the largest burst and the largest single cost. An integer >= 1. */
   capacity: number;
   /**

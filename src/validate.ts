@@ -117,7 +117,9 @@ export const tokenBucketSchema = z
     initialTokens: int(0).optional(),
     penalty: penaltySchema.optional(),
     keyed: z.boolean({ error: "must be true or false" }).optional(),
+    ...classFields,
   })
+  .refine(defaultClassKnown, defaultClassRule)
   .refine((o) => o.initialTokens === undefined || o.initialTokens <= o.capacity, {
     path: ["initialTokens"],
     error: (issue) => `must be an integer in [0, capacity] (capacity is ${(issue.input as any).capacity})`,

@@ -8,14 +8,14 @@
  *
  * - Each class has a **guarantee**: its share of the refill (`rate`) and of the capacity
  *   (`capacity`), kept as a ledger of its own (`ClassLedger.guarantee`): tokens that refill at
- *   its rate, and that each of its admissions charges by its cost, whether it takes them within
- *   its share or borrows. A class is **owed** while its ledger holds its head's cost: it has
- *   drawn less than its share lately. The ledger refills up to the class's capacity while nobody
- *   of the class waits, and up to its capacity plus its head's cost while one does, so a head
- *   that waits for the bucket (or costs more than the class's capacity) loses none of the
- *   class's rate meanwhile. It may go below zero, by what the class borrowed, down to minus the
- *   bucket's capacity: a class that borrowed while the others were idle is owed again at most
- *   (bucket capacity + its head's cost) ÷ its rate after it stops.
+ *   its rate, and that each of its admissions takes its cost from, down to zero. A class is
+ *   **owed** while its ledger holds its head's cost: it has drawn less than its share lately.
+ *   The ledger refills up to the class's capacity while nobody of the class waits, and up to its
+ *   capacity plus its head's cost while one does, so a head that waits for the bucket (or costs
+ *   more than the class's capacity) loses none of the class's rate meanwhile. It never goes
+ *   below zero: what a class borrowed while the others were idle is not held against it, so
+ *   when they come back it is owed again as soon as its ledger has refilled its head's cost
+ *   (cost ÷ its rate), as a permit stage's class is owed a released permit.
  * - **Owed first**, in arrival order; **then borrowers by priority**, then arrival; **the first
  *   blocks the rest** until the bucket holds its cost. A class with a ceiling (`maxShare` below
  *   1) also keeps a ceiling ledger refilled at `maxShare` of the rate; a head it cannot pay is
@@ -53,7 +53,7 @@ export interface BucketShares {
   readonly ceilingCapacity: readonly number[];
   /** Tokens of each class's guarantee it never lends: `(1 − lendable) × capacity`. */
   readonly kept: readonly number[];
-  /** The bucket's capacity: how far below zero a class's ledger may go. */
+  /** The bucket's capacity: how far below zero a class's ceiling ledger may go (a settle's charge). */
   readonly debt: number;
 }
 
@@ -159,7 +159,7 @@ function advance(
 
 /**
  * Class `i`'s head took `cost` tokens at `now` (or a settle charged the class `cost` more): its
- * guarantee and ceiling are charged, the guarantee down to minus the bucket's capacity at most
+ * guarantee is charged down to zero at most, and its ceiling down to minus the bucket's capacity
  * (a settle that charges more is forgotten beyond that, so no class is held back for ever).
  */
 export function chargeClass(
@@ -171,7 +171,7 @@ export function chargeClass(
   now: number,
 ): void {
   advance(ledger, shares, config, i, now, cost);
-  ledger.guarantee[i] = Math.max(-shares.debt, ledger.guarantee[i]! - cost);
+  ledger.guarantee[i] = Math.max(0, ledger.guarantee[i]! - cost);
   if (shares.ceiling[i]! < 1) ledger.ceiling[i] = Math.max(-shares.debt, ledger.ceiling[i]! - cost);
 }
 

@@ -18,6 +18,12 @@ export abstract class MemoryLineStage<L extends TimedLine> extends KeyedLineStag
   /** Milliseconds until `head`, at the head of `line`, could go. */
   protected abstract headWaitMs(line: L, head: WaitEntry, now: number): number;
 
+  /** Milliseconds until someone waiting on `line` could go, or undefined when nobody waits. */
+  protected nextWaitMs(line: L, now: number): number | undefined {
+    const head = line.head;
+    return head ? this.headWaitMs(line, head, now) : undefined;
+  }
+
   /** `key`'s line, made when first asked for. */
   protected line(key: string, now: number): L {
     let line = this.lines.get(key);
@@ -41,10 +47,10 @@ export abstract class MemoryLineStage<L extends TimedLine> extends KeyedLineStag
       this.clock.clearTimeout(line.timer);
       line.timer = undefined;
     }
-    const head = line.head;
-    if (!head) return;
+    const wait = this.nextWaitMs(line, now ?? this.clock.now());
+    if (wait === undefined) return;
     // A wait too long to set a timer for (a debt, a slow refill, a long pause) is at most LONGEST_MS.
-    const ms = Math.min(this.headWaitMs(line, head, now ?? this.clock.now()), LONGEST_MS);
+    const ms = Math.min(wait, LONGEST_MS);
     line.timer = this.clock.setTimeout(() => {
       line.timer = undefined;
       this.drain(line, key);

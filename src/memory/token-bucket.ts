@@ -1,5 +1,17 @@
 import { LONGEST_MS } from "../admit.js";
 import {
+  type BucketClassLine,
+  type BucketPick,
+  type BucketShares,
+  bucketShares,
+  type ClassLedger,
+  chargeClass,
+  creditClass,
+  ledgerIsFull,
+  newLedger,
+  nextBucketClass,
+} from "../algorithms/bucket-classes.js";
+import {
   type BucketConfig,
   isIdle,
   type MutableBucketState,
@@ -10,21 +22,29 @@ import {
   tokensAt,
   waitMs,
 } from "../algorithms/token-bucket.js";
+import { type ClassBook, classBook, classRule } from "../base/classes.js";
 import { TimedLine } from "../base/line-stage.js";
-import type { BaseTicket } from "../base/stage.js";
-import type { WaitEntry, WaitList } from "../base/wait-list.js";
-import { bucketRule, UNKEYED } from "../call-rule.js";
+import { BaseTicket } from "../base/stage.js";
+import { type WaitEntry, WaitList } from "../base/wait-list.js";
+import { bucketRule, type CallRule, UNKEYED } from "../call-rule.js";
 import type { Clock } from "../clock.js";
 import { DEFAULTS } from "../defaults.js";
 import type { TokenBucketOptions } from "../options.js";
-import type { AdmitOptions, Outcome, StageKind, Ticket } from "../types.js";
+import type { AdmitOptions, ClassSnapshot, Outcome, Snapshot, StageKind, Ticket } from "../types.js";
 import { parseOptions, tokenBucketSchema } from "../validate.js";
 import { MemoryLineStage } from "./line-stage.js";
 
-/** One key's bucket: the algorithm's state plus its FIFO of waiters and the timer for its head. */
+/**
+ * One key's bucket: the algorithm's state plus its FIFO of waiters and the timer for its head.
+ * With traffic classes, its waiters stand in one line per class instead, and `ledger` keeps
+ * what each class has drawn.
+ */
 class KeyBucket extends TimedLine implements MutableBucketState {
   /** The latest ticket granted from this key; only it can be refunded exactly. */
   lastGrant: BaseTicket | undefined = undefined;
+  /** One line per class (none without classes). */
+  readonly classLines: ClassLine[] = [];
+  ledger: ClassLedger | undefined = undefined;
   constructor(
     public tokens: number,
     public updatedAt: number,
@@ -35,10 +55,29 @@ class KeyBucket extends TimedLine implements MutableBucketState {
   }
 }
 
+/** The waiters of one class at one key's bucket. */
+class ClassLine extends WaitList {
+  constructor(
+    readonly bucket: KeyBucket,
+    readonly cls: number,
+  ) {
+    super();
+  }
+}
+
+/** A token bucket's ticket, with the class it drew on (-1 without classes). */
+class BucketTicket extends BaseTicket {
+  cls = -1;
+}
+
 /**
  * A token bucket per key: each key holds up to `capacity` tokens and gains `refillPerSecond`.
  * A call of cost `c` waits until its key holds `c` tokens; waiters of one key are served first in,
  * first out, each key on a single timer. A cost above `capacity` is refused at once.
+ *
+ * With traffic classes (`classes`), the refill and capacity are divided into guaranteed shares
+ * that lend what they leave idle: each key's waiters stand in a line per class, and the next to
+ * take tokens is the head `nextBucketClass` picks (src/algorithms/bucket-classes.ts).
  */
 export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
   readonly kind: StageKind = "tokenBucket";
@@ -47,6 +86,12 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
   readonly #penaltyFactor: number | undefined;
   readonly #minFactor: number;
   readonly #keyed: boolean;
+  /** The stage's classes, or undefined: one line per key. */
+  readonly #book: ClassBook | undefined;
+  readonly #shares: BucketShares | undefined;
+  /** What `nextBucketClass` reads of each class, rewritten in place before each pick. */
+  readonly #view: BucketClassLine[] = [];
+  readonly #pickOut: BucketPick = { cls: -1, waitMs: 0 };
 
   constructor(name: string, options: TokenBucketOptions, clock: Clock) {
     const o = parseOptions(tokenBucketSchema, "tokenBucket", name, options);
@@ -61,23 +106,114 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
     this.#penaltyFactor = o.penalty ? (o.penalty.factor ?? DEFAULTS.tokenBucket.penalty.factor) : undefined;
     this.#minFactor = o.penalty?.minFactor ?? DEFAULTS.tokenBucket.penalty.minFactor;
     this.#keyed = o.keyed ?? false;
+    this.#book = classBook("tokenBucket", name, o, o.capacity, o.capacity);
     this.callRule = bucketRule(this.#keyed);
+    if (this.#book) {
+      this.#shares = bucketShares(this.#config, this.#book.configs);
+      for (let i = 0; i < this.#book.names.length; i++) this.#view.push({ headCost: undefined, headAt: 0 });
+      this.callRule = both(this.callRule, classRule(this.#book));
+    }
     this.init(o.logger);
+  }
+
+  /** The names of the stage's classes, when it has them. */
+  override get classes(): readonly string[] | undefined {
+    return this.#book?.names;
+  }
+
+  /** The class of a call that names none, when the stage has classes. */
+  get defaultClass(): string | undefined {
+    return this.#book?.defaultClass;
+  }
+
+  protected override newTicket(cost: number, key: string, now: number): BaseTicket {
+    return new BucketTicket(this, cost, key, now);
+  }
+
+  /** The class a call draws on (its index), or -1 without classes. */
+  #classOf(o: AdmitOptions, cost: number): number {
+    return this.#book === undefined ? -1 : this.#book.indexOf(o, cost);
+  }
+
+  /**
+   * The class whose head takes tokens next at `b` (or -1) and how long until that may change.
+   * With `extra` (a class with nobody in line), that class is looked at as if a call of cost
+   * `extraCost` stood at its head, arrived after everyone.
+   */
+  #pick(b: KeyBucket, now: number, extra = -1, extraCost = 0): BucketPick {
+    const view = this.#view;
+    for (let i = 0; i < view.length; i++) {
+      const v = view[i]!;
+      const head = b.classLines[i]!.head;
+      v.headCost = i === extra ? extraCost : head?.cost;
+      v.headAt = i === extra ? Number.POSITIVE_INFINITY : (head?.seq ?? 0);
+    }
+    return nextBucketClass(
+      view,
+      b.ledger!,
+      this.#shares!,
+      this.#book!.configs,
+      b,
+      this.#config,
+      now,
+      this.#pickOut,
+    );
+  }
+
+  /** Take `cost` tokens from `b` for class `cls` now, if its turn has come; false if not. */
+  #takeFor(b: KeyBucket, cls: number, cost: number, now: number): boolean {
+    if (cls < 0) return b.size === 0 && this.#take(b, cost, now);
+    if (b.classLines[cls]!.size !== 0 || this.#pick(b, now, cls, cost).cls !== cls) return false;
+    this.#charge(b, cls, cost, now);
+    return true;
+  }
+
+  /** `cost` tokens out of `b` for class `cls`, its turn having come. */
+  #charge(b: KeyBucket, cls: number, cost: number, now: number): void {
+    this.#take(b, cost, now);
+    chargeClass(b.ledger!, this.#shares!, this.#config, cls, cost, now);
   }
 
   protected isIdle(b: KeyBucket, now: number): boolean {
     // Full and unpenalised: a fresh key would be no better off. (A fresh key starts with
-    // `initialTokens`, which is never more.)
-    return b.size === 0 && isIdle(b, this.#config, now);
+    // `initialTokens`, which is never more.) With classes, nobody of any class waits and every
+    // class's ledger is full again.
+    if (b.size !== 0 || !isIdle(b, this.#config, now)) return false;
+    if (b.ledger === undefined) return true;
+    for (const line of b.classLines) if (line.size !== 0) return false;
+    return ledgerIsFull(b.ledger, this.#shares!, this.#config, now);
   }
 
   protected newLine(now: number): KeyBucket {
-    return new KeyBucket(this.#initial, now);
+    const b = new KeyBucket(this.#initial, now);
+    if (this.#book) {
+      for (let i = 0; i < this.#book.names.length; i++) b.classLines.push(new ClassLine(b, i));
+      b.ledger = newLedger(this.#shares!, now);
+    }
+    return b;
   }
 
-  /** Grant the key's waiters that fit. */
+  /** Grant the key's waiters that fit (with classes: in the order `nextBucketClass` picks). */
   protected grantReady(b: KeyBucket, _key: string, now: number): void {
+    if (b.ledger) {
+      for (let cls = this.#pick(b, now).cls; cls >= 0; cls = this.#pick(b, now).cls) {
+        const w = b.classLines[cls]!.head!;
+        this.#charge(b, cls, w.cost, now);
+        this.#granted(b, this.grant(w, "token"), cls);
+      }
+      return;
+    }
     for (let w = b.head; w && this.#take(b, w.cost, now); w = b.head) b.lastGrant = this.grant(w, "token");
+  }
+
+  /** Note a ticket of class `cls` granted from `b`: the latest grant, and its class's count. */
+  #granted(b: KeyBucket, ticket: BaseTicket, cls: number): BaseTicket {
+    b.lastGrant = ticket;
+    if (cls >= 0) {
+      (ticket as BucketTicket).cls = cls;
+      this.#book!.take(cls, ticket.cost);
+    }
+    return ticket;
   }
 
   /** How long until the head's cost is in the bucket (a debt is waited out too). */
@@ -85,15 +221,31 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
     return waitMs(b, this.#config, head.cost, now);
   }
 
+  /** With classes, until the pick may change; without, as for any line. */
+  protected override nextWaitMs(b: KeyBucket, now: number): number | undefined {
+    if (!b.ledger) return super.nextWaitMs(b, now);
+    const ms = this.#pick(b, now).waitMs;
+    return ms === Number.POSITIVE_INFINITY ? undefined : ms;
+  }
+
   /** Take `cost` from `b` if it holds that many now. */
   #take(b: KeyBucket, cost: number, now: number): boolean {
     return takeInPlace(b, this.#config, cost, now);
   }
 
-  /** A ticket for tokens just taken from `b` without waiting. */
-  #issue(b: KeyBucket, cost: number, key: string): BaseTicket {
-    b.lastGrant = this.issue(cost, key, undefined, "token");
-    return b.lastGrant;
+  /** A ticket for tokens just taken from `b` for class `cls` (-1: none) without waiting. */
+  #issue(b: KeyBucket, cost: number, key: string, cls: number): BaseTicket {
+    return this.#granted(b, this.issue(cost, key, undefined, "token"), cls);
+  }
+
+  /** A ticket of cost 0: it takes nothing, so it goes at once, the bucket untouched (as on Redis). */
+  #free(key: string, cls: number): BaseTicket {
+    const ticket = this.issue(0, key, undefined, "token");
+    if (cls >= 0) {
+      (ticket as BucketTicket).cls = cls;
+      this.#book!.take(cls, 0);
+    }
+    return ticket;
   }
 
   /**
@@ -107,11 +259,16 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
   protected override admitChecked(o: AdmitOptions): Promise<Ticket> {
     const cost = o.cost ?? 1;
     const key = this.#keyed ? o.key! : UNKEYED;
-    // A cost of 0 takes nothing: admitted at once, the bucket untouched (as on Redis).
-    if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
+    const cls = this.#classOf(o, cost);
+    if (cost === 0) return Promise.resolve(this.#free(key, cls));
     const now = this.clock.now();
     const b = this.line(key, now);
-    if (b.size === 0 && this.#take(b, cost, now)) return Promise.resolve(this.#issue(b, cost, key));
+    if (this.#takeFor(b, cls, cost, now)) return Promise.resolve(this.#issue(b, cost, key, cls));
+    if (cls >= 0) {
+      const promise = this.wait(b.classLines[cls]!, cost, key, o);
+      this.schedule(b, key);
+      return promise;
+    }
     if (o.timeoutMs !== undefined && !o.signal?.aborted && b.size === 0) {
       // Refuse at once what cannot be granted in time, rather than wait and fail.
       const ms = Math.min(waitMs(b, this.#config, cost, now), LONGEST_MS);
@@ -137,21 +294,23 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
     }
     const key = this.#keyed ? o.key : UNKEYED;
     if (key === undefined) return undefined;
-    if (cost === 0) return this.issue(0, key, undefined, "token");
+    const cls = this.#classOf(o, cost);
+    if (cost === 0) return this.#free(key, cls);
     const now = this.clock.now();
     const b = this.line(key, now);
-    if (b.size !== 0 || !this.#take(b, cost, now)) return undefined;
-    return this.#issue(b, cost, key);
+    if (!this.#takeFor(b, cls, cost, now)) return undefined;
+    return this.#issue(b, cost, key, cls);
   }
 
   protected tryAdmitChecked(o: AdmitOptions): Promise<Ticket | undefined> {
     const cost = o.cost ?? 1;
     const key = this.#keyed ? o.key! : UNKEYED;
-    if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
+    const cls = this.#classOf(o, cost);
+    if (cost === 0) return Promise.resolve(this.#free(key, cls));
     const now = this.clock.now();
     const b = this.line(key, now);
-    if (b.size > 0 || !this.#take(b, cost, now)) return Promise.resolve(undefined);
-    return Promise.resolve(this.#issue(b, cost, key));
+    if (!this.#takeFor(b, cls, cost, now)) return Promise.resolve(undefined);
+    return Promise.resolve(this.#issue(b, cost, key, cls));
   }
 
   #timeout(timeoutMs: number, retryAfterMs: number) {
@@ -161,14 +320,19 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
   }
 
   releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): void {
+    const cls = (ticket as BucketTicket).cls;
+    if (cls >= 0) this.#book!.giveBack(this.#book!.names[cls]!, ticket.cost);
     if (refund) {
       // Tokens come back only when no call has taken from the key since: then the bucket ends
       // up no fuller than if this call had never been admitted. After another grant, the
-      // refill the cap threw away cannot be told apart, so nothing comes back.
+      // refill the cap threw away cannot be told apart, so nothing comes back. With classes,
+      // they come back to the ticket's class too.
       const b = this.lines.get(ticket.key);
       if (!b || b.lastGrant !== ticket) return;
       b.lastGrant = undefined;
-      refundInPlace(b, this.#config, ticket.cost, this.clock.now());
+      const now = this.clock.now();
+      refundInPlace(b, this.#config, ticket.cost, now);
+      if (cls >= 0) this.#credit(b, cls, ticket.cost, now);
       this.drain(b, ticket.key);
     } else if (outcome === "dropped" && this.#penaltyFactor !== undefined) {
       const now = this.clock.now();
@@ -188,11 +352,65 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
     const b = this.line(ticket.key, now);
     // A charge may leave a debt (see settleInPlace); a give-back needs the latest grant.
     if (!settleInPlace(b, this.#config, actual - estimated, b.lastGrant === ticket, now)) return;
+    const cls = (ticket as BucketTicket).cls;
+    if (cls >= 0) {
+      this.#book!.giveBack(this.#book!.names[cls]!, estimated - actual);
+      if (actual > estimated)
+        chargeClass(b.ledger!, this.#shares!, this.#config, cls, actual - estimated, now);
+      else this.#credit(b, cls, estimated - actual, now);
+    }
     this.drain(b, ticket.key);
   }
 
+  /** `amount` tokens back to class `cls` of `b` (up to what its ledger holds with its head waiting). */
+  #credit(b: KeyBucket, cls: number, amount: number, now: number): void {
+    const head = b.classLines[cls]!.head;
+    creditClass(b.ledger!, this.#shares!, this.#config, cls, amount, now, head?.cost ?? 0);
+  }
+
+  /** The key's bucket of a line: itself, or the bucket a class's line belongs to. */
+  #bucketOf(list: WaitList): KeyBucket {
+    return list instanceof ClassLine ? list.bucket : (list as KeyBucket);
+  }
+
   protected afterWaiterGone(list: WaitList, waiter: { key: string }): void {
-    this.drain(list as KeyBucket, waiter.key);
+    this.drain(this.#bucketOf(list), waiter.key);
+  }
+
+  protected override grantDue(list: WaitList, key: string): undefined {
+    this.drain(this.#bucketOf(list), key);
+  }
+
+  /** Every line waiters stand in: each key's, or each class's line of each key. */
+  protected override lists(): Iterable<WaitList> {
+    if (!this.#book) return super.lists();
+    const out: WaitList[] = [];
+    for (const b of this.lines.map.values()) out.push(...b.classLines);
+    return out;
+  }
+
+  override snapshot(): Snapshot {
+    const snap = super.snapshot();
+    const book = this.#book;
+    if (!book) return snap;
+    const shares = this.#shares!;
+    const classes: Record<string, ClassSnapshot> = {};
+    book.names.forEach((name, i) => {
+      let waiting = 0;
+      for (const b of this.lines.map.values()) waiting += b.classLines[i]!.size;
+      classes[name] = {
+        guarantee: shares.rate[i]!,
+        ceiling: this.#config.refillPerSecond * shares.ceiling[i]!,
+        kept: shares.kept[i]!,
+        priority: book.configs[i]!.priority,
+        inFlight: book.calls[i]!,
+        held: book.used[i]!,
+        waiting,
+        admitted: book.admitted[i]!,
+      };
+    });
+    snap.classes = classes;
+    return snap;
   }
 
   /** Tokens `key` holds now (refilled, capped). */
@@ -210,4 +428,15 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
   evictIdle(): number {
     return this.lines.sweep();
   }
+}
+
+/** Both call rules: the bucket's (its key) and its classes'. */
+function both(a: CallRule, b: CallRule): CallRule {
+  return {
+    keyedBy: a.keyedBy,
+    check: (name, o) => {
+      a.check(name, o);
+      b.check(name, o);
+    },
+  };
 }

@@ -1,4 +1,5 @@
 import { randomBytes } from "node:crypto";
+import { refuseClasses } from "../base/classes.js";
 import { BaseTicket } from "../base/stage.js";
 import type { Waiter, WaitList } from "../base/wait-list.js";
 import { bucketRule, UNKEYED } from "../call-rule.js";
@@ -61,6 +62,7 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
   constructor(name: string, options: TokenBucketOptions, ctx: RedisContext) {
     super(name, ctx);
     const o = parseOptions(tokenBucketSchema, "tokenBucket", name, options);
+    refuseClasses("tokenBucket", name, o);
     this.#link = ctx.link;
     this.#prefix = ctx.prefix;
     this.#capacity = o.capacity;

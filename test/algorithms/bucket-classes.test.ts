@@ -115,13 +115,15 @@ describe("the ledger", () => {
     expect(guaranteeAt(l, s, 1, 900)).toBe(0);
   });
 
-  it("goes below zero by what a class borrowed, down to minus the bucket's capacity", () => {
+  it("never goes below zero, whatever a class borrowed, and takes back up to its capacity", () => {
     const s = bucketShares(CONFIG, TWO);
     const l = newLedger(s, 0);
     for (let k = 0; k < 10; k++) chargeClass(l, s, CONFIG, 1, 5, 0);
-    expect(guaranteeAt(l, s, 1, 0)).toBe(-20);
+    expect(guaranteeAt(l, s, 1, 0)).toBe(0);
+    // Owed again (a head of 1) after 1 ÷ 20 s.
+    expect(guaranteeAt(l, s, 1, 50, 1)).toBeCloseTo(1);
     creditClass(l, s, CONFIG, 1, 3, 0);
-    expect(guaranteeAt(l, s, 1, 0)).toBe(-17);
+    expect(guaranteeAt(l, s, 1, 0)).toBe(3);
     creditClass(l, s, CONFIG, 1, 100, 0);
     expect(guaranteeAt(l, s, 1, 0)).toBe(4);
   });
@@ -287,6 +289,14 @@ describe("classes sharing a bucket over time", () => {
     expect(got[0]).toBeGreaterThanOrEqual(800 - 2);
     expect(got[1]).toBeGreaterThanOrEqual(200 - 2);
     expect(got[0]! + got[1]!).toBeLessThanOrEqual(20 + 1000);
+  });
+
+  it("a class that borrowed while the other was idle keeps its share when the other comes back", () => {
+    const { times } = simulate(CONFIG, TWO, [{ cost: 1, from: 5_000 }, { cost: 1 }], 10_000);
+    // From 5 s on: bulk at least 20 a second, from the first 50 ms.
+    const after = times[1]!.filter((t) => t >= 5_000);
+    expect(after.length).toBeGreaterThanOrEqual(100 - 2);
+    expect(after[0]! - 5_000).toBeLessThanOrEqual(60);
   });
 
   it("a low priority still gets its share under a flood of a higher one", () => {

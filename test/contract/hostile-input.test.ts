@@ -147,7 +147,7 @@ const FACTORY_FIELDS: Record<Exclude<Kind, "gate" | "classes">, string[]> = {
     "classes",
     "defaultClass",
   ],
-  tokenBucket: ["capacity", "refillPerSecond", "initialTokens", "penalty"],
+  tokenBucket: ["capacity", "refillPerSecond", "initialTokens", "penalty", "classes", "defaultClass"],
   queue: ["maxSize", "whenFull"],
   intervalGate: ["minIntervalMs", "jitterMs", "random"],
   aimd: ["initial", "min", "max", "backoffRatio", "slowCallMs", "leaseMs", "classes", "defaultClass"],
