@@ -129,28 +129,49 @@ async function scenario(
   };
 }
 
-/** Runs one set-up (`make`) with bulk and/or interactive traffic for `seconds`. */
-type Scenario = (
-  setup: SetupName,
+/** Runs one set-up with bulk and/or interactive traffic for `seconds`. */
+export type Scenario<N extends string = SetupName> = (
+  setup: N,
   seconds: number,
   bulk: boolean,
   interactive: boolean,
 ) => Promise<RoleReport>;
 
-/** Every contender of both forms, measured in rounds, and the table. */
-async function measure(label: string, where: string, run: Scenario, seconds: number, count: number) {
-  const p95 = new Map<string, number[]>();
-  const p50 = new Map<string, number[]>();
+/** What a classes benchmark measures and how it words its table. */
+export interface ClassesTable<N extends string> {
+  /** The set-ups, in the table's order: the one with classes, the shared one, the static split. */
+  classes: N;
+  shared: N;
+  split: N;
+  title: string;
+  /** The unit the shared set-up stands for: "semaphore", "bucket". */
+  unit: string;
+  /** What an interactive call may wait more than on an idle system, ms, and its name. */
+  boundMs: number;
+  bound: string;
+  /** A note on the shared set-up's bulk throughput (`perSecond`). */
+  whole: (perSecond: number) => string;
+}
+
+/**
+ * Every set-up with bulk and interactive traffic and with bulk alone, and the set-up with
+ * classes with interactive alone, measured in rounds, and the table with the two targets.
+ */
+export async function measure<N extends string>(
+  t: ClassesTable<N>,
+  run: Scenario<N>,
+  seconds: number,
+  count: number,
+): Promise<void> {
+  const names = [t.classes, t.shared, t.split];
+  const p95 = new Map<string, number[]>(names.map((n) => [n, []]));
+  const p50 = new Map<string, number[]>(names.map((n) => [n, []]));
   const contenders: Contender[] = [];
-  const names = Object.keys(SETUPS) as SetupName[];
   for (const name of names) {
-    p95.set(name, []);
-    p50.set(name, []);
     contenders.push({
       name: `${name}: interactive under bulk`,
       async run() {
-        const { waits } = await run(name, seconds, true, true);
-        const s = sorted(waits);
+        const s = sorted((await run(name, seconds, true, true)).waits);
         p95.get(name)!.push(percentile(s, 95));
         p50.get(name)!.push(percentile(s, 50));
         return percentile(s, 95);
@@ -166,14 +187,13 @@ async function measure(label: string, where: string, run: Scenario, seconds: num
   contenders.push({
     name: "idle: interactive alone",
     async run() {
-      return percentile(sorted((await run("classes", seconds, false, true)).waits), 95);
+      return percentile(sorted((await run(t.classes, seconds, false, true)).waits), 95);
     },
   });
   const figures = await rounds(contenders, count, { warmup: false });
   const idle = median(figures.get("idle: interactive alone")!);
-  // The whole limit's throughput, as measured: one semaphore of the whole limit, bulk alone.
-  const whole = median(figures.get("one shared semaphore: bulk alone")!);
-  const ideal = (LIMIT * 1000) / SERVICE_MS;
+  // The whole throughput, as measured: the shared set-up, bulk alone.
+  const whole = median(figures.get(`${t.shared}: bulk alone`)!);
   const rows = names.map((name) => {
     const bulkAlone = median(figures.get(`${name}: bulk alone`)!);
     return [
@@ -184,19 +204,35 @@ async function measure(label: string, where: string, run: Scenario, seconds: num
       pct(bulkAlone / whole),
     ];
   });
-  const classesP95 = median(p95.get("classes")!);
-  const classesBulk = median(figures.get("classes: bulk alone")!) / whole;
-  const splitBulk = median(figures.get("static split (8 + 2): bulk alone")!) / whole;
+  const classesP95 = median(p95.get(t.classes)!);
+  const classesBulk = median(figures.get(`${t.classes}: bulk alone`)!) / whole;
+  const splitBulk = median(figures.get(`${t.split}: bulk alone`)!) / whole;
   table(
-    `${label}: limit ${LIMIT}, ${SERVICE_MS} ms a call, ${BULK_PRODUCERS} bulk producers${where}, interactive every ${INTERACTIVE_EVERY_MS} ms (median of ${count} rounds of ${seconds} s)`,
-    ["set-up", "interactive wait p50", "interactive wait p95", "bulk alone", "of one semaphore's"],
+    `${t.title} (median of ${count} rounds of ${seconds} s)`,
+    ["set-up", "interactive wait p50", "interactive wait p95", "bulk alone", `of one ${t.unit}'s`],
     rows,
     [
       `Interactive alone on an idle system: wait p95 ${ms(idle, 2)}.`,
-      `Target: interactive p95 under bulk within one service time (${SERVICE_MS} ms) of idle: ${verdict(classesP95 <= idle + SERVICE_MS, `${ms(classesP95, 1)} against ${ms(idle + SERVICE_MS, 1)}`)}.`,
-      `Target: bulk alone ≥ 95% of the whole limit's throughput (one semaphore of ${LIMIT}, bulk alone: ${si(whole)}/s, ${pct(whole / ideal)} of ${si(ideal)}/s, timers being late): ${verdict(classesBulk >= 0.95, pct(classesBulk))}; the static split reaches ${pct(splitBulk)}.`,
+      `Target: interactive p95 under bulk within ${t.bound} (${t.boundMs} ms) of idle: ${verdict(classesP95 <= idle + t.boundMs, `${ms(classesP95, 1)} against ${ms(idle + t.boundMs, 1)}`)}.`,
+      `Target: bulk alone ≥ 95% of the whole ${t.unit}'s throughput (${t.whole(whole)}): ${verdict(classesBulk >= 0.95, pct(classesBulk))}; the static split reaches ${pct(splitBulk)}.`,
     ],
   );
+}
+
+/** The table of the semaphore set-ups, `where` saying where the bulk producers run. */
+function semaphoreTable(label: string, where: string): ClassesTable<SetupName> {
+  const ideal = (LIMIT * 1000) / SERVICE_MS;
+  return {
+    classes: "classes",
+    shared: "one shared semaphore",
+    split: "static split (8 + 2)",
+    title: `${label}: limit ${LIMIT}, ${SERVICE_MS} ms a call, ${BULK_PRODUCERS} bulk producers${where}, interactive every ${INTERACTIVE_EVERY_MS} ms`,
+    unit: "semaphore",
+    boundMs: SERVICE_MS,
+    bound: "one service time",
+    whole: (w) =>
+      `one semaphore of ${LIMIT}, bulk alone: ${si(w)}/s, ${pct(w / ideal)} of ${si(ideal)}/s, timers being late`,
+  };
 }
 
 export const classesBench: Benchmark = {
@@ -208,7 +244,7 @@ export const classesBench: Benchmark = {
     const count = args.rounds ?? (args.quick ? 1 : 3);
     const inProcess: Scenario = (setup, s, bulk, interactive) =>
       scenario(SETUPS[setup](memory()), s, bulk, interactive);
-    await measure("Traffic classes in memory", "", inProcess, seconds, count);
+    await measure(semaphoreTable("Traffic classes in memory", ""), inProcess, seconds, count);
   },
 };
 
@@ -284,13 +320,8 @@ export const redisClassesBench: Benchmark = {
           bulkDone: reports.reduce((sum, r) => sum + r.bulkDone, 0) / s,
         };
       };
-      await measure(
-        "Traffic classes on Redis",
-        ` in ${BULK_PROCESSES} processes, interactive in another`,
-        run,
-        seconds,
-        count,
-      );
+      const where = ` in ${BULK_PROCESSES} processes, interactive in another`;
+      await measure(semaphoreTable("Traffic classes on Redis", where), run, seconds, count);
     } finally {
       for (const w of workers) {
         if (w.child.connected) w.child.send({ kind: "exit" });

@@ -3,6 +3,7 @@ import { execFileSync } from "node:child_process";
 import { readFileSync } from "node:fs";
 import { cpus, loadavg, totalmem } from "node:os";
 import { command, parseOrExit } from "../examples/cli.js";
+import { bucketClassesBench } from "./bucket-classes.js";
 import { classesBench, redisClassesBench } from "./classes.js";
 import { fleet } from "./fleet.js";
 import { handoff } from "./handoff.js";
@@ -23,6 +24,7 @@ export const BENCHMARKS: readonly Benchmark[] = [
   waiters,
   memoryTokenBucket,
   classesBench,
+  bucketClassesBench,
   idleKeys,
   redisSemaphore,
   redisTokenBucket,

@@ -10,9 +10,9 @@
  *   (`capacity`), kept as a ledger of its own (`ClassLedger.guarantee`): tokens that refill at
  *   its rate, and that each of its admissions takes its cost from, down to zero. A class is
  *   **owed** while its ledger holds its head's cost: it has drawn less than its share lately.
- *   The ledger refills up to the class's capacity while nobody of the class waits, and up to its
- *   capacity plus its head's cost while one does, so a head that waits for the bucket (or costs
- *   more than the class's capacity) loses none of the class's rate meanwhile. It never goes
+ *   The ledger refills up to the class's capacity, and, from the moment a head starts waiting,
+ *   up to its capacity plus that head's cost, so a head that waits for the bucket (or costs more
+ *   than the class's capacity) loses none of the class's rate meanwhile. It never goes
  *   below zero: what a class borrowed while the others were idle is not held against it, so
  *   when they come back it is owed again as soon as its ledger has refilled its head's cost
  *   (cost ÷ its rate), as a permit stage's class is owed a released permit.
@@ -69,7 +69,7 @@ export function bucketShares(config: BucketConfig, classes: readonly ClassConfig
     const part = c.share / total;
     rate.push(config.refillPerSecond * part);
     capacity.push(config.capacity * part);
-    ceiling.push(c.maxShare >= 1 ? 1 : Math.max(part, c.maxShare));
+    ceiling.push(Math.max(part, c.maxShare));
     kept.push((1 - c.lendable) * config.capacity * part);
   }
   const ceilingCapacity = guarantees(config.capacity, classes).ceiling;
@@ -77,8 +77,9 @@ export function bucketShares(config: BucketConfig, classes: readonly ClassConfig
 }
 
 /**
- * What each class of one bucket has drawn lately: tokens of its guarantee and of its ceiling
- * (read only for a class whose ceiling is below 1), each class's as of its own `at`.
+ * What each class of one bucket has drawn lately: tokens of its guarantee and of its ceiling,
+ * each class's as of its own `at`. (A class without a ceiling keeps one of the bucket's whole
+ * rate and capacity, which never binds before the bucket itself does.)
  */
 export interface ClassLedger {
   readonly at: number[];
@@ -96,8 +97,8 @@ export function newLedger(shares: BucketShares, now: number): ClassLedger {
 }
 
 /**
- * Class `i`'s guarantee tokens at `now`: refilled at its rate, up to its capacity, or up to its
- * capacity plus `headCost` while a head of that cost waits.
+ * Class `i`'s guarantee tokens at `now`: refilled at its rate up to its capacity, and from
+ * `since` (when a head of `headCost` started waiting) up to its capacity plus that cost.
  */
 export function guaranteeAt(
   ledger: ClassLedger,
@@ -105,9 +106,17 @@ export function guaranteeAt(
   i: number,
   now: number,
   headCost = 0,
+  since = now,
 ): number {
-  const cap = shares.capacity[i]! + headCost;
-  return refilled(ledger.guarantee[i]!, shares.rate[i]!, cap, now - ledger.at[i]!);
+  const rate = shares.rate[i]!;
+  const cap = shares.capacity[i]!;
+  let g = ledger.guarantee[i]!;
+  let from = ledger.at[i]!;
+  if (since > from) {
+    g = refilled(g, rate, cap, Math.min(since, now) - from);
+    from = since;
+  }
+  return refilled(g, rate, cap + headCost, now - from);
 }
 
 /** Class `i`'s ceiling tokens at `now`. */
@@ -140,8 +149,8 @@ function msUntil(tokens: number, need: number, perSecond: number): number {
 }
 
 /**
- * Bring class `i` of `ledger` to `now` (never back), its guarantee refilled up to its capacity
- * plus `headCost`.
+ * Bring class `i` of `ledger` to `now` (never back), a head of `headCost` having waited since
+ * `since` (see `guaranteeAt`).
  */
 function advance(
   ledger: ClassLedger,
@@ -150,17 +159,19 @@ function advance(
   i: number,
   now: number,
   headCost: number,
+  since: number,
 ): void {
   if (!(now > ledger.at[i]!)) return;
-  ledger.guarantee[i] = guaranteeAt(ledger, shares, i, now, headCost);
-  if (shares.ceiling[i]! < 1) ledger.ceiling[i] = ceilingAt(ledger, shares, config, i, now);
+  ledger.guarantee[i] = guaranteeAt(ledger, shares, i, now, headCost, since);
+  ledger.ceiling[i] = ceilingAt(ledger, shares, config, i, now);
   ledger.at[i] = now;
 }
 
 /**
- * Class `i`'s head took `cost` tokens at `now` (or a settle charged the class `cost` more): its
- * guarantee is charged down to zero at most, and its ceiling down to minus the bucket's capacity
- * (a settle that charges more is forgotten beyond that, so no class is held back for ever).
+ * Class `i`'s head, waiting since `since`, took `cost` tokens at `now` (or a settle charged the
+ * class `cost` more: `since` is then `now`): its guarantee is charged down to zero at most, and
+ * its ceiling down to minus the bucket's capacity (a settle that charges more is forgotten
+ * beyond that, so no class is held back for ever).
  */
 export function chargeClass(
   ledger: ClassLedger,
@@ -169,15 +180,16 @@ export function chargeClass(
   i: number,
   cost: number,
   now: number,
+  since = now,
 ): void {
-  advance(ledger, shares, config, i, now, cost);
+  advance(ledger, shares, config, i, now, cost, since);
   ledger.guarantee[i] = Math.max(0, ledger.guarantee[i]! - cost);
-  if (shares.ceiling[i]! < 1) ledger.ceiling[i] = Math.max(-shares.debt, ledger.ceiling[i]! - cost);
+  ledger.ceiling[i] = Math.max(-shares.debt, ledger.ceiling[i]! - cost);
 }
 
 /**
  * Class `i` got `amount` tokens back at `now` (a refund, or a settle below the estimate) while a
- * head of `headCost` waits (0: none): back up to what its ledger may hold then.
+ * head of `headCost` waits since `since` (none: 0): back up to what its ledger may hold then.
  */
 export function creditClass(
   ledger: ClassLedger,
@@ -187,12 +199,11 @@ export function creditClass(
   amount: number,
   now: number,
   headCost = 0,
+  since = now,
 ): void {
-  advance(ledger, shares, config, i, now, headCost);
+  advance(ledger, shares, config, i, now, headCost, since);
   ledger.guarantee[i] = Math.min(shares.capacity[i]! + headCost, ledger.guarantee[i]! + amount);
-  if (shares.ceiling[i]! < 1) {
-    ledger.ceiling[i] = Math.min(shares.ceilingCapacity[i]!, ledger.ceiling[i]! + amount);
-  }
+  ledger.ceiling[i] = Math.min(shares.ceilingCapacity[i]!, ledger.ceiling[i]! + amount);
 }
 
 /**
@@ -208,7 +219,7 @@ export function ledgerIsFull(
   for (let i = 0; i < ledger.guarantee.length; i++) {
     if (guaranteeAt(ledger, shares, i, now) + EPSILON < shares.capacity[i]!) return false;
     const full = shares.ceilingCapacity[i]!;
-    if (shares.ceiling[i]! < 1 && ceilingAt(ledger, shares, config, i, now) + EPSILON < full) return false;
+    if (ceilingAt(ledger, shares, config, i, now) + EPSILON < full) return false;
   }
   return true;
 }
@@ -224,6 +235,8 @@ export interface BucketClassLine {
   headCost: number | undefined;
   /** When the head arrived (any clock that orders arrivals; ties go to the earlier class). */
   headAt: number;
+  /** When the head started waiting, in the ms of `now` (its class's ledger refills past its capacity since). */
+  headSince: number;
 }
 
 /** What `nextBucketClass` decides: the class to grant now, or -1 and how long until that may change. */
@@ -258,15 +271,12 @@ export function nextBucketClass(
   for (let i = 0; i < lines.length; i++) {
     const cost = lines[i]!.headCost;
     if (cost === undefined) continue;
-    const f = shares.ceiling[i]!;
-    if (f < 1) {
-      const c = ceilingAt(ledger, shares, config, i, now);
-      if (c + EPSILON < cost) {
-        changes = Math.min(changes, msUntil(c, cost, config.refillPerSecond * f));
-        continue;
-      }
+    const c = ceilingAt(ledger, shares, config, i, now);
+    if (c + EPSILON < cost) {
+      changes = Math.min(changes, msUntil(c, cost, config.refillPerSecond * shares.ceiling[i]!));
+      continue;
     }
-    const g = guaranteeAt(ledger, shares, i, now, cost);
+    const g = guaranteeAt(ledger, shares, i, now, cost, lines[i]!.headSince);
     const isOwed = g + EPSILON >= cost;
     if (!isOwed) changes = Math.min(changes, msUntil(g, cost, shares.rate[i]!));
     if (first === -1 || ahead(i, isOwed, first, owed, lines, classes)) {
@@ -284,7 +294,8 @@ export function nextBucketClass(
   if (!owed) {
     for (let i = 0; i < lines.length; i++) {
       if (i === first) continue;
-      const g = guaranteeAt(ledger, shares, i, now, lines[i]!.headCost ?? 0);
+      const line = lines[i]!;
+      const g = guaranteeAt(ledger, shares, i, now, line.headCost ?? 0, line.headSince);
       need += Math.min(Math.max(0, g), shares.kept[i]!);
     }
   }

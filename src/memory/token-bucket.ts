@@ -110,7 +110,8 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
     this.callRule = bucketRule(this.#keyed);
     if (this.#book) {
       this.#shares = bucketShares(this.#config, this.#book.configs);
-      for (let i = 0; i < this.#book.names.length; i++) this.#view.push({ headCost: undefined, headAt: 0 });
+      for (let i = 0; i < this.#book.names.length; i++)
+        this.#view.push({ headCost: undefined, headAt: 0, headSince: 0 });
       this.callRule = both(this.callRule, classRule(this.#book));
     }
     this.init(o.logger);
@@ -147,6 +148,7 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
       const head = b.classLines[i]!.head;
       v.headCost = i === extra ? extraCost : head?.cost;
       v.headAt = i === extra ? Number.POSITIVE_INFINITY : (head?.seq ?? 0);
+      v.headSince = i === extra ? now : (head?.enqueuedAt ?? now);
     }
     return nextBucketClass(
       view,
@@ -168,10 +170,10 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
     return true;
   }
 
-  /** `cost` tokens out of `b` for class `cls`, its turn having come. */
-  #charge(b: KeyBucket, cls: number, cost: number, now: number): void {
+  /** `cost` tokens out of `b` for class `cls`, its turn having come (its call waiting since `since`). */
+  #charge(b: KeyBucket, cls: number, cost: number, now: number, since = now): void {
     this.#take(b, cost, now);
-    chargeClass(b.ledger!, this.#shares!, this.#config, cls, cost, now);
+    chargeClass(b.ledger!, this.#shares!, this.#config, cls, cost, now, since);
   }
 
   protected isIdle(b: KeyBucket, now: number): boolean {
@@ -198,7 +200,7 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
     if (b.ledger) {
       for (let cls = this.#pick(b, now).cls; cls >= 0; cls = this.#pick(b, now).cls) {
         const w = b.classLines[cls]!.head!;
-        this.#charge(b, cls, w.cost, now);
+        this.#charge(b, cls, w.cost, now, w.enqueuedAt);
         this.#granted(b, this.grant(w, "token"), cls);
       }
       return;
@@ -365,7 +367,16 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
   /** `amount` tokens back to class `cls` of `b` (up to what its ledger holds with its head waiting). */
   #credit(b: KeyBucket, cls: number, amount: number, now: number): void {
     const head = b.classLines[cls]!.head;
-    creditClass(b.ledger!, this.#shares!, this.#config, cls, amount, now, head?.cost ?? 0);
+    creditClass(
+      b.ledger!,
+      this.#shares!,
+      this.#config,
+      cls,
+      amount,
+      now,
+      head?.cost ?? 0,
+      head?.enqueuedAt ?? now,
+    );
   }
 
   /** The key's bucket of a line: itself, or the bucket a class's line belongs to. */

@@ -52,7 +52,7 @@ function simulate(config: BucketConfig, classes: ClassConfig[], demand: (Demand 
   const got = classes.map(() => 0);
   const times: number[][] = classes.map(() => []);
   let seq = 0;
-  const lines: BucketClassLine[] = classes.map(() => ({ headCost: undefined, headAt: 0 }));
+  const lines: BucketClassLine[] = classes.map(() => ({ headCost: undefined, headAt: 0, headSince: 0 }));
   const out: BucketPick = { cls: -1, waitMs: 0 };
   let now = 0;
   const refresh = () => {
@@ -62,6 +62,7 @@ function simulate(config: BucketConfig, classes: ClassConfig[], demand: (Demand 
       else if (lines[i]!.headCost === undefined) {
         lines[i]!.headCost = d.cost;
         lines[i]!.headAt = ++seq;
+        lines[i]!.headSince = now;
       }
     });
   };
@@ -73,7 +74,7 @@ function simulate(config: BucketConfig, classes: ClassConfig[], demand: (Demand 
       const i = out.cls;
       const cost = lines[i]!.headCost!;
       expect(takeInPlace(bucket, config, cost, now), `take at ${now}`).toBe(true);
-      chargeClass(ledger, shares, config, i, cost, now);
+      chargeClass(ledger, shares, config, i, cost, now, lines[i]!.headSince);
       got[i]! += cost;
       times[i]!.push(now);
       lines[i]!.headCost = undefined;
@@ -128,6 +129,41 @@ describe("the ledger", () => {
     expect(guaranteeAt(l, s, 1, 0)).toBe(4);
   });
 
+  it("refills nothing for a clock that went back, and never moves a class's time back", () => {
+    const s = bucketShares(CONFIG, TWO);
+    const l = newLedger(s, 0);
+    chargeClass(l, s, CONFIG, 1, 4, 1000);
+    chargeClass(l, s, CONFIG, 1, 0, 500);
+    expect(guaranteeAt(l, s, 1, 500)).toBe(0);
+    // Had the charge at 500 moved the class's time back, 1000 would read 10 tokens refilled.
+    expect(guaranteeAt(l, s, 1, 1000)).toBe(0);
+    expect(guaranteeAt(l, s, 1, 1050)).toBeCloseTo(1);
+  });
+
+  it("credits up to its capacity, or its capacity plus the head's cost while one waits; the ceiling up to its own", () => {
+    const s = bucketShares(CONFIG, [cls(3), cls(1, { maxShare: 0.5 })]);
+    const l = newLedger(s, 0);
+    creditClass(l, s, CONFIG, 1, 3, 0, 2);
+    expect(guaranteeAt(l, s, 1, 0, 2)).toBe(7);
+    chargeClass(l, s, CONFIG, 1, 10, 0);
+    expect(guaranteeAt(l, s, 1, 0)).toBe(0);
+    creditClass(l, s, CONFIG, 1, 4, 0);
+    // The ceiling (10 tokens) was charged 10 and got 4 back: a head of 5 is skipped, one of 4 is not.
+    const lines: BucketClassLine[] = [
+      { headCost: undefined, headAt: 0, headSince: 0 },
+      { headCost: 5, headAt: 1, headSince: 0 },
+    ];
+    const out: BucketPick = { cls: -1, waitMs: 0 };
+    const bucket = fullBucket(20, 0);
+    nextBucketClass(lines, l, s, [cls(3), cls(1, { maxShare: 0.5 })], bucket, CONFIG, 0, out);
+    expect(out).toEqual({ cls: -1, waitMs: 20 });
+    lines[1]!.headCost = 4;
+    nextBucketClass(lines, l, s, [cls(3), cls(1, { maxShare: 0.5 })], bucket, CONFIG, 0, out);
+    expect(out.cls).toBe(1);
+    creditClass(l, s, CONFIG, 1, 100, 0);
+    expect(ledgerIsFull(l, s, CONFIG, 0)).toBe(true);
+  });
+
   it("is full again, like a fresh one, once every class has refilled", () => {
     const s = bucketShares(CONFIG, [cls(1), cls(1, { maxShare: 0.5 })]);
     const l = newLedger(s, 0);
@@ -137,6 +173,18 @@ describe("the ledger", () => {
     // Guarantee: 10 at 50/s is 200 ms; ceiling: 10 at 50/s, 200 ms too.
     expect(ledgerIsFull(l, s, CONFIG, 199)).toBe(false);
     expect(ledgerIsFull(l, s, CONFIG, 200)).toBe(true);
+    // A guarantee short by a hair, or a ceiling, each keeps it from being full.
+    const g = newLedger(s, 0);
+    chargeClass(g, s, CONFIG, 0, 1, 0);
+    // One token at 50/s: 20 ms.
+    expect(ledgerIsFull(g, s, CONFIG, 19)).toBe(false);
+    expect(ledgerIsFull(g, s, CONFIG, 20)).toBe(true);
+    const c = newLedger(s, 0);
+    chargeClass(c, s, CONFIG, 1, 1, 0);
+    creditClass(c, s, CONFIG, 1, 1, 0);
+    expect(ledgerIsFull(c, s, CONFIG, 0)).toBe(true);
+    c.ceiling[1] = 9;
+    expect(ledgerIsFull(c, s, CONFIG, 0)).toBe(false);
   });
 });
 
@@ -155,7 +203,11 @@ describe("nextBucketClass", () => {
       waitMs: 0,
     });
   };
-  const line = (headCost: number | undefined, headAt = 0): BucketClassLine => ({ headCost, headAt });
+  const line = (headCost: number | undefined, headAt = 0): BucketClassLine => ({
+    headCost,
+    headAt,
+    headSince: 0,
+  });
 
   it.each([
     // [what, interactive head, bulk head, bucket tokens, set-up, class, wait ms]
@@ -167,17 +219,18 @@ describe("nextBucketClass", () => {
     ["an owed head that does not fit blocks the borrower behind it", 5, 1, 3, "bulk borrowed", -1, 20],
   ] as const)("%s", (_what, i, b, tokens, setUp, expected, wait) => {
     const lines = [line(i, setUp === "bulk first" ? 2 : 1), line(b, setUp === "bulk first" ? 1 : 2)];
-    const p = pick(lines, TWO, tokens, (l, s) => {
-      if (setUp === "bulk borrowed") chargeClass(l, s, CONFIG, 1, 30, 0);
+    const p = pick(lines, TWO, tokens, (l) => {
+      // Bulk has drawn its whole guarantee (borrowing): its ledger is empty.
+      if (setUp === "bulk borrowed") l.guarantee[1] = 0;
     });
     expect(p.cls).toBe(expected);
     expect(p.waitMs).toBe(wait);
   });
 
   it("among borrowers the higher priority goes first, whoever came first", () => {
-    const p = pick([line(1, 2), line(1, 1)], TWO, 5, (l, s) => {
-      chargeClass(l, s, CONFIG, 0, 40, 0);
-      chargeClass(l, s, CONFIG, 1, 40, 0);
+    const p = pick([line(1, 2), line(1, 1)], TWO, 5, (l) => {
+      l.guarantee[0] = 0;
+      l.guarantee[1] = 0;
     });
     expect(p.cls).toBe(0);
   });
@@ -185,8 +238,9 @@ describe("nextBucketClass", () => {
   it("a borrower leaves what an idle class keeps (lendable below 1), an owed head does not look at it", () => {
     const classes = [cls(80, { lendable: 0.5 }), cls(20)];
     // Interactive keeps 8 of its 16; bulk has borrowed, so it needs 1 + 8 tokens.
-    const borrowed = (l: ReturnType<typeof newLedger>, s: ReturnType<typeof bucketShares>) =>
-      chargeClass(l, s, CONFIG, 1, 30, 0);
+    const borrowed = (l: ReturnType<typeof newLedger>) => {
+      l.guarantee[1] = 0;
+    };
     expect(pick([line(undefined), line(1)], classes, 8, borrowed)).toEqual({ cls: -1, waitMs: 10 });
     expect(pick([line(undefined), line(1)], classes, 9, borrowed).cls).toBe(1);
     // Bulk owed (nothing drawn): it goes with 1 token.
@@ -240,7 +294,7 @@ describe("nextBucketClass", () => {
             if (r.head !== undefined && r.head > classMaxCost(s, i)) r.head = undefined;
             chargeClass(l, s, CONFIG, i, r.drawn, 0);
           });
-          const lines = rows.map((r, i) => ({ headCost: r.head, headAt: i }));
+          const lines = rows.map((r, i) => ({ headCost: r.head, headAt: i, headSince: 0 }));
           const bucket = { ...fullBucket(20, 0), tokens };
           const out: BucketPick = { cls: -1, waitMs: 0 };
           nextBucketClass(lines, l, s, classes, bucket, CONFIG, 0, out);

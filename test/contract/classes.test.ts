@@ -783,6 +783,21 @@ describe("traffic classes on a memory token bucket", () => {
     await expect(b.admit({ class: "bulk" })).rejects.toThrow("key");
   });
 
+  it("forgets an idle key only once every class's share has refilled too", async () => {
+    const b = mem.tokenBucket("tb", { ...BUCKET, keyed: true }) as unknown as Stage & {
+      evictIdle(): number;
+      keyCount: number;
+    };
+    for (let k = 0; k < 4; k++) await b.admit({ key: "k", class: "bulk" });
+    // The bucket is full again after 40 ms; bulk's share (4 tokens at 20 a second) after 200 ms.
+    await clock.advance(100);
+    expect(b.evictIdle()).toBe(0);
+    expect(b.keyCount).toBe(1);
+    await clock.advance(100);
+    expect(b.evictIdle()).toBe(1);
+    expect(b.keyCount).toBe(0);
+  });
+
   it("takes its class from a gate", async () => {
     const b = mem.tokenBucket("tb", BUCKET);
     const gate = new Gate([b], { clock });
