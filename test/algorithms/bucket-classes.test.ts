@@ -227,6 +227,35 @@ describe("nextBucketClass", () => {
     expect(p.waitMs).toBe(wait);
   });
 
+  it("orders heads the same whichever class is declared first", () => {
+    // Both owed: the earlier head, here the first class's.
+    expect(pick([line(1, 1), line(1, 2)], TWO, 5).cls).toBe(0);
+    // Both borrowing, the higher priority declared second: it goes first.
+    const lowFirst = [cls(20), cls(80, { priority: 1 })];
+    const borrowing = (l: ReturnType<typeof newLedger>) => {
+      l.guarantee[0] = 0;
+      l.guarantee[1] = 0;
+    };
+    expect(pick([line(1, 1), line(1, 2)], lowFirst, 5, borrowing).cls).toBe(1);
+    // Same priority, both borrowing: the earlier head.
+    const same = [cls(20), cls(80)];
+    expect(pick([line(1, 2), line(1, 1)], same, 5, borrowing).cls).toBe(1);
+    expect(pick([line(1, 1), line(1, 2)], same, 5, borrowing).cls).toBe(0);
+    // An owed class declared second goes before a borrower declared first.
+    expect(
+      pick([line(1, 1), line(1, 2)], same, 5, (l) => {
+        l.guarantee[0] = 0;
+      }).cls,
+    ).toBe(1);
+  });
+
+  it("a borrower does not leave room for the kept part of its own guarantee", () => {
+    // Bulk keeps half of its 4 (2) but is borrowing, with 1 left in its ledger; interactive idle
+    // and lending all: bulk's head of 2 needs 2 tokens, not 2 + its own 1.
+    const classes = [cls(80), cls(20, { lendable: 0.5 })];
+    expect(pick([line(undefined), line(2)], classes, 2, (l) => void (l.guarantee[1] = 1)).cls).toBe(1);
+  });
+
   it("among borrowers the higher priority goes first, whoever came first", () => {
     const p = pick([line(1, 2), line(1, 1)], TWO, 5, (l) => {
       l.guarantee[0] = 0;
