@@ -253,7 +253,10 @@ describe("nextBucketClass", () => {
     // Bulk keeps half of its 4 (2) but is borrowing, with 1 left in its ledger; interactive idle
     // and lending all: bulk's head of 2 needs 2 tokens, not 2 + its own 1.
     const classes = [cls(80), cls(20, { lendable: 0.5 })];
-    expect(pick([line(undefined), line(2)], classes, 2, (l) => void (l.guarantee[1] = 1)).cls).toBe(1);
+    const bulkHasOne = (l: ReturnType<typeof newLedger>) => {
+      l.guarantee[1] = 1;
+    };
+    expect(pick([line(undefined), line(2)], classes, 2, bulkHasOne).cls).toBe(1);
   });
 
   it("among borrowers the higher priority goes first, whoever came first", () => {
