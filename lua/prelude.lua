@@ -297,7 +297,7 @@ local function floodgate_set_used(meta, used, c, seq)
   end
   local args = { 'used', used }
   for i = 1, c.n do
-    args[2 * i + 1] = c.fields[i]
+    args[2 * i + 1] = c.fields[i + 1]
     args[2 * i + 2] = math.max(0, c.used[i])
   end
   if seq then
@@ -309,7 +309,8 @@ end
 
 -- The traffic classes of a permit stage from `spec`, "share,maxShare,lendable,priority" per
 -- class in declaration order joined by ";", or nil for "" (a stage without classes). What each
--- class holds lives in meta as u0, u1, …, read into c.used (1-based) by c.load. The methods are
+-- class holds lives in meta as u0, u1, …, read into c.used (1-based) by c.load, beside the
+-- classes of the last process that acquired (`cls`, read into c.stored). The methods are
 -- made here, so a script run for a stage without classes pays for none of them:
 --   c.bounds(limit)    guarantees, ceilings and kept parts (the twin of `guarantees` in
 --                      src/algorithms/classes.ts)
@@ -318,7 +319,7 @@ end
 --   c.load(meta), c.free(member), c.goes(…), c.grant(…): below
 local function floodgate_classes(spec)
   if spec == nil or spec == '' then return nil end
-  local c = { n = 0, fields = {}, used = {} }
+  local c = { n = 0, fields = { 'cls' }, used = {}, spec = spec }
   local share, maxShare, lendable, priority = {}, {}, {}, {}
   for s, m, l, p in string.gmatch(spec, '([^,;]+),([^,;]+),([^,;]+),([^,;]+)') do
     local n = c.n + 1
@@ -327,7 +328,7 @@ local function floodgate_classes(spec)
     maxShare[n] = tonumber(m)
     lendable[n] = tonumber(l)
     priority[n] = tonumber(p)
-    c.fields[n] = 'u' .. (n - 1)
+    c.fields[n + 1] = 'u' .. (n - 1)
   end
 
   -- Divide `limit` permits by the shares, the leftovers to the largest remainders (the earlier
@@ -401,10 +402,19 @@ local function floodgate_classes(spec)
     return 0
   end
 
-  -- Read what each class holds from `meta` into c.used.
+  -- Read what each class holds from `meta` into c.used, and the classes stored there.
   function c.load(meta)
     local v = redis.call('HMGET', meta, unpack(c.fields))
-    for i = 1, c.n do c.used[i] = tonumber(v[i]) or 0 end
+    c.stored = v[1]
+    for i = 1, c.n do c.used[i] = tonumber(v[i + 1]) or 0 end
+  end
+
+  -- Store this caller's classes in `meta` (c.load done) when they are not what is there; returns
+  -- what was there when it differed (another process built the stage with other classes), else "".
+  function c.agree(meta)
+    if c.stored == c.spec then return '' end
+    redis.call('HSET', meta, 'cls', c.spec)
+    return c.stored or ''
   end
 
   -- Permits of `member` no longer held by its class (a release, a lapsed grant, a reaped lease).

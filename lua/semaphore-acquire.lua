@@ -30,7 +30,7 @@
 -- ARGV[15] member2     more callers of this turn, each a member and its "again" flag (ARGV[16]),
 --                      and so on: each is decided in turn, exactly as if each had called alone
 --
--- Returns {granted, fenceOrWaitMs, used, limit, epoch, grants, quarantineMs, now}:
+-- Returns {granted, fenceOrWaitMs, used, limit, epoch, grants, quarantineMs, now, elsewhere}:
 --   granted = 1: fenceOrWaitMs is the fencing token (increases with every grant)
 --   granted = 0: fenceOrWaitMs is ms until the nearest lease expires or the quarantine ends
 --                (-1: neither)
@@ -42,6 +42,9 @@
 --   grants: the waiters this call granted at the head of the line (see floodgate_grant_heads),
 --           each as the message PUBLISHed on `channel`; `member` itself may be among them
 --   quarantineMs: > 0 while grants are held back because Redis lost this stage's data
+--   elsewhere: on a stage with classes only: the classes another process stored (meta field
+--              `cls`) when they differ from this caller's ARGV[14], else ""; this caller's are
+--              stored in their place
 -- With more than one member, returns one such reply per member, in order.
 --
 -- Data loss (a restart without persistence, FLUSHALL, a failover to a stale replica) shows as a
@@ -88,11 +91,18 @@ local function serve(head, used, limit, epoch, member)
   return {}, used
 end
 
-local function acquire(member, again)
+-- Classes another process stored in meta that differ from this caller's ("" when none): the
+-- ninth field of every reply on a stage with classes.
+local elsewhere = nil
+
+local function decide(member, again)
   local cost = floodgate_cost(member)      -- permits
   local k = classes and floodgate_class(member) + 1 or 1    -- its class (1-based)
   local state = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'seq', 'quarantine')
-  if classes then classes.load(meta) end
+  if classes then
+    classes.load(meta)
+    if not elsewhere then elsewhere = classes.agree(meta) end
+  end
   local used  = tonumber(state[1]) or 0
   local limit = tonumber(ARGV[3])
   local epoch = 0
@@ -234,6 +244,12 @@ local function acquire(member, again)
   local waitMs = -1
   if first[2] then waitMs = math.max(0, tonumber(first[2]) - now) end
   return {0, waitMs, used, limit, epoch, grants, 0, now}
+end
+
+local function acquire(member, again)
+  local reply = decide(member, again)
+  if classes then reply[9] = elsewhere end
+  return reply
 end
 
 if #ARGV <= 14 then return acquire(ARGV[2], ARGV[10]) end

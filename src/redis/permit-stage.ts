@@ -47,6 +47,8 @@ type AcquireReply = [
   grants: string[],
   quarantineMs: number,
   now: number,
+  /** On a stage with classes: the classes another process built it with, when they differ; else "". */
+  elsewhere?: string,
 ];
 
 /** Settings that make a permit stage a semaphore, a bounded queue or an AIMD limiter. */
@@ -105,6 +107,8 @@ export abstract class RedisPermitStage extends BaseStage {
   /** Highest fencing token seen: a sequence below it in Redis means Redis lost its data. */
   #lastFence = 0;
   #quarantined = false;
+  /** The other classes last reported by an acquire (see `#saw`), so each is warned about once. */
+  #elsewhere = "";
   #listening = false;
   /** Renews this stage's leases and gives its process's sign of life. */
   readonly #leases: LeaseKeeper;
@@ -273,6 +277,14 @@ export abstract class RedisPermitStage extends BaseStage {
       this.log.warn({ quarantineMs }, "Redis lost this stage's data; no grants until held leases have ended");
     }
     this.#quarantined = quarantineMs > 0;
+    const elsewhere = reply[8];
+    if (typeof elsewhere === "string" && elsewhere !== "" && elsewhere !== this.#elsewhere) {
+      this.#elsewhere = elsewhere;
+      this.log.warn(
+        { theirs: elsewhere, ours: this.classSpec },
+        "another process built this stage with other classes: grants follow the classes of the process that makes them; build it with the same classes, in the same order, everywhere",
+      );
+    }
     if (Number(reply[0]) === 1) this.#lastFence = Math.max(this.#lastFence, Number(reply[1]));
   }
 

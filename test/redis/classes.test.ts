@@ -1,4 +1,4 @@
-import type { Ticket } from "floodgate";
+import type { Logger, Ticket } from "floodgate";
 import { redis, scriptSource } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
@@ -211,6 +211,33 @@ describe("traffic classes across processes", () => {
   }
 
   const classes = { interactive: { share: 3, priority: 1 }, bulk: { share: 1 } };
+
+  it("warns, once per difference, when another process built the stage with other classes", async () => {
+    const prefix = randomPrefix("classes-differ");
+    const warned: { obj: object; msg?: string }[] = [];
+    const logger: Logger = {
+      child: () => logger,
+      debug: () => {},
+      info: () => {},
+      warn: (obj, msg) => void warned.push({ obj, msg }),
+      error: () => {},
+    };
+    const [a, b] = await processes(2, prefix);
+    const semA = a!.semaphore("cls", { limit: 4, classes, logger });
+    const semB = b!.semaphore("cls", {
+      limit: 4,
+      classes: { interactive: { share: 1 }, bulk: { share: 1 } },
+    });
+    await (await semA.admit({ class: "bulk" })).release("success");
+    expect(warned).toEqual([]);
+    await (await semB.admit({ class: "bulk" })).release("success");
+    await (await semA.admit({ class: "bulk" })).release("success");
+    await (await semA.admit({ class: "bulk" })).release("success");
+    expect(warned.map((w) => w.msg)).toEqual([
+      expect.stringContaining("another process built this stage with other classes"),
+    ]);
+    expect(warned[0]!.obj).toEqual({ theirs: "1,1,1,0;1,1,1,0", ours: "3,1,1,1;1,1,1,0" });
+  });
 
   it("serves the owed class of another process first, and each class in arrival order across processes", async () => {
     const prefix = randomPrefix("classes");
