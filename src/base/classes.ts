@@ -114,6 +114,11 @@ export class ClassBook {
     if (i !== undefined) this.take(i, cost);
   }
 
+  /** A ticket of class `i` re-priced by `delta` (a settle): what the class's tickets cost. */
+  reprice(i: number, delta: number): void {
+    this.used[i]! += delta;
+  }
+
   /** `cost` permits of the class named `name` given back. */
   giveBack(name: string, cost: number): void {
     const i = this.#index.get(name);

@@ -350,13 +350,14 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
     const estimated = ticket.cost;
     if (actual === estimated) return;
     ticket.cost = actual;
+    const cls = (ticket as BucketTicket).cls;
+    // What the class's tickets cost follows the ticket, whether or not tokens come back.
+    if (cls >= 0) this.#book!.reprice(cls, actual - estimated);
     const now = this.clock.now();
     const b = this.line(ticket.key, now);
     // A charge may leave a debt (see settleInPlace); a give-back needs the latest grant.
     if (!settleInPlace(b, this.#config, actual - estimated, b.lastGrant === ticket, now)) return;
-    const cls = (ticket as BucketTicket).cls;
     if (cls >= 0) {
-      this.#book!.giveBack(this.#book!.names[cls]!, estimated - actual);
       if (actual > estimated)
         chargeClass(b.ledger!, this.#shares!, this.#config, cls, actual - estimated, now);
       else this.#credit(b, cls, estimated - actual, now);

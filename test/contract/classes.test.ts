@@ -748,7 +748,9 @@ describe("traffic classes on a memory token bucket", () => {
       refillPerSecond: 100,
       classes: { a: { share: 1, maxShare: 0.25 }, b: { share: 3 } },
     });
-    await expect(b.admit({ class: "a", cost: 6 })).rejects.toThrow('ceiling of class "a" (5)');
+    await expect(b.admit({ class: "a", cost: 6 })).rejects.toThrow(
+      'tokenBucket "tb": cost must be <= the ceiling of class "a" (5)',
+    );
     await expect(b.admit({ class: "a", cost: 5 })).resolves.toBeDefined();
     await expect(b.admit({ class: "b", cost: 15 })).resolves.toBeDefined();
   });
@@ -796,6 +798,95 @@ describe("traffic classes on a memory token bucket", () => {
     await clock.advance(100);
     expect(b.evictIdle()).toBe(1);
     expect(b.keyCount).toBe(0);
+  });
+
+  it("a newcomer does not pass an owed head of another class that came first", async () => {
+    const b = mem.tokenBucket("tb", BUCKET);
+    await Promise.all(Array.from({ length: 18 }, () => b.admit({ class: "interactive" })));
+    // Bulk (owed: it has drawn nothing) asks for 4 with 2 in the bucket: it waits.
+    const bulk = track(b.admit({ class: "bulk", cost: 4 }));
+    await clock.flush();
+    expect(bulk.settled).toBe(false);
+    // Interactive asks for 1, which the bucket holds: bulk came first, so it waits behind.
+    expect(await b.tryAdmit({ class: "interactive" })).toBeUndefined();
+    await clock.advance(20);
+    expect(bulk.settled).toBe(true);
+  });
+
+  it("a class whose calls cost more than its share of the capacity still gets its share of the rate", async () => {
+    // Bulk's share: 20 a second, 4 of the capacity; its calls cost 10.
+    const b = mem.tokenBucket("tb", BUCKET);
+    let on = true;
+    const interactive = saturate(b, clock, "interactive", () => on);
+    const bulk = saturate(b, clock, "bulk", () => on, 10);
+    await clock.advance(5_000);
+    on = false;
+    await b.close();
+    expect(bulk.length * 10).toBeGreaterThanOrEqual(100 - 10);
+    expect(interactive.length).toBeGreaterThanOrEqual(400 - 10);
+  });
+
+  it("settles a class's ticket on the class too: what it holds, and its share", async () => {
+    const b = mem.tokenBucket("tb", BUCKET);
+    const t = await b.admit({ class: "interactive", cost: 4 });
+    expect(b.snapshot().classes!.interactive).toMatchObject({ inFlight: 1, held: 4 });
+    await t.settle(6);
+    expect(b.snapshot().classes!.interactive).toMatchObject({ inFlight: 1, held: 6 });
+    await t.settle(1);
+    expect(b.snapshot().classes!.interactive).toMatchObject({ inFlight: 1, held: 1 });
+    await t.release("success");
+    expect(b.snapshot().classes!.interactive).toMatchObject({ inFlight: 0, held: 0, admitted: 1 });
+    // A settle that charges bulk more than its share leaves it borrowing: interactive, asking
+    // after it, goes first.
+    const drained = await Promise.all(
+      Array.from({ length: 4 }, () => b.admit({ class: "interactive", cost: 4 })),
+    );
+    const big = await b.admit({ class: "bulk", cost: 3 });
+    await big.settle(4);
+    // The bucket is at -1 (the settle's debt): its next token comes in 20 ms.
+    const bulkNext = track(b.admit({ class: "bulk" }));
+    const interactiveNext = track(b.admit({ class: "interactive" }));
+    await clock.advance(20);
+    expect(interactiveNext.settled).toBe(true);
+    expect(bulkNext.settled).toBe(false);
+    expect(drained.length).toBe(4);
+  });
+
+  it("shows each class's ceiling in tokens a second", () => {
+    const b = mem.tokenBucket("tb", {
+      ...BUCKET,
+      classes: { a: { share: 1, maxShare: 0.5 }, b: { share: 3 } },
+    });
+    expect(b.snapshot().classes).toMatchObject({
+      a: { guarantee: 25, ceiling: 50, kept: 0 },
+      b: { guarantee: 75, ceiling: 100 },
+    });
+  });
+
+  it("rejects the waiters of every class on close", async () => {
+    const b = mem.tokenBucket("tb", BUCKET);
+    await Promise.all(Array.from({ length: 20 }, () => b.admit({ class: "bulk" })));
+    const waiting = [track(b.admit({ class: "interactive" })), track(b.admit({ class: "bulk" }))];
+    await b.close();
+    await clock.flush();
+    expect(waiting.map((w) => w.error?.constructor.name)).toEqual(["ClosedError", "ClosedError"]);
+  });
+
+  it("keeps a key whose class waits at its ceiling, even with its bucket full", async () => {
+    const b = mem.tokenBucket("tb", {
+      capacity: 20,
+      refillPerSecond: 100,
+      keyed: true,
+      classes: { a: { share: 1, maxShare: 0.5 }, b: { share: 3 } },
+    }) as unknown as Stage & { evictIdle(): number; keyCount: number };
+    // Class a spends its ceiling of 10, then waits for 10 more while the bucket refills.
+    await b.admit({ key: "k", class: "a", cost: 10 });
+    const waiting = track(b.admit({ key: "k", class: "a", cost: 10 }));
+    await clock.advance(150);
+    expect(waiting.settled).toBe(false);
+    expect(b.evictIdle()).toBe(0);
+    await clock.advance(100);
+    expect(waiting.settled).toBe(true);
   });
 
   it("takes its class from a gate", async () => {
