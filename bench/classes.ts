@@ -5,8 +5,6 @@
  * on Redis with the bulk producers spread over worker processes and the interactive calls made
  * by one more (`redis-classes`, bench/classes-worker.ts).
  */
-import { type ChildProcess, fork } from "node:child_process";
-import { once } from "node:events";
 import { type Backend, memory } from "floodgate";
 import type { ClassesRun } from "./classes-worker.js";
 import {
@@ -25,6 +23,7 @@ import {
   verdict,
 } from "./lib.js";
 import { freshPrefix } from "./redis-clients.js";
+import { BenchWorker, stopWorkers } from "./worker.js";
 
 const LIMIT = 10;
 const SERVICE_MS = 20;
@@ -251,40 +250,7 @@ export const classesBench: Benchmark = {
 /** Bulk worker processes of the Redis form; one more process sends the interactive calls. */
 const BULK_PROCESSES = 4;
 
-type Reply = ({ kind: "done" } & RoleReport) | { kind: "ready" } | { kind: "error"; message: string };
-
-/** A worker process of the Redis form, and its replies in order. */
-class Worker {
-  readonly child: ChildProcess;
-  readonly #replies: Reply[] = [];
-  #notify: (() => void) | undefined;
-
-  constructor(redisUrl: string) {
-    this.child = fork(new URL("./classes-worker.ts", import.meta.url).pathname, [redisUrl], {
-      execArgv: ["--import", "tsx"],
-      stdio: ["ignore", "inherit", "inherit", "ipc"],
-    });
-    this.child.on("message", (m: Reply) => {
-      this.#replies.push(m);
-      this.#notify?.();
-    });
-  }
-
-  async next(timeoutMs: number): Promise<Reply> {
-    const deadline = Date.now() + timeoutMs;
-    while (this.#replies.length === 0) {
-      if (Date.now() > deadline || this.child.exitCode !== null)
-        throw new Error("classes worker did not answer");
-      await new Promise<void>((resolve) => {
-        this.#notify = resolve;
-        setTimeout(resolve, 200);
-      });
-    }
-    const r = this.#replies.shift()!;
-    if (r.kind === "error") throw new Error(`classes worker: ${r.message}`);
-    return r;
-  }
-}
+type Reply = ({ kind: "done" } & RoleReport) | { kind: "ready" };
 
 export const redisClassesBench: Benchmark = {
   name: "redis-classes",
@@ -294,7 +260,10 @@ export const redisClassesBench: Benchmark = {
     const url = await args.redisUrl();
     const seconds = args.seconds ?? (args.quick ? 1 : 3);
     const count = args.rounds ?? (args.quick ? 1 : 3);
-    const workers = Array.from({ length: BULK_PROCESSES + 1 }, () => new Worker(url));
+    const workers = Array.from(
+      { length: BULK_PROCESSES + 1 },
+      () => new BenchWorker<Reply>(new URL("./classes-worker.ts", import.meta.url), [url], "classes worker"),
+    );
     try {
       for (const w of workers) await w.next(30_000);
       const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
@@ -303,8 +272,8 @@ export const redisClassesBench: Benchmark = {
         // Time for every process to build its stages; interactive starts once bulk fills the limit.
         const startAt = nowMs() + 300;
         const endAt = startAt + s * 1000;
-        const busy: Worker[] = [];
-        const send = (w: Worker, role: Role, from: number) => {
+        const busy: BenchWorker<Reply>[] = [];
+        const send = (w: BenchWorker<Reply>, role: Role, from: number) => {
           w.child.send({ kind: "run", setup, role, prefix, startAt: from, endAt } satisfies ClassesRun);
           busy.push(w);
         };
@@ -323,10 +292,7 @@ export const redisClassesBench: Benchmark = {
       const where = ` in ${BULK_PROCESSES} processes, interactive in another`;
       await measure(semaphoreTable("Traffic classes on Redis", where), run, seconds, count);
     } finally {
-      for (const w of workers) {
-        if (w.child.connected) w.child.send({ kind: "exit" });
-      }
-      await Promise.all(workers.map((w) => (w.child.exitCode === null ? once(w.child, "exit") : undefined)));
+      await stopWorkers(workers);
     }
   },
 };

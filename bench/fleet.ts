@@ -7,8 +7,6 @@
  * Admission waits are compared with those of a perfect FIFO queue fed the same service and think
  * times (a simulation of 24 callers on 8 permits with zero handoff cost).
  */
-import { type ChildProcess, fork } from "node:child_process";
-import { once } from "node:events";
 import { startProvider } from "../examples/provider.js";
 import type { Mode, RunMessage, RunReport } from "./fleet-worker.js";
 import {
@@ -28,45 +26,17 @@ import {
   verdict,
 } from "./lib.js";
 import { freshPrefix } from "./redis-clients.js";
+import { BenchWorker, stopWorkers } from "./worker.js";
 
 const WORKERS = 12;
 const PER_WORKER = 2;
 const CAP = 8;
 const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
 
-type Reply = RunReport | { kind: "ready" } | { kind: "error"; message: string };
+type Reply = RunReport | { kind: "ready" };
 
-class Worker {
-  readonly child: ChildProcess;
-  #replies: Reply[] = [];
-  #notify: (() => void) | undefined;
-
-  constructor(redisUrl: string) {
-    this.child = fork(new URL("./fleet-worker.ts", import.meta.url).pathname, [redisUrl], {
-      execArgv: ["--import", "tsx"],
-      stdio: ["ignore", "inherit", "inherit", "ipc"],
-    });
-    this.child.on("message", (m: Reply) => {
-      this.#replies.push(m);
-      this.#notify?.();
-    });
-  }
-
-  async next(timeoutMs: number): Promise<Reply> {
-    const deadline = Date.now() + timeoutMs;
-    while (this.#replies.length === 0) {
-      if (Date.now() > deadline || this.child.exitCode !== null)
-        throw new Error("fleet worker did not answer");
-      await new Promise<void>((resolve) => {
-        this.#notify = resolve;
-        setTimeout(resolve, 200);
-      });
-    }
-    const r = this.#replies.shift()!;
-    if (r.kind === "error") throw new Error(`fleet worker: ${r.message}`);
-    return r;
-  }
-}
+const newWorker = (redisUrl: string) =>
+  new BenchWorker<Reply>(new URL("./fleet-worker.ts", import.meta.url), [redisUrl], "fleet worker");
 
 /** Deterministic pseudo-random numbers for the simulation. */
 function lcg(seed: number) {
@@ -185,7 +155,7 @@ export const fleet: Benchmark = {
           { serviceMs: 5, thinkMs: 0 },
           { serviceMs: 5, thinkMs: 5 },
         ];
-    const workers = Array.from({ length: WORKERS }, () => new Worker(url));
+    const workers = Array.from({ length: WORKERS }, () => newWorker(url));
     try {
       const forked = performance.now();
       for (const w of workers) await w.next(60_000); // ready
@@ -314,10 +284,7 @@ export const fleet: Benchmark = {
         }
       }
     } finally {
-      for (const w of workers) if (w.child.connected) w.child.send({ kind: "exit" });
-      await Promise.all(
-        workers.map((w) => (w.child.exitCode === null ? once(w.child, "exit") : Promise.resolve())),
-      );
+      await stopWorkers(workers);
     }
   },
 };

@@ -443,14 +443,15 @@ local function floodgate_classes(spec)
 
   -- Whether `member` (class k, 1-based, costing `cost`) goes now with `used` of `limit` permits
   -- held (c.load done): nobody of its class is ahead of it, and c.next picks its class with it
-  -- at the head of its line (arrived after everyone when it is not in line yet).
-  function c.goes(k, member, cost, used, limit)
+  -- at the head of its line (arrived after everyone when it is not in line yet). `waiting`:
+  -- whether anyone is in line at all, as the caller has read it.
+  function c.goes(k, member, cost, used, limit, waiting)
     local headCost, headAt = {}, {}
     for i = 1, c.n do
       headCost[i] = false
       headAt[i] = 0
     end
-    if redis.call('ZRANGE', KEYS[2], 0, 0)[1] then
+    if waiting then
       for i = 1, c.n do
         local first
         first, headCost[i], headAt[i] = head(i, 0)
@@ -468,11 +469,10 @@ local function floodgate_classes(spec)
   -- guarantee before any borrower, then to borrowers by priority, and each class is served in
   -- arrival order. A head whose process went silent leaves the line and one nobody listens for
   -- is passed over, as there; granting stops when the head picked does not fit. Keeps c.used up
-  -- to date (the caller writes it, floodgate_set_used). Returns the messages sent and the
-  -- permits now used.
+  -- to date (the caller writes it, floodgate_set_used). The caller has seen someone in line.
+  -- Returns the messages sent and the permits now used.
   function c.grant(used, limit, now, claimMs, epoch, channel, listeners, own)
     local sent = {}
-    if not redis.call('ZRANGE', KEYS[2], 0, 0)[1] then return sent, used end
     limits(limit)
     local heads, headCost, headAt, passed, hears = {}, {}, {}, {}, {}
     for i = 1, c.n do

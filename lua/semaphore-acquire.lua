@@ -80,10 +80,11 @@ local classes     = floodgate_classes(ARGV[14])
 local signed = false
 
 -- Grant the waiters what is free (floodgate_grant_heads from `head`, the first in line, or
--- classes.grant), for a call of `member`. Returns the grants and the permits now used;
+-- classes.grant; `head` nil when not known, read then), for a call of `member`. Returns the grants and the permits now used;
 -- the caller writes them (floodgate_set_used) when there are any.
 local function serve(head, used, limit, epoch, member)
   if classes then
+    if not head and not redis.call('ZRANGE', queue, 0, 0)[1] then return {}, used end
     return classes.grant(used, limit, now, claimMs, epoch, channel, listeners, floodgate_token(member))
   elseif head and used < limit then
     return floodgate_grant_heads(head, used, limit, now, claimMs, epoch, channel, listeners, floodgate_token(member))
@@ -166,7 +167,7 @@ local function decide(member, again)
   head = redis.call('ZRANGE', queue, 0, 0)[1]
   local goes
   if classes then
-    goes = classes.goes(k, member, cost, used, limit)
+    goes = classes.goes(k, member, cost, used, limit, head ~= nil)
   else
     goes = used + cost <= limit and (not head or head == member)
   end
@@ -196,7 +197,7 @@ local function decide(member, again)
       -- What reaping freed goes to the line first; then this call is looked at again.
       grants, used = serve(nil, used, limit, epoch, member)
       if #grants > 0 then floodgate_set_used(meta, used, classes) end
-      goes = classes.goes(k, member, cost, used, limit)
+      goes = classes.goes(k, member, cost, used, limit, redis.call('ZRANGE', queue, 0, 0)[1] ~= nil)
     else
       if head and head ~= member then head = floodgate_live_head(queue, qexp, procs, now) end
       goes = used + cost <= limit and (not head or head == member)

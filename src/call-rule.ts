@@ -69,3 +69,14 @@ export function bucketRule(keyed: boolean): CallRule {
 export function hostRule(defaultHost: string | undefined): CallRule {
   return { keyedBy: "host", check: (name, o) => void gateHost(name, defaultHost, o) };
 }
+
+/** Both rules: `a`'s key (`keyedBy`), and a call checked by `a`, then by `b`. */
+export function bothRules(a: CallRule, b: CallRule): CallRule {
+  return {
+    keyedBy: a.keyedBy,
+    check: (name, o) => {
+      a.check(name, o);
+      b.check(name, o);
+    },
+  };
+}

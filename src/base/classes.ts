@@ -122,7 +122,11 @@ export class ClassBook {
   /** `cost` permits of the class named `name` given back. */
   giveBack(name: string, cost: number): void {
     const i = this.#index.get(name);
-    if (i === undefined) return;
+    if (i !== undefined) this.giveBackAt(i, cost);
+  }
+
+  /** `cost` permits of class `i` given back. */
+  giveBackAt(i: number, cost: number): void {
     this.used[i]! -= cost;
     this.calls[i]!--;
   }

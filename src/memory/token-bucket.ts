@@ -26,7 +26,7 @@ import { type ClassBook, classBook, classRule } from "../base/classes.js";
 import { TimedLine } from "../base/line-stage.js";
 import { BaseTicket } from "../base/stage.js";
 import { type WaitEntry, WaitList } from "../base/wait-list.js";
-import { bucketRule, type CallRule, UNKEYED } from "../call-rule.js";
+import { bothRules, bucketRule, UNKEYED } from "../call-rule.js";
 import type { Clock } from "../clock.js";
 import { DEFAULTS } from "../defaults.js";
 import type { TokenBucketOptions } from "../options.js";
@@ -112,7 +112,7 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
       this.#shares = bucketShares(this.#config, this.#book.configs);
       for (let i = 0; i < this.#book.names.length; i++)
         this.#view.push({ headCost: undefined, headAt: 0, headSince: 0 });
-      this.callRule = both(this.callRule, classRule(this.#book));
+      this.callRule = bothRules(this.callRule, classRule(this.#book));
     }
     this.init(o.logger);
   }
@@ -323,7 +323,7 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
 
   releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): void {
     const cls = (ticket as BucketTicket).cls;
-    if (cls >= 0) this.#book!.giveBack(this.#book!.names[cls]!, ticket.cost);
+    if (cls >= 0) this.#book!.giveBackAt(cls, ticket.cost);
     if (refund) {
       // Tokens come back only when no call has taken from the key since: then the bucket ends
       // up no fuller than if this call had never been admitted. After another grant, the
@@ -440,15 +440,4 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
   evictIdle(): number {
     return this.lines.sweep();
   }
-}
-
-/** Both call rules: the bucket's (its key) and its classes'. */
-function both(a: CallRule, b: CallRule): CallRule {
-  return {
-    keyedBy: a.keyedBy,
-    check: (name, o) => {
-      a.check(name, o);
-      b.check(name, o);
-    },
-  };
 }

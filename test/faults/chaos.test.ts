@@ -1,6 +1,7 @@
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import {
   type ChaosReport,
+  type ChaosSettings,
   DEFAULTS,
   formatReport,
   MIN_CHURN_RATIO,
@@ -23,6 +24,38 @@ function zeros(report: ChaosReport): Record<string, number> {
   return byPhase(report, () => 0);
 }
 
+/** Breaches by phase, but those of a holder frozen after its signal check. */
+const overCap = (report: ChaosReport) => byPhase(report, (p) => p.breaches - p.causes.frozenHolder);
+/** Calls sent by phase on a grant that reached a waiter while it was frozen. */
+const staleGrants = (report: ChaosReport) => byPhase(report, (p) => p.staleGrantSends);
+/** The longest stall of each phase that passed the bound (0 for the others). */
+const overStall = (report: ChaosReport) =>
+  byPhase(report, (p) => (p.stallMs > STALL_BOUND_MS ? p.stallMs : 0));
+/** What Redis holds once every worker has stopped cleanly. */
+const NOTHING_LEFT = { keys: [], liveLeases: 0, expiredLeases: 0, waiters: 0, used: 0, classesUsed: 0 };
+
+/**
+ * One chaos run (soak/chaos.ts) on a redis-server of its own, in `beforeAll`, its figures printed
+ * under `label`; returns the report's getter for the checks.
+ */
+function useChaosRun(label: string, settings: Omit<ChaosSettings, "server" | "phaseMs">): () => ChaosReport {
+  let redis: Awaited<ReturnType<typeof startPersistentRedis>> | undefined;
+  let report: ChaosReport | undefined;
+  const phases = settings.phases ?? PHASES;
+  beforeAll(
+    async () => {
+      redis = await startPersistentRedis();
+      report = await runChaos({ server: redis.server, phaseMs: PHASE_MS, ...settings });
+      console.log(`${label}, ${PHASE_MS / 1000} s per phase:\n${formatReport(report)}`);
+    },
+    PHASE_MS * phases.length + 90_000,
+  );
+  afterAll(async () => {
+    await redis?.remove();
+  });
+  return () => report!;
+}
+
 /**
  * Ten worker processes × three callers share a Redis semaphore of limit 6 (leaseMs 1500; pollMs,
  * livenessMs and claimMs at their defaults) in front of a provider that answers 429 to any
@@ -32,23 +65,10 @@ function zeros(report: ChaosReport): Record<string, number> {
  * One run (soak/chaos.ts) in `beforeAll` prints the figures; each `it` checks one bound.
  */
 describe("a Redis semaphore fleet under crashes, freezes and Redis faults", () => {
-  let redis: Awaited<ReturnType<typeof startPersistentRedis>> | undefined;
-  let report: ChaosReport;
-
-  beforeAll(
-    async () => {
-      redis = await startPersistentRedis();
-      report = await runChaos({ server: redis.server, phaseMs: PHASE_MS });
-      console.log(`chaos, ${PHASE_MS / 1000} s per phase:\n${formatReport(report)}`);
-    },
-    PHASE_MS * PHASES.length + 90_000,
-  );
-
-  afterAll(async () => {
-    await redis?.remove();
-  });
+  const run = useChaosRun("chaos", {});
 
   it("runs every worker to a clean stop and injects every fault of every phase", () => {
+    const report = run();
     expect(report.problems).toEqual([]);
     const faulted = report.phases.filter((p) => p.name !== "calm");
     expect(faulted.map((p) => p.name)).toEqual(PHASES.filter((n) => n !== "calm"));
@@ -59,35 +79,27 @@ describe("a Redis semaphore fleet under crashes, freezes and Redis faults", () =
   });
 
   it("sees every breach the provider counts", () => {
-    expect(report.tapBreaches).toBe(report.providerBreaches);
+    expect(run().tapBreaches).toBe(run().providerBreaches);
   });
 
   it("keeps the provider at or under its cap in every phase, save a holder frozen after its signal check", () => {
-    expect(byPhase(report, (p) => p.breaches - p.causes.frozenHolder)).toEqual(zeros(report));
+    expect(overCap(run())).toEqual(zeros(run()));
   });
 
   it("sends no call on a grant that reached a waiter while it was frozen", () => {
-    expect(byPhase(report, (p) => p.staleGrantSends)).toEqual(zeros(report));
+    expect(staleGrants(run())).toEqual(zeros(run()));
   });
 
   it(`keeps at least ${MIN_CHURN_RATIO * 100}% of the calm throughput while a worker is killed every ${DEFAULTS.killEveryMs} ms`, () => {
-    expect(report.ratio).toBeGreaterThanOrEqual(MIN_CHURN_RATIO);
+    expect(run().ratio).toBeGreaterThanOrEqual(MIN_CHURN_RATIO);
   });
 
   it(`never goes ${STALL_BOUND_MS} ms without a successful call while callers wait`, () => {
-    const over = byPhase(report, (p) => (p.stallMs > STALL_BOUND_MS ? p.stallMs : 0));
-    expect(over).toEqual(zeros(report));
+    expect(overStall(run())).toEqual(zeros(run()));
   });
 
   it("leaves no lease, waiter or key in Redis once the workers have stopped", () => {
-    expect(report.left).toEqual({
-      keys: [],
-      liveLeases: 0,
-      expiredLeases: 0,
-      waiters: 0,
-      used: 0,
-      classesUsed: 0,
-    });
+    expect(run().left).toEqual(NOTHING_LEFT);
   });
 });
 
@@ -99,23 +111,10 @@ describe("a Redis semaphore fleet under crashes, freezes and Redis faults", () =
  */
 describe("a Redis semaphore fleet with traffic classes under crashes, freezes and Redis faults", () => {
   const phases = ["calm", "kill churn", "frozen holders", "frozen waiters", "script flush"] as const;
-  let redis: Awaited<ReturnType<typeof startPersistentRedis>> | undefined;
-  let report: ChaosReport;
-
-  beforeAll(
-    async () => {
-      redis = await startPersistentRedis();
-      report = await runChaos({ server: redis.server, phaseMs: PHASE_MS, phases, classes: true });
-      console.log(`chaos with classes, ${PHASE_MS / 1000} s per phase:\n${formatReport(report)}`);
-    },
-    PHASE_MS * phases.length + 90_000,
-  );
-
-  afterAll(async () => {
-    await redis?.remove();
-  });
+  const run = useChaosRun("chaos with classes", { phases, classes: true });
 
   it("runs every worker to a clean stop and injects every fault", () => {
+    const report = run();
     expect(report.problems).toEqual([]);
     for (const p of report.phases.filter((p) => p.name !== "calm"))
       expect(p.faults, p.name).toBeGreaterThan(0);
@@ -123,23 +122,15 @@ describe("a Redis semaphore fleet with traffic classes under crashes, freezes an
   });
 
   it("keeps the provider at or under its cap in every phase, save a holder frozen after its signal check", () => {
-    expect(byPhase(report, (p) => p.breaches - p.causes.frozenHolder)).toEqual(zeros(report));
-    expect(byPhase(report, (p) => p.staleGrantSends)).toEqual(zeros(report));
+    expect(overCap(run())).toEqual(zeros(run()));
+    expect(staleGrants(run())).toEqual(zeros(run()));
   });
 
   it(`never goes ${STALL_BOUND_MS} ms without a successful call while callers wait`, () => {
-    const over = byPhase(report, (p) => (p.stallMs > STALL_BOUND_MS ? p.stallMs : 0));
-    expect(over).toEqual(zeros(report));
+    expect(overStall(run())).toEqual(zeros(run()));
   });
 
   it("leaves no lease, waiter, class count or key in Redis once the workers have stopped", () => {
-    expect(report.left).toEqual({
-      keys: [],
-      liveLeases: 0,
-      expiredLeases: 0,
-      waiters: 0,
-      used: 0,
-      classesUsed: 0,
-    });
+    expect(run().left).toEqual(NOTHING_LEFT);
   });
 });
