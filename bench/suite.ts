@@ -4,6 +4,7 @@ import { readFileSync } from "node:fs";
 import { cpus, loadavg, totalmem } from "node:os";
 import { command, parseOrExit } from "../examples/cli.js";
 import { bucketClassesBench } from "./bucket-classes.js";
+import { bucketFleet } from "./bucket-fleet.js";
 import { classesBench, redisClassesBench } from "./classes.js";
 import { fleet } from "./fleet.js";
 import { handoff } from "./handoff.js";
@@ -31,6 +32,7 @@ export const BENCHMARKS: readonly Benchmark[] = [
   redisCommands,
   handoff,
   redisClassesBench,
+  bucketFleet,
   fleet,
 ];
 

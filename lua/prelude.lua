@@ -105,14 +105,16 @@ local function floodgate_bucket(key, initial, now, withLast, read)
 end
 
 -- Write a bucket back in one HSET, with `last` set to `grant` unless it is nil, and let it expire
--- once it would be full again anyway (an idle key costs nothing), at most 2^53 - 1 ms from now
--- (a refill too slow, or a debt too deep, to wait out). Unless `s.whole`, only what a take,
+-- once it would be full again anyway (an idle key costs nothing): the refill counts from
+-- updatedAt, which is ahead of `now` while callers are reserved (token-bucket-take); at most
+-- 2^53 - 1 ms from now (a refill too slow, or a debt too deep, to wait out). Unless `s.whole`, only what a take,
 -- refund or settle can move is written: tokens, and updatedAt when it moved. Everything is
 -- worked out before the first write, so nothing is left half written.
-local function floodgate_save_bucket(key, s, capacity, refillPerSecond, recoveryMs, grant)
+local function floodgate_save_bucket(key, s, capacity, refillPerSecond, recoveryMs, grant, now)
   -- Time until idle is at most the refill at the slowest (penalised) rate, or the recovery.
   local fillMs = (capacity - s.tokens) * 1000 / refillPerSecond
   if s.factor < 1 then fillMs = math.max(fillMs / s.factor, recoveryMs) end
+  if s.updatedAt > now then fillMs = fillMs + (s.updatedAt - now) end
   local ttl = string.format('%d', math.min(math.ceil(fillMs) + 1000, 9007199254740991))
   local tokens = floodgate_num(s.tokens)
   if s.whole then

@@ -26,5 +26,5 @@ local t = math.max(now, s.updatedAt)
 local tokens = floodgate_tokens_at(s, capacity, refillPerSecond, recoveryMs, t)
 local next = math.max(minFactor, math.min(1, floodgate_rate_factor(s, recoveryMs, t) * factor))
 s = { tokens = tokens, updatedAt = t, factor = next, penalizedAt = t, whole = true }
-floodgate_save_bucket(bucket, s, capacity, refillPerSecond, recoveryMs)
+floodgate_save_bucket(bucket, s, capacity, refillPerSecond, recoveryMs, nil, now)
 return math.floor(next * 1000)

@@ -34,5 +34,5 @@ else
   s.tokens = math.min(capacity, tokens - delta)
 end
 s.updatedAt = math.max(now, s.updatedAt)
-floodgate_save_bucket(bucket, s, capacity, refillPerSecond, recoveryMs)
+floodgate_save_bucket(bucket, s, capacity, refillPerSecond, recoveryMs, nil, now)
 return math.floor(s.tokens * 1000)

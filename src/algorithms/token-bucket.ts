@@ -86,6 +86,8 @@ export function tokensAt(s: BucketState, c: BucketConfig, now: number): number {
 
 /** Tolerance for float error when comparing token counts. */
 const EPSILON = 1e-9;
+/** The longest wait a Redis script answers (2^53 - 1 ms, the largest integer it sends intact). */
+const LONGEST_MS = 9007199254740991;
 
 /**
  * Milliseconds from `now` until the bucket holds `cost` tokens (0 when it already does), rounded
@@ -131,6 +133,43 @@ export function takeInPlace(s: MutableBucketState, c: BucketConfig, cost: number
 export function take(s: BucketState, c: BucketConfig, cost: number, now: number): BucketState | undefined {
   const next: MutableBucketState = { ...s };
   return takeInPlace(next, c, cost, now) ? next : undefined;
+}
+
+/** What `lineTake` decided: taken now, reserved (go in `waitMs`), or refused (the wait is above `maxWaitMs`). */
+export type LineTake =
+  | { taken: 1; waitMs: 0 }
+  | { taken: 2; waitMs: number; fromMs: number }
+  | { taken: 0; waitMs: number };
+
+/**
+ * A take from a bucket kept as of the end of its line, as the Redis token bucket keeps it
+ * (token-bucket-take): `updatedAt` is when the last reserved caller goes, ahead of `now` while
+ * anyone is reserved, and `tokens` what is left then. A caller is taken now only when nobody is
+ * reserved and its tokens are there. Otherwise it is reserved after the last, once the refill
+ * from then has brought its tokens (taken as of that time, whole milliseconds from `now`, at
+ * least 1), unless that is more than `maxWaitMs` (-1: no bound); then `s` is left as it was.
+ * `fromMs`: when its place began (the caller before it goes, or now), whole ms from `now`.
+ */
+export function lineTakeInPlace(
+  s: MutableBucketState,
+  c: BucketConfig,
+  cost: number,
+  now: number,
+  maxWaitMs: number,
+): LineTake {
+  const from = Math.max(now, s.updatedAt);
+  const tokens = tokensAt(s, c, from);
+  if (from === now && tokens + EPSILON >= cost) {
+    s.tokens = Math.max(0, tokens - cost);
+    s.updatedAt = now;
+    return { taken: 1, waitMs: 0 };
+  }
+  const wait = Math.min(Math.max(1, Math.ceil(from + waitMs(s, c, cost, from) - now - EPSILON)), LONGEST_MS);
+  if (maxWaitMs >= 0 && wait > maxWaitMs) return { taken: 0, waitMs: wait };
+  const at = now + wait;
+  s.tokens = Math.max(0, tokensAt(s, c, at) - cost);
+  s.updatedAt = at;
+  return { taken: 2, waitMs: wait, fromMs: Math.max(0, Math.ceil(from - now - EPSILON)) };
 }
 
 /** Give `cost` unused tokens back to `s` at `now`, in place (never above `capacity`). */

@@ -1,7 +1,8 @@
-/** One call waiting to go out with others: its two per-call arguments and its promise. */
+/** One call waiting to go out with others: its per-call arguments and its promise. */
 interface Pending {
   a: string;
   b: string;
+  c: string;
   resolve: (reply: unknown) => void;
   reject: (error: unknown) => void;
 }
@@ -13,8 +14,9 @@ interface Pending {
  * answers one reply per call. A lone caller so waits for nothing, and a crowd costs Redis one
  * script run per turn instead of one per caller.
  *
- * `send` gets the per-call argument pairs `[a1, b1, a2, b2, …]` and sends one script call; with
- * one pair its reply is that call's, with more it is the list of their replies.
+ * `send` gets the per-call arguments, `width` of them per call (`[a1, b1, a2, b2, …]` for two,
+ * `[a1, b1, c1, a2, …]` for three), and sends one script call; with one call's arguments its
+ * reply is that call's, with more it is the list of their replies.
  */
 export class ScriptBatch {
   #out = 0;
@@ -23,22 +25,26 @@ export class ScriptBatch {
     this.#out--;
   };
 
-  constructor(readonly send: (pairs: string[]) => Promise<unknown>) {}
+  constructor(
+    readonly send: (args: string[]) => Promise<unknown>,
+    readonly width: 2 | 3 = 2,
+  ) {}
 
-  run(a: string, b: string): Promise<any> {
-    if (this.#out === 0) return this.#go([a, b]);
+  /** Send one call's arguments (`c` only when `width` is 3), alone or with this turn's others. */
+  run(a: string, b: string, c = ""): Promise<any> {
+    if (this.#out === 0) return this.#go(this.width === 2 ? [a, b] : [a, b, c]);
     return new Promise((resolve, reject) => {
       if (this.#pending === undefined) {
         this.#pending = [];
         process.nextTick(this.#flush);
       }
-      this.#pending.push({ a, b, resolve, reject });
+      this.#pending.push({ a, b, c, resolve, reject });
     });
   }
 
-  #go(pairs: string[]): Promise<unknown> {
+  #go(args: string[]): Promise<unknown> {
     this.#out++;
-    const reply = this.send(pairs);
+    const reply = this.send(args);
     reply.then(this.#done, this.#done);
     return reply;
   }
@@ -46,17 +52,20 @@ export class ScriptBatch {
   readonly #flush = (): void => {
     const batch = this.#pending!;
     this.#pending = undefined;
+    const width = this.width;
     if (batch.length === 1) {
       const p = batch[0]!;
-      this.#go([p.a, p.b]).then(p.resolve, p.reject);
+      this.#go(width === 2 ? [p.a, p.b] : [p.a, p.b, p.c]).then(p.resolve, p.reject);
       return;
     }
-    const pairs = new Array<string>(batch.length * 2);
+    const args = new Array<string>(batch.length * width);
     for (let i = 0; i < batch.length; i++) {
-      pairs[2 * i] = batch[i]!.a;
-      pairs[2 * i + 1] = batch[i]!.b;
+      const p = batch[i]!;
+      args[width * i] = p.a;
+      args[width * i + 1] = p.b;
+      if (width === 3) args[width * i + 2] = p.c;
     }
-    this.#go(pairs).then(
+    this.#go(args).then(
       (replies) => {
         const list = replies as unknown[];
         for (let i = 0; i < batch.length; i++) batch[i]!.resolve(list[i]);

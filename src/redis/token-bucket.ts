@@ -1,7 +1,8 @@
 import { randomBytes } from "node:crypto";
 import { refuseClasses } from "../base/classes.js";
+import { KeyedLineStage, TimedLine } from "../base/line-stage.js";
 import { BaseTicket } from "../base/stage.js";
-import type { Waiter, WaitList } from "../base/wait-list.js";
+import { type WaitEntry, Waiter, type WaitList } from "../base/wait-list.js";
 import { bucketRule, UNKEYED } from "../call-rule.js";
 import { DEFAULTS } from "../defaults.js";
 import type { TokenBucketOptions } from "../options.js";
@@ -9,17 +10,16 @@ import type { AdmitOptions, Outcome, StageKind, Ticket } from "../types.js";
 import { parseOptions, tokenBucketSchema } from "../validate.js";
 import { ScriptBatch } from "./batch.js";
 import { stageKey } from "./keys.js";
-import { type Attempt, RedisLine, RedisLineStage } from "./line-stage.js";
 import { maybeSent, type RedisLink } from "./link.js";
 import type { RedisContext } from "./semaphore.js";
 
-/** A key's line, with its takes: those made while another is out go together. */
-class BucketLine extends RedisLine {
+/** A key's reserved waiters, and its takes: those made while another is out go together. */
+class BucketLine extends TimedLine {
   constructor(
-    redisKey: string,
+    readonly redisKey: string,
     readonly takes: ScriptBatch,
   ) {
-    super(redisKey);
+    super();
   }
 }
 
@@ -28,22 +28,53 @@ class GrantTicket extends BaseTicket {
   grant = "";
 }
 
-/** Resolves once `line` has no call out: each grant asks for the next head at once. */
-async function untilStill(line: RedisLine, busy: Promise<void>): Promise<void> {
-  for (let call: Promise<void> | undefined = busy; call; call = line.busy) await call;
+/** A caller whose tokens are reserved in Redis: it goes when their time comes. */
+class Reservation extends Waiter {
+  grant = "";
+  /** When it goes, on the stage's clock. */
+  dueAt = 0;
+  /** When its place began (the caller before it goes, or when it asked), on the stage's clock. */
+  fromAt = 0;
+  /** When its `timeoutMs` runs out, on the stage's clock (Infinity: never). */
+  deadline = Number.POSITIVE_INFINITY;
+  /** It came too late for its place and is asking for a new one. */
+  asking = false;
 }
+
+/** A reservation's place in its key's line: what it holds, when it began and when it goes. */
+interface Place {
+  cost: number;
+  grant: string;
+  fromAt: number;
+  dueAt: number;
+}
+
+/**
+ * A take's reply: 1 taken now; 2 reserved (go in `waitMs`, the place began `fromMs` from now); 0
+ * refused (`waitMs` is above the caller's wait).
+ */
+type TakeReply = [taken: number, waitMs: number, fromMs?: number];
+
+/**
+ * How late (ms) a reserved caller may still take its place: a timer on a busy machine fires a
+ * little late. See `RedisTokenBucket.#due`.
+ */
+const LATE_MS = 2;
 
 const GRANT_PREFIX = `${randomBytes(6).toString("hex")}:`;
 let grants = 0;
 
 /**
  * `redis(...).tokenBucket(name, options)`: one bucket per key in Redis, refilled by the server's
- * clock and shared by the fleet. A refusal says exactly how long until the tokens are there, and
- * the caller sleeps that long rather than polling. This process's waiters for a key are served
- * first in, first out; idle keys expire in Redis once they would be full again.
+ * clock and shared by the fleet. A caller whose tokens are not there reserves them in the same
+ * script call (the key goes into debt) and is told when its time comes: the key's callers go in
+ * the order Redis saw them ask, across every process, each after its own tokens have refilled,
+ * with no second call and no polling. A caller that gives up first gives its reservation back.
+ * Idle keys expire in Redis once they would be full again.
  */
-export class RedisTokenBucket extends RedisLineStage<BucketLine> {
+export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
   readonly kind: StageKind = "tokenBucket";
+  override readonly backend = "redis";
   readonly #link: RedisLink;
   readonly #prefix: string;
   readonly #capacity: number;
@@ -60,7 +91,7 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
   readonly #initialArg: string;
 
   constructor(name: string, options: TokenBucketOptions, ctx: RedisContext) {
-    super(name, ctx);
+    super(name, ctx.clock, 10_000);
     const o = parseOptions(tokenBucketSchema, "tokenBucket", name, options);
     refuseClasses("tokenBucket", name, o);
     this.#link = ctx.link;
@@ -93,9 +124,19 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
     ];
   }
 
-  protected newLine(key: string): BucketLine {
-    const redisKey = stageKey(this.#prefix, this.name, `b:${key}`);
-    return new BucketLine(redisKey, new ScriptBatch((pairs) => this.#sendTakes(redisKey, pairs)));
+  protected isIdle(line: BucketLine): boolean {
+    return line.size === 0;
+  }
+
+  /** `key`'s line, made when first asked for. */
+  #line(key: string): BucketLine {
+    let line = this.lines.get(key);
+    if (!line) {
+      const redisKey = stageKey(this.#prefix, this.name, `b:${key}`);
+      line = new BucketLine(redisKey, new ScriptBatch((args) => this.#sendTakes(redisKey, args), 3));
+      this.lines.set(key, line);
+    }
+    return line;
   }
 
   /** A fresh grant id: this process's random prefix and a counter. */
@@ -104,11 +145,12 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
   }
 
   /**
-   * Take `cost` for one caller: at once when no take of this key is out, else with the key's
-   * other takes of this turn of the event loop, in one script call that runs them in order.
+   * Take `cost` for one caller, or reserve it when the caller waits up to `maxWaitMs` ("-1": as
+   * long as it takes): at once when no take of this key is out, else with the key's other takes
+   * of this turn of the event loop, in one script call that runs them in order.
    */
-  #take(line: BucketLine, cost: number, grant: string): Promise<[number, number]> {
-    return line.takes.run(String(cost), grant).catch((error: unknown) => {
+  #take(line: BucketLine, cost: number, grant: string, maxWaitMs: string): Promise<TakeReply> {
+    return line.takes.run(String(cost), grant, maxWaitMs).catch((error: unknown) => {
       // The take may still run once Redis answers; the refund then undoes it (and does
       // nothing if it never ran, or if another grant came after it).
       if (maybeSent(error)) void this.#refundAt(line.redisKey, cost, grant);
@@ -116,10 +158,12 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
     });
   }
 
-  /** Send takes of `redisKey` (pairs of cost and grant): one alone as a plain take, more in one call. */
-  #sendTakes(redisKey: string, pairs: string[]): Promise<unknown> {
-    if (pairs.length === 2) {
-      return this.#link.run(this.name, "token-bucket-take", [redisKey], this.#args(pairs[0]!, pairs[1]!));
+  /** Send takes of `redisKey` (cost, grant, maxWaitMs each): one alone as a plain take, more in one call. */
+  #sendTakes(redisKey: string, triples: string[]): Promise<unknown> {
+    if (triples.length === 3) {
+      const args = this.#args(triples[0]!, triples[1]!);
+      args.push(triples[2]!);
+      return this.#link.run(this.name, "token-bucket-take", [redisKey], args);
     }
     const args: string[] = [
       this.#link.now(),
@@ -127,17 +171,22 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
       this.#refillArg,
       this.#recoveryArg,
       this.#initialArg,
-      ...pairs,
+      ...triples,
     ];
     return this.#link.run(this.name, "token-bucket-take-many", [redisKey], args).then((replies: number[]) => {
-      const each = new Array<[number, number]>(pairs.length / 2);
-      for (let i = 0; i < each.length; i++) each[i] = [replies[2 * i]!, replies[2 * i + 1]!];
+      const each = new Array<TakeReply>(triples.length / 3);
+      for (let i = 0; i < each.length; i++)
+        each[i] = [replies[3 * i]!, replies[3 * i + 1]!, replies[3 * i + 2]!];
       return each;
     });
   }
 
   protected override newTicket(cost: number, key: string, now: number): BaseTicket {
     return new GrantTicket(this, cost, key, now);
+  }
+
+  protected override newWaiter(cost: number, key: string, now: number): Waiter {
+    return new Reservation(this, cost, key, now);
   }
 
   /**
@@ -152,40 +201,118 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
     const cost = o.cost ?? 1;
     const key = this.#keyed ? o.key! : UNKEYED;
     if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
-    const line = this.line(key);
-    if (line.size === 0) return this.#direct(line, key, cost, o);
-    const promise = this.wait(line, cost, key, o);
-    void this.drain(line, key);
-    return promise;
+    return this.#admit(key, cost, o);
   }
 
   /**
-   * Nobody of this process waits for the key: take straight away (many such calls may be out at
-   * once). On a refusal, refuse at once a wait longer than timeoutMs, else line up.
+   * Take, or reserve and wait until the reservation is due. A wait longer than `timeoutMs` is
+   * refused at once, with nothing reserved; one that would end past it once the reply is here
+   * (the round trip counts) gives its reservation back and times out.
    */
-  async #direct(line: BucketLine, key: string, cost: number, o: AdmitOptions): Promise<Ticket> {
+  async #admit(key: string, cost: number, o: AdmitOptions): Promise<Ticket> {
     const startedAt = this.clock.now();
     const grant = this.#grantId();
-    const [taken, waitMs] = await this.#take(line, cost, grant);
-    if (Number(taken) === 1) {
+    const timeoutMs = o.timeoutMs;
+    const bounded = timeoutMs !== undefined && timeoutMs !== Number.POSITIVE_INFINITY;
+    const reply = await this.#take(this.#line(key), cost, grant, bounded ? String(timeoutMs) : "-1");
+    const taken = Number(reply[0]);
+    const waitMs = Number(reply[1]);
+    if (taken === 1) {
       if (o.signal?.aborted) {
         void this.#refund(key, cost, grant);
         throw o.signal.reason;
       }
       return this.#granted(cost, key, grant);
     }
-    if (o.signal?.aborted) throw o.signal.reason;
+    const reserved = taken === 2;
     const elapsed = this.clock.now() - startedAt;
-    const timeoutMs = o.timeoutMs;
-    if (timeoutMs !== undefined && Number(waitMs) > timeoutMs - elapsed) {
+    if (!reserved || this.closed || o.signal?.aborted || (bounded && elapsed + waitMs > timeoutMs)) {
+      // Given back only while it is the key's latest; otherwise its place goes unused.
+      if (reserved) void this.#refund(key, cost, grant);
+      if (o.signal?.aborted) throw o.signal.reason;
+      if (this.closed) throw this.closedSignal.reason;
       this.timedOut++;
-      this.log.warn({ timeoutMs, retryAfterMs: Number(waitMs) }, "admission timed out");
-      throw this.timeoutError(timeoutMs, Number(waitMs));
+      this.log.warn({ timeoutMs, retryAfterMs: waitMs }, "admission timed out");
+      throw this.timeoutError(timeoutMs!, waitMs);
     }
-    const rest = timeoutMs === undefined ? o : { ...o, timeoutMs: timeoutMs - elapsed };
-    const promise = this.wait(line, cost, key, rest);
-    void this.drain(line, key);
-    return promise;
+    // The line of this key now (an idle one may have been swept while the take was out).
+    const w = this.lineUpWaiter(
+      this.#line(key),
+      cost,
+      key,
+      o.signal ? { signal: o.signal } : {},
+    ) as Reservation;
+    w.enqueuedAt = startedAt;
+    if (bounded) w.deadline = startedAt + timeoutMs;
+    this.#place(w, grant, reply);
+    return w.promise;
+  }
+
+  /** Reservation `w` has the place a take's `reply` gave it, as grant `grant`: it goes when due. */
+  #place(w: Reservation, grant: string, reply: TakeReply): void {
+    const now = this.clock.now();
+    const waitMs = Number(reply[1]);
+    w.grant = grant;
+    w.fromAt = now + Number(reply[2]);
+    w.dueAt = now + waitMs;
+    w.timer = this.clock.setTimeout(() => this.#due(w), waitMs);
+  }
+
+  /**
+   * A reservation's time has come: its caller goes. One woken too late (its process was frozen,
+   * or its event loop held up) asks again instead, at the end of the line: its place's tokens
+   * refilled while it did not come, and the bucket may have run full and thrown refill away while
+   * the places after it were used, so going now could pass the cap. A place is kept that long:
+   * until the bucket could have filled the room above its cost (then nothing was thrown away),
+   * and at least `LATE_MS`, the lateness of a timer on a busy machine.
+   */
+  #due(w: Reservation): void {
+    w.timer = undefined;
+    if (!w.list) return;
+    const late = this.clock.now() - w.dueAt;
+    if (late > Math.max(LATE_MS, ((this.#capacity - w.cost) * 1000) / this.#refill)) {
+      this.#again(w, late);
+      return;
+    }
+    (this.grant(w, "token") as GrantTicket).grant = w.grant;
+  }
+
+  /** Ask again for reservation `w`, which came `late` ms after its place (see `#due`). */
+  #again(w: Reservation, late: number): void {
+    w.asking = true;
+    this.log.warn(
+      { key: w.key, lateMs: late },
+      "a reserved caller came too late for its place; it asks again",
+    );
+    const line = this.#line(w.key);
+    const grant = this.#grantId();
+    const left = w.deadline - this.clock.now();
+    const maxWait = w.deadline === Number.POSITIVE_INFINITY ? "-1" : String(Math.max(0, left));
+    this.#take(line, w.cost, grant, maxWait).then(
+      (reply) => {
+        const taken = Number(reply[0]);
+        if (!w.list) {
+          // It left while the take was out: what was taken goes back (while the latest).
+          if (taken !== 0) void this.#refund(w.key, w.cost, grant);
+          return;
+        }
+        w.asking = false;
+        if (taken === 1) {
+          (this.grant(w, "token") as GrantTicket).grant = grant;
+        } else if (taken === 2) {
+          this.#place(w, grant, reply);
+        } else {
+          const timeoutMs = w.deadline - w.enqueuedAt;
+          this.timedOut++;
+          this.log.warn({ key: w.key, timeoutMs }, "admission timed out");
+          this.failWaiter(w, this.timeoutError(timeoutMs, Number(reply[1])));
+        }
+      },
+      (error: unknown) => {
+        this.log.warn({ err: error, key: w.key }, "Redis unavailable; admission failed closed");
+        this.failWaiter(w, error);
+      },
+    );
   }
 
   #granted(cost: number, key: string, grant: string): Ticket {
@@ -202,38 +329,78 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
     const cost = o.cost ?? 1;
     const key = this.#keyed ? o.key! : UNKEYED;
     if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
-    const line = this.line(key);
-    if (line.size > 0) return Promise.resolve(undefined);
     const grant = this.#grantId();
-    return this.#take(line, cost, grant).then(([taken]) =>
+    return this.#take(this.#line(key), cost, grant, "0").then(([taken]) =>
       Number(taken) === 1 ? this.#granted(cost, key, grant) : undefined,
     );
   }
 
-  protected async attempt(line: BucketLine, head: Waiter): Promise<Attempt> {
-    const grant = this.#grantId();
-    const [taken, waitMs] = await this.#take(line, head.cost, grant);
-    if (Number(taken) !== 1) return { granted: false, waitMs: Number(waitMs) };
-    return {
-      granted: true,
-      adopt: (ticket) => {
-        (ticket as GrantTicket).grant = grant;
-      },
-      giveBack: () => void this.#refund(head.key, head.cost, grant),
-    };
+  /**
+   * A reserved caller gave up (abort, a signal that cannot be listened to). Its place goes to
+   * this process's next reservation of the key, as a memory line's next waiter moves up: that
+   * one goes as soon as the place holds its cost (a smaller cost, sooner: the place fills with
+   * the refill up to its time), and its own place goes on to the next, in order, while each fits.
+   * The last place left is given back to Redis, which takes it only while it is the key's latest
+   * (see token-bucket-refund); otherwise it goes unused: at most one caller's tokens per caller
+   * that gives up. Other processes' callers keep their places.
+   */
+  protected afterWaiterGone(list: WaitList, waiter: WaitEntry): void {
+    const line = list as BucketLine;
+    const gone = waiter as Reservation;
+    // One asking again has no place now: what its take brings back is given back then.
+    if (gone.asking) return;
+    let place: Place = { cost: gone.cost, grant: gone.grant, fromAt: gone.fromAt, dueAt: gone.dueAt };
+    const now: Reservation[] = [];
+    for (let next = line.head as Reservation | null; next; next = next.next as Reservation | null) {
+      if (next.seq < gone.seq) continue;
+      if (next.asking) break;
+      const own: Place = { cost: next.cost, grant: next.grant, fromAt: next.fromAt, dueAt: next.dueAt };
+      if (!this.#moveTo(next, place)) break;
+      if (next.dueAt <= this.clock.now()) now.push(next);
+      place = own;
+    }
+    // Those whose new place holds their cost already go now (after the walk: going leaves the line).
+    for (const w of now) {
+      if (w.timer !== undefined) this.clock.clearTimeout(w.timer);
+      this.#due(w);
+    }
+    void this.#refundAt(line.redisKey, place.cost, place.grant);
   }
 
   /**
-   * A waiter's timeout has come: ask Redis for the line's heads until it stops moving, as memory
-   * grants every waiter the tokens cover. Tokens there at this very instant are in time for
-   * each waiter they cover, not only for the head (whose grant alone used to end the wait).
+   * Reservation `w` takes `place` if it can go sooner there: the place's cost is at least its own,
+   * and it goes once the place holds its cost. False, `w` unchanged, when it cannot.
    */
-  protected override grantDue(list: WaitList, key: string): Promise<void> | undefined {
-    const line = list as BucketLine;
-    const busy = this.drain(line, key);
-    return busy && untilStill(line, busy);
+  #moveTo(w: Reservation, place: Place): boolean {
+    if (w.cost > place.cost) return false;
+    // The refill from the place's beginning is its own: a place of cost c due at t holds at least
+    // c - x tokens at t - x / rate, and whatever was left at its beginning. With a penalty the
+    // rate may be lower, so then only at t.
+    const early = this.#penaltyFactor === undefined ? ((place.cost - w.cost) * 1000) / this.#refill : 0;
+    const now = this.clock.now();
+    const dueAt = Math.max(now, place.fromAt, place.dueAt - early);
+    if (dueAt >= w.dueAt) return false;
+    w.dueAt = dueAt;
+    if (w.timer !== undefined) this.clock.clearTimeout(w.timer);
+    w.timer = this.clock.setTimeout(() => this.#due(w), dueAt - now);
+    return true;
   }
 
+  /**
+   * Closing refuses the reserved callers. Only the last of a key's can be given back (and only
+   * while it is the key's latest): the others' places go unused.
+   */
+  override close(): Promise<void> {
+    if (!this.closed) {
+      for (const line of this.lines.map.values()) {
+        const last = line.tail as Reservation | null;
+        if (last) void this.#refundAt(line.redisKey, last.cost, last.grant);
+      }
+    }
+    return super.close();
+  }
+
+  /** Give `cost` back for `grant` (a grant or a reservation), which Redis does only for the key's latest. */
   #refund(key: string, cost: number, grant: string): Promise<unknown> {
     return this.#refundAt(stageKey(this.#prefix, this.name, `b:${key}`), cost, grant);
   }
@@ -251,9 +418,7 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
       // is: its refund ends its claim to be the key's latest, as in memory.
       const grant = (ticket as GrantTicket).grant;
       if (grant === "") return undefined;
-      return this.#refund(key, ticket.cost, grant).then(() => {
-        this.redrain(key);
-      });
+      return this.#refund(key, ticket.cost, grant).then(() => undefined);
     }
     if (outcome === "dropped" && this.#penaltyFactor !== undefined) {
       return this.#link
@@ -300,8 +465,6 @@ export class RedisTokenBucket extends RedisLineStage<BucketLine> {
           (ticket as GrantTicket).grant,
         ],
       )
-      .then(() => {
-        this.redrain(key);
-      });
+      .then(() => undefined);
   }
 }

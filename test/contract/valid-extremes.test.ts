@@ -639,10 +639,37 @@ async function runBoth(run: Run, client: Redis, subscriber: Redis): Promise<void
       if (op.op === "step" && op.ms > ADVANCED && permits && mem.stage.snapshot().waiting > 0) {
         w.parted ??= "a step longer than livenessMs with waiters in line on Redis";
       }
+      // A jump (timers fire late, once, in order) with callers waiting on a bucket: on Redis each
+      // reserved caller's time came during it, so it goes before a later timeout; memory's line
+      // learns who goes next only as each is granted, after the jump, when timeouts are due too.
+      if (
+        op.op === "step" &&
+        op.ms > ADVANCED &&
+        run.spec.kind === "tokenBucket" &&
+        mem.stage.snapshot().waiting > 0
+      ) {
+        w.parted ??= "a jump while callers wait with their places reserved on Redis";
+      }
+      // Callers waiting on a Redis bucket hold their places, taken when they asked: what a settle,
+      // refund or penalty does then moves memory's line (whose waiters hold nothing), not theirs.
+      const moves =
+        op.op === "settle" || op.op === "refund" || (op.op === "release" && op.outcome === "dropped");
+      const lineBefore = run.spec.kind === "tokenBucket" && mem.stage.snapshot().waiting > 0;
+      if (lineBefore && moves) {
+        w.parted ??= "a settle, refund or drop while callers wait with their places reserved on Redis";
+      }
       // A key whose TTL could run out while the step runs, expired or written anew, may differ.
       if (performance.now() + SLOWEST_STEP_MS >= w.redisExpiresAt)
         w.parted ??= "Redis may expire a key in real time";
       for (const side of sides) await apply(side, op, i, run.spec, pickable);
+      // And Redis knows when its line ends: a caller whose wait behind them is longer than its
+      // timeout is refused at once (saying how long), where memory lines it up to find out.
+      if (lineBefore && op.op === "admit") {
+        const onRedis = told(red.calls.at(-1));
+        if (onRedis.startsWith("ADMIT_TIMEOUT") && told(mem.calls.at(-1)) !== onRedis) {
+          w.parted ??= "a timeout behind callers waiting with their places reserved on Redis";
+        }
+      }
       await watch(w, mem, red, run.spec, client, prefix);
       const where = `step ${i} ${JSON.stringify(op)}`;
       const states = (side: Side) => [...side.calls.map(told), told(side.done.get(i))].join(", ");

@@ -7,10 +7,9 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import {
   type BucketConfig,
   type BucketState,
+  lineTakeInPlace,
   penalize,
   refund,
-  take,
-  waitMs,
 } from "../../src/algorithms/token-bucket.js";
 import { redisUrl } from "../contract/backends.js";
 import { closeClient, connectedClient, ROOT, randomPrefix } from "./helpers.js";
@@ -167,6 +166,11 @@ describe("Lua scripts on Redis", () => {
     };
     let s: BucketState | undefined;
     let now = 1_000_000;
+    /** How long a caller waits: not at all, as long as it takes (-1), or up to a few seconds. */
+    const maxWait = () => {
+      const r = random();
+      return r < 0.3 ? 0 : r < 0.6 ? -1 : Math.floor(random() * 3000);
+    };
     try {
       for (let step = 0; step < 1000; step++) {
         const where = `step ${step} at ${now}`;
@@ -183,59 +187,50 @@ describe("Lua scripts on Redis", () => {
           const takes = Array.from({ length: 2 + Math.floor(random() * 4) }, (_, i) => ({
             cost: 1 + Math.floor(random() * 4),
             grant: `g${step}.${i}`,
+            maxWaitMs: maxWait(),
           }));
           const replies = (await run(
             "token-bucket-take-many",
             key,
             ...args(now),
             c.capacity,
-            ...takes.flatMap((t) => [t.cost, t.grant]),
+            ...takes.flatMap((t) => [t.cost, t.grant, t.maxWaitMs]),
           )) as number[];
           let last: string | undefined;
           takes.forEach((t, i) => {
-            const before: BucketState = s ?? {
-              tokens: c.capacity,
-              updatedAt: now,
-              factor: 1,
-              penalizedAt: now,
-            };
-            const next = take(before, c, t.cost, now);
-            expect(replies[2 * i] === 1, `${where}, caller ${i}`).toBe(next !== undefined);
-            if (next) {
-              s = next;
+            const state = { ...(s ?? { tokens: c.capacity, updatedAt: now, factor: 1, penalizedAt: now }) };
+            const r = lineTakeInPlace(state, c, t.cost, now, t.maxWaitMs);
+            const want = [r.taken, r.waitMs, r.taken === 2 ? r.fromMs : 0];
+            expect(replies.slice(3 * i, 3 * i + 3), `${where}, caller ${i}`).toEqual(want);
+            if (r.taken !== 0) {
+              s = state;
               last = t.grant;
-            } else {
-              expect(replies[2 * i + 1], `${where}, caller ${i}`).toBe(waitMs(before, c, t.cost, now));
             }
           });
           if (last) expect(await client.hget(key, "last"), where).toBe(last);
         } else {
           const cost = 1 + Math.floor(random() * 4);
           const grant = `g${step}`;
-          const [taken, wait] = (await run(
+          const maxWaitMs = maxWait();
+          const reply = (await run(
             "token-bucket-take",
             key,
             ...args(now),
             cost,
             c.capacity,
             grant,
+            maxWaitMs,
           )) as number[];
-          const before: BucketState = s ?? {
-            tokens: c.capacity,
-            updatedAt: now,
-            factor: 1,
-            penalizedAt: now,
-          };
-          const next = take(before, c, cost, now);
-          expect(taken === 1, where).toBe(next !== undefined);
-          if (next) {
-            s = next;
+          const state = { ...(s ?? { tokens: c.capacity, updatedAt: now, factor: 1, penalizedAt: now }) };
+          const r = lineTakeInPlace(state, c, cost, now, maxWaitMs);
+          expect(reply, where).toEqual(r.taken === 2 ? [2, r.waitMs, r.fromMs] : [r.taken, r.waitMs]);
+          if (r.taken !== 0) {
+            s = state;
             if (random() < 0.2) {
+              // Given back while the latest, taken or reserved: as if never taken.
               await run("token-bucket-refund", key, ...args(now), cost, c.capacity, grant);
               s = refund(s, c, cost, now);
             }
-          } else {
-            expect(wait, where).toBe(waitMs(before, c, cost, now));
           }
         }
         if (s) expect(await stored(), where).toEqual(s);
