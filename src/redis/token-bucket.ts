@@ -66,11 +66,14 @@ let grants = 0;
 
 /**
  * `redis(...).tokenBucket(name, options)`: one bucket per key in Redis, refilled by the server's
- * clock and shared by the fleet. A caller whose tokens are not there reserves them in the same
- * script call (the key goes into debt) and is told when its time comes: the key's callers go in
- * the order Redis saw them ask, across every process, each after its own tokens have refilled,
- * with no second call and no polling. A caller that gives up first gives its reservation back.
- * Idle keys expire in Redis once they would be full again.
+ * clock and shared by the fleet, with one line per key across the fleet. A caller whose tokens
+ * are not there (or who comes while others wait) reserves its place in the same script call and
+ * sleeps until its tokens have refilled: the key's callers go in the order Redis saw them ask,
+ * whichever process they run in, with one script call per admission and no polling. A wait
+ * longer than `timeoutMs` is refused at once. A caller that gives up leaves its place to the
+ * next of this process; a caller that wakes too late for its place asks again (see `#due`). Idle
+ * keys expire in Redis once they would be full again. docs/redis.md says what differs from
+ * memory.
  */
 export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
   readonly kind: StageKind = "tokenBucket";
