@@ -14,6 +14,7 @@ import {
 import {
   type BucketConfig,
   isIdle,
+  lineTakeInPlace,
   type MutableBucketState,
   penalizeInPlace,
   refundInPlace,
@@ -42,6 +43,14 @@ import { MemoryLineStage } from "./line-stage.js";
 class KeyBucket extends TimedLine implements MutableBucketState {
   /** The latest ticket granted from this key; only it can be refunded exactly. */
   lastGrant: BaseTicket | undefined = undefined;
+  /**
+   * The bucket as of the end of its line (without classes): when its last waiter would go, and
+   * what would be left then, as `lineTakeInPlace` works it out. Kept while `endOf` is the line's
+   * tail, so each new waiter extends it; anything else that moves the line (a waiter leaving,
+   * a refund, a settle, a penalty) drops it, and it is worked out again when next needed.
+   */
+  end: MutableBucketState | undefined = undefined;
+  endOf: WaitEntry | null = null;
   /** One line per class (none without classes). */
   readonly classLines: ClassLine[] = [];
   ledger: ClassLedger | undefined = undefined;
@@ -271,17 +280,59 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
       this.schedule(b, key);
       return promise;
     }
-    if (o.timeoutMs !== undefined && !o.signal?.aborted && b.size === 0) {
-      // Refuse at once what cannot be granted in time, rather than wait and fail.
-      const ms = Math.min(waitMs(b, this.#config, cost, now), LONGEST_MS);
+    if (o.timeoutMs !== undefined && !o.signal?.aborted) {
+      // Refuse at once what cannot be granted in time, behind the line as it stands, rather
+      // than wait and fail.
+      const ms =
+        b.size === 0
+          ? Math.min(waitMs(b, this.#config, cost, now), LONGEST_MS)
+          : this.#endWaitMs(b, cost, now);
       if (ms > o.timeoutMs) {
         this.timedOut++;
         return Promise.reject(this.#timeout(o.timeoutMs, ms));
       }
     }
     const promise = this.wait(b, cost, key, o);
+    this.#extendEnd(b, cost, now);
     this.schedule(b, key);
     return promise;
+  }
+
+  /**
+   * Milliseconds until a call of `cost` would go behind `b`'s waiters, as they stand: each in
+   * turn once the refill has brought its tokens (as the Redis bucket reserves its callers'
+   * places). A refund, a settle or a waiter leaving may bring it sooner.
+   */
+  #endWaitMs(b: KeyBucket, cost: number, now: number): number {
+    const end = this.#end(b, now);
+    const probe = {
+      tokens: end.tokens,
+      updatedAt: end.updatedAt,
+      factor: end.factor,
+      penalizedAt: end.penalizedAt,
+    };
+    return lineTakeInPlace(probe, this.#config, cost, now, -1).waitMs;
+  }
+
+  /** `b` as of the end of its line: kept since the line's tail joined, else worked out again. */
+  #end(b: KeyBucket, now: number): MutableBucketState {
+    if (b.end !== undefined && b.endOf === b.tail) return b.end;
+    const end = { tokens: b.tokens, updatedAt: b.updatedAt, factor: b.factor, penalizedAt: b.penalizedAt };
+    for (let w: WaitEntry | null = b.head; w; w = w.next) lineTakeInPlace(end, this.#config, w.cost, now, -1);
+    b.end = end;
+    b.endOf = b.tail;
+    return end;
+  }
+
+  /** A waiter of `cost` just joined `b`'s line: the line's end moves past it, if it is kept. */
+  #extendEnd(b: KeyBucket, cost: number, now: number): void {
+    const end = b.end;
+    if (end === undefined || b.tail === null || b.endOf !== b.tail.prev) {
+      b.end = undefined;
+      return;
+    }
+    lineTakeInPlace(end, this.#config, cost, now, -1);
+    b.endOf = b.tail;
   }
 
   override admitNow(o: AdmitOptions, cost: number): BaseTicket | undefined {
@@ -332,6 +383,7 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
       const b = this.lines.get(ticket.key);
       if (!b || b.lastGrant !== ticket) return;
       b.lastGrant = undefined;
+      b.end = undefined;
       const now = this.clock.now();
       refundInPlace(b, this.#config, ticket.cost, now);
       if (cls >= 0) this.#credit(b, cls, ticket.cost, now);
@@ -339,6 +391,7 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
     } else if (outcome === "dropped" && this.#penaltyFactor !== undefined) {
       const now = this.clock.now();
       const b = this.line(ticket.key, now);
+      b.end = undefined;
       const rateFactor = penalizeInPlace(b, this.#config, this.#penaltyFactor, this.#minFactor, now);
       this.log.warn({ key: ticket.key, rateFactor }, "key penalised after drop");
       this.schedule(b, ticket.key);
@@ -355,6 +408,7 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
     if (cls >= 0) this.#book!.reprice(cls, actual - estimated);
     const now = this.clock.now();
     const b = this.line(ticket.key, now);
+    b.end = undefined;
     // A charge may leave a debt (see settleInPlace); a give-back needs the latest grant.
     if (!settleInPlace(b, this.#config, actual - estimated, b.lastGrant === ticket, now)) return;
     if (cls >= 0) {
@@ -386,7 +440,9 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
   }
 
   protected afterWaiterGone(list: WaitList, waiter: { key: string }): void {
-    this.drain(this.#bucketOf(list), waiter.key);
+    const b = this.#bucketOf(list);
+    b.end = undefined;
+    this.drain(b, waiter.key);
   }
 
   protected override grantDue(list: WaitList, key: string): undefined {

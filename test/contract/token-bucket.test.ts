@@ -83,6 +83,37 @@ describe.each(backends)("token bucket on $name", (backend) => {
     expect(bucket.snapshot()).toMatchObject({ timedOut: 1, waiting: 0 });
   });
 
+  it("refuses at once, behind others waiting, a wait longer than timeoutMs, saying how long", async () => {
+    const bucket = make({ capacity: 1, refillPerSecond: 1 });
+    await bucket.admit();
+    const first = track(bucket.admit({ cost: 1 })); // goes at 1000
+    await clock.flush();
+    const error = await bucket.admit({ timeoutMs: 1500 }).catch((e) => e);
+    expect(error).toBeInstanceOf(AdmitTimeoutError);
+    expect(error.retryAfterMs).toBe(2000);
+    expect(bucket.snapshot()).toMatchObject({ timedOut: 1, waiting: 1 });
+    const second = track(bucket.admit({ timeoutMs: 2000 }));
+    await clock.advance(2000);
+    expect(first.settled && second.settled).toBe(true);
+    expect(second.error).toBeUndefined();
+  });
+
+  it("counts the line as it stands: once a waiter ahead leaves, a shorter timeout is in time", async () => {
+    const bucket = make({ capacity: 1, refillPerSecond: 1 });
+    await bucket.admit();
+    const controller = new AbortController();
+    const ahead = track(bucket.admit({ signal: controller.signal }));
+    await clock.flush();
+    expect((await bucket.admit({ timeoutMs: 1500 }).catch((e) => e)).retryAfterMs).toBe(2000);
+    controller.abort();
+    await clock.flush();
+    expect(ahead.error).toBe(controller.signal.reason);
+    const next = track(bucket.admit({ timeoutMs: 1500 }));
+    await clock.advance(1000);
+    expect(next.settled).toBe(true);
+    expect(next.error).toBeUndefined();
+  });
+
   it("grants within timeoutMs when the tokens arrive in time", async () => {
     const bucket = make({ capacity: 1, refillPerSecond: 1 });
     await bucket.admit();

@@ -662,14 +662,6 @@ async function runBoth(run: Run, client: Redis, subscriber: Redis): Promise<void
       if (performance.now() + SLOWEST_STEP_MS >= w.redisExpiresAt)
         w.parted ??= "Redis may expire a key in real time";
       for (const side of sides) await apply(side, op, i, run.spec, pickable);
-      // And Redis knows when its line ends: a caller whose wait behind them is longer than its
-      // timeout is refused at once (saying how long), where memory lines it up to find out.
-      if (lineBefore && op.op === "admit") {
-        const onRedis = told(red.calls.at(-1));
-        if (onRedis.startsWith("ADMIT_TIMEOUT") && told(mem.calls.at(-1)) !== onRedis) {
-          w.parted ??= "a timeout behind callers waiting with their places reserved on Redis";
-        }
-      }
       await watch(w, mem, red, run.spec, client, prefix);
       const where = `step ${i} ${JSON.stringify(op)}`;
       const states = (side: Side) => [...side.calls.map(told), told(side.done.get(i))].join(", ");
