@@ -5,6 +5,8 @@ import {
   type BucketState,
   fullBucket,
   isIdle,
+  lineTakeInPlace,
+  type MutableBucketState,
   penalize,
   rateFactor,
   refund,
@@ -310,5 +312,70 @@ describe("token bucket math", () => {
         { numRuns: 500 },
       );
     });
+  });
+});
+
+describe("a take from a bucket kept as of the end of its line (lineTakeInPlace)", () => {
+  const c: BucketConfig = { capacity: 4, refillPerSecond: 2, recoveryMs: 10_000 };
+  const at = (tokens: number, updatedAt: number): MutableBucketState => ({
+    tokens,
+    updatedAt,
+    factor: 1,
+    penalizedAt: 0,
+  });
+
+  it("takes at once when nobody is reserved and the tokens are there", () => {
+    const s = at(3, 0);
+    expect(lineTakeInPlace(s, c, 2, 1000, -1)).toEqual({ taken: 1, waitMs: 0 });
+    expect(s).toEqual(at(2, 1000)); // 3 + 2 refilled, capped at 4, minus 2
+  });
+
+  it("reserves a caller whose tokens are short for when they are there, taken as of then", () => {
+    const s = at(0, 0);
+    expect(lineTakeInPlace(s, c, 1, 0, -1)).toEqual({ taken: 2, waitMs: 500, fromMs: 0 });
+    expect(s).toEqual(at(0, 500));
+    // The next goes after it: the line's end is its start.
+    expect(lineTakeInPlace(s, c, 3, 100, -1)).toEqual({ taken: 2, waitMs: 1900, fromMs: 400 });
+    expect(s).toEqual(at(0, 2000));
+  });
+
+  it("reserves a caller behind the line even when the tokens are there at its end", () => {
+    const s = at(2, 1000);
+    expect(lineTakeInPlace(s, c, 1, 400, -1)).toEqual({ taken: 2, waitMs: 600, fromMs: 600 });
+    expect(s).toEqual(at(1, 1000));
+  });
+
+  it("reserves nothing when the wait is longer than maxWaitMs, and reserves at exactly maxWaitMs", () => {
+    const s = at(0, 0);
+    expect(lineTakeInPlace(s, c, 2, 0, 999)).toEqual({ taken: 0, waitMs: 1000 });
+    expect(s).toEqual(at(0, 0));
+    expect(lineTakeInPlace(s, c, 2, 0, 1000)).toEqual({ taken: 2, waitMs: 1000, fromMs: 0 });
+    // maxWaitMs 0 takes only what is there now.
+    expect(lineTakeInPlace(at(1, 0), c, 1, 0, 0)).toEqual({ taken: 1, waitMs: 0 });
+  });
+
+  it("waits whole milliseconds, at least 1, and a place begins no earlier than now (never -0)", () => {
+    const fast: BucketConfig = { capacity: 1, refillPerSecond: 1e15, recoveryMs: 1 };
+    const s = at(0, 10.5);
+    const r = lineTakeInPlace(s, fast, 1, 10.5, -1);
+    expect(r).toEqual({ taken: 2, waitMs: 1, fromMs: 0 });
+    expect(Object.is((r as { fromMs: number }).fromMs, 0)).toBe(true);
+    expect(s.updatedAt).toBe(11.5);
+    // Behind a place that ends at a fraction of a millisecond: whole milliseconds from now.
+    expect(lineTakeInPlace(s, fast, 1, 10.25, -1)).toEqual({ taken: 2, waitMs: 3, fromMs: 2 });
+  });
+
+  it("lets the refill up to a place's time be capped at capacity, as the bucket would", () => {
+    const s = at(-10, 0); // a debt: the caller waits it out, then its tokens
+    expect(lineTakeInPlace(s, c, 4, 0, -1)).toEqual({ taken: 2, waitMs: 7000, fromMs: 0 });
+    expect(s).toEqual(at(0, 7000));
+  });
+
+  it("waits longer on a penalised bucket", () => {
+    const s: MutableBucketState = { tokens: 0, updatedAt: 0, factor: 0.5, penalizedAt: 0 };
+    const r = lineTakeInPlace(s, c, 1, 0, -1);
+    expect(r.taken).toBe(2);
+    expect(r.waitMs).toBeGreaterThan(500);
+    expect(s.tokens).toBeGreaterThanOrEqual(0);
   });
 });
