@@ -269,7 +269,7 @@ export class Gate implements Stage {
       throw new InvalidOptionsError(
         this.name,
         "class",
-        `gate "${this.name}": class given, ${got(name)}, but no stage of the gate has classes; build the semaphore or AIMD limiter with classes`,
+        `gate "${this.name}": class given, ${got(name)}, but no stage of the gate has classes; build its semaphore, AIMD limiter or (in memory) token bucket with classes`,
       );
     }
     for (const stage of this.stages) {

@@ -1,10 +1,9 @@
 import type { Clock, ClockTimer, Ticket, TokenBucketOptions } from "floodgate";
 import { redis } from "floodgate/redis";
 import { FakeClock } from "floodgate/testing";
-import type { Redis } from "ioredis";
-import { afterEach, describe, expect, it } from "vitest";
-import { redisUrl } from "../contract/backends.js";
-import { closeClient, connectedClient, randomPrefix, until } from "./helpers.js";
+import { describe, expect, it } from "vitest";
+import { useClients } from "./clients.js";
+import { randomPrefix, until } from "./helpers.js";
 
 /**
  * One Redis token bucket shared by several processes (backends on their own connections, on one
@@ -12,18 +11,14 @@ import { closeClient, connectedClient, randomPrefix, until } from "./helpers.js"
  * in its take, so the key's callers go in the order Redis saw them ask, wherever they run.
  */
 describe("one line per key across processes (Redis token bucket)", () => {
-  const clients: Redis[] = [];
-  afterEach(async () => {
-    await Promise.all(clients.splice(0).map(closeClient));
-  });
+  const { clients, connect } = useClients();
 
   async function fleet(n: number, options: TokenBucketOptions) {
     const clock = new FakeClock();
     const prefix = randomPrefix("bucket-line");
     const buckets = [];
     for (let i = 0; i < n; i++) {
-      const client = await connectedClient(redisUrl());
-      clients.push(client);
+      const client = await connect();
       buckets.push(redis(client, { prefix, clock, time: "clock" }).tokenBucket("line", options));
     }
     return { clock, buckets, admin: clients[0]!, key: `${prefix}{line}:b:` };
@@ -34,8 +29,7 @@ describe("one line per key across processes (Redis token bucket)", () => {
    * server, so its global command counts would not do.
    */
   async function countScripts(key: string): Promise<{ calls: number; stop(): void }> {
-    const monitor = await connectedClient(redisUrl());
-    clients.push(monitor);
+    const monitor = await connect();
     const feed = await monitor.monitor();
     const counter = {
       calls: 0,
@@ -234,8 +228,7 @@ describe("one line per key across processes (Redis token bucket)", () => {
     const frozen = new FreezableClock(clock);
     const options = { capacity: 3, refillPerSecond: 10 };
     const make = async (c: Clock) => {
-      const client = await connectedClient(redisUrl());
-      clients.push(client);
+      const client = await connect();
       return redis(client, { prefix, clock: c, time: "clock" }).tokenBucket("freeze", options);
     };
     const a = await make(frozen);

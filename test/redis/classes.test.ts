@@ -1,9 +1,10 @@
 import type { Logger, Ticket } from "floodgate";
 import { redis, scriptSource } from "floodgate/redis";
 import type { Redis } from "ioredis";
-import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { type ClassConfig, type ClassLine, guarantees, nextClass } from "../../src/algorithms/classes.js";
 import { redisUrl } from "../contract/backends.js";
+import { useClients } from "./clients.js";
 import { scriptStage } from "./fixtures/permit-scripts.js";
 import { closeClient, connectedClient, randomPrefix, until } from "./helpers.js";
 
@@ -195,16 +196,12 @@ describe("traffic classes in the permit scripts", () => {
 });
 
 describe("traffic classes across processes", () => {
-  const clients: Redis[] = [];
-  afterEach(async () => {
-    await Promise.all(clients.splice(0).map(closeClient));
-  });
+  const { clients, connect } = useClients();
 
   async function processes(n: number, prefix: string) {
     const out = [];
     for (let i = 0; i < n; i++) {
-      const client = await connectedClient(redisUrl());
-      clients.push(client);
+      const client = await connect();
       out.push(redis(client, { prefix, pollMs: 60_000 }));
     }
     return out;

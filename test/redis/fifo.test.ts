@@ -1,25 +1,21 @@
 import type { Ticket } from "floodgate";
 import { type RedisBackendOptions, redis } from "floodgate/redis";
-import type { Redis } from "ioredis";
-import { afterEach, describe, expect, it } from "vitest";
+import { describe, expect, it } from "vitest";
 import { redisUrl } from "../contract/backends.js";
-import { closeClient, connectedClient, evalCalls, randomPrefix, until } from "./helpers.js";
+import { useClients } from "./clients.js";
+import { connectedClient, evalCalls, randomPrefix, until } from "./helpers.js";
 
 /**
  * Two backends on two connections stand for two processes: the waiting line lives in Redis, so
  * arrival order holds across them, and a release grants only the waiter at the head.
  */
 describe("waiting across processes", () => {
-  const clients: Redis[] = [];
-  afterEach(async () => {
-    await Promise.all(clients.splice(0).map(closeClient));
-  });
+  const { clients, connect } = useClients();
 
   async function fleet(n: number, prefix: string, options: RedisBackendOptions = {}) {
     const backends = [];
     for (let i = 0; i < n; i++) {
-      const client = await connectedClient(redisUrl());
-      clients.push(client);
+      const client = await connect();
       // A long poll: every wake-up below comes from the releases, not from polling.
       backends.push(redis(client, { prefix, pollMs: 60_000, ...options }));
     }

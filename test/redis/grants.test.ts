@@ -1,7 +1,8 @@
 import { redis } from "floodgate/redis";
 import type { Redis } from "ioredis";
-import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { redisUrl } from "../contract/backends.js";
+import { useClients } from "./clients.js";
 import { scriptStage } from "./fixtures/permit-scripts.js";
 import { closeClient, connectedClient, evalCalls, randomPrefix, sleep, until } from "./helpers.js";
 
@@ -183,14 +184,10 @@ describe("grants made on release (scripts)", () => {
 
 /** Two backends on two connections stand for two processes. */
 describe("grants made on release (stages)", () => {
-  const clients: Redis[] = [];
-  afterEach(async () => {
-    await Promise.all(clients.splice(0).map(closeClient));
-  });
+  const { clients, connect } = useClients();
 
   async function backend(prefix: string, pollMs = 60_000) {
-    const client = await connectedClient(redisUrl());
-    clients.push(client);
+    const client = await connect();
     return redis(client, { prefix, pollMs });
   }
 
@@ -240,8 +237,7 @@ describe("grants made on release (stages)", () => {
     const holder = (await backend(prefix)).semaphore("own", { limit: 1 });
     const b = (await backend(prefix)).semaphore("own", { limit: 1 });
     const c = (await backend(prefix)).semaphore("own", { limit: 1 });
-    const spy = await connectedClient(redisUrl());
-    clients.push(spy);
+    const spy = await connect();
     const heard: [string, string][] = [];
     spy.on("pmessage", (_pattern: string, channel: string, message: string) =>
       heard.push([channel, message]),
@@ -288,8 +284,7 @@ describe("grants made on release (stages)", () => {
     const prefix = randomPrefix("lost");
     const holder = (await backend(prefix)).semaphore("lost", { limit: 1, leaseMs: 20_000 });
     // Its grant message is lost, so only its poll can find the grant.
-    const client = await connectedClient(redisUrl());
-    clients.push(client);
+    const client = await connect();
     // Its pub/sub connection will be killed and must not come back.
     const deaf = await connectedClient(redisUrl(), { retryStrategy: () => null, autoResubscribe: false });
     clients.push(deaf);

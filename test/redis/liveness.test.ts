@@ -1,8 +1,9 @@
 import { type Clock, LeaseLostError } from "floodgate";
 import { redis } from "floodgate/redis";
 import type { Redis } from "ioredis";
-import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { redisUrl } from "../contract/backends.js";
+import { useClients } from "./clients.js";
 import { scriptStage } from "./fixtures/permit-scripts.js";
 import { closeClient, connectedClient, evalCalls, randomPrefix, until } from "./helpers.js";
 
@@ -116,14 +117,10 @@ describe("signs of life and grant ends (scripts)", () => {
 
 /** Two backends on two connections stand for two processes. */
 describe("signs of life and grant ends (stages)", () => {
-  const clients: Redis[] = [];
-  afterEach(async () => {
-    await Promise.all(clients.splice(0).map(closeClient));
-  });
+  const { connect } = useClients();
 
   async function connection(): Promise<Redis> {
-    const client = await connectedClient(redisUrl());
-    clients.push(client);
+    const client = await connect();
     return client;
   }
 

@@ -1,9 +1,8 @@
 import { type LeaseTicket, redis } from "floodgate/redis";
 import { FakeClock } from "floodgate/testing";
-import type { Redis } from "ioredis";
-import { afterEach, describe, expect, it } from "vitest";
-import { redisUrl } from "../contract/backends.js";
-import { closeClient, connectedClient, randomPrefix } from "./helpers.js";
+import { describe, expect, it } from "vitest";
+import { useClients } from "./clients.js";
+import { randomPrefix } from "./helpers.js";
 
 /**
  * Redis losing a stage's data (a restart without persistence, FLUSHALL, a stale replica) while
@@ -11,14 +10,10 @@ import { closeClient, connectedClient, randomPrefix } from "./helpers.js";
  * Simulated by deleting the stage's keys; two connections stand for two processes.
  */
 describe("after Redis loses a stage's data", () => {
-  const clients: Redis[] = [];
-  afterEach(async () => {
-    await Promise.all(clients.splice(0).map(closeClient));
-  });
+  const { connect } = useClients();
 
   async function backend(prefix: string, clock: FakeClock) {
-    const client = await connectedClient(redisUrl());
-    clients.push(client);
+    const client = await connect();
     return { client, b: redis(client, { prefix, clock, time: "clock" }) };
   }
 
