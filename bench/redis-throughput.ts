@@ -1,10 +1,12 @@
 /**
  * Redis throughput from one process, at 1 and 64 callers, each contender on a connection of its
  * own: semaphore acquire + release (floodgate vs redis-semaphore, floor PING ÷ 2 since an
- * admission is two round trips) and token bucket take (floodgate vs rate-limiter-flexible's
- * RateLimiterRedis, floor PING).
+ * admission is two round trips), token bucket take (floodgate vs rate-limiter-flexible's
+ * RateLimiterRedis, floor PING), and a Gate of 1 to 5 Redis stages (none binding) against one
+ * holding the semaphore alone, with the script calls each admission costs.
  */
-import { redis } from "floodgate/redis";
+import { Gate, type Stage } from "floodgate";
+import { type RedisBackend, redis } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { RateLimiterRedis } from "rate-limiter-flexible";
 import { Semaphore } from "redis-semaphore";
@@ -37,16 +39,22 @@ interface Timed extends Contender {
   clientCpu: number[];
   /** Microseconds Redis spent running scripts (EVALSHA/EVAL in INFO commandstats), per operation. */
   scriptUsec: number[];
+  /** Script calls (EVALSHA/EVAL) per operation. */
+  scriptCalls: number[];
 }
 
 const SCRIPT_CALLS = ["evalsha", "eval"];
 
-/** Microseconds of script time in INFO commandstats so far. */
-async function scriptUsec(client: Redis): Promise<number> {
+/** Microseconds of script time, and script calls, in INFO commandstats so far. */
+async function scriptStats(client: Redis): Promise<{ usec: number; calls: number }> {
   const stats = await commandStats(client);
   let usec = 0;
-  for (const name of SCRIPT_CALLS) usec += stats.get(name)?.usec ?? 0;
-  return usec;
+  let calls = 0;
+  for (const name of SCRIPT_CALLS) {
+    usec += stats.get(name)?.usec ?? 0;
+    calls += stats.get(name)?.calls ?? 0;
+  }
+  return { usec, calls };
 }
 
 type Op = () => Promise<unknown>;
@@ -66,16 +74,17 @@ function timed(
     redisCpu: [],
     clientCpu: [],
     scriptUsec: [],
+    scriptCalls: [],
     async run(round) {
       const made = make();
       const [op, close] = Array.isArray(made) ? made : [made, undefined];
-      const script0 = await scriptUsec(info);
+      const script0 = await scriptStats(info);
       const cpu0 = await serverCpu(info);
       const own0 = process.cpuUsage();
       const r = await closedLoop(callers, seconds, op);
       const own = process.cpuUsage(own0);
       const cpu1 = await serverCpu(info);
-      const script1 = await scriptUsec(info);
+      const script1 = await scriptStats(info);
       await close?.();
       if (round >= 0) {
         const n = r.latencies.length;
@@ -83,7 +92,8 @@ function timed(
         t.p99.push(percentile(r.latencies, 99));
         t.redisCpu.push(((cpu1 - cpu0) * 1e6) / n);
         t.clientCpu.push((own.user + own.system) / n);
-        t.scriptUsec.push((script1 - script0) / n);
+        t.scriptUsec.push((script1.usec - script0.usec) / n);
+        t.scriptCalls.push((script1.calls - script0.calls) / n);
       }
       return r.rate;
     },
@@ -277,6 +287,77 @@ export const redisTokenBucket: Benchmark = {
           list,
           figures,
           "rate-limiter-flexible RateLimiterRedis",
+          "ioredis PING (floor)",
+          1,
+          notes,
+        );
+      }
+    } finally {
+      for (const x of c.all) x.disconnect();
+    }
+  },
+};
+
+/** The stages of a gate of `n` Redis stages as #14 counts them, none binding: see `redisGate`. */
+const GATES: Record<string, (b: RedisBackend) => Stage[]> = {
+  "semaphore alone": (b) => [b.semaphore("sem", { limit: 1_000_000 })],
+  "1: bucket": (b) => [b.tokenBucket("rate", { capacity: MAX, refillPerSecond: 1e9 })],
+  "2: + interval gate": (b) => [...GATES["1: bucket"]!(b), b.intervalGate("hosts", { minIntervalMs: 0 })],
+  "3: + semaphore": (b) => [...GATES["2: + interval gate"]!(b), b.semaphore("sem", { limit: 1_000_000 })],
+  "4: + AIMD": (b) => [...GATES["3: + semaphore"]!(b), b.aimd("aimd", { initial: 1_000_000, min: 1, max: 1_000_000 })],
+  "5: rpm + tpm buckets, interval gate, semaphore, AIMD": (b) => [
+    b.tokenBucket("rpm", { capacity: MAX, refillPerSecond: 1e9 }),
+    ...GATES["4: + AIMD"]!(b),
+  ],
+};
+
+export const redisGate: Benchmark = {
+  name: "redis-gate",
+  title: "a Gate of 1 to 5 Redis stages, 1 and 64 callers",
+  redis: true,
+  async run(args: BenchArgs) {
+    const url = await args.redisUrl();
+    const c = await clients(url);
+    const s = seconds(args);
+    const count = args.rounds ?? (args.quick ? 3 : 5);
+    try {
+      for (const callers of [1, 64]) {
+        const list: Timed[] = [
+          timed("ioredis PING (floor)", s, callers, c.ping, () => () => c.ping.ping()),
+          ...Object.entries(GATES).map(([name, stages]) =>
+            timed(name, s, callers, c.ping, () => {
+              const backend = redis(c.floodgate, { prefix: freshPrefix("gate") });
+              const gate = new Gate(stages(backend));
+              const task = () => undefined;
+              return [() => gate.run(task, { host: "api.example" }), () => backend.close()];
+            }),
+          ),
+        ];
+        const figures = await rounds(list, count);
+        const ratio = (name: string) => pairedRatio(figures.get(name)!, figures.get("semaphore alone")!);
+        const p50 = (name: string) => median(list.find((x) => x.name === name)!.p50);
+        const calls = list
+          .filter((x) => x.name !== "ioredis PING (floor)")
+          .map((x) => `${x.name.split(":")[0]} ${median(x.scriptCalls).toFixed(2)}`)
+          .join(", ");
+        const four = "4: + AIMD";
+        const notes =
+          callers === 1
+            ? [
+                `Target (#14) at 1 caller: p50 of a 4-stage gate ≤ 1.3× the semaphore alone's: ` +
+                  `${verdict(p50(four) <= 1.3 * p50("semaphore alone"), `${(p50(four) / p50("semaphore alone")).toFixed(2)}×`)}.`,
+                `Script calls per admission (admit and release): ${calls}.`,
+              ]
+            : [
+                `Target (#14) at 64 callers: a 4-stage gate ≥ 0.8× the calls per second of the semaphore alone: ` +
+                  `${verdict(ratio(four) >= 0.8, times(ratio(four)))}.`,
+                `Script calls per admission (admit and release): ${calls}.`,
+              ];
+        report(
+          `A Gate of Redis stages (none binding), gate.run of an empty task, ${callers} caller${callers === 1 ? "" : "s"}, ${s} s per figure (median of ${count} rounds)`,
+          list,
+          figures,
+          "semaphore alone",
           "ioredis PING (floor)",
           1,
           notes,

@@ -15,7 +15,7 @@ import { memorySemaphore } from "./memory-semaphore.js";
 import { memoryTokenBucket } from "./memory-token-bucket.js";
 import { redisCommands } from "./redis-commands.js";
 import { benchRedis } from "./redis-server.js";
-import { redisSemaphore, redisTokenBucket } from "./redis-throughput.js";
+import { redisGate, redisSemaphore, redisTokenBucket } from "./redis-throughput.js";
 import { versions } from "./versions.js";
 import { waiters } from "./waiters.js";
 
@@ -29,6 +29,7 @@ export const BENCHMARKS: readonly Benchmark[] = [
   idleKeys,
   redisSemaphore,
   redisTokenBucket,
+  redisGate,
   redisCommands,
   handoff,
   redisClassesBench,

@@ -330,6 +330,12 @@ describe("a take from a bucket kept as of the end of its line (lineTakeInPlace)"
     expect(s).toEqual(at(2, 1000)); // 3 + 2 refilled, capped at 4, minus 2
   });
 
+  it("takes tokens short of the cost by no more than float error at once", () => {
+    const s = at(1 - EPSILON, 0);
+    expect(lineTakeInPlace(s, c, 1, 0, -1)).toEqual({ taken: 1, waitMs: 0 });
+    expect(s.tokens).toBe(0);
+  });
+
   it("reserves a caller whose tokens are short for when they are there, taken as of then", () => {
     const s = at(0, 0);
     expect(lineTakeInPlace(s, c, 1, 0, -1)).toEqual({ taken: 2, waitMs: 500, fromMs: 0 });
@@ -352,6 +358,7 @@ describe("a take from a bucket kept as of the end of its line (lineTakeInPlace)"
     expect(lineTakeInPlace(s, c, 2, 0, 1000)).toEqual({ taken: 2, waitMs: 1000, fromMs: 0 });
     // maxWaitMs 0 takes only what is there now.
     expect(lineTakeInPlace(at(1, 0), c, 1, 0, 0)).toEqual({ taken: 1, waitMs: 0 });
+    expect(lineTakeInPlace(at(0.5, 0), c, 1, 0, 0)).toEqual({ taken: 0, waitMs: 250 });
   });
 
   it("waits whole milliseconds, at least 1, and a place begins no earlier than now (never -0)", () => {
