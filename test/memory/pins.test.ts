@@ -402,6 +402,54 @@ describe("token bucket", () => {
     expect(await settled(clock, first)).toBe(true);
   });
 
+  it("counts the line as a settle, a penalty or a refund has left it, not as it was", async () => {
+    const clock = new FakeClock();
+    const make = (name: string, initialTokens = 2) =>
+      memory({ clock }).tokenBucket(name, {
+        capacity: 2,
+        refillPerSecond: 1,
+        initialTokens,
+        penalty: { factor: 0.5, recoveryMs: 1_000_000 },
+      });
+    /** How long a call of cost 1 would wait behind the line now. */
+    const retryAfter = async (bucket: ReturnType<typeof make>) =>
+      ((await bucket.admit({ timeoutMs: 0 }).catch((e: unknown) => e)) as AdmitTimeoutError).retryAfterMs;
+
+    // A settle that charges 2 more moves the line's end 2 s later.
+    const settling = make("settle");
+    const held = await settling.admit({ cost: 2 });
+    void settling.admit(); // goes at 1000
+    expect(await retryAfter(settling)).toBe(2000);
+    await held.settle(4);
+    expect(await retryAfter(settling)).toBe(4000);
+
+    // Half the rate from a drop on: the line takes about twice as long.
+    const slowed = make("penalty");
+    const dropped = await slowed.admit({ cost: 2 });
+    void slowed.admit();
+    expect(await retryAfter(slowed)).toBe(2000);
+    await dropped.release("dropped");
+    expect(await retryAfter(slowed)).toBeGreaterThan(3900);
+
+    // A refund of the latest grant brings the waiter behind it, and the line's end, 1 s sooner.
+    const refunding = make("refund", 1);
+    const latest = await refunding.admit({ cost: 1 });
+    void refunding.admit({ cost: 2 }); // goes at 2000
+    expect(await retryAfter(refunding)).toBe(3000);
+    await latest.refund();
+    expect(await retryAfter(refunding)).toBe(2000);
+
+    // A waiter that leaves from the middle of the line takes its place with it.
+    const leaving = make("leave", 0);
+    const controller = new AbortController();
+    void leaving.admit({ signal: controller.signal }).catch(() => undefined); // at 1000
+    void leaving.admit(); // at 2000, then 1000 once the first has left
+    expect(await retryAfter(leaving)).toBe(3000);
+    controller.abort();
+    await clock.flush();
+    expect(await retryAfter(leaving)).toBe(2000);
+  });
+
   it("refuses at once what it cannot grant in time, and logs it", async () => {
     const clock = new FakeClock();
     const { logger, entries } = recorder(false);
