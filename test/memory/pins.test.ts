@@ -448,6 +448,19 @@ describe("token bucket", () => {
     controller.abort();
     await clock.flush();
     expect(await retryAfter(leaving)).toBe(2000);
+    // One who joins after is counted too.
+    void leaving.admit(); // at 2000
+    expect(await retryAfter(leaving)).toBe(3000);
+
+    // Once the line has emptied, what was kept of its end is not reused: a call taken since
+    // (while nobody waited) is counted.
+    const emptied = make("emptied", 0);
+    void emptied.admit(); // at 1000
+    expect(await retryAfter(emptied)).toBe(2000);
+    await clock.advance(2000); // the waiter has gone; 1 token back since
+    await emptied.admit(); // takes it, nobody waiting
+    void emptied.admit(); // at 3000
+    expect(await retryAfter(emptied)).toBe(2000);
   });
 
   it("refuses at once what it cannot grant in time, and logs it", async () => {
