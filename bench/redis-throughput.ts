@@ -304,7 +304,10 @@ const GATES: Record<string, (b: RedisBackend) => Stage[]> = {
   "1: bucket": (b) => [b.tokenBucket("rate", { capacity: MAX, refillPerSecond: 1e9 })],
   "2: + interval gate": (b) => [...GATES["1: bucket"]!(b), b.intervalGate("hosts", { minIntervalMs: 0 })],
   "3: + semaphore": (b) => [...GATES["2: + interval gate"]!(b), b.semaphore("sem", { limit: 1_000_000 })],
-  "4: + AIMD": (b) => [...GATES["3: + semaphore"]!(b), b.aimd("aimd", { initial: 1_000_000, min: 1, max: 1_000_000 })],
+  "4: + AIMD": (b) => [
+    ...GATES["3: + semaphore"]!(b),
+    b.aimd("aimd", { initial: 1_000_000, min: 1, max: 1_000_000 }),
+  ],
   "5: rpm + tpm buckets, interval gate, semaphore, AIMD": (b) => [
     b.tokenBucket("rpm", { capacity: MAX, refillPerSecond: 1e9 }),
     ...GATES["4: + AIMD"]!(b),
