@@ -6,8 +6,8 @@
  * `exit` or goes away.
  */
 import { redis } from "floodgate/redis";
-import { Redis } from "ioredis";
 import { RateLimiterRedis, RateLimiterRes } from "rate-limiter-flexible";
+import { nowMs, serve, sleep, workerClient } from "./worker-child.js";
 
 export type FairContender = "floodgate" | "rate-limiter-flexible";
 
@@ -31,12 +31,7 @@ export interface FairReport {
   waits: number[];
 }
 
-const [redisUrl] = process.argv.slice(2) as [string];
-const client = new Redis(redisUrl, { enableOfflineQueue: false, maxRetriesPerRequest: 1 });
-client.on("error", () => {});
-await new Promise((r) => client.once("ready", r));
-const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
-const sleep = (ms: number) => new Promise<void>((r) => setTimeout(r, ms));
+const client = await workerClient();
 
 /** One token, however the contender gives it. */
 function taker(m: FairRun): { take: () => Promise<unknown>; close: () => Promise<void> } {
@@ -66,13 +61,8 @@ function taker(m: FairRun): { take: () => Promise<unknown>; close: () => Promise
   return { take, close: async () => {} };
 }
 
-process.on("disconnect", () => process.exit(0));
-process.on("message", async (m: FairRun | { kind: "exit" }) => {
-  if (m.kind === "exit") {
-    client.disconnect();
-    process.exit(0);
-  }
-  try {
+serve(
+  async (m: FairRun): Promise<FairReport> => {
     const { take, close } = taker(m);
     await sleep(Math.max(0, m.startAt - nowMs()));
     const counts = new Array<number>(m.callers).fill(0);
@@ -90,9 +80,7 @@ process.on("message", async (m: FairRun | { kind: "exit" }) => {
       }),
     );
     await close();
-    process.send!({ kind: "done", counts, waits } satisfies FairReport);
-  } catch (error) {
-    process.send!({ kind: "error", message: String(error) });
-  }
-});
-process.send!({ kind: "ready" });
+    return { kind: "done", counts, waits };
+  },
+  async () => client.disconnect(),
+);

@@ -6,8 +6,8 @@
  * it reports counts and waits. It leaves when the parent says `exit` or goes away.
  */
 import { redis } from "floodgate/redis";
-import { Redis } from "ioredis";
 import { type Role, type RoleReport, runRole, SETUPS, type SetupName } from "./classes.js";
+import { nowMs, serve, sleep, workerClient } from "./worker-child.js";
 
 export interface ClassesRun {
   kind: "run";
@@ -19,28 +19,16 @@ export interface ClassesRun {
   endAt: number;
 }
 
-const [redisUrl] = process.argv.slice(2) as [string];
-const client = new Redis(redisUrl, { enableOfflineQueue: false, maxRetriesPerRequest: 1 });
-client.on("error", () => {});
-await new Promise((r) => client.once("ready", r));
-const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
-const sleep = (ms: number) => new Promise<void>((r) => setTimeout(r, ms));
+const client = await workerClient();
 
-process.on("disconnect", () => process.exit(0));
-process.on("message", async (m: ClassesRun | { kind: "exit" }) => {
-  if (m.kind === "exit") {
-    client.disconnect();
-    process.exit(0);
-  }
-  try {
+serve(
+  async (m: ClassesRun) => {
     const backend = redis(client, { prefix: m.prefix });
     const admit = SETUPS[m.setup](backend);
     await sleep(Math.max(0, m.startAt - nowMs()));
     const report: RoleReport = await runRole(admit, m.role, m.endAt, nowMs);
     await backend.close();
-    process.send!({ kind: "done", ...report });
-  } catch (error) {
-    process.send!({ kind: "error", message: String(error) });
-  }
-});
-process.send!({ kind: "ready" });
+    return { kind: "done", ...report };
+  },
+  async () => client.disconnect(),
+);

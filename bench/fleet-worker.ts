@@ -5,10 +5,10 @@
  * itself when the parent says `exit` or goes away.
  */
 import { redis } from "floodgate/redis";
-import { Redis } from "ioredis";
 import { Semaphore } from "redis-semaphore";
 import { Agent, request } from "undici";
 import { PollingSemaphore } from "./poll-semaphore.js";
+import { nowMs, serve, sleep, workerClient } from "./worker-child.js";
 
 export type Mode = "ceiling" | "none" | "floodgate" | "redis-semaphore" | "poll200";
 
@@ -42,13 +42,8 @@ export interface RunReport {
   thinks: number[];
 }
 
-const [redisUrl] = process.argv.slice(2) as [string];
-const client = new Redis(redisUrl, { enableOfflineQueue: false, maxRetriesPerRequest: 1 });
-client.on("error", () => {});
-await new Promise((r) => client.once("ready", r));
+const client = await workerClient();
 const agent = new Agent({ keepAliveTimeout: 30_000, connections: 4 });
-const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
-const sleep = (ms: number) => new Promise<void>((r) => setTimeout(r, ms));
 
 type Release = (status: number) => Promise<unknown>;
 let backend: ReturnType<typeof redis> | undefined;
@@ -161,18 +156,4 @@ async function run(m: RunMessage): Promise<RunReport> {
   return report;
 }
 
-process.on("message", (m: RunMessage | { kind: "exit" }) => {
-  if (m.kind === "run") {
-    run(m).then(
-      (r) => process.send!(r),
-      (error: unknown) => process.send!({ kind: "error", message: String(error) }),
-    );
-  } else {
-    void Promise.all([agent.close(), backend?.close()]).finally(() => {
-      client.disconnect();
-      process.exit(0);
-    });
-  }
-});
-process.on("disconnect", () => process.exit(0));
-process.send!({ kind: "ready" });
+serve(run, () => Promise.all([agent.close(), backend?.close()]).finally(() => client.disconnect()));

@@ -124,6 +124,24 @@ function seconds(args: BenchArgs): number {
   return args.seconds ?? (args.quick ? 0.15 : 2);
 }
 
+/**
+ * Run `body` at 1 and at 64 callers, on fresh clients of the benchmark's Redis (closed after),
+ * with the seconds per figure and the rounds the command line asks for.
+ */
+async function byCallers(
+  args: BenchArgs,
+  body: (c: Clients, callers: number, seconds: number, rounds: number) => Promise<void>,
+): Promise<void> {
+  const c = await clients(await args.redisUrl());
+  const s = seconds(args);
+  const count = args.rounds ?? (args.quick ? 3 : 5);
+  try {
+    for (const callers of [1, 64]) await body(c, callers, s, count);
+  } finally {
+    for (const x of c.all) x.disconnect();
+  }
+}
+
 function report(
   title: string,
   list: Timed[],
@@ -176,64 +194,53 @@ export const redisSemaphore: Benchmark = {
   name: "redis-semaphore",
   title: "Redis semaphore acquire + release, 1 and 64 callers",
   redis: true,
-  async run(args: BenchArgs) {
-    const url = await args.redisUrl();
-    const c = await clients(url);
-    const s = seconds(args);
-    const count = args.rounds ?? (args.quick ? 3 : 5);
-    try {
-      for (const callers of [1, 64]) {
-        const list: Timed[] = [
-          timed("ioredis PING (floor)", s, callers, c.ping, () => () => c.ping.ping()),
-          timed("floodgate redis semaphore", s, callers, c.ping, () => {
-            const backend = redis(c.floodgate, { prefix: freshPrefix("sem") });
-            const sem = backend.semaphore("tp", { limit: 1_000_000 });
-            return [
-              async () => {
-                const t = await sem.admit();
-                await t.release("success");
-              },
-              () => backend.close(),
-            ];
-          }),
-          timed("redis-semaphore", s, callers, c.ping, () => {
-            const key = `${freshPrefix("rs")}tp`;
-            return async () => {
-              const sem = new Semaphore(c.peer, key, 1_000_000);
-              await sem.acquire();
-              await sem.release();
-            };
-          }),
-        ];
-        const figures = await rounds(list, count);
-        const fg = pairedRatio(
-          figures.get("floodgate redis semaphore")!,
-          figures.get("ioredis PING (floor)")!.map((v) => v / 2),
-        );
-        const vsPeer = pairedRatio(
-          figures.get("floodgate redis semaphore")!,
-          figures.get("redis-semaphore")!,
-        );
-        const notes =
-          callers === 64
-            ? [
-                `Target ≥ 90% of PING ÷ 2 at 64 callers: ${verdict(fg >= 0.9, pct(fg))}; ` +
-                  `vs redis-semaphore ${times(vsPeer)} (about 2× expected).`,
-              ]
-            : [`At 1 caller: ${pct(fg)} of PING ÷ 2, ${times(vsPeer)} redis-semaphore (no target).`];
-        report(
-          `Redis semaphore acquire + release, ${callers} caller${callers === 1 ? "" : "s"}, ${s} s per figure (median of ${count} rounds)`,
-          list,
-          figures,
-          "redis-semaphore",
-          "ioredis PING (floor)",
-          2,
-          notes,
-        );
-      }
-    } finally {
-      for (const x of c.all) x.disconnect();
-    }
+  run(args: BenchArgs) {
+    return byCallers(args, async (c, callers, s, count) => {
+      const list: Timed[] = [
+        timed("ioredis PING (floor)", s, callers, c.ping, () => () => c.ping.ping()),
+        timed("floodgate redis semaphore", s, callers, c.ping, () => {
+          const backend = redis(c.floodgate, { prefix: freshPrefix("sem") });
+          const sem = backend.semaphore("tp", { limit: 1_000_000 });
+          return [
+            async () => {
+              const t = await sem.admit();
+              await t.release("success");
+            },
+            () => backend.close(),
+          ];
+        }),
+        timed("redis-semaphore", s, callers, c.ping, () => {
+          const key = `${freshPrefix("rs")}tp`;
+          return async () => {
+            const sem = new Semaphore(c.peer, key, 1_000_000);
+            await sem.acquire();
+            await sem.release();
+          };
+        }),
+      ];
+      const figures = await rounds(list, count);
+      const fg = pairedRatio(
+        figures.get("floodgate redis semaphore")!,
+        figures.get("ioredis PING (floor)")!.map((v) => v / 2),
+      );
+      const vsPeer = pairedRatio(figures.get("floodgate redis semaphore")!, figures.get("redis-semaphore")!);
+      const notes =
+        callers === 64
+          ? [
+              `Target ≥ 90% of PING ÷ 2 at 64 callers: ${verdict(fg >= 0.9, pct(fg))}; ` +
+                `vs redis-semaphore ${times(vsPeer)} (about 2× expected).`,
+            ]
+          : [`At 1 caller: ${pct(fg)} of PING ÷ 2, ${times(vsPeer)} redis-semaphore (no target).`];
+      report(
+        `Redis semaphore acquire + release, ${callers} caller${callers === 1 ? "" : "s"}, ${s} s per figure (median of ${count} rounds)`,
+        list,
+        figures,
+        "redis-semaphore",
+        "ioredis PING (floor)",
+        2,
+        notes,
+      );
+    });
   },
 };
 
@@ -241,60 +248,52 @@ export const redisTokenBucket: Benchmark = {
   name: "redis-bucket",
   title: "Redis token bucket take, 1 and 64 callers",
   redis: true,
-  async run(args: BenchArgs) {
-    const url = await args.redisUrl();
-    const c = await clients(url);
-    const s = seconds(args);
-    const count = args.rounds ?? (args.quick ? 3 : 5);
-    try {
-      for (const callers of [1, 64]) {
-        const list: Timed[] = [
-          timed("ioredis PING (floor)", s, callers, c.ping, () => () => c.ping.ping()),
-          timed("floodgate redis tokenBucket", s, callers, c.ping, () => {
-            const backend = redis(c.floodgate, { prefix: freshPrefix("tb") });
-            const bucket = backend.tokenBucket("tp", { capacity: MAX, refillPerSecond: 1e9 });
-            return [
-              async () => {
-                const t = await bucket.admit();
-                await t.release("success");
-              },
-              () => backend.close(),
-            ];
-          }),
-          timed("rate-limiter-flexible RateLimiterRedis", s, callers, c.ping, () => {
-            const limiter = new RateLimiterRedis({
-              storeClient: c.peer,
-              keyPrefix: freshPrefix("rlf"),
-              points: MAX,
-              duration: 60,
-            });
-            return () => limiter.consume("default", 1);
-          }),
-        ];
-        const figures = await rounds(list, count);
-        const fg = pairedRatio(
-          figures.get("floodgate redis tokenBucket")!,
-          figures.get("ioredis PING (floor)")!,
-        );
-        const script = (name: string) => median(list.find((x) => x.name === name)!.scriptUsec).toFixed(1);
-        const notes = [
-          `Target ≥ 0.9× PING: ${verdict(fg >= 0.9, times(fg))}.`,
-          `Script time inside Redis per take (INFO commandstats, EVALSHA): floodgate ${script("floodgate redis tokenBucket")} µs, ` +
-            `rate-limiter-flexible ${script("rate-limiter-flexible RateLimiterRedis")} µs; part of the redis-server CPU column.`,
-        ];
-        report(
-          `Redis token bucket take, ${callers} caller${callers === 1 ? "" : "s"}, ${s} s per figure (median of ${count} rounds)`,
-          list,
-          figures,
-          "rate-limiter-flexible RateLimiterRedis",
-          "ioredis PING (floor)",
-          1,
-          notes,
-        );
-      }
-    } finally {
-      for (const x of c.all) x.disconnect();
-    }
+  run(args: BenchArgs) {
+    return byCallers(args, async (c, callers, s, count) => {
+      const list: Timed[] = [
+        timed("ioredis PING (floor)", s, callers, c.ping, () => () => c.ping.ping()),
+        timed("floodgate redis tokenBucket", s, callers, c.ping, () => {
+          const backend = redis(c.floodgate, { prefix: freshPrefix("tb") });
+          const bucket = backend.tokenBucket("tp", { capacity: MAX, refillPerSecond: 1e9 });
+          return [
+            async () => {
+              const t = await bucket.admit();
+              await t.release("success");
+            },
+            () => backend.close(),
+          ];
+        }),
+        timed("rate-limiter-flexible RateLimiterRedis", s, callers, c.ping, () => {
+          const limiter = new RateLimiterRedis({
+            storeClient: c.peer,
+            keyPrefix: freshPrefix("rlf"),
+            points: MAX,
+            duration: 60,
+          });
+          return () => limiter.consume("default", 1);
+        }),
+      ];
+      const figures = await rounds(list, count);
+      const fg = pairedRatio(
+        figures.get("floodgate redis tokenBucket")!,
+        figures.get("ioredis PING (floor)")!,
+      );
+      const script = (name: string) => median(list.find((x) => x.name === name)!.scriptUsec).toFixed(1);
+      const notes = [
+        `Target ≥ 0.9× PING: ${verdict(fg >= 0.9, times(fg))}.`,
+        `Script time inside Redis per take (INFO commandstats, EVALSHA): floodgate ${script("floodgate redis tokenBucket")} µs, ` +
+          `rate-limiter-flexible ${script("rate-limiter-flexible RateLimiterRedis")} µs; part of the redis-server CPU column.`,
+      ];
+      report(
+        `Redis token bucket take, ${callers} caller${callers === 1 ? "" : "s"}, ${s} s per figure (median of ${count} rounds)`,
+        list,
+        figures,
+        "rate-limiter-flexible RateLimiterRedis",
+        "ioredis PING (floor)",
+        1,
+        notes,
+      );
+    });
   },
 };
 
@@ -318,56 +317,48 @@ export const redisGate: Benchmark = {
   name: "redis-gate",
   title: "a Gate of 1 to 5 Redis stages, 1 and 64 callers",
   redis: true,
-  async run(args: BenchArgs) {
-    const url = await args.redisUrl();
-    const c = await clients(url);
-    const s = seconds(args);
-    const count = args.rounds ?? (args.quick ? 3 : 5);
-    try {
-      for (const callers of [1, 64]) {
-        const list: Timed[] = [
-          timed("ioredis PING (floor)", s, callers, c.ping, () => () => c.ping.ping()),
-          ...Object.entries(GATES).map(([name, stages]) =>
-            timed(name, s, callers, c.ping, () => {
-              const backend = redis(c.floodgate, { prefix: freshPrefix("gate") });
-              const gate = new Gate(stages(backend));
-              const task = () => undefined;
-              return [() => gate.run(task, { host: "api.example" }), () => backend.close()];
-            }),
-          ),
-        ];
-        const figures = await rounds(list, count);
-        const ratio = (name: string) => pairedRatio(figures.get(name)!, figures.get("semaphore alone")!);
-        const p50 = (name: string) => median(list.find((x) => x.name === name)!.p50);
-        const calls = list
-          .filter((x) => x.name !== "ioredis PING (floor)")
-          .map((x) => `${x.name.split(":")[0]} ${median(x.scriptCalls).toFixed(2)}`)
-          .join(", ");
-        const four = "4: + AIMD";
-        const notes =
-          callers === 1
-            ? [
-                `Target (#14) at 1 caller: p50 of a 4-stage gate ≤ 1.3× the semaphore alone's: ` +
-                  `${verdict(p50(four) <= 1.3 * p50("semaphore alone"), `${(p50(four) / p50("semaphore alone")).toFixed(2)}×`)}.`,
-                `Script calls per admission (admit and release): ${calls}.`,
-              ]
-            : [
-                `Target (#14) at 64 callers: a 4-stage gate ≥ 0.8× the calls per second of the semaphore alone: ` +
-                  `${verdict(ratio(four) >= 0.8, times(ratio(four)))}.`,
-                `Script calls per admission (admit and release): ${calls}.`,
-              ];
-        report(
-          `A Gate of Redis stages (none binding), gate.run of an empty task, ${callers} caller${callers === 1 ? "" : "s"}, ${s} s per figure (median of ${count} rounds)`,
-          list,
-          figures,
-          "semaphore alone",
-          "ioredis PING (floor)",
-          1,
-          notes,
-        );
-      }
-    } finally {
-      for (const x of c.all) x.disconnect();
-    }
+  run(args: BenchArgs) {
+    return byCallers(args, async (c, callers, s, count) => {
+      const list: Timed[] = [
+        timed("ioredis PING (floor)", s, callers, c.ping, () => () => c.ping.ping()),
+        ...Object.entries(GATES).map(([name, stages]) =>
+          timed(name, s, callers, c.ping, () => {
+            const backend = redis(c.floodgate, { prefix: freshPrefix("gate") });
+            const gate = new Gate(stages(backend));
+            const task = () => undefined;
+            return [() => gate.run(task, { host: "api.example" }), () => backend.close()];
+          }),
+        ),
+      ];
+      const figures = await rounds(list, count);
+      const ratio = (name: string) => pairedRatio(figures.get(name)!, figures.get("semaphore alone")!);
+      const p50 = (name: string) => median(list.find((x) => x.name === name)!.p50);
+      const calls = list
+        .filter((x) => x.name !== "ioredis PING (floor)")
+        .map((x) => `${x.name.split(":")[0]} ${median(x.scriptCalls).toFixed(2)}`)
+        .join(", ");
+      const four = "4: + AIMD";
+      const notes =
+        callers === 1
+          ? [
+              `Target (#14) at 1 caller: p50 of a 4-stage gate ≤ 1.3× the semaphore alone's: ` +
+                `${verdict(p50(four) <= 1.3 * p50("semaphore alone"), `${(p50(four) / p50("semaphore alone")).toFixed(2)}×`)}.`,
+              `Script calls per admission (admit and release): ${calls}.`,
+            ]
+          : [
+              `Target (#14) at 64 callers: a 4-stage gate ≥ 0.8× the calls per second of the semaphore alone: ` +
+                `${verdict(ratio(four) >= 0.8, times(ratio(four)))}.`,
+              `Script calls per admission (admit and release): ${calls}.`,
+            ];
+      report(
+        `A Gate of Redis stages (none binding), gate.run of an empty task, ${callers} caller${callers === 1 ? "" : "s"}, ${s} s per figure (median of ${count} rounds)`,
+        list,
+        figures,
+        "semaphore alone",
+        "ioredis PING (floor)",
+        1,
+        notes,
+      );
+    });
   },
 };
