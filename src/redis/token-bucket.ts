@@ -56,10 +56,12 @@ interface Place {
 type TakeReply = [taken: number, waitMs: number, fromMs?: number];
 
 /**
- * How late (ms) a reserved caller may still take its place: a timer on a busy machine fires a
- * little late. See `RedisTokenBucket.#due`.
+ * How late (ms) a reserved caller may still take its place whatever its cost: a timer on a busy
+ * machine fires a few milliseconds late, and a place lost for that goes unused. Going that late
+ * can pass the cap by at most this long's refill, less the room the bucket has above the cost
+ * (nothing for a bucket whose capacity holds the cost and 20 ms of refill). See `#due`.
  */
-const LATE_MS = 2;
+const LATE_MS = 20;
 
 const GRANT_PREFIX = `${randomBytes(6).toString("hex")}:`;
 let grants = 0;
@@ -267,7 +269,8 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
    * refilled while it did not come, and the bucket may have run full and thrown refill away while
    * the places after it were used, so going now could pass the cap. A place is kept that long:
    * until the bucket could have filled the room above its cost (then nothing was thrown away),
-   * and at least `LATE_MS`, the lateness of a timer on a busy machine.
+   * and at least `LATE_MS`, the lateness of a timer on a busy machine (see there for what that
+   * may cost).
    */
   #due(w: Reservation): void {
     w.timer = undefined;

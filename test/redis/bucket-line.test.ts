@@ -261,6 +261,33 @@ describe("one line per key across processes (Redis token bucket)", () => {
     expect(afterThaw.length).toBeGreaterThan(options.capacity);
     expect(afterThaw.filter((s) => s.at === 1500).length).toBeLessThanOrEqual(options.capacity);
   });
+  it("lets a caller woken up to 20 ms late keep its place, and sends one woken later to the end of the line", async () => {
+    const clock = new FakeClock();
+    const prefix = randomPrefix("bucket-late");
+    const frozen = new FreezableClock(clock);
+    const client = await connect();
+    const bucket = redis(client, { prefix, clock: frozen, time: "clock" }).tokenBucket("late", {
+      capacity: 1,
+      refillPerSecond: 10,
+    });
+    await bucket.admit();
+    const at: number[] = [];
+    const x = bucket.admit().then(() => at.push(clock.now())); // due 100
+    await clock.flush();
+    frozen.freeze();
+    await clock.advance(115);
+    frozen.thaw(); // 15 ms late: within the 20 ms a busy machine's timer may be late
+    await x;
+    const y = bucket.admit().then(() => at.push(clock.now())); // due 200
+    await clock.flush();
+    frozen.freeze();
+    await clock.advance(125); // to 240: 40 ms late
+    frozen.thaw();
+    await clock.advance(200);
+    await y;
+    // y asked again at 240, after its own place (its tokens charged): 0.4 tokens there, 60 ms more.
+    expect(at).toEqual([115, 300]);
+  });
 });
 
 /**
