@@ -168,7 +168,7 @@ export function noClasses(kind: StageKind, stage: string, name: unknown): Invali
   return new InvalidOptionsError(
     stage,
     "class",
-    `${kind} "${stage}": class given, ${got(name)}, but the ${kind} has no classes (a semaphore, an AIMD limiter or a memory token bucket built with classes has them: docs/classes.md)`,
+    `${kind} "${stage}": class given, ${got(name)}, but the ${kind} has no classes (a semaphore, an AIMD limiter or a token bucket built with classes has them: docs/classes.md)`,
   );
 }
 
@@ -185,21 +185,4 @@ export function classRule(book: ClassBook): CallRule {
 export function classSpec(configs: readonly ClassConfig[] | undefined): string {
   if (configs === undefined) return "";
   return configs.map((c) => `${c.share},${c.maxShare},${c.lendable},${c.priority}`).join(";");
-}
-
-/**
- * Refuse `classes` on a stage that cannot keep them yet (a Redis token bucket): better an error
- * now than a rate that silently ignores the shares.
- */
-export function refuseClasses(
-  kind: StageKind,
-  stage: string,
-  o: { classes?: unknown; defaultClass?: unknown },
-): void {
-  if (o.classes === undefined && o.defaultClass === undefined) return;
-  throw new InvalidOptionsError(
-    stage,
-    "classes",
-    `${kind} "${stage}": classes on a ${kind} are kept in memory only for now; build this ${kind} with memory(), or without classes (a Redis semaphore or AIMD limiter keeps them fleet-wide)`,
-  );
 }

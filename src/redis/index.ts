@@ -18,6 +18,7 @@ import type { BackendErrorOptions, StageOptions, TokenBucketOptions } from "../o
 import type { Backend, IntervalGateStage, Logger, Stage } from "../types.js";
 import { parseOptions, redisBackendSchema } from "../validate.js";
 import { RedisAimd } from "./aimd.js";
+import { RedisClassBucket } from "./bucket-classes.js";
 import { FallbackStage } from "./fallback.js";
 import { RedisIntervalGate } from "./interval-gate.js";
 import { type RedisClientLike, RedisLink } from "./link.js";
@@ -28,7 +29,22 @@ import { RedisTokenBucket } from "./token-bucket.js";
 export { stageKey } from "./keys.js";
 export type { LeaseTicket } from "./lease.js";
 export { commandName, SCRIPTS, type ScriptName, scriptSha, scriptSource } from "./scripts.js";
-export { FallbackStage, RedisAimd, RedisIntervalGate, RedisQueue, RedisSemaphore, RedisTokenBucket };
+
+/** Whether token bucket options ask for classes (checked, with everything else, when it is built). */
+function hasClasses(opts: unknown): boolean {
+  const o = opts as { classes?: unknown; defaultClass?: unknown } | null | undefined;
+  return o?.classes !== undefined || o?.defaultClass !== undefined;
+}
+
+export {
+  FallbackStage,
+  RedisAimd,
+  RedisClassBucket,
+  RedisIntervalGate,
+  RedisQueue,
+  RedisSemaphore,
+  RedisTokenBucket,
+};
 
 /** Options for `redis(client, options)`. */
 export interface RedisBackendOptions extends StageOptions {
@@ -174,17 +190,23 @@ export function redis(client: Redis | Cluster, options: RedisBackendOptions = {}
       ),
     tokenBucket: (name, opts) =>
       registry.build("tokenBucket", name, opts, () =>
-        withPolicy(new RedisTokenBucket(name, opts, ctx(opts)), opts, (k, local) => {
-          const capacity = share(opts.capacity, k);
-          const scaled: TokenBucketOptions = {
-            ...local,
-            capacity,
-            refillPerSecond: opts.refillPerSecond * k,
-          };
-          if (opts.initialTokens !== undefined)
-            scaled.initialTokens = Math.min(capacity, Math.floor(opts.initialTokens * k));
-          return new MemoryTokenBucket(name, scaled, local.clock!);
-        }),
+        withPolicy(
+          !hasClasses(opts)
+            ? new RedisTokenBucket(name, opts, ctx(opts))
+            : new RedisClassBucket(name, opts, ctx(opts)),
+          opts,
+          (k, local) => {
+            const capacity = share(opts.capacity, k);
+            const scaled: TokenBucketOptions = {
+              ...local,
+              capacity,
+              refillPerSecond: opts.refillPerSecond * k,
+            };
+            if (opts.initialTokens !== undefined)
+              scaled.initialTokens = Math.min(capacity, Math.floor(opts.initialTokens * k));
+            return new MemoryTokenBucket(name, scaled, local.clock!);
+          },
+        ),
       ),
     intervalGate: (name, opts) =>
       registry.build(

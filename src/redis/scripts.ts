@@ -16,6 +16,7 @@ export const SCRIPTS = {
   "token-bucket-refund": 1,
   "token-bucket-penalize": 1,
   "token-bucket-settle": 1,
+  "token-bucket-classes": 5,
   "interval-gate-take": 1,
   "interval-gate-pause": 1,
   "interval-gate-refund": 1,

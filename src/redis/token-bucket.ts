@@ -1,5 +1,4 @@
 import { randomBytes } from "node:crypto";
-import { refuseClasses } from "../base/classes.js";
 import { KeyedLineStage, TimedLine } from "../base/line-stage.js";
 import { BaseTicket } from "../base/stage.js";
 import { type WaitEntry, Waiter, type WaitList } from "../base/wait-list.js";
@@ -61,7 +60,7 @@ type TakeReply = [taken: number, waitMs: number, fromMs?: number];
  * can pass the cap by at most this long's refill, less the room the bucket has above the cost
  * (nothing for a bucket whose capacity holds the cost and 20 ms of refill). See `#due`.
  */
-const LATE_MS = 20;
+export const LATE_MS = 20;
 
 const GRANT_PREFIX = `${randomBytes(6).toString("hex")}:`;
 let grants = 0;
@@ -98,7 +97,6 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
   constructor(name: string, options: TokenBucketOptions, ctx: RedisContext) {
     super(name, ctx.clock, 10_000);
     const o = parseOptions(tokenBucketSchema, "tokenBucket", name, options);
-    refuseClasses("tokenBucket", name, o);
     this.#link = ctx.link;
     this.#prefix = ctx.prefix;
     this.#capacity = o.capacity;
