@@ -31,6 +31,8 @@ class ClassWaiter extends Waiter {
   again = false;
   /** Has asked Redis before, so it may have been granted meanwhile. */
   asked = false;
+  /** Granted (by an ask, or by a message while an ask was out). */
+  granted = false;
   /** Its slow poll: a sign of life, and a grant message lost. */
   poll: ClockTimer | undefined = undefined;
 }
@@ -261,7 +263,12 @@ export class RedisClassBucket extends KeyedLineStage<KeyLine> {
         this.#link.sawServerTime(Number(reply[3]), sentAt);
         const status = Number(reply[0]);
         if (!w.list) {
-          // It left while the call was out: give back what it got, or its place in line.
+          // It left while the call was out: give back what it got, or its place in line. One
+          // granted by a message meanwhile keeps its ticket: this reply only found that grant.
+          if (w.granted) {
+            this.#grants(reply[2], sentAt);
+            return;
+          }
           if (status === 1) void this.#giveBack(key, "refund", id, String(w.cost));
           else void this.#giveBack(key, "leave", id, "");
           this.#grants(reply[2], sentAt);
@@ -396,6 +403,7 @@ export class RedisClassBucket extends KeyedLineStage<KeyLine> {
   }
 
   #grantWaiter(w: ClassWaiter): void {
+    w.granted = true;
     this.#byId.delete(w.id);
     this.#clearPoll(w);
     const ticket = this.grant(w, "token") as ClassTicket;

@@ -4,6 +4,7 @@ import { redis } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { afterEach, describe, expect, it } from "vitest";
 import { redisUrl } from "../contract/backends.js";
+import { BUCKET_CLASSES } from "../redis/fixtures/fixture.js";
 import { Child, closeClient, connectedClient, randomPrefix, sleep } from "../redis/helpers.js";
 
 const RATE = 10;
@@ -20,8 +21,16 @@ const SLACK_TOKENS = 1.5;
  * their time, then resumed, while another keeps calling: a local provider replays every request
  * it received through a bucket of the same shape. A caller that wakes too late for its place
  * asks again rather than go, so the resumed process does not send its overdue calls at once.
+ *
+ * The same with classes (the frozen process's callers bulk, the live one's interactive): there
+ * the frozen callers wait in their class's line, grants made to them while frozen come too late
+ * to be taken (they ask again), and a killed process's callers leave the line once its sign of
+ * life has lapsed.
  */
-describe("a Redis token bucket's caller process frozen with places reserved", () => {
+describe.each([
+  { name: "without classes", classes: false },
+  { name: "with classes", classes: true },
+])("a Redis token bucket's caller process frozen with callers waiting, $name", ({ classes }) => {
   const clients: Redis[] = [];
   const children: Child[] = [];
   let server: Server | undefined;
@@ -44,7 +53,7 @@ describe("a Redis token bucket's caller process frozen with places reserved", ()
     });
     await new Promise<void>((resolve) => server!.listen(0, "127.0.0.1", resolve));
     const provider = `http://127.0.0.1:${(server.address() as AddressInfo).port}/`;
-    const prefix = randomPrefix(`faults-bucket-${fault}`);
+    const prefix = randomPrefix(`faults-bucket-${fault}${classes ? "-classes" : ""}`);
     const endAt = Date.now() + 6_000;
     const child = new Child("bucket-caller.ts", {
       REDIS_URL: redisUrl(),
@@ -54,6 +63,7 @@ describe("a Redis token bucket's caller process frozen with places reserved", ()
       RATE: String(RATE),
       CAPACITY: String(CAPACITY),
       END_AT: String(endAt),
+      ...(classes ? { CLASS: "bulk" } : {}),
     });
     children.push(child);
     await child.message("ready", 15_000);
@@ -61,11 +71,16 @@ describe("a Redis token bucket's caller process frozen with places reserved", ()
     const client = await connectedClient(redisUrl());
     clients.push(client);
     const backend = redis(client, { prefix });
-    const bucket = backend.tokenBucket("rate", { capacity: CAPACITY, refillPerSecond: RATE });
+    const bucket = backend.tokenBucket("rate", {
+      capacity: CAPACITY,
+      refillPerSecond: RATE,
+      ...(classes ? { classes: BUCKET_CLASSES } : {}),
+    });
+    const call = classes ? { class: "interactive" } : {};
     let ours = 0;
     const callers = Array.from({ length: 2 }, async () => {
       while (Date.now() < endAt) {
-        await bucket.admit();
+        await bucket.admit(call);
         if (Date.now() >= endAt) break;
         await (await fetch(provider)).text();
         ours++;
@@ -103,7 +118,7 @@ describe("a Redis token bucket's caller process frozen with places reserved", ()
   it("SIGSTOP past its callers' time, then SIGCONT: the provider never sees more than the bucket allows", async () => {
     const r = await run("freeze");
     console.log(
-      `token bucket ${RATE}/s, capacity ${CAPACITY}, a caller process frozen 1.5 s with places reserved: ` +
+      `token bucket ${RATE}/s, capacity ${CAPACITY}${classes ? " with classes" : ""}, a caller process frozen 1.5 s with callers waiting: ` +
         `${r.arrivals.length} requests (${r.ours} from the live process, ${r.theirs} from the frozen one) ` +
         `in ${r.seconds.toFixed(1)} s; lowest replayed level ${r.lowest.toFixed(2)} tokens`,
     );
@@ -115,7 +130,7 @@ describe("a Redis token bucket's caller process frozen with places reserved", ()
   it("SIGKILL with its callers' places reserved: they go unused, the cap holds, and the live process goes on", async () => {
     const r = await run("kill");
     console.log(
-      `token bucket ${RATE}/s, capacity ${CAPACITY}, a caller process killed with places reserved: ` +
+      `token bucket ${RATE}/s, capacity ${CAPACITY}${classes ? " with classes" : ""}, a caller process killed with callers waiting: ` +
         `${r.arrivals.length} requests in ${r.seconds.toFixed(1)} s; lowest replayed level ` +
         `${r.lowest.toFixed(2)} tokens; ${r.afterFault} requests from 2 s after the kill on ` +
         `(the live process alone, at the bucket's rate: ${(r.afterFault / 2.5).toFixed(1)}/s)`,
