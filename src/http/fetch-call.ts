@@ -39,7 +39,7 @@ export const SPEC: WrapperSpec = {
   options: new Set(["key", "timeoutMs", "maxPauseMs", "now", "clock", "retry", "reserve", "settle"]),
   keyArgs: "(url, init)",
   where: "init",
-  callKeys: new Set(["key", "host", "cost", "costs", "timeoutMs", "retry"]),
+  callKeys: new Set(["key", "host", "cost", "costs", "class", "timeoutMs", "retry"]),
 };
 const fail: Fail = SPEC.fail;
 
@@ -201,6 +201,7 @@ export async function fetchThrough(
       host,
       cost: call.cost,
       costs: call.costs,
+      class: call.class,
       timeoutMs: call.timeoutMs ?? w.timeoutMs,
       signal,
       classify: (settled) => classify(settled, signal),

@@ -37,7 +37,7 @@ export type {
  * ticket when the response (its status and headers) arrives; reading the body is not held.
  *
  * - Host: `new URL(input).host` (for a `Request`, its `url`). Key: `options.key(url, init)`, else
- *   the host. `init.floodgate = { key, host, cost, costs, timeoutMs, retry }` overrides them for
+ *   the host. `init.floodgate = { key, host, cost, costs, class, timeoutMs, retry }` overrides them for
  *   one call, and `init.floodgate = false` sends the call without the gate. `init.floodgate` is
  *   removed before `fetchImpl` sees `init`.
  * - Cancelling: `init.signal` (else a `Request`'s signal) aborts the wait for admission, leaving

@@ -138,6 +138,11 @@ export interface FetchCallOptions {
   /** Cost at each stage by stage name, overriding `cost` there. */
   costs?: Readonly<Record<string, number>>;
   /**
+   * The call's traffic class, for the stages of the gate built with classes (docs/classes.md).
+   * @default the stages' `defaultClass`
+   */
+  class?: string;
+  /**
    * Longest wait for admission, in milliseconds; `AdmitTimeoutError` after it. With retries, each
    * attempt's admission gets this long. @default `options.timeoutMs`
    */
@@ -234,6 +239,11 @@ export interface DispatchCallOptions {
   cost?: number;
   /** Cost at each stage by stage name, overriding `cost` there. */
   costs?: Readonly<Record<string, number>>;
+  /**
+   * The call's traffic class, for the stages of the gate built with classes (docs/classes.md).
+   * @default the stages' `defaultClass`
+   */
+  class?: string;
   /** Longest wait for admission, in milliseconds; `AdmitTimeoutError` after it. @default `options.timeoutMs` */
   timeoutMs?: number;
 }

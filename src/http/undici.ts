@@ -37,7 +37,7 @@ const SPEC: WrapperSpec = {
   options: new Set(["key", "timeoutMs", "maxPauseMs", "now", "reserve"]),
   keyArgs: "(opts)",
   where: "opts",
-  callKeys: new Set(["key", "host", "cost", "costs", "timeoutMs"]),
+  callKeys: new Set(["key", "host", "cost", "costs", "class", "timeoutMs"]),
 };
 const noop = () => {};
 
@@ -67,7 +67,7 @@ function hostOf(origin: unknown): string | undefined {
  * request once for all its attempts.
  *
  * - Host: the origin's host. Key: `options.key(opts)`, else the host. `opts.floodgate = { key,
- *   host, cost, costs, timeoutMs }` overrides them for one request, and `opts.floodgate = false`
+ *   host, cost, costs, class, timeoutMs }` overrides them for one request, and `opts.floodgate = false`
  *   sends it without the gate; `opts.floodgate` is removed before the request goes on.
  * - Admission is asynchronous: the interceptor returns `true` at once and dispatches once the
  *   gate admits. If the gate refuses (timeout, shed, closed) or `opts.signal` aborts while
@@ -133,6 +133,7 @@ export function floodgateInterceptor(
           host,
           cost: call.cost,
           costs: call.costs,
+          class: call.class,
           timeoutMs: call.timeoutMs ?? defaultTimeoutMs,
           signal: wait.signal,
         };
