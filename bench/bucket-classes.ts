@@ -5,8 +5,11 @@
  * holds nothing after.
  */
 import { type Backend, memory } from "floodgate";
-import { measure, type Scenario } from "./classes.js";
+import type { BucketClassesRun } from "./bucket-classes-worker.js";
+import { type ClassesTable, measure, type RoleReport, type Scenario } from "./classes.js";
 import { type BenchArgs, type Benchmark, si, sleep } from "./lib.js";
+import { freshPrefix } from "./redis-clients.js";
+import { BenchWorker, stopWorkers } from "./worker.js";
 
 const RATE = 100;
 const CAPACITY = 20;
@@ -14,10 +17,12 @@ const CAPACITY = 20;
 const BULK_PRODUCERS = 10;
 /** One interactive call every this many milliseconds (40 a second: half its share of 80). */
 const INTERACTIVE_EVERY_MS = 25;
+/** How long bulk drains the bucket before interactive starts: its burst, and more. */
+const DRAIN_MS = 300;
 
-type Take = (cls: "interactive" | "bulk") => Promise<unknown>;
+export type Take = (cls: "interactive" | "bulk") => Promise<unknown>;
 
-const SETUPS = {
+export const SETUPS = {
   classes: (b: Backend): Take => {
     const bucket = b.tokenBucket("classes", {
       capacity: CAPACITY,
@@ -36,33 +41,69 @@ const SETUPS = {
     return (cls) => (cls === "interactive" ? interactive : bulk).admit();
   },
 };
-type SetupName = keyof typeof SETUPS;
+export type SetupName = keyof typeof SETUPS;
+
+/** What runs in one place: `producers` bulk loops, or interactive arrivals every INTERACTIVE_EVERY_MS. */
+export type BucketRole = { kind: "bulk"; producers: number } | { kind: "interactive" };
+
+/** Run `role` through `take` until `endAt` (on the clock `now`): interactive waits (ms), bulk calls done. */
+export async function runBucketRole(
+  take: Take,
+  role: BucketRole,
+  endAt: number,
+  now: () => number,
+): Promise<RoleReport> {
+  let bulkDone = 0;
+  const waits: number[] = [];
+  if (role.kind === "bulk") {
+    await Promise.all(
+      Array.from({ length: role.producers }, async () => {
+        while (now() < endAt) {
+          await take("bulk");
+          if (now() <= endAt) bulkDone++;
+        }
+      }),
+    );
+    return { waits, bulkDone };
+  }
+  const calls: Promise<void>[] = [];
+  while (now() < endAt) {
+    const asked = now();
+    calls.push(take("interactive").then(() => void waits.push(now() - asked)));
+    await sleep(INTERACTIVE_EVERY_MS);
+  }
+  await Promise.all(calls);
+  return { waits, bulkDone };
+}
 
 /** One run of `seconds` in this process: bulk producers (if any) and interactive arrivals (if any). */
 async function scenario(take: Take, seconds: number, bulk: boolean, interactive: boolean) {
-  const end = performance.now() + seconds * 1000;
-  let bulkDone = 0;
-  const producers = bulk
-    ? Array.from({ length: BULK_PRODUCERS }, async () => {
-        while (performance.now() < end) {
-          await take("bulk");
-          if (performance.now() <= end) bulkDone++;
-        }
-      })
-    : [];
-  const waits: number[] = [];
-  const calls: Promise<void>[] = [];
-  if (interactive) {
-    // Let bulk drain the bucket first.
-    await sleep(bulk ? 300 : 0);
-    while (performance.now() < end) {
-      const asked = performance.now();
-      calls.push(take("interactive").then(() => void waits.push(performance.now() - asked)));
-      await sleep(INTERACTIVE_EVERY_MS);
-    }
-  }
-  await Promise.all([...producers, ...calls]);
-  return { waits, bulkDone: bulkDone / seconds };
+  const now = () => performance.now();
+  const end = now() + seconds * 1000;
+  const roles: Promise<RoleReport>[] = [];
+  if (bulk) roles.push(runBucketRole(take, { kind: "bulk", producers: BULK_PRODUCERS }, end, now));
+  // Interactive starts once bulk has drained the bucket.
+  if (interactive)
+    roles.push(sleep(bulk ? DRAIN_MS : 0).then(() => runBucketRole(take, { kind: "interactive" }, end, now)));
+  const reports = await Promise.all(roles);
+  return {
+    waits: reports.flatMap((r) => r.waits),
+    bulkDone: reports.reduce((sum, r) => sum + r.bulkDone, 0) / seconds,
+  };
+}
+
+/** The table's wording, `label` and `where` saying on what and where the producers run. */
+function bucketTable(label: string, where: string): ClassesTable<SetupName> {
+  return {
+    classes: "classes",
+    shared: "one shared bucket",
+    split: "static split (80% + 20%)",
+    title: `${label}: ${RATE} tokens/s, capacity ${CAPACITY}, ${BULK_PRODUCERS} bulk producers${where}, interactive every ${INTERACTIVE_EVERY_MS} ms`,
+    unit: "bucket",
+    boundMs: 1000 / RATE,
+    bound: "one token's refill",
+    whole: (w) => `one bucket, bulk alone: ${si(w)}/s, the first second's burst included`,
+  };
 }
 
 export const bucketClassesBench: Benchmark = {
@@ -74,20 +115,64 @@ export const bucketClassesBench: Benchmark = {
     const count = args.rounds ?? (args.quick ? 1 : 3);
     const run: Scenario<SetupName> = (setup, s, bulk, interactive) =>
       scenario(SETUPS[setup](memory()), s, bulk, interactive);
-    await measure(
-      {
-        classes: "classes",
-        shared: "one shared bucket",
-        split: "static split (80% + 20%)",
-        title: `Traffic classes on a token bucket (memory): ${RATE} tokens/s, capacity ${CAPACITY}, ${BULK_PRODUCERS} bulk producers, interactive every ${INTERACTIVE_EVERY_MS} ms`,
-        unit: "bucket",
-        boundMs: 1000 / RATE,
-        bound: "one token's refill",
-        whole: (w) => `one bucket, bulk alone: ${si(w)}/s, the first second's burst included`,
-      },
-      run,
-      seconds,
-      count,
+    await measure(bucketTable("Traffic classes on a token bucket (memory)", ""), run, seconds, count);
+  },
+};
+
+/** Bulk worker processes of the Redis form; one more process sends the interactive calls. */
+const BULK_PROCESSES = 4;
+
+type Reply = ({ kind: "done" } & RoleReport) | { kind: "ready" };
+
+export const redisBucketClassesBench: Benchmark = {
+  name: "redis-bucket-classes",
+  title: "traffic classes on a Redis token bucket, worker processes",
+  redis: true,
+  async run(args: BenchArgs) {
+    const url = await args.redisUrl();
+    const seconds = args.seconds ?? (args.quick ? 1 : 3);
+    const count = args.rounds ?? (args.quick ? 1 : 3);
+    const workers = Array.from(
+      { length: BULK_PROCESSES + 1 },
+      () =>
+        new BenchWorker<Reply>(
+          new URL("./bucket-classes-worker.ts", import.meta.url),
+          [url],
+          "bucket classes worker",
+        ),
     );
+    try {
+      for (const w of workers) await w.next(30_000);
+      const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
+      const run: Scenario<SetupName> = async (setup, s, bulk, interactive) => {
+        const prefix = freshPrefix("bucket-classes");
+        // Time for every process to build its stages.
+        const startAt = nowMs() + 300;
+        const endAt = startAt + s * 1000;
+        const busy: BenchWorker<Reply>[] = [];
+        const send = (w: BenchWorker<Reply>, role: BucketRole, from: number) => {
+          w.child.send({ kind: "run", setup, role, prefix, startAt: from, endAt } satisfies BucketClassesRun);
+          busy.push(w);
+        };
+        if (bulk) {
+          // The producers spread as evenly as they go: 3, 3, 2, 2.
+          workers.slice(1).forEach((w, i) => {
+            const producers =
+              Math.floor(BULK_PRODUCERS / BULK_PROCESSES) + (i < BULK_PRODUCERS % BULK_PROCESSES ? 1 : 0);
+            send(w, { kind: "bulk", producers }, startAt);
+          });
+        }
+        if (interactive) send(workers[0]!, { kind: "interactive" }, startAt + (bulk ? DRAIN_MS : 0));
+        const reports = (await Promise.all(busy.map((w) => w.next((s + 30) * 1000)))) as RoleReport[];
+        return {
+          waits: reports.flatMap((r) => r.waits),
+          bulkDone: reports.reduce((sum, r) => sum + r.bulkDone, 0) / s,
+        };
+      };
+      const where = ` in ${BULK_PROCESSES} processes, interactive in another`;
+      await measure(bucketTable("Traffic classes on a Redis token bucket", where), run, seconds, count);
+    } finally {
+      await stopWorkers(workers);
+    }
   },
 };

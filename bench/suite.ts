@@ -3,7 +3,7 @@ import { execFileSync } from "node:child_process";
 import { readFileSync } from "node:fs";
 import { cpus, loadavg, totalmem } from "node:os";
 import { command, parseOrExit } from "../examples/cli.js";
-import { bucketClassesBench } from "./bucket-classes.js";
+import { bucketClassesBench, redisBucketClassesBench } from "./bucket-classes.js";
 import { bucketFleet } from "./bucket-fleet.js";
 import { classesBench, redisClassesBench } from "./classes.js";
 import { fleet } from "./fleet.js";
@@ -33,6 +33,7 @@ export const BENCHMARKS: readonly Benchmark[] = [
   redisCommands,
   handoff,
   redisClassesBench,
+  redisBucketClassesBench,
   bucketFleet,
   fleet,
 ];
