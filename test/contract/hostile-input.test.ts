@@ -123,11 +123,33 @@ interface Env {
   stages: Record<Kind, Stage>;
 }
 
-/** The stages under test: one of each factory, a semaphore with traffic classes, and a gate. */
-type Kind = "semaphore" | "tokenBucket" | "queue" | "intervalGate" | "aimd" | "classes" | "gate";
-const KINDS: Kind[] = ["semaphore", "tokenBucket", "queue", "intervalGate", "aimd", "classes", "gate"];
+/**
+ * The stages under test: one of each factory, a semaphore and a keyed token bucket with traffic
+ * classes, and a gate.
+ */
+type Kind =
+  | "semaphore"
+  | "tokenBucket"
+  | "queue"
+  | "intervalGate"
+  | "aimd"
+  | "classes"
+  | "bucketClasses"
+  | "gate";
+const KINDS: Kind[] = [
+  "semaphore",
+  "tokenBucket",
+  "queue",
+  "intervalGate",
+  "aimd",
+  "classes",
+  "bucketClasses",
+  "gate",
+];
+/** The stages with classes, which no factory entry of GOOD builds. */
+type Built = Exclude<Kind, "gate" | "classes" | "bucketClasses">;
 
-const GOOD: Record<Exclude<Kind, "gate" | "classes">, Record<string, unknown>> = {
+const GOOD: Record<Built, Record<string, unknown>> = {
   semaphore: { limit: 2 },
   tokenBucket: { keyed: true, capacity: 3, refillPerSecond: 1 },
   queue: { maxSize: 2 },
@@ -136,7 +158,7 @@ const GOOD: Record<Exclude<Kind, "gate" | "classes">, Record<string, unknown>> =
 };
 
 /** Every option of each factory, to put a hostile value in. */
-const FACTORY_FIELDS: Record<Exclude<Kind, "gate" | "classes">, string[]> = {
+const FACTORY_FIELDS: Record<Built, string[]> = {
   semaphore: [
     "limit",
     "leaseMs",
@@ -165,6 +187,13 @@ function makeEnv(backend: (typeof backends)[number]): Env {
     classes: b.semaphore("classful", {
       limit: 2,
       classes: { a: { share: 1 }, b: { share: 1, priority: 1 } },
+      defaultClass: "a",
+    }),
+    bucketClasses: b.tokenBucket("classful-tb", {
+      keyed: true,
+      capacity: 3,
+      refillPerSecond: 1,
+      classes: { a: { share: 1 }, b: { share: 2, priority: 1 } },
       defaultClass: "a",
     }),
     gate: new Gate(
@@ -212,6 +241,7 @@ const CAPACITY: Record<Kind, number> = {
   intervalGate: 1,
   aimd: 2,
   classes: 2,
+  bucketClasses: 3,
   gate: 2,
 };
 
@@ -388,7 +418,7 @@ function entries(): Entry[] {
       },
     );
   }
-  for (const kind of Object.keys(GOOD) as Exclude<Kind, "gate" | "classes">[]) {
+  for (const kind of Object.keys(GOOD) as Built[]) {
     const factory = (env: Env) => env.b[kind] as (name: unknown, options: unknown) => Stage;
     list.push(
       {

@@ -1,7 +1,7 @@
+import fc from "fast-check";
 import { type Backend, memory, type Stage, type TokenBucketOptions } from "floodgate";
 import { redis } from "floodgate/redis";
 import { FakeClock } from "floodgate/testing";
-import fc from "fast-check";
 import { describe, expect, it } from "vitest";
 import { useClients } from "./clients.js";
 import { randomPrefix } from "./helpers.js";
@@ -47,7 +47,9 @@ describe("a token bucket with classes across processes (Redis)", () => {
         at += ask.after;
         const name = `${ask.cls[0]}${next}`;
         const stage = stages[ask.proc % stages.length]!;
-        calls.push(stage.admit({ class: ask.cls, cost: ask.cost }).then(() => granted.push([name, clock.now()])));
+        calls.push(
+          stage.admit({ class: ask.cls, cost: ask.cost }).then(() => granted.push([name, clock.now()])),
+        );
         next++;
         // Each asks once the one before is in line, as the same calls in one process would.
         await clock.flush();
@@ -101,7 +103,9 @@ describe("a token bucket with classes across processes (Redis)", () => {
           const costOf = new Map(asks.map((a, i) => [`${a.cls[0]}${i}`, a.cost]));
           expect(granted.length).toBe(asks.length);
           for (const [, from] of granted) {
-            const sum = granted.filter(([, at]) => at >= from).reduce((n, [name]) => n + costOf.get(name)!, 0);
+            const sum = granted
+              .filter(([, at]) => at >= from)
+              .reduce((n, [name]) => n + costOf.get(name)!, 0);
             const last = Math.max(...granted.map(([, at]) => at));
             expect(sum).toBeLessThanOrEqual(5 + (50 * (last - from)) / 1000 + 1e-9);
           }
