@@ -7,14 +7,14 @@
  * away.
  */
 import { redis } from "floodgate/redis";
-import { type BucketRole, runBucketRole, SETUPS, type SetupName } from "./bucket-classes.js";
-import type { RoleReport } from "./classes.js";
+import { runBucketRole, SETUPS, type SetupName } from "./bucket-classes.js";
+import type { Role, RoleReport } from "./classes.js";
 import { nowMs, serve, sleep, workerClient } from "./worker-child.js";
 
 export interface BucketClassesRun {
   kind: "run";
   setup: SetupName;
-  role: BucketRole;
+  role: Role;
   prefix: string;
   /** Monotonic ms (process.hrtime) at which the role starts, and when it stops. */
   startAt: number;

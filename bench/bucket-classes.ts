@@ -5,11 +5,16 @@
  * holds nothing after.
  */
 import { type Backend, memory } from "floodgate";
-import type { BucketClassesRun } from "./bucket-classes-worker.js";
-import { type ClassesTable, measure, type RoleReport, type Scenario } from "./classes.js";
+import {
+  BULK_PROCESSES,
+  type ClassesTable,
+  measure,
+  onWorkers,
+  type Role,
+  type RoleReport,
+  type Scenario,
+} from "./classes.js";
 import { type BenchArgs, type Benchmark, si, sleep } from "./lib.js";
-import { freshPrefix } from "./redis-clients.js";
-import { BenchWorker, stopWorkers } from "./worker.js";
 
 const RATE = 100;
 const CAPACITY = 20;
@@ -43,13 +48,10 @@ export const SETUPS = {
 };
 export type SetupName = keyof typeof SETUPS;
 
-/** What runs in one place: `producers` bulk loops, or interactive arrivals every INTERACTIVE_EVERY_MS. */
-export type BucketRole = { kind: "bulk"; producers: number } | { kind: "interactive" };
-
 /** Run `role` through `take` until `endAt` (on the clock `now`): interactive waits (ms), bulk calls done. */
 export async function runBucketRole(
   take: Take,
-  role: BucketRole,
+  role: Role,
   endAt: number,
   now: () => number,
 ): Promise<RoleReport> {
@@ -119,60 +121,20 @@ export const bucketClassesBench: Benchmark = {
   },
 };
 
-/** Bulk worker processes of the Redis form; one more process sends the interactive calls. */
-const BULK_PROCESSES = 4;
-
-type Reply = ({ kind: "done" } & RoleReport) | { kind: "ready" };
-
 export const redisBucketClassesBench: Benchmark = {
   name: "redis-bucket-classes",
   title: "traffic classes on a Redis token bucket, worker processes",
   redis: true,
   async run(args: BenchArgs) {
-    const url = await args.redisUrl();
     const seconds = args.seconds ?? (args.quick ? 1 : 3);
     const count = args.rounds ?? (args.quick ? 1 : 3);
-    const workers = Array.from(
-      { length: BULK_PROCESSES + 1 },
-      () =>
-        new BenchWorker<Reply>(
-          new URL("./bucket-classes-worker.ts", import.meta.url),
-          [url],
-          "bucket classes worker",
-        ),
+    const where = ` in ${BULK_PROCESSES} processes, interactive in another`;
+    await onWorkers<SetupName>(
+      await args.redisUrl(),
+      new URL("./bucket-classes-worker.ts", import.meta.url),
+      BULK_PRODUCERS,
+      DRAIN_MS,
+      (run) => measure(bucketTable("Traffic classes on a Redis token bucket", where), run, seconds, count),
     );
-    try {
-      for (const w of workers) await w.next(30_000);
-      const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
-      const run: Scenario<SetupName> = async (setup, s, bulk, interactive) => {
-        const prefix = freshPrefix("bucket-classes");
-        // Time for every process to build its stages.
-        const startAt = nowMs() + 300;
-        const endAt = startAt + s * 1000;
-        const busy: BenchWorker<Reply>[] = [];
-        const send = (w: BenchWorker<Reply>, role: BucketRole, from: number) => {
-          w.child.send({ kind: "run", setup, role, prefix, startAt: from, endAt } satisfies BucketClassesRun);
-          busy.push(w);
-        };
-        if (bulk) {
-          // The producers spread as evenly as they go: 3, 3, 2, 2.
-          workers.slice(1).forEach((w, i) => {
-            const producers =
-              Math.floor(BULK_PRODUCERS / BULK_PROCESSES) + (i < BULK_PRODUCERS % BULK_PROCESSES ? 1 : 0);
-            send(w, { kind: "bulk", producers }, startAt);
-          });
-        }
-        if (interactive) send(workers[0]!, { kind: "interactive" }, startAt + (bulk ? DRAIN_MS : 0));
-        const reports = (await Promise.all(busy.map((w) => w.next((s + 30) * 1000)))) as RoleReport[];
-        return {
-          waits: reports.flatMap((r) => r.waits),
-          bulkDone: reports.reduce((sum, r) => sum + r.bulkDone, 0) / s,
-        };
-      };
-      const where = ` in ${BULK_PROCESSES} processes, interactive in another`;
-      await measure(bucketTable("Traffic classes on a Redis token bucket", where), run, seconds, count);
-    } finally {
-      await stopWorkers(workers);
-    }
   },
 };

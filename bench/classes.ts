@@ -247,52 +247,74 @@ export const classesBench: Benchmark = {
   },
 };
 
-/** Bulk worker processes of the Redis form; one more process sends the interactive calls. */
-const BULK_PROCESSES = 4;
+/** Bulk worker processes of the Redis forms; one more process sends the interactive calls. */
+export const BULK_PROCESSES = 4;
 
 type Reply = ({ kind: "done" } & RoleReport) | { kind: "ready" };
+
+/**
+ * A Redis form of a classes benchmark: `BULK_PROCESSES + 1` worker processes (`worker`, which
+ * runs a role on `{ kind: "run", setup, role, prefix, startAt, endAt }`), `producers` bulk
+ * producers spread over all but the first as evenly as they go, interactive calls from the first
+ * starting `interactiveAfterMs` after bulk. `body` measures with the scenario they run.
+ */
+export async function onWorkers<N extends string>(
+  url: string,
+  worker: URL,
+  producers: number,
+  interactiveAfterMs: number,
+  body: (run: Scenario<N>) => Promise<void>,
+): Promise<void> {
+  const workers = Array.from(
+    { length: BULK_PROCESSES + 1 },
+    () => new BenchWorker<Reply>(worker, [url], "classes worker"),
+  );
+  try {
+    for (const w of workers) await w.next(30_000);
+    const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
+    await body(async (setup, s, bulk, interactive) => {
+      const prefix = freshPrefix("classes");
+      // Time for every process to build its stages.
+      const startAt = nowMs() + 300;
+      const endAt = startAt + s * 1000;
+      const busy: BenchWorker<Reply>[] = [];
+      const send = (w: BenchWorker<Reply>, role: Role, from: number) => {
+        w.child.send({ kind: "run", setup, role, prefix, startAt: from, endAt });
+        busy.push(w);
+      };
+      if (bulk) {
+        workers.slice(1).forEach((w, i) => {
+          const each = Math.floor(producers / BULK_PROCESSES) + (i < producers % BULK_PROCESSES ? 1 : 0);
+          send(w, { kind: "bulk", producers: each }, startAt);
+        });
+      }
+      if (interactive) send(workers[0]!, { kind: "interactive" }, startAt + (bulk ? interactiveAfterMs : 0));
+      const reports = (await Promise.all(busy.map((w) => w.next((s + 30) * 1000)))) as RoleReport[];
+      return {
+        waits: reports.flatMap((r) => r.waits),
+        bulkDone: reports.reduce((sum, r) => sum + r.bulkDone, 0) / s,
+      };
+    });
+  } finally {
+    await stopWorkers(workers);
+  }
+}
 
 export const redisClassesBench: Benchmark = {
   name: "redis-classes",
   title: "traffic classes on Redis, worker processes",
   redis: true,
   async run(args: BenchArgs) {
-    const url = await args.redisUrl();
     const seconds = args.seconds ?? (args.quick ? 1 : 3);
     const count = args.rounds ?? (args.quick ? 1 : 3);
-    const workers = Array.from(
-      { length: BULK_PROCESSES + 1 },
-      () => new BenchWorker<Reply>(new URL("./classes-worker.ts", import.meta.url), [url], "classes worker"),
+    const where = ` in ${BULK_PROCESSES} processes, interactive in another`;
+    // Interactive starts once bulk fills the limit.
+    await onWorkers<SetupName>(
+      await args.redisUrl(),
+      new URL("./classes-worker.ts", import.meta.url),
+      BULK_PRODUCERS,
+      3 * SERVICE_MS,
+      (run) => measure(semaphoreTable("Traffic classes on Redis", where), run, seconds, count),
     );
-    try {
-      for (const w of workers) await w.next(30_000);
-      const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
-      const run: Scenario = async (setup, s, bulk, interactive) => {
-        const prefix = freshPrefix("classes");
-        // Time for every process to build its stages; interactive starts once bulk fills the limit.
-        const startAt = nowMs() + 300;
-        const endAt = startAt + s * 1000;
-        const busy: BenchWorker<Reply>[] = [];
-        const send = (w: BenchWorker<Reply>, role: Role, from: number) => {
-          w.child.send({ kind: "run", setup, role, prefix, startAt: from, endAt } satisfies ClassesRun);
-          busy.push(w);
-        };
-        if (bulk) {
-          for (const w of workers.slice(1)) {
-            send(w, { kind: "bulk", producers: BULK_PRODUCERS / BULK_PROCESSES }, startAt);
-          }
-        }
-        if (interactive) send(workers[0]!, { kind: "interactive" }, startAt + (bulk ? 3 * SERVICE_MS : 0));
-        const reports = (await Promise.all(busy.map((w) => w.next((s + 30) * 1000)))) as RoleReport[];
-        return {
-          waits: reports.flatMap((r) => r.waits),
-          bulkDone: reports.reduce((sum, r) => sum + r.bulkDone, 0) / s,
-        };
-      };
-      const where = ` in ${BULK_PROCESSES} processes, interactive in another`;
-      await measure(semaphoreTable("Traffic classes on Redis", where), run, seconds, count);
-    } finally {
-      await stopWorkers(workers);
-    }
   },
 };
