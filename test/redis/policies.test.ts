@@ -55,6 +55,12 @@ describe("when Redis cannot be reached", () => {
       b.queue("q", { maxSize: 1 }),
       b.aimd("a", { initial: 1, max: 2 }),
       b.tokenBucket("t", { capacity: 1, refillPerSecond: 1 }),
+      b.tokenBucket("tc", {
+        capacity: 1,
+        refillPerSecond: 1,
+        classes: { a: { share: 1 } },
+        defaultClass: "a",
+      }),
       b.intervalGate("i", { minIntervalMs: 10, defaultHost: "api" }),
     ];
     for (const stage of stages) {
@@ -142,6 +148,30 @@ describe("when Redis cannot be reached", () => {
     await c;
     expect(third).toBe(true);
     await b.release();
+  });
+
+  it("keeps a token bucket's classes on its local fallback, at its share of the rate", async () => {
+    const client = await deadClient();
+    clients.push(client);
+    const clock = new FakeClock();
+    const bucket = redis(client, { clock }).tokenBucket("local-classes", {
+      capacity: 4,
+      refillPerSecond: 10,
+      classes: { interactive: { share: 3, priority: 1 }, bulk: { share: 1 } },
+      onBackendError: "local",
+      localShare: 0.5,
+    });
+    // Half the capacity here: bulk takes both tokens, then interactive is owed the next one.
+    await bucket.admit({ class: "bulk" });
+    await bucket.admit({ class: "bulk" });
+    const bulk = bucket.admit({ class: "bulk" });
+    const interactive = bucket.admit({ class: "interactive" });
+    await clock.advance(200);
+    const first = await Promise.race([interactive.then(() => "interactive"), bulk.then(() => "bulk")]);
+    expect(first).toBe("interactive");
+    await expect(bucket.admit({ class: "batch" })).rejects.toMatchObject({ field: "class" });
+    await clock.advance(1_000);
+    await bulk;
   });
 
   it("takes a backend-wide default policy", async () => {
