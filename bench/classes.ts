@@ -6,7 +6,6 @@
  * by one more (`redis-classes`, bench/classes-worker.ts).
  */
 import { type Backend, memory } from "floodgate";
-import type { ClassesRun } from "./classes-worker.js";
 import {
   type BenchArgs,
   type Benchmark,
