@@ -31,14 +31,17 @@
 -- ARGV[10] livenessMs       how long a wait counts as a sign of life of its process, ms
 -- ARGV[11] channel          base of the grant channels: a grant goes to "<channel>:<token>"
 -- ARGV[12] lateMs           how late a grant may still be taken whatever its cost, ms
+-- ARGV[13] key              the bucket's key, as the caller names it (for the hints below)
 --
--- Returns {status, waitMs, grants, now}:
+-- Returns {status, waitMs, grants, now, tick}:
 --   status 1: `member` was granted (wait, try); 0: not (it waits in line on wait); -1: it asked
 --             again but is neither in line nor granted in time (dropped while its process was
 --             silent, or its grant came too late): it lines up again under a new member
 --   waitMs: ms until the decision may change (-1: nobody waits); a waiting process asks again then
 --   grants: this process's waiters granted here, each "<member>|<now>"; others' are PUBLISHed
 --   now: the time the call decided at (server ms)
+--   tick: 1 when this caller's process is to ask again in waitMs (its head stands first, or no
+--         head does), 0 when another's is (it was sent a hint)
 -- refund and settle return the same shape (status 1 when tokens came back or were charged).
 local bucket   = KEYS[1]
 local queue    = KEYS[2]
@@ -176,15 +179,24 @@ local function ahead(a, aOwed, b, bOwed)
   return heads[a].at < heads[b].at
 end
 
+-- The class whose head stands first when none may go (pick sets it): the one the bucket is
+-- filling for, or, when every head waits at its ceiling, the one whose ceiling clears first.
+local waitingOn = nil
+
 -- The class whose head goes now, or -1 and the ms until that may change (nextBucketClass).
 local function pick()
   local first, owed, changes = -1, false, INF
+  local soonest, soonestMs = nil, INF
   for i = 1, n do
     local h = heads[i]
     if h then
       local c = ceiling_at(i, now)
       if c + EPS < h.cost then
-        changes = math.min(changes, ms_until(c, h.cost, refill * ceil[i]))
+        local ms = ms_until(c, h.cost, refill * ceil[i])
+        changes = math.min(changes, ms)
+        if ms < soonestMs or (ms == soonestMs and h.at < heads[soonest].at) then
+          soonest, soonestMs = i, ms
+        end
       else
         local g = guarantee_at(i, now, h.cost, h.since)
         local isOwed = g + EPS >= h.cost
@@ -195,7 +207,10 @@ local function pick()
       end
     end
   end
-  if first == -1 then return -1, changes end
+  if first == -1 then
+    waitingOn = soonest
+    return -1, changes
+  end
   local need = heads[first].cost
   if not owed then
     for i = 1, n do
@@ -207,6 +222,7 @@ local function pick()
     end
   end
   if floodgate_tokens_at(s, capacity, refill, recoveryMs, now) + EPS >= need then return first, 0 end
+  waitingOn = first
   return -1, math.min(floodgate_wait_ms(s, capacity, refill, recoveryMs, need, now), changes)
 end
 
@@ -218,6 +234,8 @@ end
 local own = floodgate_token(member)
 local mine = {}
 local changed = false
+-- The process whose head stands first when serve stops (nil: nobody's, or no head stands first).
+local owner = nil
 
 -- Grant every head the rule lets go now. `extra`, when given, is the class of the caller
 -- looked at as a head that arrived after everyone (its class has nobody in line); returns
@@ -229,7 +247,10 @@ local function serve(extra)
   local took = false
   for _ = 1, 10000 do
     local cls, wait = pick()
-    if cls < 0 then return took, wait end
+    if cls < 0 then
+      owner = waitingOn and floodgate_token(heads[waitingOn].member)
+      return took, wait
+    end
     local h = heads[cls]
     take_tokens(h.cost)
     charge(cls, h.cost, h.since)
@@ -290,10 +311,19 @@ local function late_ms(cost)
   return math.max(lateMs, (capacity - cost) * 1000 / refill)
 end
 
+-- The reply. The process whose head stands first asks again when the decision may change (its
+-- call grants whoever the rule picks then, whichever process it is in): a caller of another
+-- process tells it so, with a hint "~<waitMs>|<key>" on its channel; its own callers' slow polls
+-- cover a hint lost, or a process gone. With no head first, every waiting process asks again.
 local function reply(status, wait)
   save()
   if wait == INF then wait = -1 end
-  return { status, wait, mine, now }
+  local tick = 1
+  if owner and owner ~= own then
+    tick = 0
+    if wait >= 0 then redis.call('PUBLISH', channel .. ':' .. owner, '~' .. floodgate_num(wait) .. '|' .. ARGV[13]) end
+  end
+  return { status, wait, mine, now, tick }
 end
 
 -- Grants nobody took in time are forgotten.

@@ -47,7 +47,7 @@ class KeyLine extends TimedLine {
 }
 
 /** The reply of `token-bucket-classes`: see there. */
-type Reply = [status: number, waitMs: number, grants: string[], now: number];
+type Reply = [status: number, waitMs: number, grants: string[], now: number, tick: number];
 
 /**
  * `redis(...).tokenBucket(name, { classes })`: a token bucket whose refill and capacity are
@@ -56,9 +56,10 @@ type Reply = [status: number, waitMs: number, grants: string[], now: number];
  * server time, each head the class rule lets go (`lua/token-bucket-classes.lua`, the twin of
  * src/algorithms/bucket-classes.ts): grants to callers of other processes go out by pub/sub.
  * Nothing is reserved ahead, so a class that comes back is served by the rule as it stands then.
- * A process with callers waiting asks again when the reply says the decision may change (the
- * bucket holds the next head's cost, a class becomes owed), with one of its callers; each caller
- * also asks on a slow poll, which is its process's sign of life and covers a lost message.
+ * The process whose caller stands first asks again when the reply says the decision may change
+ * (the bucket holds the next head's cost, a class becomes owed, a ceiling clears), with one of
+ * its callers; a call from another process that finds it first tells it so with a hint. Each
+ * caller also asks on a slow poll, which is its process's sign of life and covers a lost message.
  * docs/classes.md says what differs from memory.
  */
 export class RedisClassBucket extends KeyedLineStage<KeyLine> {
@@ -168,7 +169,7 @@ export class RedisClassBucket extends KeyedLineStage<KeyLine> {
   /** Run `op` of the script on `key`'s bucket for `member`, with its argument. */
   #run(key: string, op: string, member: string, arg: string): Promise<Reply> {
     const args = [this.#link.now(), ...this.#fixed, op, member, arg];
-    args.push(String(this.#ctx.livenessMs), this.#channel, String(LATE_MS));
+    args.push(String(this.#ctx.livenessMs), this.#channel, String(LATE_MS), key);
     return this.#link.run(this.name, "token-bucket-classes", this.#line(key).redisKeys, args);
   }
 
@@ -234,7 +235,7 @@ export class RedisClassBucket extends KeyedLineStage<KeyLine> {
     }
     this.#link.sawServerTime(Number(reply[3]), sentAt);
     this.#grants(reply[2], sentAt);
-    this.#schedule(key, Number(reply[1]));
+    this.#next(key, reply);
     if (Number(reply[0]) !== 1) return undefined;
     if (this.closed) {
       void this.#giveBack(key, "refund", member, String(cost));
@@ -277,11 +278,11 @@ export class RedisClassBucket extends KeyedLineStage<KeyLine> {
         if (status === 1) {
           this.#grantWaiter(w);
           this.#grants(reply[2], sentAt);
-          this.#schedule(key, Number(reply[1]));
+          this.#next(key, reply);
           return;
         }
         this.#grants(reply[2], sentAt);
-        this.#schedule(key, Number(reply[1]));
+        this.#next(key, reply);
         if (!w.list) return;
         if (status === -1) {
           // Dropped while its process was silent, or its grant came too late: it lines up again
@@ -351,6 +352,14 @@ export class RedisClassBucket extends KeyedLineStage<KeyLine> {
     }
   }
 
+  /**
+   * After `reply`: the key's line asks again in its `waitMs` when the reply says this process is
+   * the one to (see `#schedule`).
+   */
+  #next(key: string, reply: Reply): void {
+    if (Number(reply[4]) === 1) this.#schedule(key, Number(reply[1]));
+  }
+
   /** The key's line asks again in `waitMs` (-1: nobody waits), unless it will sooner. */
   #schedule(key: string, waitMs: number): void {
     if (!(waitMs >= 0)) return;
@@ -385,6 +394,11 @@ export class RedisClassBucket extends KeyedLineStage<KeyLine> {
   #onGrant(message: unknown, sentAt: number | undefined): void {
     if (typeof message !== "string") return;
     const bar = message.indexOf("|");
+    if (message.startsWith("~")) {
+      // A hint: this process's head stands first at that key; its line asks again then.
+      if (bar > 0) this.#schedule(message.slice(bar + 1), Number(message.slice(1, bar)));
+      return;
+    }
     const w = bar < 0 ? undefined : this.#byId.get(message.slice(0, bar));
     if (!w?.list) return;
     const at = Number(message.slice(bar + 1));
@@ -418,7 +432,7 @@ export class RedisClassBucket extends KeyedLineStage<KeyLine> {
     return this.#run(key, op, member, arg).then(
       (reply) => {
         this.#grants(reply[2], sentAt);
-        this.#schedule(key, Number(reply[1]));
+        this.#next(key, reply);
         return reply;
       },
       (error: unknown) => {

@@ -83,6 +83,49 @@ describe("a token bucket with classes across processes (Redis)", () => {
     expect(onRedis.granted).toEqual(mem.granted);
   });
 
+  it("asks Redis again once per grant: only the process whose caller stands first", async () => {
+    const clock = new FakeClock();
+    const prefix = randomPrefix("bucket-classes-calls");
+    const stages: Stage[] = [];
+    for (let i = 0; i < 3; i++) {
+      const client = await connect();
+      stages.push(
+        redis(client, { prefix, clock, time: "clock" }).tokenBucket("tb", {
+          capacity: 1,
+          refillPerSecond: 10,
+          classes: CLASSES,
+        }),
+      );
+    }
+    await stages[0]!.admit({ class: "bulk" });
+    // Two callers in each process wait, in turn: 6 grants, 100 ms apart.
+    const calls: Promise<unknown>[] = [];
+    for (let round = 0; round < 2; round++) {
+      for (const stage of stages) {
+        calls.push(stage.admit({ class: "bulk" }));
+        await clock.flush();
+        await settle(clock);
+      }
+    }
+    const monitor = await connect();
+    const feed = await monitor.monitor();
+    let scripts = 0;
+    feed.on("monitor", (_time: string, args: string[]) => {
+      const command = args[0]?.toLowerCase();
+      if ((command === "evalsha" || command === "eval") && args[3]?.startsWith(prefix)) scripts++;
+    });
+    for (let t = 0; t < 700; t++) {
+      await clock.advance(1);
+      await settle(clock);
+    }
+    await Promise.all(calls);
+    feed.disconnect();
+    // One call per grant, by the process whose caller stands first (each asking process told the
+    // next one so); with every waiting process asking, it was 3 a grant.
+    expect(scripts).toBeLessThanOrEqual(6 + 1);
+    expect(scripts).toBeGreaterThanOrEqual(6);
+  });
+
   it("never lets through more than the bucket allows, with grants and polls crossing (random calls)", async () => {
     await fc.assert(
       fc.asyncProperty(
