@@ -299,7 +299,7 @@ local function floodgate_set_used(meta, used, c, seq)
   end
   local args = { 'used', used }
   for i = 1, c.n do
-    args[2 * i + 1] = c.fields[i + 1]
+    args[2 * i + 1] = c.fields[i + 2]
     args[2 * i + 2] = math.max(0, c.used[i])
   end
   if seq then
@@ -310,27 +310,32 @@ local function floodgate_set_used(meta, used, c, seq)
 end
 
 -- The traffic classes of a permit stage from `spec`, "share,maxShare,lendable,priority" per
--- class in declaration order joined by ";", or nil for "" (a stage without classes). What each
--- class holds lives in meta as u0, u1, …, read into c.used (1-based) by c.load, beside the
--- classes of the last process that acquired (`cls`, read into c.stored). The methods are
+-- class in declaration order joined by ";", after a "!" when the stage asks borrowed leases back
+-- (reclaim "signal"), or nil for "" (a stage without classes). What each class holds lives in
+-- meta as u0, u1, …, read into c.used (1-based) by c.load, beside the classes of the last
+-- process that acquired (`cls`, read into c.stored) and the leases asked back (`rc`, c.asked). The methods are
 -- made here, so a script run for a stage without classes pays for none of them:
 --   c.bounds(limit)    guarantees, ceilings and kept parts (the twin of `guarantees` in
 --                      src/algorithms/classes.ts)
 --   c.next(used, headCost, headAt, guarantee, ceiling, kept, free)
 --                      the class whose head goes next (the twin of `nextClass`)
---   c.load(meta), c.free(member), c.goes(…), c.grant(…): below
+--   c.load(meta), c.free(member), c.goes(…), c.grant(…), c.reclaim(…): below
 local function floodgate_classes(spec)
   if spec == nil or spec == '' then return nil end
-  local c = { n = 0, fields = { 'cls' }, used = {}, spec = spec }
+  local c = { n = 0, fields = { 'cls', 'rc' }, used = {}, spec = spec }
+  -- A leading "!": the stage asks borrowed leases back (reclaim "signal", c.reclaim below).
+  c.reclaims = string.sub(spec, 1, 1) == '!'
+
   local share, maxShare, lendable, priority = {}, {}, {}, {}
-  for s, m, l, p in string.gmatch(spec, '([^,;]+),([^,;]+),([^,;]+),([^,;]+)') do
+  local body = c.reclaims and string.sub(spec, 2) or spec
+  for s, m, l, p in string.gmatch(body, '([^,;]+),([^,;]+),([^,;]+),([^,;]+)') do
     local n = c.n + 1
     c.n = n
     share[n] = tonumber(s)
     maxShare[n] = tonumber(m)
     lendable[n] = tonumber(l)
     priority[n] = tonumber(p)
-    c.fields[n + 1] = 'u' .. (n - 1)
+    c.fields[n + 2] = 'u' .. (n - 1)
   end
 
   -- Divide `limit` permits by the shares, the leftovers to the largest remainders (the earlier
@@ -408,7 +413,8 @@ local function floodgate_classes(spec)
   function c.load(meta)
     local v = redis.call('HMGET', meta, unpack(c.fields))
     c.stored = v[1]
-    for i = 1, c.n do c.used[i] = tonumber(v[i + 1]) or 0 end
+    c.asked = v[2]
+    for i = 1, c.n do c.used[i] = tonumber(v[i + 2]) or 0 end
   end
 
   -- Store this caller's classes in `meta` (c.load done) when they are not what is there; returns
@@ -501,6 +507,84 @@ local function floodgate_classes(spec)
       heads[k], headCost[k], headAt[k] = head(k, passed[k])
     end
     return sent, used
+  end
+
+  -- Ask borrowed leases back (reclaim "signal"; c.load done, c.used up to date): the twin of
+  -- `reclaimPlan` in src/algorithms/classes.ts. The owed classes that wait want what their
+  -- guarantee lacks, up to what their calls in line cost; what is free and what was asked back
+  -- already (meta field `rc`: the members asked, those still held) cover part of it; the rest is
+  -- asked of borrowers, lowest priority first (the later class on a tie), each at most what it
+  -- borrows beyond what it was asked, its leases ending last first. Each lease asked is told on
+  -- its process's channel as "reclaim|<member>".
+  function c.reclaim(meta, used, limit, channel)
+    limits(limit)
+    local asked, still = {}, {}
+    for i = 1, c.n do asked[i] = 0 end
+    for member in string.gmatch(c.asked or '', '[^ ]+') do
+      if redis.call('ZSCORE', KEYS[1], member) then
+        local k = floodgate_class(member) + 1
+        asked[k] = asked[k] + floodgate_cost(member)
+        still[#still + 1] = member
+      end
+    end
+    local short = used - limit
+    for i = 1, c.n do
+      short = short - asked[i]
+      local lack = c.guarantee[i] - c.used[i]
+      if lack > 0 then
+        local inLine, offset = 0, 0
+        while inLine < lack do
+          local member, cost = head(i, offset)
+          if not member then break end
+          inLine = inLine + cost
+          offset = offset + 1
+        end
+        short = short + math.min(lack, inLine)
+      end
+    end
+    if short > 0 then
+      local order = {}
+      for i = 1, c.n do order[i] = i end
+      table.sort(order, function(a, b)
+        if priority[a] ~= priority[b] then return priority[a] < priority[b] end
+        return a > b
+      end)
+      local want = {}
+      for _, j in ipairs(order) do
+        local borrowed = c.used[j] - c.guarantee[j] - asked[j]
+        want[j] = 0
+        if borrowed > 0 and short > 0 then
+          want[j] = math.min(borrowed, short)
+          short = short - want[j]
+        end
+      end
+      -- Leases by their end, then by their number within a process (the later taken last).
+      local r = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+      local held = {}
+      for x = 1, #r, 2 do
+        held[#held + 1] = { member = r[x], ends = tonumber(r[x + 1]),
+          n = tonumber(string.match(r[x], '%-(%d+)[~:]')) or 0 }
+      end
+      table.sort(held, function(a, b)
+        if a.ends ~= b.ends then return a.ends < b.ends end
+        return a.n < b.n
+      end)
+      for x = #held, 1, -1 do
+        local member = held[x].member
+        local k = floodgate_class(member) + 1
+        if (want[k] or 0) > 0 and not string.find(' ' .. (c.asked or '') .. ' ', ' ' .. member .. ' ', 1, true) then
+          want[k] = want[k] - floodgate_cost(member)
+          still[#still + 1] = member
+          local token = floodgate_token(member)
+          redis.call('PUBLISH', token and (channel .. ':' .. token) or channel, 'reclaim|' .. member)
+        end
+      end
+    end
+    local joined = table.concat(still, ' ')
+    if joined ~= (c.asked or '') then
+      if joined == '' then redis.call('HDEL', meta, 'rc') else redis.call('HSET', meta, 'rc', joined) end
+      c.asked = joined
+    end
   end
 
   return c

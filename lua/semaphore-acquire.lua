@@ -26,7 +26,9 @@
 -- ARGV[12] listeners   "1": pass over waiters nobody listens for (see floodgate_grant_heads);
 --                      "" on a cluster, where pub/sub counts are per node
 -- ARGV[13] claimMs     longest a grant made here to another waiter stays unclaimed, ms
--- ARGV[14] classes     the stage's traffic classes (floodgate_classes), or "" for none
+-- ARGV[14] classes     the stage's traffic classes (floodgate_classes), or "" for none; a
+--                      leading "!" asks borrowed leases back for a waiting owed class
+--                      ("reclaim|<member>" on its process's channel)
 -- ARGV[15] member2     more callers of this turn, each a member and its "again" flag (ARGV[16]),
 --                      and so on: each is decided in turn, exactly as if each had called alone
 --
@@ -240,6 +242,8 @@ local function decide(member, again)
     more, used = serve(head or member, used, limit, epoch, member)
     if #more > 0 then floodgate_set_used(meta, used, classes) end
     for i = 1, #more do grants[#grants + 1] = more[i] end
+    -- Classes below their guarantee still waiting ask borrowed leases back (reclaim "signal").
+    if classes and classes.reclaims then classes.reclaim(meta, used, limit, channel) end
   end
   local first = redis.call('ZRANGE', holders, 0, 0, 'WITHSCORES')
   local waitMs = -1

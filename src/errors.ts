@@ -5,6 +5,7 @@ export type ErrorCode =
   | "INVALID_OPTIONS"
   | "BACKEND_UNAVAILABLE"
   | "LEASE_LOST"
+  | "RECLAIMED"
   | "CLOSED"
   | "RETRIES_EXHAUSTED";
 
@@ -90,6 +91,18 @@ export class LeaseLostError extends FloodgateError {
   static override readonly code = "LEASE_LOST" as const;
   constructor(stage: string, message: string, fields: Omit<ErrorFields, "stage"> = {}) {
     super("LEASE_LOST", message, { ...fields, stage });
+  }
+}
+
+/**
+ * The reason a borrowed ticket's `signal` aborts on a stage built with `reclaim: "signal"`: a
+ * class below its guarantee waits for the permits this ticket's class borrowed. The ticket keeps
+ * its permits (and its lease) until it is released: wrap the call up and release it.
+ */
+export class ReclaimedError extends FloodgateError {
+  static override readonly code = "RECLAIMED" as const;
+  constructor(stage: string, message: string) {
+    super("RECLAIMED", message, { stage });
   }
 }
 

@@ -14,6 +14,7 @@ export {
   InvalidOptionsError,
   isFloodgateError,
   LeaseLostError,
+  ReclaimedError,
   ShedError,
 } from "./errors.js";
 export {

@@ -64,7 +64,7 @@ export interface TrafficClassOptions {
 
 /**
  * Traffic classes of a semaphore or an AIMD limiter (shares of its limit), or of a token bucket
- * (shares of its refill and capacity; in memory only for now).
+ * (shares of its refill and capacity).
  */
 export interface ClassOptions {
   /**
@@ -78,8 +78,20 @@ export interface ClassOptions {
   defaultClass?: string;
 }
 
+/** Traffic classes of a stage that holds permits (a semaphore, an AIMD limiter). */
+export interface PermitClassOptions extends ClassOptions {
+  /**
+   * What a class below its guarantee does while others hold the permits it lent: `"wait"` for
+   * them to be released, or `"signal"`, which also aborts the `ticket.signal` of enough borrowed
+   * tickets (lowest priority first, latest first) with `ReclaimedError`, so their calls wrap up
+   * sooner. Either way no permit is taken back before its release: the limit holds. Needs
+   * `classes`. See docs/classes.md. @default "wait"
+   */
+  reclaim?: "wait" | "signal";
+}
+
 /** `backend.semaphore(name, options)`: at most `limit` permits held at once. */
-export interface SemaphoreOptions extends StageOptions, BackendErrorOptions, ClassOptions {
+export interface SemaphoreOptions extends StageOptions, BackendErrorOptions, PermitClassOptions {
   /** Permits. A call of cost `c` holds `c` of them. An integer in [1, 2^31). */
   limit: number;
   /**
@@ -164,7 +176,7 @@ export interface IntervalGateOptions extends StageOptions, BackendErrorOptions {
 }
 
 /** `backend.aimd(name, options)`: a semaphore whose limit adapts to the outcomes it sees. */
-export interface AimdOptions extends StageOptions, BackendErrorOptions, ClassOptions {
+export interface AimdOptions extends StageOptions, BackendErrorOptions, PermitClassOptions {
   /** Limit to start at. An integer in [min, max]. */
   initial: number;
   /** Lowest limit. An integer >= 1. @default 1 */

@@ -88,14 +88,28 @@ const defaultClassRule: { path: string[]; error: string } = {
   error: "must name one of classes",
 };
 
+/** `reclaim`, on a stage that holds permits: it needs classes. */
+const reclaimField = {
+  reclaim: z.enum(["wait", "signal"], { error: 'must be "wait" or "signal"' }).optional(),
+};
+const reclaimRule: { path: string[]; error: string } = {
+  path: ["reclaim"],
+  error: "needs classes: a stage without classes lends nothing to take back",
+};
+function reclaimHasClasses(o: { classes?: unknown; reclaim?: string }): boolean {
+  return o.reclaim === undefined || o.classes !== undefined;
+}
+
 export const semaphoreSchema = z
   .strictObject({
     ...stageWithPolicy,
     limit: int(1),
     leaseMs: int(100).optional(),
     ...classFields,
+    ...reclaimField,
   })
-  .refine(defaultClassKnown, defaultClassRule);
+  .refine(defaultClassKnown, defaultClassRule)
+  .refine(reclaimHasClasses, reclaimRule);
 
 export const penaltySchema = z.strictObject({
   factor: finite("must be a number in (0, 1)")
@@ -157,8 +171,10 @@ export const aimdSchema = z
       .optional(),
     leaseMs: int(100).optional(),
     ...classFields,
+    ...reclaimField,
   })
   .refine(defaultClassKnown, defaultClassRule)
+  .refine(reclaimHasClasses, reclaimRule)
   .refine((o) => (o.min ?? 1) <= o.max, { path: ["max"], error: "must be >= min" })
   .refine((o) => o.initial >= (o.min ?? 1) && o.initial <= o.max, {
     path: ["initial"],

@@ -145,3 +145,48 @@ function ahead(
   if (!aOwed && ac.priority !== bc.priority) return ac.priority > bc.priority;
   return a.headAt < b.headAt;
 }
+
+/**
+ * How many permits to ask each class's borrowed tickets to give back (`reclaim: "signal"`),
+ * written into `out`; returns their sum. The owed classes that wait want what their guarantee
+ * lacks, up to what they wait for (`waiting[i]`: the cost of class i's calls in line); what is
+ * free and what was asked back already (`asked[i]`: the cost of class i's tickets asked, still
+ * held) cover part of it; the rest is asked of the borrowers (classes holding more than their
+ * guarantee), at most what each borrows beyond what it was asked, lowest priority first, the
+ * later class first on a tie. Pure; the twin of `c.reclaim` in lua/prelude.lua.
+ */
+export function reclaimPlan(
+  used: readonly number[],
+  guarantee: readonly number[],
+  waiting: readonly number[],
+  asked: readonly number[],
+  free: number,
+  classes: readonly ClassConfig[],
+  out: number[],
+): number {
+  let short = -free;
+  for (let i = 0; i < used.length; i++) {
+    out[i] = 0;
+    short -= asked[i]!;
+    const lack = guarantee[i]! - used[i]!;
+    if (lack > 0 && waiting[i]! > 0) short += Math.min(lack, waiting[i]!);
+  }
+  if (short <= 0) return 0;
+  let total = 0;
+  for (const j of byPriority(classes)) {
+    const borrowed = used[j]! - guarantee[j]! - asked[j]!;
+    if (borrowed <= 0) continue;
+    const take = Math.min(borrowed, short);
+    out[j] = take;
+    total += take;
+    short -= take;
+    if (short <= 0) break;
+  }
+  return total;
+}
+
+/** Class indices, lowest priority first, the later class first on a tie. */
+function byPriority(classes: readonly ClassConfig[]): number[] {
+  const order = classes.map((_, i) => i);
+  return order.sort((a, b) => classes[a]!.priority - classes[b]!.priority || b - a);
+}

@@ -26,7 +26,13 @@ export class MemoryAimd extends PermitStage {
 
   constructor(name: string, options: AimdOptions, clock: Clock) {
     const o = parseOptions(aimdSchema, "aimd", name, options);
-    super(name, o.initial, clock, classBook("aimd", name, o, o.initial, o.min ?? DEFAULTS.aimd.min));
+    super(
+      name,
+      o.initial,
+      clock,
+      classBook("aimd", name, o, o.initial, o.min ?? DEFAULTS.aimd.min),
+      o.reclaim === "signal",
+    );
     this.#config = {
       min: o.min ?? DEFAULTS.aimd.min,
       max: o.max,

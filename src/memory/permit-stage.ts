@@ -1,8 +1,9 @@
-import { type ClassLine, nextClass } from "../algorithms/classes.js";
+import { type ClassLine, nextClass, reclaimPlan } from "../algorithms/classes.js";
 import { type ClassBook, classRule } from "../base/classes.js";
 import { BaseStage, type BaseTicket, type RunWaiter, type WaitFor } from "../base/stage.js";
-import { WaitList } from "../base/wait-list.js";
+import { type WaitEntry, WaitList } from "../base/wait-list.js";
 import type { Clock } from "../clock.js";
+import { ReclaimedError } from "../errors.js";
 import type { AdmitOptions, Outcome, RunOptions, Snapshot, Ticket } from "../types.js";
 
 /**
@@ -13,6 +14,8 @@ import type { AdmitOptions, Outcome, RunOptions, Snapshot, Ticket } from "../typ
  * With traffic classes (`classes`), each class has its own line, FIFO within it, and a free
  * permit goes to the head `nextClass` picks (src/algorithms/classes.ts); a class is then
  * written on its tickets and waiters as their `key`. Without classes nothing of that is read.
+ * With `reclaim: "signal"` the stage also keeps its live tickets, so that a class below its
+ * guarantee that waits can ask borrowed ones back through their signal (`reclaimPlan`).
  */
 export abstract class PermitStage extends BaseStage {
   protected limit: number;
@@ -25,8 +28,14 @@ export abstract class PermitStage extends BaseStage {
   readonly #lines: WaitList[] = [];
   /** What `nextClass` reads of each class (arrival as the head's `seq`), rewritten in place before each pick. */
   readonly #view: { used: number; headCost: number | undefined; headAt: number }[] = [];
+  /** Live tickets by admission order, with `reclaim: "signal"` only (else undefined). */
+  readonly #held: Map<BaseTicket, Held> | undefined;
+  /** Per class: the cost of its tickets asked back and not yet released; what its calls in line cost; the plan. */
+  readonly #asked: number[] = [];
+  readonly #inLine: number[] = [];
+  readonly #plan: number[] = [];
 
-  constructor(name: string, limit: number, clock: Clock, book?: ClassBook) {
+  constructor(name: string, limit: number, clock: Clock, book?: ClassBook, reclaim = false) {
     super(name, clock);
     this.limit = limit;
     this.book = book;
@@ -34,9 +43,71 @@ export abstract class PermitStage extends BaseStage {
       for (let i = 0; i < book.names.length; i++) {
         this.#lines.push(new WaitList());
         this.#view.push({ used: 0, headCost: undefined, headAt: 0 });
+        this.#asked.push(0);
+        this.#inLine.push(0);
+        this.#plan.push(0);
       }
       this.callRule = classRule(book);
     }
+    this.#held = book && reclaim ? new Map() : undefined;
+  }
+
+  /** Keep ticket `t` of class `cls` among the live ones that may be asked back; returns it. */
+  #track(t: BaseTicket, cls: number): BaseTicket {
+    this.#held?.set(t, new Held(cls));
+    return t;
+  }
+
+  /**
+   * With `reclaim: "signal"`: when classes below their guarantee wait for more than is free and
+   * already asked back, ask borrowed tickets back, as `reclaimPlan` says, the latest first.
+   */
+  #askBack(): void {
+    const held = this.#held;
+    if (!held || held.size === 0) return;
+    const book = this.book!;
+    const guarantee = book.bounds(this.limit).guarantee;
+    for (let i = 0; i < this.#lines.length; i++) {
+      let cost = 0;
+      for (let w: WaitEntry | null = this.#lines[i]!.head; w && cost < guarantee[i]!; w = w.next)
+        cost += w.cost;
+      this.#inLine[i] = cost;
+    }
+    const plan = this.#plan;
+    const free = this.limit - this.used;
+    if (reclaimPlan(book.used, guarantee, this.#inLine, this.#asked, free, book.configs, plan) === 0) return;
+    for (const [t, h] of [...held].reverse()) {
+      if (h.asked || plan[h.cls]! <= 0) continue;
+      h.asked = true;
+      plan[h.cls]! -= t.cost;
+      this.#asked[h.cls]! += t.cost;
+      h.controller?.abort(this.#reclaimed(h.cls));
+    }
+  }
+
+  #reclaimed(cls: number): ReclaimedError {
+    const name = this.book!.names[cls]!;
+    return new ReclaimedError(
+      this.name,
+      `${this.kind} "${this.name}": a class below its guarantee waits for permits class "${name}" borrowed: wrap this call up and release its ticket`,
+    );
+  }
+
+  /** With `reclaim: "signal"`, each live ticket's own signal: it aborts when asked back or on close. */
+  override ticketSignal(ticket: BaseTicket): AbortSignal {
+    const h = this.#held?.get(ticket);
+    if (!h) return this.closedSignal;
+    if (!h.controller) {
+      h.controller = new AbortController();
+      if (this.closed) h.controller.abort(this.closedSignal.reason);
+      else if (h.asked) h.controller.abort(this.#reclaimed(h.cls));
+    }
+    return h.controller.signal;
+  }
+
+  protected override onClose(): void {
+    if (!this.#held) return;
+    for (const h of this.#held.values()) h.controller?.abort(this.closedSignal.reason);
   }
 
   /** The names of the stage's classes, when it has them. */
@@ -100,14 +171,16 @@ export abstract class PermitStage extends BaseStage {
     this.used += cost;
     if (cls < 0) return this.issue(cost, "", undefined, this.waitFor);
     this.book!.take(cls, cost);
-    return this.issue(cost, this.book!.names[cls]!, undefined, this.waitFor);
+    return this.#track(this.issue(cost, this.book!.names[cls]!, undefined, this.waitFor), cls);
   }
 
   protected override admitChecked(o: AdmitOptions): Promise<Ticket> {
     const cost = o.cost ?? 1;
     const cls = this.classOf(o, cost);
     if (this.fitsNow(cost, cls)) return Promise.resolve(this.take(cost, cls));
-    return this.shedding() ?? this.wait(this.lineOf(cls), cost, this.keyOf(cls), o);
+    const waiting = this.shedding() ?? this.wait(this.lineOf(cls), cost, this.keyOf(cls), o);
+    this.#askBack();
+    return waiting;
   }
 
   /** What a waiter or ticket of class `cls` carries as its key: the class's name. */
@@ -144,7 +217,9 @@ export abstract class PermitStage extends BaseStage {
     if (this.fitsNow(cost, cls)) return undefined;
     w.enqueuedAt = this.clock.now();
     w.key = this.keyOf(cls);
-    return this.lineUp(this.lineOf(cls), w, o.signal, timeoutMs);
+    const waiting = this.lineUp(this.lineOf(cls), w, o.signal, timeoutMs);
+    this.#askBack();
+    return waiting;
   }
 
   /** Whether a call that finds no room waits for it (a queue may shed instead). */
@@ -173,7 +248,9 @@ export abstract class PermitStage extends BaseStage {
     const cost = o.cost ?? 1;
     const cls = this.classOf(o, cost);
     if (this.fitsNow(cost, cls)) return this.callTicket(this.take(cost, cls), fn, o.classify);
-    return this.shedding() ?? this.waitToRun(this.lineOf(cls), cost, this.keyOf(cls), o, fn);
+    const waiting = this.shedding() ?? this.waitToRun(this.lineOf(cls), cost, this.keyOf(cls), o, fn);
+    this.#askBack();
+    return waiting;
   }
 
   protected tryAdmitChecked(o: AdmitOptions): Promise<Ticket | undefined> {
@@ -185,7 +262,13 @@ export abstract class PermitStage extends BaseStage {
   releaseTicket(ticket: BaseTicket, _outcome: Outcome, _refund: boolean): void {
     this.used -= ticket.cost;
     this.book?.giveBack(ticket.key, ticket.cost);
+    const h = this.#held?.get(ticket);
+    if (h) {
+      this.#held!.delete(ticket);
+      if (h.asked) this.#asked[h.cls]! -= ticket.cost;
+    }
     this.drain();
+    this.#askBack();
   }
 
   /** Grant waiters from the head while they fit (with classes: in the order `nextClass` picks). */
@@ -195,7 +278,7 @@ export abstract class PermitStage extends BaseStage {
         const w = this.#lines[cls]!.head!;
         this.used += w.cost;
         this.book.take(cls, w.cost);
-        this.grant(w, this.waitFor);
+        this.#track(this.grant(w, this.waitFor), cls);
       }
       return;
     }
@@ -228,4 +311,11 @@ export abstract class PermitStage extends BaseStage {
     if (this.book) snap.classes = this.book.snapshot(this.limit, (i) => this.#lines[i]!.size);
     return snap;
   }
+}
+
+/** A live ticket of a stage with `reclaim: "signal"`: its class, its own signal, whether it was asked back. */
+class Held {
+  controller: AbortController | undefined = undefined;
+  asked = false;
+  constructor(readonly cls: number) {}
 }

@@ -17,7 +17,7 @@ export class MemorySemaphore extends PermitStage {
 
   constructor(name: string, options: SemaphoreOptions, clock: Clock) {
     const o = parseOptions(semaphoreSchema, "semaphore", name, options);
-    super(name, o.limit, clock, classBook("semaphore", name, o, o.limit, o.limit));
+    super(name, o.limit, clock, classBook("semaphore", name, o, o.limit, o.limit), o.reclaim === "signal");
     this.init(o.logger);
   }
 }

@@ -30,6 +30,7 @@ export class RedisAimd extends RedisPermitStage {
         leaseMs: o.leaseMs ?? DEFAULTS.leaseMs,
         whenFull: "block",
         logger: o.logger,
+        reclaim: o.reclaim === "signal",
       },
       ctx,
       classBook("aimd", name, o, o.initial, min),

@@ -19,6 +19,8 @@ export class LeaseTicket extends BaseTicket {
    */
   validUntil = 0;
   lost = false;
+  /** Asked back for a class below its guarantee (reclaim "signal"): its signal aborts. */
+  reclaimed = false;
 }
 
 /** What a `LeaseKeeper` works with: one permit stage of one process. */

@@ -9,7 +9,7 @@ import { type ClassBook, classRule, classSpec } from "../base/classes.js";
 import { BaseStage, type BaseTicket, type WaitFor } from "../base/stage.js";
 import { Waiter, WaitList } from "../base/wait-list.js";
 import { type ClockTimer, unrefTimer } from "../clock.js";
-import { isFloodgateError, LeaseLostError, ShedError } from "../errors.js";
+import { isFloodgateError, LeaseLostError, ReclaimedError, ShedError } from "../errors.js";
 import type { AdmitOptions, Logger, Outcome, Snapshot, Ticket } from "../types.js";
 import { ScriptBatch } from "./batch.js";
 import type { RedisContext } from "./context.js";
@@ -61,6 +61,8 @@ export interface PermitSettings {
   /** A full house: wait in line, or refuse at once. */
   whenFull: "block" | "shed";
   logger: Logger | undefined;
+  /** With classes: ask borrowed leases back for a waiting class below its guarantee (reclaim "signal"). */
+  reclaim: boolean;
 }
 
 /**
@@ -112,6 +114,8 @@ export abstract class RedisPermitStage extends BaseStage {
   #listening = false;
   /** Renews this stage's leases and gives its process's sign of life. */
   readonly #leases: LeaseKeeper;
+  /** This process's tickets by lease, with reclaim "signal" only: a lease asked back is found here. */
+  #held: Map<string, LeaseTicket> | undefined;
 
   /** Longest a grant made to a waiter on someone's release stays unclaimed: never past a lease. */
   protected readonly claimMs: number;
@@ -132,7 +136,8 @@ export abstract class RedisPermitStage extends BaseStage {
   constructor(name: string, settings: PermitSettings, ctx: RedisContext, book?: ClassBook) {
     super(name, ctx.clock);
     this.book = book;
-    this.classSpec = classSpec(book?.configs);
+    this.classSpec = book && settings.reclaim ? `!${classSpec(book.configs)}` : classSpec(book?.configs);
+    if (book && settings.reclaim) this.#held = new Map();
     if (book) this.callRule = classRule(book);
     this.claimMs = Math.min(ctx.claimMs, settings.leaseMs);
     this.#ctx = ctx;
@@ -218,6 +223,7 @@ export abstract class RedisPermitStage extends BaseStage {
       if (this.closed) t.controller.abort(this.closedSignal.reason);
     }
     if (this.#leases.ended(t)) this.#lost(t);
+    else if (t.reclaimed && !t.controller.signal.aborted) t.controller.abort(this.#reclaimedError(t));
     return t.controller.signal;
   }
 
@@ -338,6 +344,10 @@ export abstract class RedisPermitStage extends BaseStage {
    */
   #onGrant(message: unknown, sentAt: number | undefined): void {
     if (typeof message !== "string") return;
+    if (message.startsWith("reclaim|")) {
+      this.#askedBack(message.slice(8));
+      return;
+    }
     const bar = message.indexOf("|");
     const w = bar < 0 ? undefined : this.#byId.get(message.slice(0, bar));
     if (!w?.list) return;
@@ -356,8 +366,29 @@ export abstract class RedisPermitStage extends BaseStage {
     this.#lease(this.grant(w, this.waitFor), Number(fence), Number(epoch), w.id, validUntil);
   }
 
+  /** Lease `id` was asked back for a class below its guarantee: its ticket's signal aborts. */
+  #askedBack(id: string): void {
+    const t = this.#held?.get(id);
+    if (!t || t.reclaimed) return;
+    t.reclaimed = true;
+    if (t.controller && !t.controller.signal.aborted) t.controller.abort(this.#reclaimedError(t));
+  }
+
+  #reclaimedError(t: LeaseTicket): ReclaimedError {
+    return new ReclaimedError(
+      this.name,
+      `${this.kind} "${this.name}": a class below its guarantee waits for permits class "${t.key}" borrowed: wrap this call up and release its ticket`,
+    );
+  }
+
   #lease(ticket: BaseTicket, fence: number, epoch: number, id: string, validUntil: number): Ticket {
     const t = ticket as LeaseTicket;
+    if (this.#held) {
+      this.#held.set(id, t);
+      // A holder hears that its lease is asked back on its grant channel: it listens from its
+      // first lease on, waiting or not.
+      if (!this.#listening) this.#listen().catch(() => {});
+    }
     t.leaseId = id;
     t.fence = fence;
     t.epoch = epoch;
@@ -561,6 +592,7 @@ export abstract class RedisPermitStage extends BaseStage {
   releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): Promise<void> | undefined {
     const t = ticket as LeaseTicket;
     this.#leases.drop(t);
+    this.#held?.delete(t.leaseId);
     this.book?.giveBack(t.key, t.cost);
     if (t.cost === 0 || t.leaseId === "") return undefined;
     return this.giveBack(t, outcome, refund).then(

@@ -25,6 +25,7 @@ export class RedisQueue extends RedisPermitStage {
         leaseMs: DEFAULTS.leaseMs,
         whenFull: o.whenFull ?? "block",
         logger: o.logger,
+        reclaim: false,
       },
       ctx,
     );

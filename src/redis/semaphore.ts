@@ -27,6 +27,7 @@ export class RedisSemaphore extends RedisPermitStage {
         leaseMs: o.leaseMs ?? DEFAULTS.leaseMs,
         whenFull: "block",
         logger: o.logger,
+        reclaim: o.reclaim === "signal",
       },
       ctx,
       classBook("semaphore", name, o, o.limit, o.limit),

@@ -1,6 +1,12 @@
 import fc from "fast-check";
 import { describe, expect, it } from "vitest";
-import { type ClassConfig, type ClassLine, guarantees, nextClass } from "../../src/algorithms/classes.js";
+import {
+  type ClassConfig,
+  type ClassLine,
+  guarantees,
+  nextClass,
+  reclaimPlan,
+} from "../../src/algorithms/classes.js";
 
 const cls = (share: number, priority = 0, maxShare = 1, lendable = 1): ClassConfig => ({
   share,
@@ -340,5 +346,83 @@ describe("nextClass", () => {
         }
       }),
     );
+  });
+});
+
+describe("reclaimPlan: what borrowed tickets are asked back", () => {
+  const three = [
+    { share: 2, priority: 0, maxShare: 1, lendable: 1 },
+    { share: 1, priority: 2, maxShare: 1, lendable: 1 },
+    { share: 1, priority: 0, maxShare: 1, lendable: 1 },
+  ];
+  it.each([
+    // used, guarantee, in line, asked, free → plan
+    {
+      used: [0, 5, 5],
+      guarantee: [2, 4, 4],
+      waiting: [3, 0, 0],
+      asked: [0, 0, 0],
+      free: 0,
+      plan: [0, 1, 1],
+      total: 2,
+    },
+    {
+      used: [0, 6, 4],
+      guarantee: [2, 4, 4],
+      waiting: [3, 0, 0],
+      asked: [0, 0, 0],
+      free: 0,
+      plan: [0, 2, 0],
+      total: 2,
+    },
+    {
+      used: [0, 6, 4],
+      guarantee: [2, 4, 4],
+      waiting: [1, 0, 0],
+      asked: [0, 0, 0],
+      free: 0,
+      plan: [0, 1, 0],
+      total: 1,
+    },
+    {
+      used: [0, 6, 4],
+      guarantee: [2, 4, 4],
+      waiting: [3, 0, 0],
+      asked: [0, 1, 0],
+      free: 0,
+      plan: [0, 1, 0],
+      total: 1,
+    },
+    {
+      used: [0, 6, 4],
+      guarantee: [2, 4, 4],
+      waiting: [3, 0, 0],
+      asked: [0, 0, 0],
+      free: 1,
+      plan: [0, 1, 0],
+      total: 1,
+    },
+    {
+      used: [0, 6, 4],
+      guarantee: [2, 4, 4],
+      waiting: [0, 0, 0],
+      asked: [0, 0, 0],
+      free: 0,
+      plan: [0, 0, 0],
+      total: 0,
+    },
+    {
+      used: [2, 5, 3],
+      guarantee: [2, 4, 4],
+      waiting: [5, 0, 1],
+      asked: [0, 0, 0],
+      free: 0,
+      plan: [0, 1, 0],
+      total: 1,
+    },
+  ])("used $used, in line $waiting, asked $asked, free $free → $plan", (c) => {
+    const out = [9, 9, 9];
+    expect(reclaimPlan(c.used, c.guarantee, c.waiting, c.asked, c.free, three, out)).toBe(c.total);
+    expect(out).toEqual(c.plan);
   });
 });

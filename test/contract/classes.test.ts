@@ -3,13 +3,15 @@ import {
   type Backend,
   Gate,
   InvalidOptionsError,
+  isFloodgateError,
   memory,
+  ReclaimedError,
   type SemaphoreOptions,
   type Stage,
   type Ticket,
 } from "floodgate";
 import { FakeClock } from "floodgate/testing";
-import { beforeEach, describe, expect, it } from "vitest";
+import { beforeEach, describe, expect, it, vi } from "vitest";
 import { backends, track, useBackend } from "./backends.js";
 
 /** Interactive and bulk on a limit of 10: guarantees 8 and 2. */
@@ -392,6 +394,89 @@ describe.each(backends)("traffic classes on $name", (backend) => {
       ),
       { numRuns: 60 },
     );
+  });
+
+  describe('reclaim: "signal": borrowed tickets are asked back through their signal', () => {
+    /** Whether each ticket's signal aborted, as a string of 0s and 1s, once the asks have arrived. */
+    async function aborted(tickets: Ticket[], expected: string) {
+      const read = () => tickets.map((t) => (t.signal.aborted ? "1" : "0")).join("");
+      await vi.waitFor(() => expect(read()).toBe(expected), { timeout: 5_000, interval: 5 });
+    }
+
+    it("asks back as many borrowed permits as the owed class waits for, the latest first", async () => {
+      const s = sem({ reclaim: "signal" });
+      const bulk = await Promise.all(admits(s, "bulk", 10).map((w) => w));
+      await clock.flush();
+      const tickets = bulk.map((w) => ticketOf(w));
+      for (const t of tickets) expect(t.signal.aborted).toBe(false);
+      const interactive = admits(s, "interactive", 2);
+      await clock.flush();
+      // Two permits wanted, none free: the two latest bulk tickets are asked back.
+      await aborted(tickets, "0000000011");
+      const reason = tickets[9]!.signal.reason;
+      expect(reason).toBeInstanceOf(ReclaimedError);
+      expect(isFloodgateError(reason, "RECLAIMED")).toBe(true);
+      expect(reason.message).toContain('class "bulk" borrowed');
+      // Nothing is taken before its release: the limit holds, and interactive waits for it.
+      expect(granted(interactive)).toBe(0);
+      await tickets[9]!.release("success");
+      await tickets[8]!.release("success");
+      await clock.flush();
+      expect(granted(interactive)).toBe(2);
+      // Asked back once: the rest of bulk is not asked for what is already coming back.
+      await aborted(tickets.slice(0, 8), "00000000");
+    });
+
+    it("never asks for more than a class borrows beyond its guarantee", async () => {
+      const s = sem({ reclaim: "signal" });
+      const bulk = admits(s, "bulk", 10);
+      await clock.flush();
+      const tickets = bulk.map((w) => ticketOf(w));
+      // Interactive wants all 8 of its guarantee (and 2 more): bulk borrowed 8, keeps its 2.
+      const interactive = admits(s, "interactive", 10);
+      await clock.flush();
+      await aborted(tickets, "0011111111");
+      for (const t of tickets.slice(2)) await t.release("success");
+      await clock.flush();
+      expect(granted(interactive)).toBe(8);
+      await aborted(tickets.slice(0, 2), "00");
+    });
+
+    it("asks nothing while the waiting class holds its guarantee, and nothing by default", async () => {
+      for (const reclaim of ["signal", undefined] as const) {
+        const s = mem.semaphore(`sem-${reclaim}`, {
+          limit: 10,
+          classes: TWO,
+          ...(reclaim ? { reclaim } : {}),
+        });
+        const held = admits(s, "interactive", 8);
+        const bulk = admits(s, "bulk", 2);
+        await clock.flush();
+        // Bulk holds its guarantee; interactive asks beyond its own: it borrows, nobody is owed.
+        const more = admits(s, "interactive", 1);
+        await clock.flush();
+        expect(granted(more)).toBe(0);
+        const tickets = [...held, ...bulk].map((w) => ticketOf(w));
+        await aborted(tickets, "0".repeat(10));
+        if (!reclaim) {
+          // Without reclaim, an owed class waits for releases alone.
+          const bulkMore = admits(s, "bulk", 1);
+          await clock.flush();
+          await aborted(tickets, "0".repeat(10));
+          expect(granted(bulkMore)).toBe(0);
+        }
+      }
+    });
+
+    it("is refused without classes, and on a token bucket, naming the field", () => {
+      expect(() => mem.semaphore("plain", { limit: 2, reclaim: "signal" })).toThrow(/reclaim needs classes/);
+      expect(() => mem.semaphore("bad", { limit: 2, classes: TWO, reclaim: "now" as never })).toThrow(
+        /reclaim must be "wait" or "signal"/,
+      );
+      expect(() =>
+        mem.tokenBucket("tb", { capacity: 1, refillPerSecond: 1, classes: TWO, reclaim: "signal" } as never),
+      ).toThrow(InvalidOptionsError);
+    });
   });
 
   describe("on an AIMD limiter, shares are of the current limit", () => {

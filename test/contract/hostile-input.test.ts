@@ -168,11 +168,22 @@ const FACTORY_FIELDS: Record<Built, string[]> = {
     "localShare",
     "classes",
     "defaultClass",
+    "reclaim",
   ],
   tokenBucket: ["capacity", "refillPerSecond", "initialTokens", "penalty", "classes", "defaultClass"],
   queue: ["maxSize", "whenFull"],
   intervalGate: ["minIntervalMs", "jitterMs", "random"],
-  aimd: ["initial", "min", "max", "backoffRatio", "slowCallMs", "leaseMs", "classes", "defaultClass"],
+  aimd: [
+    "initial",
+    "min",
+    "max",
+    "backoffRatio",
+    "slowCallMs",
+    "leaseMs",
+    "classes",
+    "defaultClass",
+    "reclaim",
+  ],
 };
 
 function makeEnv(backend: (typeof backends)[number]): Env {
@@ -188,6 +199,7 @@ function makeEnv(backend: (typeof backends)[number]): Env {
       limit: 2,
       classes: { a: { share: 1 }, b: { share: 1, priority: 1 } },
       defaultClass: "a",
+      reclaim: "signal",
     }),
     bucketClasses: b.tokenBucket("classful-tb", {
       keyed: true,
