@@ -527,7 +527,7 @@ local function floodgate_classes(spec)
         still[#still + 1] = member
       end
     end
-    local short = used - limit
+    local short, wanted = used - limit, false
     for i = 1, c.n do
       short = short - asked[i]
       local lack = c.guarantee[i] - c.used[i]
@@ -540,6 +540,15 @@ local function floodgate_classes(spec)
           offset = offset + 1
         end
         short = short + math.min(lack, inLine)
+        wanted = wanted or inLine > 0
+      end
+    end
+    -- Those asked already are told again while an owed class still waits: a holder that was not
+    -- listening yet (its first lease), or whose message was lost, hears it on the next ask.
+    if wanted then
+      for _, member in ipairs(still) do
+        local token = floodgate_token(member)
+        redis.call('PUBLISH', token and (channel .. ':' .. token) or channel, 'reclaim|' .. member)
       end
     end
     if short > 0 then

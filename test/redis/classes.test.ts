@@ -1,4 +1,4 @@
-import type { Logger, Ticket } from "floodgate";
+import { type Logger, ReclaimedError, type Ticket } from "floodgate";
 import { redis, scriptSource } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
@@ -148,51 +148,67 @@ describe("traffic classes in the permit scripts", () => {
     return nextClass(lines, guarantees(limit, CONFIGS), CONFIGS, limit - (await s.used()));
   }
 
-  it("keeps every count true, the limit and each ceiling held, and nobody grantable left waiting, under random calls", async () => {
-    for (const seed of [1, 2, 3]) {
-      const s = stage(`random-${seed}`);
-      let x = seed;
-      const random = () => {
-        x = (x * 1103515245 + 12345) % 2 ** 31;
-        return x / 2 ** 31;
-      };
-      const limit = 6;
-      const bounds = guarantees(limit, CONFIGS);
-      let now = 1000;
-      let n = 0;
-      const waiting = new Set<string>();
-      for (let step = 0; step < 300; step++) {
-        const where = `seed ${seed}, step ${step}`;
-        now += Math.floor(random() * 400);
-        const r = random();
-        const holders = await client.zrange(s.keys[0]!, 0, -1);
-        if (r < 0.45) {
-          const cls = random() < 0.5 ? 0 : 1;
-          const cost = 1 + Math.floor(random() * 2);
-          const member = `m${++n}~${cls}:${cost}`;
-          const reply = await s.acquire(now, member, limit, o({ mode: random() < 0.8 ? "wait" : "try" }));
-          if (reply[0] === 0 && (await client.zscore(s.keys[1]!, member)) !== null) waiting.add(member);
-        } else if (r < 0.85 && holders.length > 0) {
-          const member = holders[Math.floor(random() * holders.length)]!;
-          await s.release(now, member, limit, "lease", o());
-        } else if (waiting.size > 0) {
-          // A waiter asks again (its grant may have come on a release), or leaves.
-          const member = [...waiting][Math.floor(random() * waiting.size)]!;
-          waiting.delete(member);
-          if (random() < 0.5) await s.acquire(now, member, limit, o({ again: true }));
-          else await s.release(now, member, limit, "any", o());
+  it.each([
+    ["", SPEC],
+    [', asking borrowed leases back (reclaim "signal")', `!${SPEC}`],
+  ])(
+    "keeps every count true, the limit and each ceiling held, and nobody grantable left waiting, under random calls%s",
+    async (_, spec) => {
+      const o = (extra: object = {}) => ({ classes: spec, listeners: false, livenessMs: 600_000, ...extra });
+      let askedSteps = 0;
+      for (const seed of [1, 2, 3]) {
+        const s = stage(`random-${seed}-${spec.length}`);
+        let x = seed;
+        const random = () => {
+          x = (x * 1103515245 + 12345) % 2 ** 31;
+          return x / 2 ** 31;
+        };
+        const limit = 6;
+        const bounds = guarantees(limit, CONFIGS);
+        let now = 1000;
+        let n = 0;
+        const waiting = new Set<string>();
+        for (let step = 0; step < 300; step++) {
+          const where = `seed ${seed}, step ${step}`;
+          now += Math.floor(random() * 400);
+          const r = random();
+          const holders = await client.zrange(s.keys[0]!, 0, -1);
+          if (r < 0.45) {
+            const cls = random() < 0.5 ? 0 : 1;
+            const cost = 1 + Math.floor(random() * 2);
+            const member = `m${++n}~${cls}:${cost}`;
+            const reply = await s.acquire(now, member, limit, o({ mode: random() < 0.8 ? "wait" : "try" }));
+            if (reply[0] === 0 && (await client.zscore(s.keys[1]!, member)) !== null) waiting.add(member);
+          } else if (r < 0.85 && holders.length > 0) {
+            const member = holders[Math.floor(random() * holders.length)]!;
+            await s.release(now, member, limit, "lease", o());
+          } else if (waiting.size > 0) {
+            // A waiter asks again (its grant may have come on a release), or leaves.
+            const member = [...waiting][Math.floor(random() * waiting.size)]!;
+            waiting.delete(member);
+            if (random() < 0.5) await s.acquire(now, member, limit, o({ again: true }));
+            else await s.release(now, member, limit, "any", o());
+          }
+          const held = await client.zrange(s.keys[0]!, 0, -1);
+          const byClass = [0, 0];
+          for (const m of held) byClass[Number(m.split("~")[1]!.split(":")[0])]! += Number(m.split(":")[1]);
+          expect(await s.used(), where).toBe(byClass[0]! + byClass[1]!);
+          expect(await s.classUsed(2), where).toEqual(byClass);
+          expect(byClass[0]! + byClass[1]!, where).toBeLessThanOrEqual(limit);
+          for (let i = 0; i < 2; i++) expect(byClass[i], where).toBeLessThanOrEqual(bounds.ceiling[i]!);
+          expect(await grantable(s, limit), where).toBe(-1);
+          // Leases asked back are asked once, and are leases, never waiters.
+          const asked = ((await client.hget(s.keys[3]!, "rc")) ?? "").split(" ").filter(Boolean);
+          expect(new Set(asked).size, where).toBe(asked.length);
+          for (const m of asked) expect(await client.zscore(s.keys[1]!, m), where).toBeNull();
+          if (asked.length > 0) askedSteps++;
         }
-        const held = await client.zrange(s.keys[0]!, 0, -1);
-        const byClass = [0, 0];
-        for (const m of held) byClass[Number(m.split("~")[1]!.split(":")[0])]! += Number(m.split(":")[1]);
-        expect(await s.used(), where).toBe(byClass[0]! + byClass[1]!);
-        expect(await s.classUsed(2), where).toEqual(byClass);
-        expect(byClass[0]! + byClass[1]!, where).toBeLessThanOrEqual(limit);
-        for (let i = 0; i < 2; i++) expect(byClass[i], where).toBeLessThanOrEqual(bounds.ceiling[i]!);
-        expect(await grantable(s, limit), where).toBe(-1);
       }
-    }
-  });
+      // Without reclaim nothing is ever asked; with it, the random calls do ask.
+      if (spec === SPEC) expect(askedSteps).toBe(0);
+      else expect(askedSteps).toBeGreaterThan(0);
+    },
+  );
 });
 
 describe("traffic classes across processes", () => {
@@ -234,6 +250,31 @@ describe("traffic classes across processes", () => {
       expect.stringContaining("another process built this stage with other classes"),
     ]);
     expect(warned[0]!.obj).toEqual({ theirs: "1,1,1,0;1,1,1,0", ours: "3,1,1,1;1,1,1,0" });
+  });
+
+  it('asks a borrowed lease of another process back through its signal (reclaim "signal")', async () => {
+    const prefix = randomPrefix("classes-reclaim");
+    const [a, b] = await processes(2, prefix);
+    const semA = a!.semaphore("cls", { limit: 4, classes, reclaim: "signal" });
+    const semB = b!.semaphore("cls", { limit: 4, classes, reclaim: "signal" });
+    const held: Ticket[] = [];
+    for (let k = 0; k < 4; k++) held.push(await semA.admit({ class: "bulk" }));
+    // Bulk borrows 3 beyond its guarantee of 1; interactive of B wants 2 of its 3.
+    const interactive = [semB.admit({ class: "interactive" }), semB.admit({ class: "interactive" })];
+    await until(() => held.filter((t) => t.signal.aborted).length === 2, {
+      timeoutMs: 5000,
+      message: "no borrowed lease asked back",
+    });
+    expect(held.map((t) => t.signal.aborted)).toEqual([false, false, true, true]);
+    expect(held[3]!.signal.reason).toBeInstanceOf(ReclaimedError);
+    // Asked back, still held: nothing is granted before its release.
+    expect(semB.snapshot().classes!.interactive!.held).toBe(0);
+    await held[3]!.release("success");
+    await held[2]!.release("success");
+    await Promise.all((await Promise.all(interactive)).map((t) => t.release("success")));
+    await held[1]!.release("success");
+    await held[0]!.release("success");
+    expect(await clients[0]!.hmget(`${prefix}{cls}:meta`, "used", "u0", "u1")).toEqual(["0", "0", "0"]);
   });
 
   it("serves the owed class of another process first, and each class in arrival order across processes", async () => {
