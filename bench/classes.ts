@@ -17,6 +17,7 @@ import {
   rounds,
   si,
   sleep,
+  sleepUnless,
   sorted,
   table,
   verdict,
@@ -31,8 +32,10 @@ const BULK_PRODUCERS = 40;
 /** One interactive call every this many milliseconds (0.8 permits busy on average). */
 const INTERACTIVE_EVERY_MS = 25;
 
-/** Admission as the three set-ups offer it: the class's `admit`. */
-export type Admit = (cls: "interactive" | "bulk") => Promise<{ release(outcome?: "success"): Promise<void> }>;
+/** Admission as the set-ups offer it: the class's `admit`. */
+export type Admit = (
+  cls: "interactive" | "bulk",
+) => Promise<{ readonly signal: AbortSignal; release(outcome?: "success"): Promise<void> }>;
 
 /** The three set-ups, each built on a backend: one per process, or one per process on Redis. */
 export const SETUPS = {
@@ -40,6 +43,14 @@ export const SETUPS = {
     const sem = b.semaphore("classes", {
       limit: LIMIT,
       classes: { interactive: { share: 8, priority: 1 }, bulk: { share: 2 } },
+    });
+    return (cls) => sem.admit({ class: cls });
+  },
+  "classes, reclaim": (b: Backend): Admit => {
+    const sem = b.semaphore("reclaim", {
+      limit: LIMIT,
+      classes: { interactive: { share: 8, priority: 1 }, bulk: { share: 2 } },
+      reclaim: "signal",
     });
     return (cls) => sem.admit({ class: cls });
   },
@@ -78,10 +89,12 @@ export async function runRole(
       Array.from({ length: role.producers }, async () => {
         while (now() < endAt) {
           const t = await admit("bulk");
-          await sleep(SERVICE_MS);
+          // A bulk call asked back (reclaim "signal") wraps up at once, its work not done.
+          await sleepUnless(SERVICE_MS, t.signal);
+          const asked = t.signal.aborted;
           await t.release("success");
           // Calls admitted before the end but finished after it do not count.
-          if (now() <= endAt) bulkDone++;
+          if (now() <= endAt && !asked) bulkDone++;
         }
       }),
     );
@@ -141,6 +154,8 @@ export interface ClassesTable<N extends string> {
   classes: N;
   shared: N;
   split: N;
+  /** More set-ups measured beside them, in the table after the one with classes. */
+  more?: readonly N[];
   title: string;
   /** The unit the shared set-up stands for: "semaphore", "bucket". */
   unit: string;
@@ -161,7 +176,7 @@ export async function measure<N extends string>(
   seconds: number,
   count: number,
 ): Promise<void> {
-  const names = [t.classes, t.shared, t.split];
+  const names = [t.classes, ...(t.more ?? []), t.shared, t.split];
   const p95 = new Map<string, number[]>(names.map((n) => [n, []]));
   const p50 = new Map<string, number[]>(names.map((n) => [n, []]));
   const contenders: Contender[] = [];
@@ -222,6 +237,7 @@ function semaphoreTable(label: string, where: string): ClassesTable<SetupName> {
   const ideal = (LIMIT * 1000) / SERVICE_MS;
   return {
     classes: "classes",
+    more: ["classes, reclaim"],
     shared: "one shared semaphore",
     split: "static split (8 + 2)",
     title: `${label}: limit ${LIMIT}, ${SERVICE_MS} ms a call, ${BULK_PRODUCERS} bulk producers${where}, interactive every ${INTERACTIVE_EVERY_MS} ms`,

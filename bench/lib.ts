@@ -28,6 +28,20 @@ export interface Benchmark {
 
 export const sleep = (ms: number) => new Promise<void>((resolve) => setTimeout(resolve, ms));
 
+/** Sleep `ms`, or less when `signal` aborts first (a call that wraps up when asked to). */
+export function sleepUnless(ms: number, signal: AbortSignal): Promise<void> {
+  if (signal.aborted) return Promise.resolve();
+  return new Promise((resolve) => {
+    const done = () => {
+      clearTimeout(timer);
+      signal.removeEventListener("abort", done);
+      resolve();
+    };
+    const timer = setTimeout(done, ms);
+    signal.addEventListener("abort", done, { once: true });
+  });
+}
+
 /** A full collection between contenders, when the process runs with `--expose-gc`. */
 export function collect(): void {
   (globalThis as { gc?: () => void }).gc?.();
