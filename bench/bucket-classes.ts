@@ -129,12 +129,8 @@ export const redisBucketClassesBench: Benchmark = {
     const seconds = args.seconds ?? (args.quick ? 1 : 3);
     const count = args.rounds ?? (args.quick ? 1 : 3);
     const where = ` in ${BULK_PROCESSES} processes, interactive in another`;
-    await onWorkers<SetupName>(
-      await args.redisUrl(),
-      new URL("./bucket-classes-worker.ts", import.meta.url),
-      BULK_PRODUCERS,
-      DRAIN_MS,
-      (run) => measure(bucketTable("Traffic classes on a Redis token bucket", where), run, seconds, count),
+    await onWorkers<SetupName>(await args.redisUrl(), "bucket", BULK_PRODUCERS, DRAIN_MS, (run) =>
+      measure(bucketTable("Traffic classes on a Redis token bucket", where), run, seconds, count),
     );
   },
 };

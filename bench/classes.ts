@@ -6,6 +6,7 @@
  * by one more (`redis-classes`, bench/classes-worker.ts).
  */
 import { type Backend, memory } from "floodgate";
+import type { ClassesRun } from "./classes-worker.js";
 import {
   type BenchArgs,
   type Benchmark,
@@ -268,21 +269,21 @@ export const BULK_PROCESSES = 4;
 type Reply = ({ kind: "done" } & RoleReport) | { kind: "ready" };
 
 /**
- * A Redis form of a classes benchmark: `BULK_PROCESSES + 1` worker processes (`worker`, which
- * runs a role on `{ kind: "run", setup, role, prefix, startAt, endAt }`), `producers` bulk
+ * A Redis form of a classes benchmark: `BULK_PROCESSES + 1` worker processes
+ * (bench/classes-worker.ts, each running a role of the `family`'s set-up), `producers` bulk
  * producers spread over all but the first as evenly as they go, interactive calls from the first
  * starting `interactiveAfterMs` after bulk. `body` measures with the scenario they run.
  */
 export async function onWorkers<N extends string>(
   url: string,
-  worker: URL,
+  family: "semaphore" | "bucket",
   producers: number,
   interactiveAfterMs: number,
   body: (run: Scenario<N>) => Promise<void>,
 ): Promise<void> {
   const workers = Array.from(
     { length: BULK_PROCESSES + 1 },
-    () => new BenchWorker<Reply>(worker, [url], "classes worker"),
+    () => new BenchWorker<Reply>(new URL("./classes-worker.ts", import.meta.url), [url], "classes worker"),
   );
   try {
     for (const w of workers) await w.next(30_000);
@@ -294,7 +295,16 @@ export async function onWorkers<N extends string>(
       const endAt = startAt + s * 1000;
       const busy: BenchWorker<Reply>[] = [];
       const send = (w: BenchWorker<Reply>, role: Role, from: number) => {
-        w.child.send({ kind: "run", setup, role, prefix, startAt: from, endAt });
+        const message: ClassesRun = {
+          kind: "run",
+          family,
+          setup: setup as ClassesRun["setup"],
+          role,
+          prefix,
+          startAt: from,
+          endAt,
+        };
+        w.child.send(message);
         busy.push(w);
       };
       if (bulk) {
@@ -324,12 +334,8 @@ export const redisClassesBench: Benchmark = {
     const count = args.rounds ?? (args.quick ? 1 : 3);
     const where = ` in ${BULK_PROCESSES} processes, interactive in another`;
     // Interactive starts once bulk fills the limit.
-    await onWorkers<SetupName>(
-      await args.redisUrl(),
-      new URL("./classes-worker.ts", import.meta.url),
-      BULK_PRODUCERS,
-      3 * SERVICE_MS,
-      (run) => measure(semaphoreTable("Traffic classes on Redis", where), run, seconds, count),
+    await onWorkers<SetupName>(await args.redisUrl(), "semaphore", BULK_PRODUCERS, 3 * SERVICE_MS, (run) =>
+      measure(semaphoreTable("Traffic classes on Redis", where), run, seconds, count),
     );
   },
 };
