@@ -114,6 +114,8 @@ export abstract class RedisPermitStage extends BaseStage {
   #listening = false;
   /** Renews this stage's leases and gives its process's sign of life. */
   readonly #leases: LeaseKeeper;
+  /** Tickets not yet released whose signal was handed out: closing the stage aborts them, as in memory. */
+  readonly #signalled = new Set<LeaseTicket>();
   /** This process's tickets by lease, with reclaim "signal" only: a lease asked back is found here. */
   #held: Map<string, LeaseTicket> | undefined;
 
@@ -221,6 +223,7 @@ export abstract class RedisPermitStage extends BaseStage {
     if (!t.controller) {
       t.controller = new AbortController();
       if (this.closed) t.controller.abort(this.closedSignal.reason);
+      else if (!t.released) this.#signalled.add(t);
     }
     if (this.#leases.ended(t)) this.#lost(t);
     else if (t.reclaimed && !t.controller.signal.aborted) t.controller.abort(this.#reclaimedError(t));
@@ -593,6 +596,7 @@ export abstract class RedisPermitStage extends BaseStage {
     const t = ticket as LeaseTicket;
     this.#leases.drop(t);
     this.#held?.delete(t.leaseId);
+    this.#signalled.delete(t);
     this.book?.giveBack(t.key, t.cost);
     if (t.cost === 0 || t.leaseId === "") return undefined;
     return this.giveBack(t, outcome, refund).then(
@@ -615,6 +619,8 @@ export abstract class RedisPermitStage extends BaseStage {
   }
 
   protected override onClose(): void {
+    for (const t of this.#signalled) t.controller!.abort(this.closedSignal.reason);
+    this.#signalled.clear();
     this.#leases.quiet();
     for (const w of this.#byId.values()) {
       this.#clearRetry(w);

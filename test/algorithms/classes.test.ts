@@ -355,74 +355,46 @@ describe("reclaimPlan: what borrowed tickets are asked back", () => {
     { share: 1, priority: 2, maxShare: 1, lendable: 1 },
     { share: 1, priority: 0, maxShare: 1, lendable: 1 },
   ];
-  it.each([
-    // used, guarantee, in line, asked, free → plan
-    {
-      used: [0, 5, 5],
-      guarantee: [2, 4, 4],
-      waiting: [3, 0, 0],
-      asked: [0, 0, 0],
-      free: 0,
-      plan: [0, 1, 1],
-      total: 2,
-    },
-    {
-      used: [0, 6, 4],
-      guarantee: [2, 4, 4],
-      waiting: [3, 0, 0],
-      asked: [0, 0, 0],
-      free: 0,
-      plan: [0, 2, 0],
-      total: 2,
-    },
-    {
-      used: [0, 6, 4],
-      guarantee: [2, 4, 4],
-      waiting: [1, 0, 0],
-      asked: [0, 0, 0],
-      free: 0,
-      plan: [0, 1, 0],
-      total: 1,
-    },
-    {
-      used: [0, 6, 4],
-      guarantee: [2, 4, 4],
-      waiting: [3, 0, 0],
-      asked: [0, 1, 0],
-      free: 0,
-      plan: [0, 1, 0],
-      total: 1,
-    },
-    {
-      used: [0, 6, 4],
-      guarantee: [2, 4, 4],
-      waiting: [3, 0, 0],
-      asked: [0, 0, 0],
-      free: 1,
-      plan: [0, 1, 0],
-      total: 1,
-    },
-    {
-      used: [0, 6, 4],
-      guarantee: [2, 4, 4],
-      waiting: [0, 0, 0],
-      asked: [0, 0, 0],
-      free: 0,
-      plan: [0, 0, 0],
-      total: 0,
-    },
-    {
-      used: [2, 5, 3],
-      guarantee: [2, 4, 4],
-      waiting: [5, 0, 1],
-      asked: [0, 0, 0],
-      free: 0,
-      plan: [0, 1, 0],
-      total: 1,
-    },
-  ])("used $used, in line $waiting, asked $asked, free $free → $plan", (c) => {
+  type Row = [
+    used: number[],
+    guarantee: number[],
+    waiting: number[],
+    asked: number[],
+    free: number,
+    plan: number[],
+  ];
+  it.each<[string, Row]>([
+    [
+      "ties go to the later class; then by priority",
+      [[0, 5, 5], [2, 4, 4], [3, 0, 0], [0, 0, 0], 0, [0, 1, 1]],
+    ],
+    ["a borrower gives what it borrows", [[0, 6, 4], [2, 4, 4], [3, 0, 0], [0, 0, 0], 0, [0, 2, 0]]],
+    ["no more than what waits", [[0, 6, 4], [2, 4, 4], [1, 0, 0], [0, 0, 0], 0, [0, 1, 0]]],
+    ["what was asked already counts", [[0, 6, 4], [2, 4, 4], [3, 0, 0], [0, 1, 0], 0, [0, 1, 0]]],
+    ["what is free counts", [[0, 6, 4], [2, 4, 4], [3, 0, 0], [0, 0, 0], 1, [0, 1, 0]]],
+    ["nothing while nobody waits", [[0, 6, 4], [2, 4, 4], [0, 0, 0], [0, 0, 0], 0, [0, 0, 0]]],
+    ["only a class below its guarantee wants", [[2, 5, 3], [2, 4, 4], [5, 0, 1], [0, 0, 0], 0, [0, 1, 0]]],
+    ["what the guarantee lacks bounds the want", [[1, 8, 0], [4, 2, 2], [10, 0, 0], [0, 0, 0], 0, [0, 3, 0]]],
+    [
+      "a class above its guarantee that waits lends",
+      [[0, 4, 6], [2, 4, 4], [2, 0, 1], [0, 0, 0], 0, [0, 0, 2]],
+    ],
+    ["a borrower is not asked twice", [[0, 5, 4], [6, 2, 3], [9, 0, 0], [0, 1, 0], 0, [0, 2, 1]]],
+    ["the next borrower gives only the rest", [[0, 5, 4], [6, 1, 3], [2, 0, 0], [0, 0, 0], 0, [0, 1, 1]]],
+    ["on a tie, the later class first", [[5, 0, 4], [2, 3, 2], [0, 1, 0], [0, 0, 0], 0, [0, 0, 1]]],
+    ["lowest priority first", [[0, 5, 4], [3, 2, 3], [1, 0, 0], [0, 0, 0], 0, [0, 0, 1]]],
+    [
+      "lower priority before higher, whatever their places",
+      [[5, 4, 0], [3, 2, 2], [0, 0, 1], [0, 0, 0], 0, [1, 0, 0]],
+    ],
+    [
+      "a higher priority only when the lower lends nothing",
+      [[0, 5, 3], [3, 2, 3], [1, 0, 0], [0, 0, 0], 0, [0, 1, 0]],
+    ],
+  ])("%s", (_, [used, guarantee, waiting, asked, free, plan]) => {
     const out = [9, 9, 9];
-    expect(reclaimPlan(c.used, c.guarantee, c.waiting, c.asked, c.free, three, out)).toBe(c.total);
-    expect(out).toEqual(c.plan);
+    const total = plan.reduce((a, b) => a + b, 0);
+    expect(reclaimPlan(used, guarantee, waiting, asked, free, three, out)).toBe(total);
+    expect(out).toEqual(plan);
   });
 });

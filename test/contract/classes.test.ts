@@ -408,11 +408,15 @@ describe.each(backends)("traffic classes on $name", (backend) => {
       const bulk = await Promise.all(admits(s, "bulk", 10).map((w) => w));
       await clock.flush();
       const tickets = bulk.map((w) => ticketOf(w));
+      // Signals handed out before the ask (to fetches on their way) are the ones that abort,
+      // however often a ticket's signal is read.
+      const handedOut = tickets.map((t) => t.signal);
       for (const t of tickets) expect(t.signal.aborted).toBe(false);
       const interactive = admits(s, "interactive", 2);
       await clock.flush();
       // Two permits wanted, none free: the two latest bulk tickets are asked back.
       await aborted(tickets, "0000000011");
+      expect(handedOut.map((signal) => (signal.aborted ? "1" : "0")).join("")).toBe("0000000011");
       const reason = tickets[9]!.signal.reason;
       expect(reason).toBeInstanceOf(ReclaimedError);
       expect(isFloodgateError(reason, "RECLAIMED")).toBe(true);
@@ -466,6 +470,30 @@ describe.each(backends)("traffic classes on $name", (backend) => {
           expect(granted(bulkMore)).toBe(0);
         }
       }
+    });
+
+    it("asks only the borrowers it needs, lowest priority first, the later class on a tie", async () => {
+      const s = mem.semaphore("three", {
+        limit: 4,
+        classes: { interactive: { share: 2, priority: 1 }, bulk: { share: 1 }, batch: { share: 1 } },
+        reclaim: "signal",
+      });
+      // Guarantees 2, 1, 1: bulk and batch each borrow 1 beyond theirs.
+      const bulk = admits(s, "bulk", 2);
+      const batch = admits(s, "batch", 2);
+      await clock.flush();
+      const tickets = [...bulk, ...batch].map((w) => ticketOf(w));
+      const interactive = admits(s, "interactive", 1);
+      await clock.flush();
+      await aborted(tickets, "0001");
+      await tickets[3]!.release("success");
+      await clock.flush();
+      expect(granted(interactive)).toBe(1);
+      // Closing aborts the signals of the tickets still held, with the close's reason.
+      const held = tickets[0]!.signal;
+      await s.close();
+      expect(held.aborted).toBe(true);
+      expect(held.reason?.constructor.name).toBe("ClosedError");
     });
 
     it("is refused without classes, and on a token bucket, naming the field", () => {

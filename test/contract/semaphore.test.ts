@@ -211,11 +211,15 @@ describe.each(backends)("semaphore on $name", (backend) => {
   it("rejects waiters and new admissions after close, and aborts tickets' signals", async () => {
     const sem = make(1);
     const held = await sem.admit();
+    // A signal handed out before the close (to a call on its way) aborts too.
+    const handedOut = held.signal;
     const waiting = sem.admit();
     await sem.close();
     await expect(waiting).rejects.toBeInstanceOf(ClosedError);
     await expect(sem.admit()).rejects.toBeInstanceOf(ClosedError);
     expect(held.signal.aborted).toBe(true);
+    expect(handedOut.aborted).toBe(true);
+    expect(handedOut.reason).toBeInstanceOf(ClosedError);
     await held.release();
   });
 
