@@ -334,47 +334,36 @@ if op == 'wait' or op == 'try' then
   local cost = floodgate_cost(member)
   if op == 'wait' then floodgate_sign_of_life(procs, member, now, tonumber(ARGV[10])) end
   if ARGV[9] == '1' then
+    -- Asking again: granted meanwhile (taken while fresh, else gone), in line, or gone.
+    local status = 0
     local at = tonumber(redis.call('ZSCORE', granted, member))
     if at then
       redis.call('ZREM', granted, member)
-      if now - at <= late_ms(cost) then
-        local _, wait = serve(nil)
-        return reply(1, wait)
-      end
-      local _, wait = serve(nil)
-      return reply(-1, wait)
-    end
-    if not redis.call('ZSCORE', queue, member) then
-      local _, wait = serve(nil)
-      return reply(-1, wait)
+      status = now - at <= late_ms(cost) and 1 or -1
+    elseif not redis.call('ZSCORE', queue, member) then
+      status = -1
     end
     local _, wait = serve(nil)
-    return reply(0, wait)
+    return reply(status, wait)
   end
   -- A newcomer: looked at as the head of its class when nobody of it waits.
   load_head(k)
-  local took, wait
   if not heads[k] then
     heads[k] = { member = member, cost = cost, at = INF, since = now }
-    took, wait = serve(k)
+    local took, wait = serve(k)
     if took then return reply(1, wait) end
     heads[k] = nil
-    if op == 'try' then
-      -- It stood first and could not go: those behind it may go without it.
-      took, wait = serve(nil)
-      return reply(0, wait)
-    end
-  elseif op == 'try' then
-    took, wait = serve(nil)
-    return reply(0, wait)
   end
-  seq = seq + 1
-  changed = true
-  redis.call('ZADD', queue, (k - 1) * band + seq, member)
-  redis.call('ZADD', since, now, member)
-  -- Heads due before it may go now, and, behind them, the caller itself: then its grant is
-  -- among this process's grants in the reply.
-  took, wait = serve(nil)
+  if op == 'wait' then
+    seq = seq + 1
+    changed = true
+    redis.call('ZADD', queue, (k - 1) * band + seq, member)
+    redis.call('ZADD', since, now, member)
+  end
+  -- Heads due before it may go now (a try that stood first and could not go stands aside for
+  -- them); behind them, a waiting caller itself, whose grant is then among this process's
+  -- grants in the reply.
+  local _, wait = serve(nil)
   return reply(0, wait)
 end
 

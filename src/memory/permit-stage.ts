@@ -64,7 +64,8 @@ export abstract class PermitStage extends BaseStage {
    */
   #askBack(): void {
     const held = this.#held;
-    if (!held || held.size === 0) return;
+    // Nothing held, or nobody waiting (a release with an empty line): nothing to ask.
+    if (!held || held.size === 0 || this.waiting === 0) return;
     const book = this.book!;
     const guarantee = book.bounds(this.limit).guarantee;
     for (let i = 0; i < this.#lines.length; i++) {
