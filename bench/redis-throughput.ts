@@ -321,13 +321,25 @@ export const redisGate: Benchmark = {
     return byCallers(args, async (c, callers, s, count) => {
       const list: Timed[] = [
         timed("ioredis PING (floor)", s, callers, c.ping, () => () => c.ping.ping()),
-        ...Object.entries(GATES).map(([name, stages]) =>
-          timed(name, s, callers, c.ping, () => {
-            const backend = redis(c.floodgate, { prefix: freshPrefix("gate") });
-            const gate = new Gate(stages(backend));
-            const task = () => undefined;
-            return [() => gate.run(task, { host: "api.example" }), () => backend.close()];
-          }),
+        // Each gate of two or more stages twice: taken one stage after another (as before the
+        // fused gate), and fused.
+        ...Object.entries(GATES).flatMap(([name, stages]) =>
+          [false, true]
+            .filter((fuse) => fuse || /^[2-5]:/.test(name))
+            .map((fuse) =>
+              timed(
+                fuse || !/^[2-5]:/.test(name) ? name : `${name.split(":")[0]}: chained`,
+                s,
+                callers,
+                c.ping,
+                () => {
+                  const backend = redis(c.floodgate, { prefix: freshPrefix("gate") });
+                  const gate = new Gate(stages(backend), { fuse });
+                  const task = () => undefined;
+                  return [() => gate.run(task, { host: "api.example" }), () => backend.close()];
+                },
+              ),
+            ),
         ),
       ];
       const figures = await rounds(list, count);

@@ -9,6 +9,10 @@ export interface TicketGate {
   inFlight: number;
   /** Aborts when the gate closes. */
   readonly closedSignal: AbortSignal;
+  /** Whether the gate's stages are released together (`together`), in one backend call. */
+  readonly fused: boolean;
+  /** Run `fn`, which releases, refunds or settles the stages' tickets, as one backend call. */
+  together(fn: () => Promise<void>): Promise<void>;
 }
 
 /** The tickets a gate holds for one call, released together in reverse order. */
@@ -42,7 +46,8 @@ export class GateTicket extends HeldTicket {
 
   protected giveBack(outcome: Outcome | undefined): Promise<void> {
     this.gate.inFlight--;
-    return settleAll(this.held, outcome);
+    if (!this.gate.fused) return settleAll(this.held, outcome);
+    return this.gate.together(() => settleAll(this.held, outcome));
   }
 
   /**
@@ -51,7 +56,7 @@ export class GateTicket extends HeldTicket {
    * `cost` never changes.
    */
   protected override async settleWith(value: number | Readonly<Record<string, number>>): Promise<void> {
-    await Promise.all(this.held.map((t) => t.settle(value)));
+    await this.gate.together(() => Promise.all(this.held.map((t) => t.settle(value))).then(noop));
   }
 }
 

@@ -4,6 +4,7 @@
  * one piece read together; its ticket is in gate-ticket.ts and the order rule in stage-order.ts.
  */
 import { admitOptions, type Entry, fnError, pauseError, tooCostly } from "./admit.js";
+import { type FusedAdmission, type FusedCall, sharedHost } from "./fuse.js";
 import { GateTicket, settleAll } from "./gate-ticket.js";
 import { stageOrderWarning, warnOrder } from "./stage-order.js";
 
@@ -36,6 +37,13 @@ export interface GateOptions {
   clock?: Clock;
   /** pino-shaped logger. @default silent */
   logger?: Logger;
+  /**
+   * Decide the stages together when their backend can (two or more Redis stages of one backend,
+   * not a Cluster, without classes): one script call per admission and per release, all or
+   * nothing, holding nothing while a call waits (see `gate.fused`). `false` takes them one after
+   * another, as a gate of memory stages does. @default true
+   */
+  fuse?: boolean;
 }
 
 export { defaultClassify } from "./base/run.js";
@@ -191,8 +199,60 @@ export class Gate implements Stage {
     this.#classes = this.#names.classes.size > 0 ? [...this.#names.classes] : undefined;
     this.#bounded = this.stages.filter((s) => typeof s.maxCost === "number");
     this.#leastMaxCost = Math.min(...this.#bounded.map((s) => s.maxCost!));
-    const misplaced = stageOrderWarning(this.stages);
+    this.#fused = o.fuse === false ? undefined : this.#fuse();
+    // A fused gate holds nothing while a call waits: any order keeps what each stage promises.
+    const misplaced = this.#fused ? undefined : stageOrderWarning(this.stages);
     if (misplaced) warnOrder(o.logger === undefined ? undefined : this.#log, this.name, misplaced);
+  }
+
+  /**
+   * The stages after the leading bounded queues, decided together by their backend when they
+   * all live on one that can (Redis, not a Cluster) and there are two or more; else undefined.
+   */
+  #fuse(): FusedAdmission | undefined {
+    const rest = this.stages.slice(this.#leading);
+    if (rest.length < 2 || !rest.every((s) => s.holds === "call" && s.kind !== "gate")) return undefined;
+    return sharedHost(rest)?.fuse(this.name, rest);
+  }
+
+  /** The stages after the leading queues, decided in one backend call each way; or undefined. */
+  readonly #fused: FusedAdmission | undefined;
+
+  /**
+   * Whether the gate's stages (after its leading bounded queues) are decided together: in one
+   * backend call per admission and per release, all or nothing, holding nothing while a call
+   * waits. True for two or more Redis stages of one backend (not a Cluster) without classes.
+   */
+  get fused(): boolean {
+    return this.#fused !== undefined;
+  }
+
+  /**
+   * Run `fn`, which releases, refunds or settles tickets of this gate's stages: as one backend
+   * call when the gate is fused.
+   * @internal
+   */
+  together(fn: () => Promise<void>): Promise<void> {
+    return this.#fused ? this.#fused.together(fn) : fn();
+  }
+
+  /** What the fused admission of one call needs. */
+  #fusedCall(o: AdmitOptions, deadline: number): FusedCall {
+    return {
+      optionsFor: (stage) => {
+        const given: TryAdmitOptions = {
+          key: stage.keyedBy === "key" ? o.key : undefined,
+          host: o.host,
+          cost: costAt(stage, o),
+        };
+        if (o.class !== undefined && stage.classes !== undefined) given.class = o.class;
+        return given;
+      },
+      signal: o.signal,
+      closed: this.closedSignal,
+      deadline,
+      timeoutMs: o.timeoutMs,
+    };
   }
 
   /** Stages with a largest cost: a call costing more at one of them is refused before any is taken. */
@@ -339,6 +399,12 @@ export class Gate implements Stage {
     this.#waiting++;
     try {
       for (let i = from; i < to; i++) {
+        if (this.#fused && i === this.#leading && to === this.stages.length) {
+          held.push(...(await this.#fused.admit(this.#fusedCall(o, deadline), true))!);
+          if (o.signal?.aborted) throw o.signal.reason;
+          if (this.#closed) throw new ClosedError(this.name);
+          break;
+        }
         const stage = this.stages[i]!;
         held.push(await stage.admit(this.#stageOptions(stage, o, deadline)));
         // A permit that arrives just after an abort is given back at once.
@@ -349,7 +415,9 @@ export class Gate implements Stage {
       if (o.signal?.aborted && error === o.signal.reason) this.#aborted++;
       else if ((error as { code?: unknown })?.code === "ADMIT_TIMEOUT") this.#timedOut++;
       const taken = held.splice(0);
-      await settleAll(taken, undefined).catch((e) => this.#log.warn({ err: e }, "refund failed"));
+      await this.together(() => settleAll(taken, undefined)).catch((e) =>
+        this.#log.warn({ err: e }, "refund failed"),
+      );
       throw error;
     } finally {
       this.#waiting--;
@@ -391,6 +459,9 @@ export class Gate implements Stage {
     }
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
     const held = newHeld();
+    if (this.#fused) {
+      return this.#acquire(held, 0, this.stages.length, o, this.#deadline(o), true) as Promise<Ticket>;
+    }
     const from = this.#admitFirst(held, o);
     if (typeof from !== "number") return from;
     if (from === this.stages.length) return Promise.resolve(this.#started(held, o));
@@ -469,7 +540,10 @@ export class Gate implements Stage {
   #giveUp<T>(held: Ticket[], o: RunOptions<T>, error: unknown): never | Promise<never> {
     if (o.signal?.aborted && error === o.signal.reason) this.#aborted++;
     else if ((error as { code?: unknown })?.code === "ADMIT_TIMEOUT") this.#timedOut++;
-    const refunded = settleAll(held.splice(0), undefined);
+    const taken = held.splice(0);
+    const refunded = this.#fused
+      ? this.together(() => settleAll(taken, undefined))
+      : settleAll(taken, undefined);
     if (refunded === RESOLVED) throw error;
     return refunded
       .catch((e) => this.#log.warn({ err: e }, "refund failed"))
@@ -506,7 +580,9 @@ export class Gate implements Stage {
   async tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
     const o = this.#options(options, "tryAdmit");
     const held = newHeld();
-    for (const stage of this.stages) {
+    const upTo = this.#fused ? this.#leading : this.stages.length;
+    for (let i = 0; i < upTo; i++) {
+      const stage = this.stages[i]!;
       const cost = costAt(stage, o);
       let t: Ticket | undefined;
       try {
@@ -524,6 +600,20 @@ export class Gate implements Stage {
         return undefined;
       }
       held.push(t);
+    }
+    if (this.#fused) {
+      let tickets: Ticket[] | undefined;
+      try {
+        tickets = await this.#fused.admit(this.#fusedCall(o, Number.POSITIVE_INFINITY), false);
+      } catch (error) {
+        await settleAll(held.splice(0), undefined);
+        throw error;
+      }
+      if (!tickets) {
+        await settleAll(held.splice(0), undefined);
+        return undefined;
+      }
+      held.push(...tickets);
     }
     return this.#started(held, o);
   }
@@ -546,6 +636,11 @@ export class Gate implements Stage {
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
     const classify = o.classify;
     const held = newHeld();
+    if (this.#fused) {
+      return this.#acquire(held, 0, this.stages.length, o, this.#deadline(o), true).then((ticket) =>
+        callWith(ticket!, fn, classify, this.#log),
+      );
+    }
     const from = this.#admitFirst(held, o);
     if (typeof from !== "number") return from;
     if (from === this.stages.length) return callWith(this.#started(held, o), fn, classify, this.#log);

@@ -184,6 +184,7 @@ export const aimdSchema = z
 export const gateSchema = z.strictObject({
   ...stage,
   name: nonEmpty.optional(),
+  fuse: z.boolean({ error: "must be true or false" }).optional(),
 });
 
 export const memoryBackendSchema = z.strictObject({ ...stage, random: random.optional() });

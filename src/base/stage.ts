@@ -325,6 +325,15 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     return new BaseTicket(this, cost, key, now);
   }
 
+  /**
+   * A fused Gate's call waited `ms` because this stage refused it (it waited in no stage's line):
+   * count it as this stage's own wait, for `waitFor`.
+   * @internal
+   */
+  countWait(waitFor: WaitFor, ms: number): void {
+    this.addWait(waitFor, ms);
+  }
+
   private addWait(waitFor: WaitFor, ms: number): void {
     if (!(ms > 0)) return;
     if (waitFor === "token") this.tokenWaitMs += ms;

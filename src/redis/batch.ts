@@ -19,6 +19,8 @@ interface Pending {
  * reply is that call's, with more it is the list of their replies.
  */
 export class ScriptBatch {
+  /** Send every call at once, in the caller's turn: a Gate is gathering its stages' calls. */
+  static direct = false;
   #out = 0;
   #pending: Pending[] | undefined = undefined;
   readonly #done = () => {
@@ -32,7 +34,7 @@ export class ScriptBatch {
 
   /** Send one call's arguments (`c` only when `width` is 3), alone or with this turn's others. */
   run(a: string, b: string, c = ""): Promise<any> {
-    if (this.#out === 0) return this.#go(this.width === 2 ? [a, b] : [a, b, c]);
+    if (this.#out === 0 || ScriptBatch.direct) return this.#go(this.width === 2 ? [a, b] : [a, b, c]);
     return new Promise((resolve, reject) => {
       if (this.#pending === undefined) {
         this.#pending = [];

@@ -1,4 +1,5 @@
 import type { Clock } from "../clock.js";
+import type { FusionHost } from "../fuse.js";
 import type { Logger } from "../types.js";
 import type { RedisLink } from "./link.js";
 
@@ -15,4 +16,6 @@ export interface RedisContext {
   livenessMs: number;
   /** Longest a permit granted to a waiter on a release stays unclaimed, ms (see `claimMs`). */
   claimMs: number;
+  /** Decides a Gate of this backend's stages in one call; absent on a Cluster. */
+  fusion: FusionHost | undefined;
 }

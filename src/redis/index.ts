@@ -20,6 +20,7 @@ import { parseOptions, redisBackendSchema } from "../validate.js";
 import { RedisAimd } from "./aimd.js";
 import { RedisClassBucket } from "./bucket-classes.js";
 import { FallbackStage } from "./fallback.js";
+import { RedisFusion } from "./fused-gate.js";
 import { RedisIntervalGate } from "./interval-gate.js";
 import { type RedisClientLike, RedisLink } from "./link.js";
 import { RedisQueue } from "./queue.js";
@@ -136,6 +137,11 @@ export function redis(client: Redis | Cluster, options: RedisBackendOptions = {}
   );
   const prefix = o.prefix ?? "floodgate:";
   const registry = new StageRegistry();
+  // A Gate's stages share one slot only on one server: on a Cluster each stage has its own.
+  const fusion =
+    link.listeners === "1"
+      ? new RedisFusion({ link, prefix, clock, random: o.random ?? Math.random, pollMs: o.pollMs ?? 1000 })
+      : undefined;
   const ctx = (options: StageOptions): RedisContext => ({
     link,
     prefix,
@@ -145,6 +151,7 @@ export function redis(client: Redis | Cluster, options: RedisBackendOptions = {}
     pollMs: o.pollMs ?? 1000,
     livenessMs: o.livenessMs ?? 2000,
     claimMs: o.claimMs ?? 500,
+    fusion,
   });
 
   /**

@@ -8,6 +8,7 @@ import { draw } from "../memory/interval-gate.js";
 import type { IntervalGateOptions } from "../options.js";
 import type { AdmitOptions, Outcome, StageKind, Ticket } from "../types.js";
 import { intervalGateSchema, parseOptions } from "../validate.js";
+import { fusable } from "./fused-gate.js";
 import { stageKey } from "./keys.js";
 import { type Attempt, RedisLine, RedisLineStage } from "./line-stage.js";
 import type { RedisLink } from "./link.js";
@@ -43,6 +44,7 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
     super(name, ctx);
     const o = parseOptions(intervalGateSchema, "intervalGate", name, options);
     this.#link = ctx.link;
+    fusable(this, ctx.fusion);
     this.#prefix = ctx.prefix;
     this.#minIntervalMs = o.minIntervalMs;
     this.#jitterMs = o.jitterMs ?? DEFAULTS.intervalGate.jitterMs;

@@ -6,7 +6,16 @@
 import type { Clock, ClockTimer } from "../clock.js";
 import { BackendUnavailableError } from "../errors.js";
 import type { Logger } from "../types.js";
-import { commandName, defineScripts, SCRIPTS, type ScriptName, scriptSource } from "./scripts.js";
+import { ScriptBatch } from "./batch.js";
+import {
+  commandName,
+  defineScripts,
+  GATE_STEPS,
+  type GateStep,
+  SCRIPTS,
+  type ScriptName,
+  scriptSource,
+} from "./scripts.js";
 
 /** The part of an ioredis client (`Redis` or `Cluster`) floodgate uses. */
 export interface RedisClientLike {
@@ -57,6 +66,50 @@ const CORKED: ReadonlySet<ScriptName> = new Set(
 );
 
 type ScriptCommand = (this: RedisClientLike, ...args: unknown[]) => Promise<unknown>;
+
+const STEPS: ReadonlySet<ScriptName> = new Set(GATE_STEPS);
+
+/** A script call gathered by `gather`, sent as one step of a `gate` call. */
+interface Step {
+  script: GateStep;
+  keys: readonly string[];
+  args: readonly (string | number)[];
+  resolve: (reply: unknown) => void;
+  reject: (error: unknown) => void;
+}
+
+/** The head of a `gate` reply: everything but the steps' own replies (see lua/gate.lua). */
+export interface GateReply {
+  /** 1: admitted (or ran); 0: refused, nothing held. */
+  status: number;
+  /** Refused by metering stages only: ms until the slowest of them could admit; else -1. */
+  waitMs: number;
+  /** Where the caller waits: in the gate's permit line, in its lane, or in neither. */
+  inLine: "permits" | "lane" | undefined;
+  /** The waiters told to ask again (in this process or another). */
+  woken: string[];
+  /** The script's replies to the steps, in order (false for a step not run). */
+  replies: unknown[];
+}
+
+/** What a `gate` call is for, besides its steps: see lua/gate.lua. */
+export interface GateCall {
+  /** The gate's line keys: line, lexp, gmeta, and the call's lane and its expiries. */
+  keys: readonly string[];
+  op: "all" | "each" | "leave";
+  member: string;
+  mode: "wait" | "try";
+  waiterTtlMs: number;
+  channel: string;
+}
+
+/**
+ * A step the gate did not run (someone was ahead in line): its stage's call rejects with it,
+ * as with a call never sent, so nothing is given back for it.
+ */
+const LINES = [undefined, "permits", "lane"] as const;
+
+export const NOT_RUN = new Error("not run: another caller is ahead in the gate's line");
 
 /** The part of a socket that can hold writes back and send them together. */
 interface Corkable {
@@ -146,9 +199,73 @@ export class RedisLink {
     keys: readonly string[],
     args: readonly (string | number)[],
   ): Promise<any> {
+    const gathering = this.#gathering;
+    if (gathering !== undefined && STEPS.has(script)) {
+      return new Promise((resolve, reject) => {
+        gathering.push({ script: script as GateStep, keys, args, resolve, reject });
+      });
+    }
     const promise = this.#run(stage, script, keys, args);
     this.clock.track?.(promise);
     return promise;
+  }
+
+  /** Script calls made while `gather` runs its function; undefined otherwise. */
+  #gathering: Step[] | undefined = undefined;
+
+  /**
+   * Run `fn`, gathering the stage script calls it makes (synchronously) into one `gate` call
+   * (lua/gate.lua) for `call`; each of those calls settles with its step's reply. `fn` is given
+   * the number of calls gathered so far. Resolves with the head of the reply, or undefined when
+   * `fn` made no call (and `call` is no "leave").
+   */
+  gather(stage: string, call: GateCall, fn: (steps: () => number) => void): Promise<GateReply> | undefined {
+    const steps: Step[] = [];
+    this.#gathering = steps;
+    ScriptBatch.direct = true;
+    try {
+      fn(() => steps.length);
+    } finally {
+      this.#gathering = undefined;
+      ScriptBatch.direct = false;
+    }
+    if (steps.length === 0 && call.op !== "leave") return undefined;
+    const keys = [...call.keys];
+    const args: (string | number)[] = [
+      this.now(),
+      call.op,
+      call.member,
+      call.mode,
+      call.waiterTtlMs,
+      call.channel,
+      steps.length,
+    ];
+    for (const step of steps) {
+      args.push(step.script, step.keys.length, step.args.length);
+      for (const key of step.keys) keys.push(key);
+      for (let i = 1; i < step.args.length; i++) args.push(step.args[i]!);
+    }
+    return this.run(stage, "gate", keys, args).then(
+      (reply: [number, number, number, string[], unknown[]]) => {
+        const replies = reply[4];
+        for (let i = 0; i < steps.length; i++) {
+          const r = replies[i];
+          if (r === false || r === null || r === undefined) steps[i]!.reject(NOT_RUN);
+          else steps[i]!.resolve(r);
+        }
+        return {
+          status: Number(reply[0]),
+          waitMs: Number(reply[1]),
+          inLine: LINES[Number(reply[2])],
+          woken: Array.isArray(reply[3]) ? reply[3] : [],
+          replies,
+        };
+      },
+      (error: unknown) => {
+        for (const step of steps) step.reject(error);
+        throw error;
+      },
+    );
   }
 
   #run(
@@ -178,7 +295,11 @@ export class RedisLink {
       this.#push(call);
       const command = (client as unknown as Record<string, ScriptCommand>)[COMMANDS[script]]!;
       const sent =
-        keys.length === 1 ? command.call(client, keys[0], ...args) : command.call(client, ...keys, ...args);
+        SCRIPTS[script] < 0
+          ? command.call(client, keys.length, ...keys, ...args)
+          : keys.length === 1
+            ? command.call(client, keys[0], ...args)
+            : command.call(client, ...keys, ...args);
       const answered = (value: unknown) => {
         if (call.done) return;
         this.#remove(call);

@@ -13,6 +13,7 @@ import { isFloodgateError, LeaseLostError, ReclaimedError, ShedError } from "../
 import type { AdmitOptions, Logger, Outcome, Snapshot, Ticket } from "../types.js";
 import { ScriptBatch } from "./batch.js";
 import type { RedisContext } from "./context.js";
+import { fusable } from "./fused-gate.js";
 import { stageKey } from "./keys.js";
 import { LeaseKeeper, LeaseTicket } from "./lease.js";
 import { maybeSent, type RedisLink } from "./link.js";
@@ -138,6 +139,8 @@ export abstract class RedisPermitStage extends BaseStage {
   constructor(name: string, settings: PermitSettings, ctx: RedisContext, book?: ClassBook) {
     super(name, ctx.clock);
     this.book = book;
+    // A Gate decides its stages in one call only without classes (their lines are per class).
+    if (!book) fusable(this, ctx.fusion);
     this.classSpec = book && settings.reclaim ? `!${classSpec(book.configs)}` : classSpec(book?.configs);
     if (book && settings.reclaim) this.#held = new Map();
     if (book) this.callRule = classRule(book);

@@ -20,7 +20,33 @@ export const SCRIPTS = {
   "interval-gate-take": 1,
   "interval-gate-pause": 1,
   "interval-gate-refund": 1,
+  /** A whole Gate's admission or release in one call (lua/gate.lua); its keys are counted per call. */
+  gate: -1,
 } as const;
+
+/**
+ * The scripts a `gate` call runs as its steps: each body is wrapped as a function of its own
+ * KEYS and ARGV (`step_semaphore_acquire(KEYS, ARGV)`), so a step runs exactly as the script
+ * would alone.
+ */
+export const GATE_STEPS = [
+  "semaphore-acquire",
+  "semaphore-release",
+  "aimd-release",
+  "token-bucket-take",
+  "token-bucket-refund",
+  "token-bucket-settle",
+  "interval-gate-take",
+  "interval-gate-refund",
+] as const satisfies readonly ScriptName[];
+
+/** A script a `gate` call can run as one of its steps. */
+export type GateStep = (typeof GATE_STEPS)[number];
+
+/** The Lua function a step's body is wrapped in. */
+function stepFunction(name: GateStep): string {
+  return `step_${name.replaceAll("-", "_")}`;
+}
 
 export type ScriptName = keyof typeof SCRIPTS;
 
@@ -130,6 +156,15 @@ const full = new Map<ScriptName, string>();
  */
 export function scriptSource(name: ScriptName): string {
   let source = full.get(name);
+  if (source === undefined && name === "gate") {
+    // Each step's body, as a function of its own KEYS and ARGV; then the gate's own body.
+    const steps = GATE_STEPS.map(
+      (step) => `local function ${stepFunction(step)}(KEYS, ARGV)\n${read(step)}\nend\n`,
+    );
+    const body = `${steps.join("\n")}\n${read("gate")}`;
+    source = `${preludeFor(body)}\n${body}`;
+    full.set(name, source);
+  }
   if (source === undefined) {
     const body = read(name);
     const prelude = preludeFor(body);
@@ -162,7 +197,9 @@ const defined = new WeakSet<object>();
 export function defineScripts(client: Definer): void {
   if (defined.has(client)) return;
   for (const [name, numberOfKeys] of Object.entries(SCRIPTS) as [ScriptName, number][]) {
-    client.defineCommand(commandName(name), { numberOfKeys, lua: scriptSource(name) });
+    // A script whose keys are counted per call takes their number as its first argument.
+    const keys = numberOfKeys < 0 ? {} : { numberOfKeys };
+    client.defineCommand(commandName(name), { ...keys, lua: scriptSource(name) });
   }
   defined.add(client);
 }

@@ -8,6 +8,7 @@ import type { TokenBucketOptions } from "../options.js";
 import type { AdmitOptions, Outcome, StageKind, Ticket } from "../types.js";
 import { parseOptions, tokenBucketSchema } from "../validate.js";
 import { ScriptBatch } from "./batch.js";
+import { fusable } from "./fused-gate.js";
 import { stageKey } from "./keys.js";
 import { maybeSent, type RedisLink } from "./link.js";
 import type { RedisContext } from "./semaphore.js";
@@ -99,6 +100,7 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
     const o = parseOptions(tokenBucketSchema, "tokenBucket", name, options);
     this.#link = ctx.link;
     this.#prefix = ctx.prefix;
+    fusable(this, ctx.fusion);
     this.#capacity = o.capacity;
     this.#refill = o.refillPerSecond;
     this.#recoveryMs = o.penalty?.recoveryMs ?? DEFAULTS.tokenBucket.penalty.recoveryMs;

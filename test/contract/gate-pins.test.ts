@@ -271,6 +271,8 @@ describe("Gate pins", () => {
       expect(bad({ name: "g", clock: 5 }).field).toBe("clock");
       expect(bad({ name: 5 }).message).toBe("gate: name must be a non-empty string, got 5 (number)");
       expect(bad({ name: "" }).message).toMatch(/^gate: name must be a non-empty string, /);
+      expect(bad({ fuse: "yes" }).message).toBe('gate: fuse must be true or false, got "yes" (string)');
+      expect(bad({ fuse: "yes" }).field).toBe("fuse");
       const hostile = new Proxy(
         {},
         {

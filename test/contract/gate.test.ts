@@ -21,6 +21,11 @@ describe.each(backends)("Gate on $name", (backend) => {
     return { queue, bucket, hosts, sem, aimd, gate: new Gate([queue, bucket, hosts, sem, aimd], { clock }) };
   }
 
+  it("is fused on one Redis server, and taken stage by stage in memory and on a Cluster", () => {
+    const { gate } = fiveStages();
+    expect(gate.fused).toBe(backend.name === "redis" || backend.name === "redis-ioredis6");
+  });
+
   it("runs a call through every stage and returns its result", async () => {
     const { gate } = fiveStages();
     await expect(gate.run(async () => 42, { host: "a" })).resolves.toBe(42);
@@ -33,7 +38,9 @@ describe.each(backends)("Gate on $name", (backend) => {
     const second = track(gate.admit());
     await clock.advance(500);
     expect(second.settled).toBe(false);
-    expect(bucket.snapshot().waiting).toBe(1);
+    // Chained, it waits in the bucket's line; fused, in the gate, in no stage's line.
+    expect(bucket.snapshot().waiting).toBe(gate.fused ? 0 : 1);
+    expect(gate.snapshot().waiting).toBe(1);
     expect(sem.snapshot().inFlight).toBe(1); // only the first call's permit
     await clock.advance(500);
     expect(second.settled).toBe(true);

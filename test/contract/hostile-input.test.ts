@@ -501,6 +501,18 @@ function entries(): Entry[] {
           c.sync("Gate", () => new Gate([env.stages.semaphore], { name: v() } as never)),
         ),
     },
+    {
+      name: "new Gate(stages, { fuse: v })",
+      target: "factory",
+      run: async (env, v, c) =>
+        built(
+          c,
+          c.sync(
+            "Gate",
+            () => new Gate([env.stages.semaphore, env.stages.tokenBucket], { fuse: v() } as never),
+          ),
+        ),
+    },
   );
   const fetchOptions = ["key", "timeoutMs", "maxPauseMs", "now", "clock", "retry", "reserve", "settle"];
   const nested: [string, string][] = [

@@ -1,0 +1,52 @@
+/**
+ * How a Gate hands its stages to a backend that can decide them all in one step (the Redis
+ * backend: one script call per admission and per release). Stages that can be fused carry the
+ * backend's `FusionHost` under `FUSE`; a Gate whose call-holding stages all carry the same one
+ * asks it for a `FusedAdmission`.
+ */
+import type { Stage, Ticket, TryAdmitOptions } from "./types.js";
+
+/** The property under which a stage carries the host that can fuse it with others. */
+export const FUSE: unique symbol = Symbol("floodgate.fuse");
+
+/** A backend that can decide several of its stages at once. */
+export interface FusionHost {
+  /** A fused admission for `stages` of the gate named `gate`. */
+  fuse(gate: string, stages: readonly Stage[]): FusedAdmission;
+}
+
+/** What a fused gate's admission needs of the gate. */
+export interface FusedCall {
+  /** Each stage's options for this call, as the Gate hands them (cost, key, host, class). */
+  optionsFor(stage: Stage): TryAdmitOptions;
+  /** The caller's signal, when it gave one. */
+  signal: AbortSignal | undefined;
+  /** Aborts when the gate closes. */
+  closed: AbortSignal;
+  /** When the caller stops waiting, on the gate's clock (Infinity: never). */
+  deadline: number;
+  /** The caller's `timeoutMs`, for the error when it runs out. */
+  timeoutMs: number | undefined;
+}
+
+/** Admission and release of a gate's stages, all at once. */
+export interface FusedAdmission {
+  /**
+   * Every stage's ticket, in order, admitted together; or, with `wait` false, undefined when
+   * they do not all admit now. Nothing is held while the call waits.
+   */
+  admit(call: FusedCall, wait: boolean): Promise<Ticket[] | undefined>;
+  /** Run `fn`, which releases, refunds or settles tickets of the stages, as one backend call. */
+  together(fn: () => Promise<void>): Promise<void>;
+}
+
+/** The host every stage in `stages` carries, or undefined when they do not all carry the same one. */
+export function sharedHost(stages: readonly Stage[]): FusionHost | undefined {
+  let host: FusionHost | undefined;
+  for (const s of stages) {
+    const h = (s as { [FUSE]?: FusionHost })[FUSE];
+    if (h === undefined || (host !== undefined && h !== host)) return undefined;
+    host = h;
+  }
+  return host;
+}

@@ -1,0 +1,316 @@
+/**
+ * A Gate of Redis stages decided in one script call (lua/gate.lua): each stage's own script runs
+ * as a step, at one instant of server time, all or nothing; a release of the whole gate is one
+ * call too. A call a permit stage refuses waits in the gate's line in Redis, holding nothing.
+ */
+import { randomBytes } from "node:crypto";
+import type { BaseStage } from "../base/stage.js";
+import type { Clock, ClockTimer } from "../clock.js";
+import { AdmitTimeoutError } from "../errors.js";
+import { FUSE, type FusedAdmission, type FusedCall, type FusionHost } from "../fuse.js";
+import type { Stage, Ticket } from "../types.js";
+import { stageKey } from "./keys.js";
+import { type GateCall, type GateReply, NOT_RUN, type RedisLink } from "./link.js";
+
+/** What the fused gates of one Redis backend share. */
+export interface FusionSettings {
+  link: RedisLink;
+  prefix: string;
+  clock: Clock;
+  random: () => number;
+  /** Longest a waiter goes without asking Redis again, ms. */
+  pollMs: number;
+}
+
+/** The Redis backend's host for fused gates: one per `redis(client)`, absent on a Cluster. */
+export class RedisFusion implements FusionHost {
+  constructor(readonly settings: FusionSettings) {}
+
+  fuse(gate: string, stages: readonly Stage[]): FusedAdmission {
+    return new FusedGate(gate, stages, this.settings);
+  }
+}
+
+/** Mark `stage` as one a Gate may fuse with the other stages of `host`. */
+export function fusable(stage: object, host: FusionHost | undefined): void {
+  if (host !== undefined) Object.defineProperty(stage, FUSE, { value: host });
+}
+
+/** A waiting call's way to be woken early (a wake message, the close of the gate). */
+type Wake = () => void;
+
+/** What one try of every stage gave: all tickets, or the reply and the stage the call waits for. */
+interface Attempt {
+  tickets: Ticket[] | undefined;
+  reply: GateReply | undefined;
+  /** Index of the stage a refused call waits for (see `#blame`), or -1. */
+  blame: number;
+}
+
+/** Stages that hold a permit while a call runs: a call they refuse waits in the gate's line. */
+const PERMIT_KINDS: ReadonlySet<string> = new Set(["semaphore", "aimd"]);
+
+/** One gate's fused stages on one Redis backend, in this process. */
+class FusedGate implements FusedAdmission {
+  readonly #name: string;
+  readonly #stages: readonly Stage[];
+  readonly #s: FusionSettings;
+  readonly #link: RedisLink;
+  /** Names this process's places in the gate's line, and its wake channel. */
+  readonly #token = randomBytes(8).toString("hex");
+  #members = 0;
+  /** The gate's keys: its permit line, its expiries, its sequence; then those of the lane "". */
+  readonly #keys: readonly string[];
+  readonly #id: string;
+  readonly #channel: string;
+  readonly #wakes = new Map<string, Wake>();
+  #listening: Promise<void> | undefined;
+
+  constructor(name: string, stages: readonly Stage[], settings: FusionSettings) {
+    this.#name = name;
+    this.#stages = stages;
+    this.#s = settings;
+    this.#link = settings.link;
+    // Processes that build the same gate (its name and its stages) share its line.
+    const id = `gate:${name}|${stages.map((s) => s.name).join("|")}`;
+    this.#id = id;
+    this.#keys = ["line", "lexp", "gmeta", "lane:", "lexp:"].map((part) =>
+      stageKey(settings.prefix, id, part),
+    );
+    this.#channel = stageKey(settings.prefix, id, "gwake");
+  }
+
+  /**
+   * The keys of a call's lane: its key at stages keyed by key, its host at stages keyed by host
+   * (interval gates). Calls of one lane wait for the same tokens and spacing.
+   */
+  #keysFor(call: FusedCall): readonly string[] {
+    let lane = "";
+    for (const stage of this.#stages) {
+      const by = stage.keyedBy;
+      if (by === undefined) continue;
+      const o = call.optionsFor(stage);
+      lane += `${by === "key" ? (o.key ?? "") : (o.host ?? "")}|`;
+    }
+    if (lane === "") return this.#keys;
+    const k = this.#keys;
+    const prefix = this.#s.prefix;
+    return [
+      k[0]!,
+      k[1]!,
+      k[2]!,
+      stageKey(prefix, this.#id, `lane:${lane}`),
+      stageKey(prefix, this.#id, `lexp:${lane}`),
+    ];
+  }
+
+  #call(op: GateCall["op"], member: string, mode: GateCall["mode"], keys = this.#keys): GateCall {
+    return {
+      keys,
+      op,
+      member,
+      mode,
+      waiterTtlMs: this.#s.pollMs * 3,
+      channel: this.#channel,
+    };
+  }
+
+  async admit(call: FusedCall, wait: boolean): Promise<Ticket[] | undefined> {
+    const member = `${this.#token}-${++this.#members}`;
+    const clock = this.#s.clock;
+    let inLine = false;
+    // The stage the call waited for since its previous try, and when that try went out.
+    let blame = -1;
+    let since = 0;
+    try {
+      for (;;) {
+        const at = clock.now();
+        this.#charge(blame, at - since);
+        const attempt = await this.#attempt(call, member, wait);
+        if (attempt.tickets) return attempt.tickets;
+        const reply = attempt.reply;
+        blame = attempt.blame;
+        since = at;
+        inLine = reply?.inLine !== undefined;
+        if (!wait) return undefined;
+        // Listen before sleeping in line, then ask once more: a wake sent meanwhile is not lost.
+        if (inLine && this.#listening === undefined) {
+          await this.#listen().catch(() => {});
+          continue;
+        }
+        // Whole ms, as Redis counts waits: a wake-up between two ms would find the wait not over.
+        const poll = Math.ceil(this.#s.pollMs * (0.5 + this.#s.random()));
+        const waitMs = reply?.waitMs ?? -1;
+        await this.#sleep(member, waitMs >= 0 ? Math.min(waitMs, poll) : poll, call);
+      }
+    } catch (error) {
+      if (inLine) this.#leave(member, this.#keysFor(call));
+      throw error;
+    }
+  }
+
+  /**
+   * One try of every stage in one `gate` call. Each stage runs its own `tryAdmit`, whose script
+   * call the link gathers as a step; all tickets when the script admitted them all.
+   */
+  async #attempt(call: FusedCall, member: string, wait: boolean): Promise<Attempt> {
+    const stages = this.#stages;
+    const pending = new Array<Promise<Ticket | undefined>>(stages.length);
+    const stepOf = new Array<number>(stages.length);
+    const keys = this.#keysFor(call);
+    const sent = this.#link.gather(
+      this.#name,
+      this.#call("all", member, wait ? "wait" : "try", keys),
+      (count) => {
+        for (let i = 0; i < stages.length; i++) {
+          const stage = stages[i]!;
+          const before = count();
+          pending[i] = stage.tryAdmit(call.optionsFor(stage));
+          stepOf[i] = count() > before ? before : -1;
+        }
+      },
+    );
+    const [head, ...settled] = await Promise.allSettled([sent, ...pending]);
+    const tickets: Ticket[] = [];
+    let failure: unknown;
+    let refused = false;
+    for (const s of settled) {
+      if (s.status === "rejected") {
+        if (s.reason !== NOT_RUN) failure ??= s.reason;
+        refused = true;
+      } else if (s.value === undefined) refused = true;
+      else tickets.push(s.value);
+    }
+    const reply = head!.status === "fulfilled" ? head!.value : undefined;
+    if (reply) this.#wakeAll(reply.woken);
+    if (!refused) return { tickets, reply, blame: -1 };
+    // Not all admitted: give back what did (a stage that refused on its own, before Redis).
+    if (tickets.length > 0) await this.together(() => settleEach(tickets));
+    if (failure !== undefined) throw failure;
+    if (head!.status === "rejected") throw head!.reason;
+    if (reply && reply.status === 1) {
+      // Redis admitted them all but a stage refused here (its own callers wait ahead in this
+      // process): ask again shortly.
+      const again = { ...reply, status: 0, waitMs: Math.min(5, this.#s.pollMs) };
+      return { tickets: undefined, reply: again, blame: -1 };
+    }
+    return { tickets: undefined, reply, blame: reply ? this.#blame(reply, stepOf) : -1 };
+  }
+
+  /**
+   * The stage a refused call waits for: in the permit line, the first permit stage that refused
+   * it (or the first, when someone ahead kept the steps from running); else the metering stage
+   * with the longest wait (or the first, when someone ahead in its lane did). -1 when none.
+   * `stepOf` is each stage's step in the attempt (-1: its stage made no script call).
+   */
+  #blame(reply: GateReply, stepOf: readonly number[]): number {
+    const forPermits = reply.inLine === "permits";
+    let best = -1;
+    let longest = -1;
+    for (let i = 0; i < this.#stages.length; i++) {
+      if (PERMIT_KINDS.has(this.#stages[i]!.kind) !== forPermits) continue;
+      const step = stepOf[i]!;
+      const r = step < 0 ? undefined : reply.replies[step];
+      if ((r === false || r === null) && best < 0) best = i;
+      if (!Array.isArray(r) || Number(r[0]) !== 0) continue;
+      if (forPermits) return i;
+      if (Number(r[1]) > longest) {
+        longest = Number(r[1]);
+        best = i;
+      }
+    }
+    return best;
+  }
+
+  /** Count `ms` of waiting as the wait of stage `i` (see `#blame`). */
+  #charge(i: number, ms: number): void {
+    if (i < 0 || !(ms > 0)) return;
+    const stage = this.#stages[i] as Partial<BaseStage>;
+    stage.countWait?.(PERMIT_KINDS.has(stage.kind!) ? "permit" : "token", ms);
+  }
+
+  together(fn: () => Promise<void>): Promise<void> {
+    let done: Promise<void> | undefined;
+    const sent = this.#link.gather(this.#name, this.#call("each", "", "try"), () => {
+      done = fn();
+    });
+    sent?.then(
+      (reply) => this.#wakeAll(reply.woken),
+      () => {},
+    );
+    return done!;
+  }
+
+  /** Sleep `ms`, or until woken; rejects when the caller gives up or the gate closes. */
+  #sleep(member: string, ms: number, call: FusedCall): Promise<void> {
+    const clock = this.#s.clock;
+    const left = call.deadline - clock.now();
+    if (left <= 0) return Promise.reject(this.#timeout(call));
+    if (call.signal?.aborted) return Promise.reject(call.signal.reason);
+    if (call.closed.aborted) return Promise.reject(call.closed.reason);
+    return new Promise<void>((resolve, reject) => {
+      let timer: ClockTimer | undefined;
+      const end = (error?: unknown) => {
+        if (timer !== undefined) clock.clearTimeout(timer);
+        this.#wakes.delete(member);
+        call.signal?.removeEventListener("abort", onAbort);
+        call.closed.removeEventListener("abort", onClose);
+        if (error === undefined) resolve();
+        else reject(error);
+      };
+      const onAbort = () => end(call.signal!.reason);
+      const onClose = () => end(call.closed.reason);
+      const timedOut = ms >= left;
+      timer = clock.setTimeout(
+        () => {
+          timer = undefined;
+          end(timedOut ? this.#timeout(call) : undefined);
+        },
+        Math.min(ms, left),
+      );
+      this.#wakes.set(member, () => end());
+      call.signal?.addEventListener("abort", onAbort, { once: true });
+      call.closed.addEventListener("abort", onClose, { once: true });
+    });
+  }
+
+  #timeout(call: FusedCall): AdmitTimeoutError {
+    return new AdmitTimeoutError(
+      this.#name,
+      `gate "${this.#name}": not admitted within timeoutMs (${call.timeoutMs})`,
+    );
+  }
+
+  #wakeLocal(member: string): void {
+    this.#wakes.get(member)?.();
+  }
+
+  #wakeAll(members: readonly string[]): void {
+    for (const m of members) this.#wakeLocal(m);
+  }
+
+  #listen(): Promise<void> {
+    this.#listening ??= this.#link
+      .listen(`${this.#channel}:${this.#token}`, (member) => this.#wakeLocal(member))
+      .catch((error: unknown) => {
+        this.#listening = undefined;
+        throw error;
+      });
+    return this.#listening;
+  }
+
+  /** Take `member` out of the gate's lines in the background (it gave up). */
+  #leave(member: string, keys: readonly string[]): void {
+    this.#link
+      .gather(this.#name, this.#call("leave", member, "try", keys), () => {})
+      ?.then(
+        (reply) => this.#wakeAll(reply.woken),
+        () => {},
+      );
+  }
+}
+
+/** Refund every ticket (they were admitted by stages the others' refusal undoes). */
+function settleEach(tickets: readonly Ticket[]): Promise<void> {
+  return Promise.all(tickets.map((t) => t.refund())).then(() => undefined);
+}

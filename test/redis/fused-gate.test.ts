@@ -1,0 +1,488 @@
+import { AdmitTimeoutError, Gate, memory, type Stage, type Ticket } from "floodgate";
+import { redis } from "floodgate/redis";
+import { FakeClock } from "floodgate/testing";
+import type { Redis } from "ioredis";
+import { describe, expect, it } from "vitest";
+import { useClients } from "./clients.js";
+import { randomPrefix, until, within } from "./helpers.js";
+
+/**
+ * A Gate of Redis stages of one backend decides an admission in one script call (lua/gate.lua):
+ * every stage at one instant, all or nothing, holding nothing while a call waits.
+ */
+describe("a fused Redis gate", () => {
+  const { connect } = useClients();
+
+  /** A backend on its own connection (a process of the fleet), deciding with `clock`'s time. */
+  async function backend(prefix: string, clock: FakeClock, extra: { pollMs?: number } = {}) {
+    const client = await connect();
+    return { client, b: redis(client, { prefix, clock, time: "clock", claimMs: 30_000, ...extra }) };
+  }
+
+  /**
+   * Count the script calls on keys under `prefix`, as MONITOR sees them (other test files share
+   * the server, so its global counts would not do).
+   */
+  async function countScripts(prefix: string): Promise<{ readonly calls: number; stop(): void }> {
+    const monitor = await connect();
+    const feed = await monitor.monitor();
+    const counter = { calls: 0, stop: () => feed.disconnect() };
+    feed.on("monitor", (_time: string, args: string[]) => {
+      const command = args[0]?.toLowerCase();
+      if ((command === "evalsha" || command === "eval") && args.slice(3).some((a) => a.startsWith(prefix)))
+        counter.calls++;
+    });
+    return counter;
+  }
+
+  /** The llm scenario's five stages: rpm and tpm buckets, a semaphore, AIMD, an interval gate. */
+  function llm(b: ReturnType<typeof redis>) {
+    return [
+      b.tokenBucket("rpm", { capacity: 60, refillPerSecond: 1 }),
+      b.tokenBucket("tpm", { capacity: 10_000, refillPerSecond: 200 }),
+      b.semaphore("inflight", { limit: 4 }),
+      b.aimd("adaptive", { initial: 4, max: 8 }),
+      b.intervalGate("hosts", { minIntervalMs: 0, defaultHost: "api" }),
+    ];
+  }
+
+  it("is fused for two or more stages of one Redis backend, and chained otherwise", async () => {
+    const clock = new FakeClock();
+    const { b } = await backend(randomPrefix("fused-which"), clock);
+    const { b: other } = await backend(randomPrefix("fused-which-2"), clock);
+    const m = memory({ clock });
+    const sem = b.semaphore("s", { limit: 2 });
+    const bucket = b.tokenBucket("t", { capacity: 2, refillPerSecond: 1 });
+    expect(new Gate([sem, bucket]).fused).toBe(true);
+    expect(new Gate([b.queue("q", { maxSize: 4 }), sem, bucket]).fused).toBe(true);
+    expect(new Gate([sem]).fused).toBe(false);
+    expect(new Gate([m.semaphore("m", { limit: 2 }), bucket]).fused).toBe(false);
+    expect(new Gate([other.semaphore("o", { limit: 2 }), bucket]).fused).toBe(false);
+    const classes = { interactive: { share: 0.5 }, bulk: { share: 0.5 } };
+    expect(new Gate([b.semaphore("c", { limit: 2, classes }), bucket]).fused).toBe(false);
+    const open = b.semaphore("open", { limit: 2, onBackendError: "fail-open" });
+    expect(new Gate([open, bucket]).fused).toBe(false);
+    expect(new Gate([new Gate([sem, bucket]), b.semaphore("s2", { limit: 1 })]).fused).toBe(false);
+  });
+
+  it("admits and releases a four- and a five-stage gate in one script call each", async () => {
+    const clock = new FakeClock();
+    const prefix = randomPrefix("fused-calls");
+    const { b } = await backend(prefix, clock);
+    const five = new Gate(llm(b), { clock });
+    const [rpm, tpm, sem, aimd] = five.stages;
+    const four = new Gate([rpm!, tpm!, sem!, aimd!], { clock, name: "four" });
+    // Scripts reach Redis once before counting (the first call of a script sends its body).
+    await (await five.admit({ costs: { tpm: 100 } })).release("success");
+    await (await four.admit()).release("success");
+    const counter = await countScripts(prefix);
+    try {
+      for (const gate of [four, five]) {
+        for (let i = 0; i < 3; i++) {
+          const before = counter.calls;
+          const ticket = await gate.admit({ costs: { tpm: 100 } });
+          await until(() => counter.calls - before >= 1, { timeoutMs: 2000, message: "admit not seen" });
+          expect(counter.calls - before).toBe(1);
+          await ticket.release("success");
+          await until(() => counter.calls - before >= 2, { timeoutMs: 2000, message: "release not seen" });
+          // A command after them, so MONITOR has shown everything before it.
+          await b.semaphore("marker", { limit: 1 }).snapshot();
+          expect(counter.calls - before).toBe(2);
+        }
+      }
+    } finally {
+      counter.stop();
+    }
+    expect(sem!.snapshot().inFlight).toBe(0);
+    expect(aimd!.snapshot().inFlight).toBe(0);
+  });
+
+  /** The bucket's and the interval gate's keys as Redis would dump them, and the permit counts. */
+  async function state(client: Redis, prefix: string) {
+    const keys = (await client.keys(`${prefix}*`)).sort();
+    const dumps: Record<string, string | null> = {};
+    for (const key of keys) {
+      if (key.includes("{rate}") || key.includes("{hosts}")) {
+        dumps[key] = (await client.dumpBuffer(key))?.toString("hex") ?? null;
+      }
+    }
+    return {
+      dumps,
+      held: await client.zcard(`${prefix}{inflight}:holders`),
+      used: await client.hget(`${prefix}{inflight}:meta`, "used"),
+      aimdHeld: await client.zcard(`${prefix}{adaptive}:holders`),
+    };
+  }
+
+  it("holds nothing anywhere when one stage refuses: a full semaphore leaves tokens and spacing as they were", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-none");
+    const { client, b } = await backend(prefix, clock);
+    const rate = b.tokenBucket("rate", { capacity: 5, refillPerSecond: 1 });
+    const hosts = b.intervalGate("hosts", { minIntervalMs: 500, defaultHost: "api" });
+    const sem = b.semaphore("inflight", { limit: 1 });
+    const aimd = b.aimd("adaptive", { initial: 2, max: 2 });
+    const gate = new Gate([rate, hosts, sem, aimd], { clock });
+    const first = await gate.admit();
+    await clock.advance(600);
+    const before = await state(client, prefix);
+    expect(await gate.tryAdmit()).toBe(undefined);
+    expect(await state(client, prefix)).toEqual(before);
+    await first.release("success");
+    // Now every stage admits: all of them are taken together.
+    const second = await gate.tryAdmit();
+    expect(second).toBeDefined();
+    expect(sem.snapshot().inFlight).toBe(1);
+    expect(aimd.snapshot().inFlight).toBe(1);
+    await second!.release("success");
+  });
+
+  it("holds nothing anywhere when the bucket refuses: the permits it would have taken stay free", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-none-rate");
+    const { client, b } = await backend(prefix, clock);
+    const gate = new Gate(
+      [
+        b.semaphore("inflight", { limit: 3 }),
+        b.aimd("adaptive", { initial: 3, max: 3 }),
+        b.intervalGate("hosts", { minIntervalMs: 0, defaultHost: "api" }),
+        b.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 }),
+      ],
+      { clock },
+    );
+    const first = await gate.admit();
+    const before = await state(client, prefix);
+    expect(before.held).toBe(1);
+    expect(await gate.tryAdmit()).toBe(undefined);
+    expect(await state(client, prefix)).toEqual(before);
+    await first.release("success");
+  });
+
+  it("holds no permit while a call waits for its token, whatever the order of the stages", async () => {
+    const clock = new FakeClock(1000);
+    const { b } = await backend(randomPrefix("fused-order"), clock);
+    const sem = b.semaphore("inflight", { limit: 1 });
+    // The semaphore first: chained, a waiting call would hold its permit while the bucket refills.
+    const gate = new Gate([sem, b.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 })], { clock });
+    const first = await gate.admit();
+    await first.release("success");
+    let second: Ticket | undefined;
+    const waiting = gate.admit().then((t) => {
+      second = t;
+    });
+    for (let ms = 0; ms < 900; ms += 100) {
+      await clock.advance(100);
+      expect(second).toBe(undefined);
+      expect(sem.snapshot().inFlight).toBe(0);
+      // The permit is free for anyone else meanwhile.
+      const other = await sem.tryAdmit();
+      expect(other).toBeDefined();
+      await other!.release("success");
+    }
+    await clock.advance(100);
+    await waiting;
+    expect(second).toBeDefined();
+    expect(sem.snapshot().inFlight).toBe(1);
+    await second!.release("success");
+  });
+
+  it("lets a lane go while another waits for its own tokens (keyed buckets do not hold each other up)", async () => {
+    const clock = new FakeClock(1000);
+    const { b } = await backend(randomPrefix("fused-lanes"), clock);
+    const gate = new Gate(
+      [
+        b.semaphore("inflight", { limit: 10 }),
+        b.tokenBucket("rate", { keyed: true, capacity: 1, refillPerSecond: 1 }),
+      ],
+      { clock },
+    );
+    const a1 = await gate.admit({ key: "a" });
+    let a2: Ticket | undefined;
+    const waiting = gate.admit({ key: "a" }).then((t) => {
+      a2 = t;
+    });
+    await clock.advance(10);
+    expect(a2).toBe(undefined);
+    // Key "b" has its token: it goes at once, not behind key "a"'s waiter.
+    const b1 = await within(gate.admit({ key: "b" }), 2000, "key b's admission");
+    await clock.advance(1000);
+    await waiting;
+    expect(a2).toBeDefined();
+    for (const t of [a1, a2!, b1]) await t.release("success");
+  });
+
+  it("serves the callers a full semaphore refused in arrival order, whichever process they ask from", async () => {
+    const prefix = randomPrefix("fused-fifo");
+    const clients = [await connect(), await connect()];
+    const fleet = clients.map((client) => {
+      const b = redis(client, { prefix, pollMs: 200 });
+      return new Gate([
+        b.semaphore("inflight", { limit: 1 }),
+        b.tokenBucket("rate", { capacity: 100, refillPerSecond: 100 }),
+      ]);
+    });
+    const [one, two] = fleet as [Gate, Gate];
+    const holder = await one.admit();
+    const order: string[] = [];
+    const asks: [string, Gate][] = [
+      ["one-1", one],
+      ["two-1", two],
+      ["one-2", one],
+      ["two-2", two],
+    ];
+    const calls: Promise<void>[] = [];
+    for (const [name, gate] of asks) {
+      calls.push(
+        gate.run(async () => {
+          order.push(name);
+        }),
+      );
+      // Each has lined up before the next asks.
+      const line = `${prefix}{gate:gate|inflight|rate}:line`;
+      await until(
+        async () =>
+          (await clients[0]!.zscore(line, "x")) === null && (await clients[0]!.zcard(line)) === calls.length,
+        {
+          timeoutMs: 2000,
+          message: `${name} did not line up`,
+        },
+      );
+    }
+    await holder.release("success");
+    await within(Promise.all(calls), 5000, "the waiting calls");
+    expect(order).toEqual(["one-1", "two-1", "one-2", "two-2"]);
+  });
+
+  it("takes a caller that gives up out of the line, and the next goes on", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-leave");
+    const { client, b } = await backend(prefix, clock);
+    const gate = new Gate(
+      [b.semaphore("inflight", { limit: 1 }), b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 })],
+      { clock },
+    );
+    const line = `${prefix}{gate:gate|inflight|rate}:line`;
+    const holder = await gate.admit();
+    const timedOut = gate.admit({ timeoutMs: 100 }).catch((e: unknown) => e);
+    const controller = new AbortController();
+    const aborted = gate.admit({ signal: controller.signal }).catch((e: unknown) => e);
+    let next: Ticket | undefined;
+    const later = gate.admit().then((t) => {
+      next = t;
+    });
+    await clock.advance(10);
+    expect(await client.zcard(line)).toBe(3);
+    controller.abort(new Error("gave up"));
+    await clock.advance(100);
+    expect(await timedOut).toBeInstanceOf(AdmitTimeoutError);
+    expect(((await aborted) as Error).message).toBe("gave up");
+    await until(async () => (await client.zcard(line)) === 1, {
+      timeoutMs: 2000,
+      message: "the line did not shrink",
+    });
+    await holder.release("success");
+    await clock.advance(10);
+    await within(later, 2000, "the last caller");
+    expect(next).toBeDefined();
+    expect(await client.zcard(line)).toBe(0);
+    await next!.release("success");
+  });
+
+  it("passes a waiter that stopped asking once its place in line expires", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-dead");
+    const { client, b } = await backend(prefix, clock, { pollMs: 100 });
+    const gate = new Gate(
+      [b.semaphore("inflight", { limit: 1 }), b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 })],
+      { clock },
+    );
+    const id = `${prefix}{gate:gate|inflight|rate}`;
+    // A process that lined up and was killed: its place ends 300 ms (3 polls) after its last ask.
+    await client.zadd(`${id}:line`, 0, "deadbeef-1");
+    await client.zadd(`${id}:lexp`, 1300, "deadbeef-1");
+    let ticket: Ticket | undefined;
+    const waiting = gate.admit().then((t) => {
+      ticket = t;
+    });
+    await clock.advance(250);
+    expect(ticket).toBe(undefined);
+    await clock.advance(200);
+    await waiting;
+    expect(ticket).toBeDefined();
+    await ticket!.release("success");
+  });
+
+  it("settles every stage of the gate in one script call", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-settle");
+    const { client, b } = await backend(prefix, clock);
+    const gate = new Gate(llm(b), { clock });
+    const warm = await gate.admit({ costs: { tpm: 10 } });
+    await warm.settle({ tpm: 5 });
+    await warm.release("success");
+    const counter = await countScripts(prefix);
+    try {
+      const ticket = await gate.admit({ costs: { tpm: 1000 } });
+      const tokens = Number(await client.hget(`${prefix}{tpm}:b:default`, "tokens"));
+      const before = counter.calls;
+      await ticket.settle({ tpm: 400 });
+      await until(() => counter.calls > before, { timeoutMs: 2000, message: "settle not seen" });
+      await b.semaphore("marker", { limit: 1 }).snapshot();
+      expect(counter.calls - before).toBe(1);
+      expect(Number(await client.hget(`${prefix}{tpm}:b:default`, "tokens"))).toBeCloseTo(tokens + 600, 6);
+      await ticket.release("success");
+    } finally {
+      counter.stop();
+    }
+  });
+});
+
+/**
+ * Step for step: a fused decision equals the decisions of the stages taken in order at that
+ * instant, with everything taken rolled back on the first refusal; over random sequences of
+ * tries, releases, refunds and settles at random times, the two sets of stages agree on every
+ * decision and end in the same state.
+ */
+describe("a fused Redis gate, step for step against its stages in turn", () => {
+  const { connect } = useClients();
+
+  /** A seeded generator (mulberry32), so a failing sequence can be replayed. */
+  function random(seed: number): () => number {
+    let a = seed >>> 0;
+    return () => {
+      a = (a + 0x6d2b79f5) >>> 0;
+      let t = a;
+      t = Math.imul(t ^ (t >>> 15), t | 1);
+      t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
+      return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+    };
+  }
+
+  function stages(b: ReturnType<typeof redis>): Stage[] {
+    return [
+      b.tokenBucket("rpm", { capacity: 6, refillPerSecond: 5 }),
+      b.intervalGate("hosts", { minIntervalMs: 80 }),
+      b.semaphore("inflight", { limit: 3 }),
+      b.aimd("adaptive", { initial: 3, max: 4, backoffRatio: 0.5 }),
+      b.tokenBucket("tpm", { keyed: true, capacity: 50, refillPerSecond: 40 }),
+    ];
+  }
+
+  /**
+   * The stages in turn, at one instant: each tried, and on the first refusal everything rolled
+   * back: the tickets refunded, and the buckets' and the host's keys put back as they were (a
+   * refund of tokens leaves the key's latest grant moved, which a rollback must not).
+   */
+  async function inTurn(
+    client: Redis,
+    prefix: string,
+    list: Stage[],
+    costs: Record<string, number>,
+    key: string,
+    host: string,
+  ) {
+    const keys = [`${prefix}{rpm}:b:default`, `${prefix}{tpm}:b:${key}`, `${prefix}{hosts}:h:${host}`];
+    const saved = await Promise.all(
+      keys.map(async (k) => [await client.dumpBuffer(k), await client.pttl(k)] as const),
+    );
+    const held: Ticket[] = [];
+    for (const stage of list) {
+      const t = await stage.tryAdmit({
+        cost: costs[stage.name] ?? 1,
+        key: stage.keyedBy === "key" ? key : undefined,
+        host,
+      });
+      if (!t) {
+        for (const h of held.reverse()) await h.refund();
+        for (let i = 0; i < keys.length; i++) {
+          const [dump, pttl] = saved[i]!;
+          if (dump) await client.restore(keys[i]!, Math.max(0, pttl), dump, "REPLACE");
+          else await client.del(keys[i]!);
+        }
+        return undefined;
+      }
+      held.push(t);
+    }
+    return held;
+  }
+
+  for (const seed of [1, 2, 3, 4]) {
+    it(`agrees over a random sequence (seed ${seed})`, async () => {
+      const clock = new FakeClock(10_000);
+      const rnd = random(seed);
+      const fusedPrefix = randomPrefix("step-fused");
+      const fusedB = redis(await connect(), { prefix: fusedPrefix, clock, time: "clock" });
+      const turnClient = await connect();
+      const turnPrefix = randomPrefix("step-turn");
+      const turnB = redis(turnClient, { prefix: turnPrefix, clock, time: "clock" });
+      const rates: Record<string, [number, number]> = { rpm: [6, 5], tpm: [50, 40] };
+      /** The tokens a bucket key holds at `now` (capacity when it has no state). */
+      const level = async (prefix: string, key: string, now: number) => {
+        const [tokens, updatedAt] = await turnClient.hmget(key, "tokens", "updatedAt");
+        const [capacity, rate] = rates[key.slice(prefix.length + 1).split("}")[0]!]!;
+        if (tokens === null) return capacity;
+        return Math.min(capacity, Number(tokens) + (Math.max(0, now - Number(updatedAt)) * rate) / 1000);
+      };
+      const gate = new Gate(stages(fusedB), { clock });
+      expect(gate.fused).toBe(true);
+      const list = stages(turnB);
+      const open: [Ticket, Ticket[]][] = [];
+      let admitted = 0;
+      let refused = 0;
+      for (let step = 0; step < 120; step++) {
+        const r = rnd();
+        if (r < 0.45) {
+          const costs = { rpm: 1 + Math.floor(rnd() * 2), tpm: Math.floor(rnd() * 30) };
+          const key = rnd() < 0.5 ? "a" : "b";
+          const host = rnd() < 0.5 ? "x" : "y";
+          const fused = await gate.tryAdmit({ costs, key, host });
+          const turn = await inTurn(turnClient, turnPrefix, list, costs, key, host);
+          expect(fused !== undefined, `step ${step}`).toBe(turn !== undefined);
+          if (fused && turn) {
+            open.push([fused, turn]);
+            admitted++;
+          } else refused++;
+        } else if (r < 0.75 && open.length > 0) {
+          const [fused, turn] = open.splice(Math.floor(rnd() * open.length), 1)[0]!;
+          const how = rnd();
+          if (how < 0.15) {
+            await fused.refund();
+            for (const t of [...turn].reverse()) await t.refund();
+          } else {
+            const outcome = how < 0.3 ? "dropped" : "success";
+            if (how > 0.8) {
+              const actual = Math.floor(rnd() * 40);
+              await fused.settle({ tpm: actual });
+              for (const t of turn) await t.settle({ tpm: actual });
+            }
+            await fused.release(outcome);
+            for (const t of [...turn].reverse()) await t.release(outcome);
+          }
+        } else {
+          await clock.advance(Math.floor(rnd() * 300));
+        }
+        if (step % 10 === 9) {
+          for (const bucket of ["rpm:b:default", "tpm:b:a", "tpm:b:b"]) {
+            const [name, , key] = bucket.split(":");
+            const at = (prefix: string) => level(prefix, `${prefix}{${name}}:b:${key}`, clock.now());
+            expect(await at(fusedPrefix), `${bucket} at step ${step}`).toBeCloseTo(await at(turnPrefix), 6);
+          }
+          // The permits held in Redis, lease for lease.
+          for (const name of ["inflight", "adaptive"]) {
+            const held = (prefix: string) => turnClient.zcard(`${prefix}{${name}}:holders`);
+            expect(await held(fusedPrefix), `${name} at step ${step}`).toBe(await held(turnPrefix));
+          }
+        }
+      }
+      expect(admitted).toBeGreaterThan(10);
+      expect(refused).toBeGreaterThan(5);
+      const [, , sem, aimd] = gate.stages;
+      expect(sem!.snapshot().inFlight).toBe(list[2]!.snapshot().inFlight);
+      expect(aimd!.snapshot().limit).toBe(list[3]!.snapshot().limit);
+      for (const [fused, turn] of open) {
+        await fused.release("success");
+        for (const t of turn) await t.release("success");
+      }
+    });
+  }
+});
