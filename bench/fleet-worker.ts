@@ -4,13 +4,14 @@
  * provider, release, think; until the deadline. Then it reports counts and timings. It leaves by
  * itself when the parent says `exit` or goes away.
  */
+import { Gate } from "floodgate";
 import { redis } from "floodgate/redis";
 import { Semaphore } from "redis-semaphore";
 import { Agent, request } from "undici";
 import { PollingSemaphore } from "./poll-semaphore.js";
 import { nowMs, serve, sleep, workerClient } from "./worker-child.js";
 
-export type Mode = "ceiling" | "none" | "floodgate" | "redis-semaphore" | "poll200";
+export type Mode = "ceiling" | "none" | "floodgate" | "floodgate-gate" | "redis-semaphore" | "poll200";
 
 export interface RunMessage {
   kind: "run";
@@ -67,6 +68,28 @@ function admission(m: RunMessage): {
           return (status) => t.release(status === 429 ? "dropped" : "success");
         },
         close: () => sem.close(),
+      };
+    }
+    case "floodgate-gate": {
+      // The llm scenario's gate, fused: rpm and tpm buckets, the semaphore, AIMD, an interval
+      // gate; only the semaphore binds (the buckets and the spacing leave room above the cap).
+      backend ??= redis(client, { prefix: "bench-fleet:" });
+      const gate = new Gate(
+        [
+          backend.tokenBucket(`${m.prefix}rpm`, { capacity: 1000, refillPerSecond: 1000 }),
+          backend.tokenBucket(`${m.prefix}tpm`, { capacity: 1_000_000, refillPerSecond: 1_000_000 }),
+          backend.semaphore(m.prefix, { limit: m.cap, leaseMs: 15_000 }),
+          backend.aimd(`${m.prefix}aimd`, { initial: m.cap, min: 1, max: m.cap }),
+          backend.intervalGate(`${m.prefix}hosts`, { minIntervalMs: 1, defaultHost: "provider" }),
+        ],
+        { name: m.prefix },
+      );
+      return {
+        admit: async (signal) => {
+          const t = await gate.admit({ signal, costs: { [`${m.prefix}tpm`]: 300 } });
+          return (status) => t.release(status === 429 ? "dropped" : "success");
+        },
+        close: () => gate.close(),
       };
     }
     case "redis-semaphore":

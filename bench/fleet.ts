@@ -2,7 +2,8 @@
  * The fleet: 12 worker processes × 2 callers share a cap of 8 on a local provider (127.0.0.1)
  * that holds each request for the service time and answers 429 above 8 in flight. Service time
  * 50 ms and 5 ms, each without and with client-side think time equal to the service time after
- * every job. Contenders: floodgate's Redis semaphore, redis-semaphore (default 10 ms poll), a
+ * every job. Contenders: floodgate's Redis semaphore, the llm scenario's five-stage gate (fused),
+ * redis-semaphore (default 10 ms poll), a
  * lease semaphore polling every 200 ms, and no gate; the ceiling is exactly 8 ungated callers.
  * Admission waits are compared with those of a perfect FIFO queue fed the same service and think
  * times (a simulation of 24 callers on 8 permits with zero handoff cost).
@@ -133,6 +134,7 @@ interface RunStats {
 const MODES: { mode: Mode; name: string }[] = [
   { mode: "ceiling", name: "ceiling: 8 ungated callers, no think" },
   { mode: "floodgate", name: "floodgate redis semaphore" },
+  { mode: "floodgate-gate", name: "floodgate fused gate (llm: 2 buckets, semaphore, AIMD, interval)" },
   { mode: "redis-semaphore", name: "redis-semaphore (10 ms poll)" },
   { mode: "poll200", name: "200 ms-polling lease semaphore" },
   { mode: "none", name: "no gate (24 callers)" },
@@ -244,6 +246,13 @@ export const fleet: Benchmark = {
               mode === "ceiling" || mode === "none" ? "—" : times(vsFifo),
               `${fewest} / ${starved}`,
             ]);
+            if (mode === "floodgate-gate") {
+              notes.push(
+                `fused gate targets (#14, at 50 ms service): ≥ 97% of ceiling ${verdict(vs >= 0.97, pct(vs))}; ` +
+                  `provider peak ≤ 8 ${verdict(peak <= CAP, String(peak))}; ` +
+                  `zero 429s ${verdict(r429 === 0, String(r429))}.`,
+              );
+            }
             if (mode === "floodgate") {
               notes.push(
                 `floodgate targets: ≥ 98% of ceiling ${verdict(vs >= 0.98, pct(vs))}; ` +

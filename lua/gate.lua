@@ -5,38 +5,41 @@
 -- KEYS[1] line  ZSET  member "<token>-<n>" -> arrival sequence: the gate's callers a permit stage
 --                     refused, in arrival order across the fleet
 -- KEYS[2] lexp  ZSET  member -> expiry (ms): a waiter not heard from for waiterTtlMs is dropped
--- KEYS[3] gmeta HASH  seq (arrivals, shared by both lines)
--- KEYS[4] lane  ZSET  member -> arrival sequence: the callers of the call's lane (its key and
---                     host) that only token buckets or interval gates refused
--- KEYS[5] laneExp ZSET member -> expiry (ms), as lexp
--- KEYS[6…]            the steps' own keys, in step order
+-- KEYS[3] gmeta HASH  seq (arrivals, shared by the permit line and every lane)
+-- KEYS[4…]            per call: its lane (ZSET member -> arrival sequence: the callers of the
+--                     call's key and host that only token buckets or interval gates refused),
+--                     the lane's expiries (ZSET, as lexp), then its steps' own keys in order
 --
 -- ARGV[1] now          ms, or "" for the server's TIME
--- ARGV[2] op           "all": an admission, all or nothing; "each": releases, refunds and
---                      settles, each step run as it would alone; "leave": `member` leaves the lines
--- ARGV[3] member       the caller's place in line, "" for none (a release)
--- ARGV[4] mode         "wait": a refused caller keeps (or takes) its place in line; "try": never
--- ARGV[5] waiterTtlMs  how long a waiter stays in line without asking again, ms
--- ARGV[6] channel      base of the wake channels: a member is told "<member>" on channel:<token>
--- ARGV[7] steps        the number of steps; then, per step, its script name, its number of keys,
---                      its number of arguments and the arguments (the first, its `now`, is
---                      replaced by this call's)
+-- ARGV[2] op           "all": admissions, each all or nothing; "each": releases, refunds and
+--                      settles, each step run as it would alone; "leave": callers leave the lines
+-- ARGV[3] waiterTtlMs  how long a waiter stays in line without asking again, ms
+-- ARGV[4] channel      base of the wake channels: a member is told "<member>" on channel:<token>
+-- ARGV[5] calls        the number of calls; then, per call, its member (its place in line, "" for
+--                      none), its mode ("wait": a refused caller keeps or takes its place in line;
+--                      "try": never), its number of steps and, per step, its script name, its
+--                      number of keys, its number of arguments and the arguments (the first, its
+--                      `now`, is replaced by this call's). Calls are decided in turn, exactly as if
+--                      each had come alone.
 --
--- Returns {status, waitMs, inLine, woken, replies}:
+-- Returns one reply per call, {status, waitMs, inLine, woken, replies}:
 --   status  1: every step admitted (or, for "each", ran); 0: refused, nothing is held anywhere
---   waitMs  when token buckets or interval gates alone refused a caller first in its lane: the
---           longest of their waits (ms until each could admit); else -1 (wait to be woken)
+--   waitMs  when a token bucket or interval gate refused a caller first in its lane (permits
+--           being there): ms until it could admit; else -1 (wait to be woken)
 --   inLine  1 when `member` waits in the permit line, 2 in its lane, 0 in neither
 --   woken   the members told to ask again (their process may be this one)
 --   replies each step's reply, as its script would answer; a step rolled back answers as refused
 --           but with -2 for its first field (a refusal of its own is 0); a step not run (someone
 --           is ahead in line) answers false
 --
--- All or nothing: the permit steps run first, then the metering steps, each to the end whatever
--- the others said (their replies say how long each would wait); if any refused, those that
--- admitted are rolled back in reverse, so nothing is held anywhere. A permit step rolls back
--- through its release; a token bucket or interval gate step is restored as it was (DUMP before,
--- RESTORE after), so a refused admission leaves their keys exactly as they were.
+-- All or nothing: the permit steps run first, then the metering steps, up to the first refusal
+-- (a permit refusal ends the try before the rates: the call then waits to be told permits are
+-- free, whatever the rates say); if any refused, those that admitted are rolled back in
+-- reverse, so nothing is held anywhere. A permit step rolls back through its release; a token
+-- bucket or interval gate step is restored as it was (DUMP before, RESTORE after), so a refused
+-- admission leaves their keys exactly as they were. The decision is the one the stages would
+-- make taken in turn at this instant with everything rolled back on the first refusal: they
+-- all admit, or not.
 --
 -- The lines, in which a refused caller waits holding nothing, in arrival order across the fleet:
 -- one for the gate's permits, and one per lane for its rates. While anyone waits for permits, a
@@ -60,39 +63,61 @@ local STEPS = {
 local line    = KEYS[1]
 local lexp    = KEYS[2]
 local gmeta   = KEYS[3]
-local lane    = KEYS[4]
-local laneExp = KEYS[5]
 local now     = floodgate_now(ARGV[1])
 local op      = ARGV[2]
-local member  = ARGV[3]
-local mode    = ARGV[4]
-local ttl     = tonumber(ARGV[5])
-local channel = ARGV[6]
+local ttl     = tonumber(ARGV[3])
+local channel = ARGV[4]
 local nowArg  = floodgate_num(now)
 
--- The steps, each {name, keys, args}.
-local steps = {}
-local k = 6
-local a = 8
-for i = 1, tonumber(ARGV[7]) do
-  local name = ARGV[a]
-  local nk = tonumber(ARGV[a + 1])
-  local na = tonumber(ARGV[a + 2])
-  local keys = {}
-  for j = 1, nk do keys[j] = KEYS[k + j - 1] end
-  local args = { nowArg }
-  for j = 2, na do args[j] = ARGV[a + 1 + j] end
-  if not STEPS[name] then return redis.error_reply('gate: unknown step ' .. tostring(name)) end
-  steps[i] = { name = name, keys = keys, args = args }
-  k = k + nk
-  a = a + 2 + na
+-- The calls, each {member, mode, lane, laneExp, steps}; each step {name, keys, args}.
+local calls = {}
+local k = 4
+local a = 6
+for c = 1, tonumber(ARGV[5]) do
+  local call = { member = ARGV[a], mode = ARGV[a + 1], lane = KEYS[k], laneExp = KEYS[k + 1], steps = {} }
+  local n = tonumber(ARGV[a + 2])
+  k = k + 2
+  a = a + 3
+  for i = 1, n do
+    local name = ARGV[a]
+    local nk = tonumber(ARGV[a + 1])
+    local na = tonumber(ARGV[a + 2])
+    local keys = {}
+    for j = 1, nk do keys[j] = KEYS[k + j - 1] end
+    local args = { nowArg }
+    for j = 2, na do args[j] = ARGV[a + 1 + j] end
+    if not STEPS[name] then return redis.error_reply('gate: unknown step ' .. tostring(name)) end
+    call.steps[i] = { name = name, keys = keys, args = args }
+    k = k + nk
+    a = a + 2 + na
+  end
+  calls[c] = call
 end
 
-local woken = {}
+local woken
 
--- Tell the first of line `z` to ask again, on its process's channel.
-local function wake(z)
+-- Take out of line `z` the waiters that stopped asking (their expiries in `e`), when its first
+-- has: a line whose first still asks is left as it is (the others are taken out when they come
+-- first). Returns the first waiter left, or nil.
+local function prune(z, e)
   local first = redis.call('ZRANGE', z, 0, 0)[1]
+  if not first then return nil end
+  local until_ = tonumber(redis.call('ZSCORE', e, first))
+  if until_ and until_ > now then return first end
+  local gone = floodgate_expired(e, now)
+  if #gone > 0 then redis.call('ZREM', z, unpack(gone)) end
+  first = redis.call('ZRANGE', z, 0, 0)[1]
+  -- A member with no expiry left is one whose expiry was lost: it goes too.
+  if first and not redis.call('ZSCORE', e, first) then
+    redis.call('ZREM', z, first)
+    first = redis.call('ZRANGE', z, 0, 0)[1]
+  end
+  return first
+end
+
+-- Tell the first of line `z` (with expiries `e`) to ask again, on its process's channel.
+local function wake(z, e)
+  local first = prune(z, e)
   if first then
     redis.call('PUBLISH', channel .. ':' .. floodgate_token(first), first)
     woken[#woken + 1] = first
@@ -100,16 +125,17 @@ local function wake(z)
 end
 
 -- Take `member` out of line `z` (with expiries `e`); when it was first there, wake the next.
-local function leave(z, e)
-  local first = redis.call('ZRANGE', z, 0, 0)[1]
+-- `first`, when known, is the first in `z`.
+local function leave(member, z, e, first)
+  first = first or redis.call('ZRANGE', z, 0, 0)[1]
   if redis.call('ZREM', z, member) == 1 then
     redis.call('ZREM', e, member)
-    if first == member then wake(z) end
+    if first == member then wake(z, e) end
   end
 end
 
 -- Keep (or take) `member`'s place in line `z` (with expiries `e`).
-local function join(z, e)
+local function join(member, z, e)
   if not redis.call('ZSCORE', z, member) then
     redis.call('ZADD', z, redis.call('HINCRBY', gmeta, 'seq', 1), member)
   end
@@ -119,101 +145,105 @@ local function join(z, e)
   redis.call('PEXPIRE', gmeta, ttl)
 end
 
--- Take out of both lines the waiters that stopped asking.
-local function prune(z, e)
-  local gone = floodgate_expired(e, now)
-  if #gone > 0 then redis.call('ZREM', z, unpack(gone)) end
-end
-prune(line, lexp)
 
-if op == 'each' then
+-- Releases, refunds and settles: every step as alone; freed permits wake the permit line.
+local function each(call)
   local replies = {}
   local freed = false
-  for i = 1, #steps do
-    local s = steps[i]
+  for i = 1, #call.steps do
+    local s = call.steps[i]
     replies[i] = STEPS[s.name](s.keys, s.args)
     if (s.name == 'semaphore-release' or s.name == 'aimd-release') and replies[i][1] == 1 then freed = true end
   end
-  if freed then wake(line) end
+  if freed then wake(line, lexp) end
   return {1, -1, 0, woken, replies}
 end
 
-prune(lane, laneExp)
-
-if op == 'leave' then
-  leave(line, lexp)
-  leave(lane, laneExp)
-  return {1, -1, 0, woken, {}}
+-- Permit steps first, then the metering ones.
+local function order(steps)
+  local list = {}
+  for i = 1, #steps do if PERMIT[steps[i].name] then list[#list + 1] = i end end
+  for i = 1, #steps do if not PERMIT[steps[i].name] then list[#list + 1] = i end end
+  return list
 end
 
--- Someone ahead: nothing is looked at, and `member` waits behind (in line `z`, numbered `n`, with
--- expiries `e`, when it waits).
-local function behind(z, e, n)
+-- One admission, all or nothing (see above).
+local function admit(call)
+  local member, mode, lane, laneExp, steps = call.member, call.mode, call.lane, call.laneExp, call.steps
+
+  -- Someone ahead: nothing is looked at, and `member` waits behind (in line `z`, numbered `n`,
+  -- with expiries `e`, when it waits).
+  local function behind(z, e, n)
+    local replies = {}
+    for i = 1, #steps do replies[i] = false end
+    if mode ~= 'wait' then return {0, -1, 0, woken, replies} end
+    join(member, z, e)
+    return {0, -1, n, woken, replies}
+  end
+
+  local head = prune(line, lexp)
+  local laneHead = prune(lane, laneExp)
+  if head and head ~= member then
+    if laneHead then leave(member, lane, laneExp, laneHead) end
+    return behind(line, lexp, 1)
+  end
+  if not head and laneHead and laneHead ~= member then return behind(lane, laneExp, 2) end
+
+  -- The permit steps first: a refusal there ends the try (the rates are not looked at: the call
+  -- waits to be told permits are free). Then the metering steps, up to the first that refuses;
+  -- each but the last is saved first, so it can be put back as it was.
   local replies = {}
-  for i = 1, #steps do replies[i] = false end
-  if mode ~= 'wait' then return {0, -1, 0, woken, replies} end
-  join(z, e)
-  return {0, -1, n, woken, replies}
-end
-
-local head = redis.call('ZRANGE', line, 0, 0)[1]
-if head and head ~= member then
-  leave(lane, laneExp)
-  return behind(line, lexp, 1)
-end
-local laneHead = redis.call('ZRANGE', lane, 0, 0)[1]
-if not head and laneHead and laneHead ~= member then return behind(lane, laneExp, 2) end
-
--- Permit steps first, then the metering ones, each run to the end.
-local order = {}
-for i = 1, #steps do if PERMIT[steps[i].name] then order[#order + 1] = i end end
-for i = 1, #steps do if not PERMIT[steps[i].name] then order[#order + 1] = i end end
-
-local replies = {}
-local saved = {}
-local refused = false
-local permitRefused = false
-local waitMs = -1
-for _, i in ipairs(order) do
-  local s = steps[i]
-  if not PERMIT[s.name] then
-    local key = s.keys[1]
-    saved[i] = { redis.call('DUMP', key), redis.call('PTTL', key) }
-  end
-  local reply = STEPS[s.name](s.keys, s.args)
-  replies[i] = reply
-  if reply[1] ~= 1 then
-    refused = true
-    if PERMIT[s.name] then
-      permitRefused = true
-    else
-      waitMs = math.max(waitMs, tonumber(reply[2]) or 0)
-    end
-  end
-end
-
-if not refused then
-  if head then
-    redis.call('ZREM', line, member)
-    redis.call('ZREM', lexp, member)
-    -- Room left behind an admitted first waiter goes to the next.
-    local room = true
+  local taken = {}
+  local saved = {}
+  local refusal = nil
+  local waitMs = -1
+  local last = 0
+  for i = 1, #steps do if not PERMIT[steps[i].name] then last = i end end
+  for pass = 1, 2 do
     for i = 1, #steps do
-      local r = replies[i]
-      if PERMIT[steps[i].name] and tonumber(r[3]) >= tonumber(r[4]) then room = false end
+      local s = steps[i]
+      if not refusal and ((PERMIT[s.name] == true) == (pass == 1)) then
+        if pass == 2 and i ~= last then
+          saved[i] = { redis.call('DUMP', s.keys[1]), redis.call('PTTL', s.keys[1]) }
+        end
+        local reply = STEPS[s.name](s.keys, s.args)
+        replies[i] = reply
+        if reply[1] == 1 then
+          taken[#taken + 1] = i
+        elseif pass == 1 then
+          refusal = 'permit'
+        else
+          refusal = 'rate'
+          waitMs = tonumber(reply[2]) or 0
+        end
+      end
     end
-    if room then wake(line) end
   end
-  leave(lane, laneExp)
-  return {1, -1, 0, woken, replies}
-end
+  for i = 1, #steps do
+    if replies[i] == nil then replies[i] = false end
+  end
 
--- Refused: roll back what admitted, last first, so nothing is held anywhere.
-for n = #order, 1, -1 do
-  local i = order[n]
-  local s = steps[i]
-  local r = replies[i]
-  if r[1] == 1 then
+  if not refusal then
+    if head then
+      redis.call('ZREM', line, member)
+      redis.call('ZREM', lexp, member)
+      -- Room left behind an admitted first waiter goes to the next.
+      local room = true
+      for i = 1, #steps do
+        local r = replies[i]
+        if PERMIT[steps[i].name] and tonumber(r[3]) >= tonumber(r[4]) then room = false end
+      end
+      if room then wake(line, lexp) end
+    end
+    if laneHead then leave(member, lane, laneExp, laneHead) end
+    return {1, -1, 0, woken, replies}
+  end
+
+  -- Refused: roll back what admitted, last first, so nothing is held anywhere.
+  for n = #taken, 1, -1 do
+    local i = taken[n]
+    local s = steps[i]
+    local r = replies[i]
     if PERMIT[s.name] then
       local g = s.args
       local undone = step_semaphore_release(s.keys, { nowArg, g[2], g[3], g[7], 'lease', g[13], g[12], g[14] })
@@ -233,18 +263,34 @@ for n = #order, 1, -1 do
       r[2] = 0
     end
   end
+  if refusal == 'permit' then
+    -- It waits for permits: in the permit line, out of its lane.
+    if laneHead then leave(member, lane, laneExp, laneHead) end
+    if mode ~= 'wait' then return {0, -1, 0, woken, replies} end
+    join(member, line, lexp)
+    return {0, -1, 1, woken, replies}
+  end
+  -- A rate refused: permits are there. It waits first in its lane (or behind those there), and
+  -- the permit line goes on without it.
+  if head == member then leave(member, line, lexp, head) end
+  if mode ~= 'wait' then return {0, waitMs, 0, woken, replies} end
+  join(member, lane, laneExp)
+  if redis.call('ZRANGE', lane, 0, 0)[1] ~= member then waitMs = -1 end
+  return {0, waitMs, 2, woken, replies}
 end
-if permitRefused then
-  -- It waits for permits: in the permit line, out of its lane.
-  leave(lane, laneExp)
-  if mode ~= 'wait' then return {0, -1, 0, woken, replies} end
-  join(line, lexp)
-  return {0, -1, 1, woken, replies}
+
+local out = {}
+for c = 1, #calls do
+  woken = {}
+  local call = calls[c]
+  if op == 'each' then
+    out[c] = each(call)
+  elseif op == 'leave' then
+    leave(call.member, line, lexp)
+    leave(call.member, call.lane, call.laneExp)
+    out[c] = {1, -1, 0, woken, {}}
+  else
+    out[c] = admit(call)
+  end
 end
--- Only rates refused: permits are there. It waits first in its lane (or behind those there), and
--- the permit line goes on without it.
-if head == member then leave(line, lexp) end
-if mode ~= 'wait' then return {0, waitMs, 0, woken, replies} end
-join(lane, laneExp)
-if redis.call('ZRANGE', lane, 0, 0)[1] ~= member then waitMs = -1 end
-return {0, waitMs, 2, woken, replies}
+return out

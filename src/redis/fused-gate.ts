@@ -10,7 +10,7 @@ import { AdmitTimeoutError } from "../errors.js";
 import { FUSE, type FusedAdmission, type FusedCall, type FusionHost } from "../fuse.js";
 import type { Stage, Ticket } from "../types.js";
 import { stageKey } from "./keys.js";
-import { type GateCall, type GateReply, NOT_RUN, type RedisLink } from "./link.js";
+import { type GateCall, type GateHead, type GateReply, NOT_RUN, type RedisLink } from "./link.js";
 
 /** What the fused gates of one Redis backend share. */
 export interface FusionSettings {
@@ -47,6 +47,22 @@ interface Attempt {
   blame: number;
 }
 
+/** A try waiting to go with this turn's others. */
+interface Try {
+  call: FusedCall;
+  member: string;
+  wait: boolean;
+  resolve: (a: Attempt) => void;
+  reject: (error: unknown) => void;
+}
+
+/** Releases waiting to go with this turn's others. */
+interface Give {
+  fn: () => Promise<void>;
+  resolve: () => void;
+  reject: (error: unknown) => void;
+}
+
 /** Stages that hold a permit while a call runs: a call they refuse waits in the gate's line. */
 const PERMIT_KINDS: ReadonlySet<string> = new Set(["semaphore", "aimd"]);
 
@@ -59,8 +75,10 @@ class FusedGate implements FusedAdmission {
   /** Names this process's places in the gate's line, and its wake channel. */
   readonly #token = randomBytes(8).toString("hex");
   #members = 0;
-  /** The gate's keys: its permit line, its expiries, its sequence; then those of the lane "". */
+  /** The gate's keys: its permit line, the line's expiries, its sequence. */
   readonly #keys: readonly string[];
+  /** The lane of a gate without keyed buckets or interval gates, and its expiries. */
+  readonly #lane: readonly string[];
   readonly #id: string;
   readonly #channel: string;
   readonly #wakes = new Map<string, Wake>();
@@ -74,17 +92,19 @@ class FusedGate implements FusedAdmission {
     // Processes that build the same gate (its name and its stages) share its line.
     const id = `gate:${name}|${stages.map((s) => s.name).join("|")}`;
     this.#id = id;
-    this.#keys = ["line", "lexp", "gmeta", "lane:", "lexp:"].map((part) =>
-      stageKey(settings.prefix, id, part),
-    );
+    this.#keys = ["line", "lexp", "gmeta"].map((part) => stageKey(settings.prefix, id, part));
+    this.#lane = ["lane:", "lexp:"].map((part) => stageKey(settings.prefix, id, part));
     this.#channel = stageKey(settings.prefix, id, "gwake");
+    this.#admits = this.#head("all");
+    this.#releases = this.#head("each");
+    this.#leaves = this.#head("leave");
   }
 
   /**
-   * The keys of a call's lane: its key at stages keyed by key, its host at stages keyed by host
-   * (interval gates). Calls of one lane wait for the same tokens and spacing.
+   * The keys of a call's lane (and its expiries): its key at stages keyed by key, its host at
+   * stages keyed by host (interval gates). Calls of one lane wait for the same tokens and spacing.
    */
-  #keysFor(call: FusedCall): readonly string[] {
+  #laneOf(call: FusedCall): readonly string[] {
     let lane = "";
     for (const stage of this.#stages) {
       const by = stage.keyedBy;
@@ -92,28 +112,18 @@ class FusedGate implements FusedAdmission {
       const o = call.optionsFor(stage);
       lane += `${by === "key" ? (o.key ?? "") : (o.host ?? "")}|`;
     }
-    if (lane === "") return this.#keys;
-    const k = this.#keys;
+    if (lane === "") return this.#lane;
     const prefix = this.#s.prefix;
-    return [
-      k[0]!,
-      k[1]!,
-      k[2]!,
-      stageKey(prefix, this.#id, `lane:${lane}`),
-      stageKey(prefix, this.#id, `lexp:${lane}`),
-    ];
+    return [stageKey(prefix, this.#id, `lane:${lane}`), stageKey(prefix, this.#id, `lexp:${lane}`)];
   }
 
-  #call(op: GateCall["op"], member: string, mode: GateCall["mode"], keys = this.#keys): GateCall {
-    return {
-      keys,
-      op,
-      member,
-      mode,
-      waiterTtlMs: this.#s.pollMs * 3,
-      channel: this.#channel,
-    };
+  #head(op: GateHead["op"]): GateHead {
+    return { keys: this.#keys, op, waiterTtlMs: this.#s.pollMs * 3, channel: this.#channel };
   }
+
+  readonly #admits: GateHead;
+  readonly #releases: GateHead;
+  readonly #leaves: GateHead;
 
   async admit(call: FusedCall, wait: boolean): Promise<Ticket[] | undefined> {
     const member = `${this.#token}-${++this.#members}`;
@@ -144,39 +154,90 @@ class FusedGate implements FusedAdmission {
         await this.#sleep(member, waitMs >= 0 ? Math.min(waitMs, poll) : poll, call);
       }
     } catch (error) {
-      if (inLine) this.#leave(member, this.#keysFor(call));
+      if (inLine) this.#leave(member, this.#laneOf(call));
       throw error;
     }
   }
 
+  /** Tries waiting for the end of this turn, to go in one `gate` call; undefined when none. */
+  #tries: Try[] | undefined;
+  /** `gate` calls of tries out. */
+  #triesOut = 0;
+
   /**
-   * One try of every stage in one `gate` call. Each stage runs its own `tryAdmit`, whose script
-   * call the link gathers as a step; all tickets when the script admitted them all.
+   * One try of every stage, in a `gate` call: at once when no other try is out, else with this
+   * turn's other tries in one call (decided in turn, as if each had come alone). Each stage
+   * runs its own `tryAdmit`, whose script call the link gathers as a step.
    */
-  async #attempt(call: FusedCall, member: string, wait: boolean): Promise<Attempt> {
+  #attempt(call: FusedCall, member: string, wait: boolean): Promise<Attempt> {
+    return new Promise<Attempt>((resolve, reject) => {
+      const t: Try = { call, member, wait, resolve, reject };
+      if (this.#triesOut === 0) {
+        this.#send([t]);
+        return;
+      }
+      if (this.#tries === undefined) {
+        this.#tries = [];
+        process.nextTick(this.#flushTries);
+      }
+      this.#tries.push(t);
+    });
+  }
+
+  readonly #flushTries = (): void => {
+    const tries = this.#tries!;
+    this.#tries = undefined;
+    this.#send(tries);
+  };
+
+  #send(tries: Try[]): void {
     const stages = this.#stages;
-    const pending = new Array<Promise<Ticket | undefined>>(stages.length);
-    const stepOf = new Array<number>(stages.length);
-    const keys = this.#keysFor(call);
-    const sent = this.#link.gather(
-      this.#name,
-      this.#call("all", member, wait ? "wait" : "try", keys),
-      (count) => {
-        for (let i = 0; i < stages.length; i++) {
-          const stage = stages[i]!;
-          const before = count();
-          pending[i] = stage.tryAdmit(call.optionsFor(stage));
-          stepOf[i] = count() > before ? before : -1;
-        }
-      },
+    const pending = tries.map(() => new Array<Promise<Ticket | undefined>>(stages.length));
+    const stepOf = tries.map(() => new Array<number>(stages.length));
+    const calls = tries.map(
+      (t, c): GateCall => ({
+        member: t.member,
+        mode: t.wait ? "wait" : "try",
+        lane: this.#laneOf(t.call),
+        fn: (count) => {
+          for (let i = 0; i < stages.length; i++) {
+            const stage = stages[i]!;
+            const before = count();
+            pending[c]![i] = stage.tryAdmit(t.call.optionsFor(stage));
+            stepOf[c]![i] = count() > before ? before : -1;
+          }
+        },
+      }),
     );
+    const sent = this.#link.gather(this.#name, this.#admits, calls);
+    if (sent) {
+      this.#triesOut++;
+      const done = () => {
+        this.#triesOut--;
+      };
+      sent.then(done, done);
+    }
+    tries.forEach((t, c) => {
+      const reply = sent?.then((replies) => replies[c]!);
+      this.#outcome(reply, pending[c]!, stepOf[c]!).then(t.resolve, t.reject);
+    });
+  }
+
+  /** What one try gave, from its reply and its stages' `tryAdmit` results. */
+  async #outcome(
+    sent: Promise<GateReply> | undefined,
+    pending: Promise<Ticket | undefined>[],
+    stepOf: readonly number[],
+  ): Promise<Attempt> {
     const [head, ...settled] = await Promise.allSettled([sent, ...pending]);
     const tickets: Ticket[] = [];
     let failure: unknown;
     let refused = false;
+    let notRun = false;
     for (const s of settled) {
       if (s.status === "rejected") {
         if (s.reason !== NOT_RUN) failure ??= s.reason;
+        else notRun = true;
         refused = true;
       } else if (s.value === undefined) refused = true;
       else tickets.push(s.value);
@@ -188,6 +249,9 @@ class FusedGate implements FusedAdmission {
     if (tickets.length > 0) await this.together(() => settleEach(tickets));
     if (failure !== undefined) throw failure;
     if (head!.status === "rejected") throw head!.reason;
+    if (reply && reply.status === 1 && notRun) {
+      throw new Error(`gate "${this.#name}": the gate script admitted a call without running every step`);
+    }
     if (reply && reply.status === 1) {
       // Redis admitted them all but a stage refused here (its own callers wait ahead in this
       // process): ask again shortly.
@@ -229,16 +293,58 @@ class FusedGate implements FusedAdmission {
     stage.countWait?.(PERMIT_KINDS.has(stage.kind!) ? "permit" : "token", ms);
   }
 
+  /** Releases waiting for the end of this turn, to go in one `gate` call; undefined when none. */
+  #gives: Give[] | undefined;
+  /** `gate` calls of releases out. */
+  #givesOut = 0;
+
+  /**
+   * Run `fn` (releases, refunds, settles of this gate's stages) with its script calls gathered
+   * into one `gate` call: at once when no other is out, else with this turn's others.
+   */
   together(fn: () => Promise<void>): Promise<void> {
-    let done: Promise<void> | undefined;
-    const sent = this.#link.gather(this.#name, this.#call("each", "", "try"), () => {
-      done = fn();
+    if (this.#givesOut === 0) return this.#give([fn])[0]!;
+    return new Promise<void>((resolve, reject) => {
+      if (this.#gives === undefined) {
+        this.#gives = [];
+        process.nextTick(this.#flushGives);
+      }
+      this.#gives.push({ fn, resolve, reject });
     });
-    sent?.then(
-      (reply) => this.#wakeAll(reply.woken),
-      () => {},
-    );
-    return done!;
+  }
+
+  readonly #flushGives = (): void => {
+    const gives = this.#gives!;
+    this.#gives = undefined;
+    const done = this.#give(gives.map((g) => g.fn));
+    for (let i = 0; i < gives.length; i++) done[i]!.then(gives[i]!.resolve, gives[i]!.reject);
+  };
+
+  /** Run `fns` with their script calls gathered into one `gate` call; each one's promise. */
+  #give(fns: (() => Promise<void>)[]): Promise<void>[] {
+    const done = new Array<Promise<void>>(fns.length);
+    const call: GateCall = {
+      member: "",
+      mode: "try",
+      lane: this.#lane,
+      fn: () => {
+        for (let i = 0; i < fns.length; i++) done[i] = fns[i]!();
+      },
+    };
+    const sent = this.#link.gather(this.#name, this.#releases, [call]);
+    if (sent) {
+      this.#givesOut++;
+      sent.then(
+        (replies) => {
+          this.#givesOut--;
+          this.#wakeAll(replies[0]!.woken);
+        },
+        () => {
+          this.#givesOut--;
+        },
+      );
+    }
+    return done;
   }
 
   /** Sleep `ms`, or until woken; rejects when the caller gives up or the gate closes. */
@@ -300,13 +406,12 @@ class FusedGate implements FusedAdmission {
   }
 
   /** Take `member` out of the gate's lines in the background (it gave up). */
-  #leave(member: string, keys: readonly string[]): void {
-    this.#link
-      .gather(this.#name, this.#call("leave", member, "try", keys), () => {})
-      ?.then(
-        (reply) => this.#wakeAll(reply.woken),
-        () => {},
-      );
+  #leave(member: string, lane: readonly string[]): void {
+    const call: GateCall = { member, mode: "try", lane, fn: () => {} };
+    this.#link.gather(this.#name, this.#leaves, [call])?.then(
+      (replies) => this.#wakeAll(replies[0]!.woken),
+      () => {},
+    );
   }
 }
 

@@ -78,35 +78,40 @@ interface Step {
   reject: (error: unknown) => void;
 }
 
-/** The head of a `gate` reply: everything but the steps' own replies (see lua/gate.lua). */
+/** The reply of a `gate` call to one of its calls (see lua/gate.lua). */
 export interface GateReply {
   /** 1: admitted (or ran); 0: refused, nothing held. */
   status: number;
-  /** Refused by metering stages only: ms until the slowest of them could admit; else -1. */
+  /** Refused by metering stages only, first in its lane: ms until the slowest could admit; else -1. */
   waitMs: number;
   /** Where the caller waits: in the gate's permit line, in its lane, or in neither. */
   inLine: "permits" | "lane" | undefined;
   /** The waiters told to ask again (in this process or another). */
   woken: string[];
-  /** The script's replies to the steps, in order (false for a step not run). */
+  /** The script's replies to the call's steps, in order (null for a step not run). */
   replies: unknown[];
 }
 
-/** What a `gate` call is for, besides its steps: see lua/gate.lua. */
-export interface GateCall {
-  /** The gate's line keys: line, lexp, gmeta, and the call's lane and its expiries. */
+/** What every call of one `gate` script call shares: see lua/gate.lua. */
+export interface GateHead {
+  /** The gate's keys: its permit line, the line's expiries, its sequence. */
   keys: readonly string[];
   op: "all" | "each" | "leave";
-  member: string;
-  mode: "wait" | "try";
   waiterTtlMs: number;
   channel: string;
 }
 
-/**
- * A step the gate did not run (someone was ahead in line): its stage's call rejects with it,
- * as with a call never sent, so nothing is given back for it.
- */
+/** One call of a `gate` script call. */
+export interface GateCall {
+  /** The caller's place in line ("" for none). */
+  member: string;
+  mode: "wait" | "try";
+  /** The call's lane and the lane's expiries. */
+  lane: readonly string[];
+  /** Makes the call's stage script calls, gathered as its steps; given the number gathered so far. */
+  fn: (steps: () => number) => void;
+}
+
 const LINES = [undefined, "permits", "lane"] as const;
 
 export const NOT_RUN = new Error("not run: another caller is ahead in the gate's line");
@@ -214,55 +219,64 @@ export class RedisLink {
   #gathering: Step[] | undefined = undefined;
 
   /**
-   * Run `fn`, gathering the stage script calls it makes (synchronously) into one `gate` call
-   * (lua/gate.lua) for `call`; each of those calls settles with its step's reply. `fn` is given
-   * the number of calls gathered so far. Resolves with the head of the reply, or undefined when
-   * `fn` made no call (and `call` is no "leave").
+   * Run each call's `fn`, gathering the stage script calls it makes (synchronously) as that
+   * call's steps, and send them all as one `gate` call (lua/gate.lua); each stage script call
+   * settles with its step's reply. Resolves with one reply per call, or is undefined when no
+   * call made a script call (and the op is no "leave").
    */
-  gather(stage: string, call: GateCall, fn: (steps: () => number) => void): Promise<GateReply> | undefined {
-    const steps: Step[] = [];
-    this.#gathering = steps;
+  gather(stage: string, head: GateHead, calls: readonly GateCall[]): Promise<GateReply[]> | undefined {
+    const stepsOf: Step[][] = [];
+    let total = 0;
     ScriptBatch.direct = true;
     try {
-      fn(() => steps.length);
+      for (const call of calls) {
+        const steps: Step[] = [];
+        this.#gathering = steps;
+        try {
+          call.fn(() => steps.length);
+        } finally {
+          this.#gathering = undefined;
+        }
+        stepsOf.push(steps);
+        total += steps.length;
+      }
     } finally {
-      this.#gathering = undefined;
       ScriptBatch.direct = false;
     }
-    if (steps.length === 0 && call.op !== "leave") return undefined;
-    const keys = [...call.keys];
-    const args: (string | number)[] = [
-      this.now(),
-      call.op,
-      call.member,
-      call.mode,
-      call.waiterTtlMs,
-      call.channel,
-      steps.length,
-    ];
-    for (const step of steps) {
-      args.push(step.script, step.keys.length, step.args.length);
-      for (const key of step.keys) keys.push(key);
-      for (let i = 1; i < step.args.length; i++) args.push(step.args[i]!);
+    if (total === 0 && head.op !== "leave") return undefined;
+    const keys = [...head.keys];
+    const args: (string | number)[] = [this.now(), head.op, head.waiterTtlMs, head.channel, calls.length];
+    for (let c = 0; c < calls.length; c++) {
+      const call = calls[c]!;
+      const steps = stepsOf[c]!;
+      keys.push(call.lane[0]!, call.lane[1]!);
+      args.push(call.member, call.mode, steps.length);
+      for (const step of steps) {
+        args.push(step.script, step.keys.length, step.args.length);
+        for (const key of step.keys) keys.push(key);
+        for (let i = 1; i < step.args.length; i++) args.push(step.args[i]!);
+      }
     }
     return this.run(stage, "gate", keys, args).then(
-      (reply: [number, number, number, string[], unknown[]]) => {
-        const replies = reply[4];
-        for (let i = 0; i < steps.length; i++) {
-          const r = replies[i];
-          if (r === false || r === null || r === undefined) steps[i]!.reject(NOT_RUN);
-          else steps[i]!.resolve(r);
-        }
-        return {
-          status: Number(reply[0]),
-          waitMs: Number(reply[1]),
-          inLine: LINES[Number(reply[2])],
-          woken: Array.isArray(reply[3]) ? reply[3] : [],
-          replies,
-        };
-      },
+      (replies: [number, number, number, string[], unknown[]][]) =>
+        replies.map((reply, c) => {
+          const answers = reply[4];
+          const steps = stepsOf[c]!;
+          for (let i = 0; i < steps.length; i++) {
+            const r = answers[i];
+            if (r === false || r === null || r === undefined) steps[i]!.reject(NOT_RUN);
+            else steps[i]!.resolve(r);
+          }
+          return {
+            status: Number(reply[0]),
+            waitMs: Number(reply[1]),
+            inLine: LINES[Number(reply[2])],
+            woken: Array.isArray(reply[3]) ? reply[3] : [],
+            replies: answers,
+          };
+        }),
       (error: unknown) => {
-        for (const step of steps) step.reject(error);
+        for (const steps of stepsOf) for (const step of steps) step.reject(error);
         throw error;
       },
     );

@@ -23,12 +23,27 @@ describe("a fused Redis gate", () => {
    * Count the script calls on keys under `prefix`, as MONITOR sees them (other test files share
    * the server, so its global counts would not do).
    */
-  async function countScripts(prefix: string): Promise<{ readonly calls: number; stop(): void }> {
+  async function countScripts(
+    prefix: string,
+  ): Promise<{ readonly calls: number; shown(): Promise<void>; stop(): void }> {
     const monitor = await connect();
+    const other = await connect();
     const feed = await monitor.monitor();
-    const counter = { calls: 0, stop: () => feed.disconnect() };
+    let echoed = 0;
+    const counter = {
+      calls: 0,
+      /** Resolves once MONITOR has shown every command sent before it was called. */
+      async shown() {
+        const mark = `${prefix}mark`;
+        const before = echoed;
+        await other.echo(mark);
+        await until(() => echoed > before, { timeoutMs: 2000, message: "MONITOR did not show the mark" });
+      },
+      stop: () => feed.disconnect(),
+    };
     feed.on("monitor", (_time: string, args: string[]) => {
       const command = args[0]?.toLowerCase();
+      if (command === "echo" && args[1] === `${prefix}mark`) echoed++;
       if ((command === "evalsha" || command === "eval") && args.slice(3).some((a) => a.startsWith(prefix)))
         counter.calls++;
     });
@@ -81,12 +96,10 @@ describe("a fused Redis gate", () => {
         for (let i = 0; i < 3; i++) {
           const before = counter.calls;
           const ticket = await gate.admit({ costs: { tpm: 100 } });
-          await until(() => counter.calls - before >= 1, { timeoutMs: 2000, message: "admit not seen" });
+          await counter.shown();
           expect(counter.calls - before).toBe(1);
           await ticket.release("success");
-          await until(() => counter.calls - before >= 2, { timeoutMs: 2000, message: "release not seen" });
-          // A command after them, so MONITOR has shown everything before it.
-          await b.semaphore("marker", { limit: 1 }).snapshot();
+          await counter.shown();
           expect(counter.calls - before).toBe(2);
         }
       }
@@ -312,6 +325,60 @@ describe("a fused Redis gate", () => {
     await ticket!.release("success");
   });
 
+  it("holds the cap with a crowd in two processes", async () => {
+    const prefix = randomPrefix("fused-crowd");
+    const fleet = [];
+    for (let i = 0; i < 2; i++) {
+      const b = redis(await connect(), { prefix, pollMs: 200 });
+      fleet.push(
+        new Gate([
+          b.tokenBucket("rate", { capacity: 1000, refillPerSecond: 1000 }),
+          b.semaphore("inflight", { limit: 4 }),
+          b.aimd("adaptive", { initial: 6, max: 6 }),
+        ]),
+      );
+    }
+    const counter = await countScripts(prefix);
+    let inFlight = 0;
+    let peak = 0;
+    const call = async () => {
+      peak = Math.max(peak, ++inFlight);
+      await new Promise((resolve) => setTimeout(resolve, 2));
+      inFlight--;
+    };
+    try {
+      const calls = fleet.flatMap((gate) => Array.from({ length: 40 }, () => gate.run(call)));
+      await within(Promise.all(calls), 20_000, "the crowd");
+    } finally {
+      counter.stop();
+    }
+    expect(peak).toBeLessThanOrEqual(4);
+    expect(peak).toBe(4);
+    for (const gate of fleet) expect(gate.snapshot().inFlight).toBe(0);
+  });
+
+  it("sends the tries and the releases of one turn together, in one script call each", async () => {
+    const prefix = randomPrefix("fused-turn");
+    const b = redis(await connect(), { prefix });
+    const gate = new Gate([
+      b.tokenBucket("rate", { capacity: 1000, refillPerSecond: 1000 }),
+      b.semaphore("inflight", { limit: 1000 }),
+    ]);
+    await (await gate.admit()).release("success");
+    const counter = await countScripts(prefix);
+    try {
+      // 64 callers at once: the first goes alone, the other 63 together once it is out.
+      const tickets = await Promise.all(Array.from({ length: 64 }, () => gate.admit()));
+      await counter.shown();
+      expect(counter.calls).toBe(2);
+      await Promise.all(tickets.map((t) => t.release("success")));
+      await counter.shown();
+      expect(counter.calls).toBe(4);
+    } finally {
+      counter.stop();
+    }
+  });
+
   it("settles every stage of the gate in one script call", async () => {
     const clock = new FakeClock(1000);
     const prefix = randomPrefix("fused-settle");
@@ -326,8 +393,7 @@ describe("a fused Redis gate", () => {
       const tokens = Number(await client.hget(`${prefix}{tpm}:b:default`, "tokens"));
       const before = counter.calls;
       await ticket.settle({ tpm: 400 });
-      await until(() => counter.calls > before, { timeoutMs: 2000, message: "settle not seen" });
-      await b.semaphore("marker", { limit: 1 }).snapshot();
+      await counter.shown();
       expect(counter.calls - before).toBe(1);
       expect(Number(await client.hget(`${prefix}{tpm}:b:default`, "tokens"))).toBeCloseTo(tokens + 600, 6);
       await ticket.release("success");
