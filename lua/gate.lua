@@ -24,8 +24,9 @@
 --
 -- Returns one reply per call, {status, waitMs, inLine, woken, replies}:
 --   status  1: every step admitted (or, for "each", ran); 0: refused, nothing is held anywhere
---   waitMs  when a token bucket or interval gate refused a caller first in its lane (permits
---           being there): ms until it could admit; else -1 (wait to be woken)
+--   waitMs  when a token bucket or interval gate refused a caller first in its lane, or first
+--           in the permit line (permits being there): ms until it could admit; else -1 (wait to
+--           be woken)
 --   inLine  1 when `member` waits in the permit line, 2 in its lane, 0 in neither
 --   woken   the members told to ask again (their process may be this one)
 --   replies each step's reply, as its script would answer; a step rolled back answers as refused
@@ -48,7 +49,10 @@
 -- held up by a lane waiting for its tokens or its host's spacing. The first in the permit line is
 -- told to ask again whenever permits are freed through the gate (or the one before it is
 -- admitted with room left, or leaves); the first in a lane, when the one before it leaves it,
--- and otherwise asks again itself when its wait is over.
+-- and otherwise asks again itself when its wait is over. A lane whose first a permit stage
+-- refuses joins the permit line whole, in its order; the first in the permit line that only a
+-- rate refuses keeps its place for a wait of up to a poll (`waiterTtlMs / 3`), and steps aside
+-- into its lane, keeping its arrival, for a longer one.
 local PERMIT = { ['semaphore-acquire'] = true }
 local STEPS = {
   ['semaphore-acquire'] = step_semaphore_acquire,
@@ -135,9 +139,10 @@ local function leave(member, z, e, first)
 end
 
 -- Keep (or take) `member`'s place in line `z` (with expiries `e`).
-local function join(member, z, e)
+-- `seq`, when given, is its place (arrival sequence) from the line it comes from.
+local function join(member, z, e, seq)
   if not redis.call('ZSCORE', z, member) then
-    redis.call('ZADD', z, redis.call('HINCRBY', gmeta, 'seq', 1), member)
+    redis.call('ZADD', z, seq or redis.call('HINCRBY', gmeta, 'seq', 1), member)
   end
   redis.call('ZADD', e, now + ttl, member)
   redis.call('PEXPIRE', z, ttl)
@@ -264,17 +269,43 @@ local function admit(call)
     end
   end
   if refusal == 'permit' then
-    -- It waits for permits: in the permit line, out of its lane.
+    -- It waits for permits, in the permit line. When it was first in its lane, the whole lane
+    -- comes with it, in its order (each would be refused the same way, one round trip each).
+    if laneHead == member then
+      local all = redis.call('ZRANGE', lane, 0, -1, 'WITHSCORES')
+      for j = 1, #all, 2 do
+        local m = all[j]
+        local expires = redis.call('ZSCORE', laneExp, m)
+        if m ~= member and expires then
+          redis.call('ZADD', line, 'NX', all[j + 1], m)
+          redis.call('ZADD', lexp, expires, m)
+        end
+      end
+      if mode == 'wait' then join(member, line, lexp, all[2]) end
+      redis.call('DEL', lane, laneExp)
+      redis.call('PEXPIRE', line, ttl)
+      redis.call('PEXPIRE', lexp, ttl)
+      return {0, -1, mode == 'wait' and 1 or 0, woken, replies}
+    end
     if laneHead then leave(member, lane, laneExp, laneHead) end
     if mode ~= 'wait' then return {0, -1, 0, woken, replies} end
     join(member, line, lexp)
     return {0, -1, 1, woken, replies}
   end
-  -- A rate refused: permits are there. It waits first in its lane (or behind those there), and
-  -- the permit line goes on without it.
-  if head == member then leave(member, line, lexp, head) end
+  -- A rate refused: permits are there. First in the permit line, it keeps its place for a short
+  -- wait (a poll's length at most: the next would mostly wait the same); for a longer one it
+  -- steps aside into its lane, keeping its arrival, and the permit line goes on without it.
   if mode ~= 'wait' then return {0, waitMs, 0, woken, replies} end
-  join(member, lane, laneExp)
+  local seq = nil
+  if head == member then
+    if waitMs <= ttl / 3 then
+      join(member, line, lexp)
+      return {0, waitMs, 1, woken, replies}
+    end
+    seq = redis.call('ZSCORE', line, member)
+    leave(member, line, lexp, head)
+  end
+  join(member, lane, laneExp, seq)
   if redis.call('ZRANGE', lane, 0, 0)[1] ~= member then waitMs = -1 end
   return {0, waitMs, 2, woken, replies}
 end

@@ -129,6 +129,7 @@ class FusedGate implements FusedAdmission {
     const member = `${this.#token}-${++this.#members}`;
     const clock = this.#s.clock;
     let inLine = false;
+    this.#trying.add(member);
     // The stage the call waited for since its previous try, and when that try went out.
     let blame = -1;
     let since = 0;
@@ -149,6 +150,8 @@ class FusedGate implements FusedAdmission {
           continue;
         }
         // Whole ms, as Redis counts waits: a wake-up between two ms would find the wait not over.
+        // Told to ask again while this try was out: ask at once.
+        if (this.#woken.delete(member)) continue;
         const poll = Math.ceil(this.#s.pollMs * (0.5 + this.#s.random()));
         const waitMs = reply?.waitMs ?? -1;
         await this.#sleep(member, waitMs >= 0 ? Math.min(waitMs, poll) : poll, call);
@@ -156,6 +159,9 @@ class FusedGate implements FusedAdmission {
     } catch (error) {
       if (inLine) this.#leave(member, this.#laneOf(call));
       throw error;
+    } finally {
+      this.#trying.delete(member);
+      this.#woken.delete(member);
     }
   }
 
@@ -268,7 +274,8 @@ class FusedGate implements FusedAdmission {
    * `stepOf` is each stage's step in the attempt (-1: its stage made no script call).
    */
   #blame(reply: GateReply, stepOf: readonly number[]): number {
-    const forPermits = reply.inLine === "permits";
+    // First in the permit line and refused by a rate only, a call waits for that rate.
+    const forPermits = reply.inLine === "permits" && reply.waitMs < 0;
     let best = -1;
     let longest = -1;
     for (let i = 0; i < this.#stages.length; i++) {
@@ -387,9 +394,21 @@ class FusedGate implements FusedAdmission {
     );
   }
 
+  /**
+   * Wake `member` if it sleeps; if its try is out, remember the wake-up for when the try's reply
+   * comes (the wake-up travels on the pub/sub connection, the reply on another: either can come
+   * first), so it asks again at once instead of sleeping through it.
+   */
   #wakeLocal(member: string): void {
-    this.#wakes.get(member)?.();
+    const wake = this.#wakes.get(member);
+    if (wake) wake();
+    else if (this.#trying.has(member)) this.#woken.add(member);
   }
+
+  /** Members of this process whose call is in its admission (asking or sleeping). */
+  readonly #trying = new Set<string>();
+  /** Members told to ask again while their try was out. */
+  readonly #woken = new Set<string>();
 
   #wakeAll(members: readonly string[]): void {
     for (const m of members) this.#wakeLocal(m);
