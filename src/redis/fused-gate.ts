@@ -133,11 +133,13 @@ class FusedGate implements FusedAdmission {
     // The stage the call waited for since its previous try, and when that try went out.
     let blame = -1;
     let since = 0;
+    // A call with no time left to wait (`timeoutMs: 0`) only tries: it never takes a place in line.
+    const lines = wait && call.deadline > clock.now();
     try {
       for (;;) {
         const at = clock.now();
         this.#charge(blame, at - since);
-        const attempt = await this.#attempt(call, member, wait);
+        const attempt = await this.#attempt(call, member, lines);
         if (attempt.tickets) return attempt.tickets;
         const reply = attempt.reply;
         blame = attempt.blame;
@@ -145,13 +147,17 @@ class FusedGate implements FusedAdmission {
         inLine = reply?.inLine !== undefined;
         if (!wait) return undefined;
         // Listen before sleeping in line, then ask once more: a wake sent meanwhile is not lost.
+        // (Without a subscription, it polls.)
         if (inLine && this.#listening === undefined) {
-          await this.#listen().catch(() => {});
-          continue;
+          const listening = await this.#listen().then(
+            () => true,
+            () => false,
+          );
+          if (listening) continue;
         }
-        // Whole ms, as Redis counts waits: a wake-up between two ms would find the wait not over.
         // Told to ask again while this try was out: ask at once.
         if (this.#woken.delete(member)) continue;
+        // Whole ms, as Redis counts waits: a wake-up between two ms would find the wait not over.
         const poll = Math.ceil(this.#s.pollMs * (0.5 + this.#s.random()));
         const waitMs = reply?.waitMs ?? -1;
         await this.#sleep(member, waitMs >= 0 ? Math.min(waitMs, poll) : poll, call);

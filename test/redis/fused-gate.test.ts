@@ -285,6 +285,9 @@ describe("a fused Redis gate", () => {
     });
     await clock.advance(10);
     expect(await client.zcard(line)).toBe(3);
+    // With no time to wait, a call only tries: it takes no place in line.
+    expect(await gate.admit({ timeoutMs: 0 }).catch((e: unknown) => e)).toBeInstanceOf(AdmitTimeoutError);
+    expect(await client.zcard(line)).toBe(3);
     controller.abort(new Error("gave up"));
     await clock.advance(100);
     expect(await timedOut).toBeInstanceOf(AdmitTimeoutError);
