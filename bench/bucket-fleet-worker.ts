@@ -5,11 +5,12 @@
  * the worker reports each caller's admissions and every wait. It leaves when the parent says
  * `exit` or goes away.
  */
+import { Gate } from "floodgate";
 import { redis } from "floodgate/redis";
 import { RateLimiterRedis, RateLimiterRes } from "rate-limiter-flexible";
 import { nowMs, serve, sleep, workerClient } from "./worker-child.js";
 
-export type FairContender = "floodgate" | "rate-limiter-flexible";
+export type FairContender = "floodgate" | "floodgate-gate" | "rate-limiter-flexible";
 
 export interface FairRun {
   kind: "run";
@@ -39,6 +40,17 @@ function taker(m: FairRun): { take: () => Promise<unknown>; close: () => Promise
     const backend = redis(client, { prefix: m.prefix });
     const bucket = backend.tokenBucket("fair", { capacity: m.capacity, refillPerSecond: m.rate });
     return { take: () => bucket.admit(), close: () => backend.close() };
+  }
+  if (m.contender === "floodgate-gate") {
+    // The same bucket in a fused gate with a semaphore that never binds: its callers wait in the
+    // gate's lane in Redis.
+    const backend = redis(client, { prefix: m.prefix });
+    const gate = new Gate([
+      backend.tokenBucket("fair", { capacity: m.capacity, refillPerSecond: m.rate }),
+      backend.semaphore("inflight", { limit: 10_000 }),
+    ]);
+    const take = async () => (await gate.admit()).release("success");
+    return { take, close: () => backend.close() };
   }
   // rate-limiter-flexible counts points in fixed windows: `rate` points a second; a refused
   // caller sleeps the msBeforeNext it is told, then asks again.
