@@ -150,7 +150,6 @@ local function join(member, z, e, seq)
   redis.call('PEXPIRE', gmeta, ttl)
 end
 
-
 -- Releases, refunds and settles: every step as alone; freed permits wake the permit line.
 local function each(call)
   local replies = {}
@@ -162,14 +161,6 @@ local function each(call)
   end
   if freed then wake(line, lexp) end
   return {1, -1, 0, woken, replies}
-end
-
--- Permit steps first, then the metering ones.
-local function order(steps)
-  local list = {}
-  for i = 1, #steps do if PERMIT[steps[i].name] then list[#list + 1] = i end end
-  for i = 1, #steps do if not PERMIT[steps[i].name] then list[#list + 1] = i end end
-  return list
 end
 
 -- One admission, all or nothing (see above).

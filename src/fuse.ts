@@ -21,8 +21,6 @@ export interface FusedCall {
   optionsFor(stage: Stage): TryAdmitOptions;
   /** The caller's signal, when it gave one. */
   signal: AbortSignal | undefined;
-  /** Aborts when the gate closes. */
-  closed: AbortSignal;
   /** When the caller stops waiting, on the gate's clock (Infinity: never). */
   deadline: number;
   /** The caller's `timeoutMs`, for the error when it runs out. */
@@ -38,6 +36,8 @@ export interface FusedAdmission {
   admit(call: FusedCall, wait: boolean): Promise<Ticket[] | undefined>;
   /** Run `fn`, which releases, refunds or settles tickets of the stages, as one backend call. */
   together(fn: () => Promise<void>): Promise<void>;
+  /** The gate closed: every waiting call rejects with `reason`, and so does any later wait. */
+  close(reason: unknown): void;
 }
 
 /** The host every stage in `stages` carries, or undefined when they do not all carry the same one. */

@@ -249,7 +249,6 @@ export class Gate implements Stage {
         return given;
       },
       signal: o.signal,
-      closed: this.closedSignal,
       deadline,
       timeoutMs: o.timeoutMs,
     };
@@ -714,6 +713,7 @@ export class Gate implements Stage {
     if (this.#closed) return;
     this.#closed = true;
     this.#closeController?.abort(new ClosedError(this.name));
+    this.#fused?.close(new ClosedError(this.name));
     await Promise.all(this.stages.map((s) => s.close()));
   }
 

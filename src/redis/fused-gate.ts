@@ -36,8 +36,8 @@ export function fusable(stage: object, host: FusionHost | undefined): void {
   if (host !== undefined) Object.defineProperty(stage, FUSE, { value: host });
 }
 
-/** A waiting call's way to be woken early (a wake message, the close of the gate). */
-type Wake = () => void;
+/** A waiting call's way to be woken early: with no error by a wake message, with one on close. */
+type Wake = (error?: unknown) => void;
 
 /** What one try of every stage gave: all tickets, or the reply and the stage the call waits for. */
 interface Attempt {
@@ -360,25 +360,26 @@ class FusedGate implements FusedAdmission {
     return done;
   }
 
-  /** Sleep `ms`, or until woken; rejects when the caller gives up or the gate closes. */
+  /**
+   * Sleep `ms`, or until woken; rejects when the caller gives up or the gate closes (`close`
+   * ends every sleeper: one listener per gate, not one per waiting call on its closed signal).
+   */
   #sleep(member: string, ms: number, call: FusedCall): Promise<void> {
     const clock = this.#s.clock;
     const left = call.deadline - clock.now();
     if (left <= 0) return Promise.reject(this.#timeout(call));
     if (call.signal?.aborted) return Promise.reject(call.signal.reason);
-    if (call.closed.aborted) return Promise.reject(call.closed.reason);
+    if (this.#closedBy !== undefined) return Promise.reject(this.#closedBy);
     return new Promise<void>((resolve, reject) => {
       let timer: ClockTimer | undefined;
       const end = (error?: unknown) => {
         if (timer !== undefined) clock.clearTimeout(timer);
         this.#wakes.delete(member);
         call.signal?.removeEventListener("abort", onAbort);
-        call.closed.removeEventListener("abort", onClose);
         if (error === undefined) resolve();
         else reject(error);
       };
       const onAbort = () => end(call.signal!.reason);
-      const onClose = () => end(call.closed.reason);
       const timedOut = ms >= left;
       timer = clock.setTimeout(
         () => {
@@ -387,10 +388,17 @@ class FusedGate implements FusedAdmission {
         },
         Math.min(ms, left),
       );
-      this.#wakes.set(member, () => end());
+      this.#wakes.set(member, end);
       call.signal?.addEventListener("abort", onAbort, { once: true });
-      call.closed.addEventListener("abort", onClose, { once: true });
     });
+  }
+
+  /** Why the gate closed, once it has: sleepers and later sleeps reject with it. */
+  #closedBy: unknown;
+
+  close(reason: unknown): void {
+    this.#closedBy = reason;
+    for (const end of [...this.#wakes.values()]) end(reason);
   }
 
   #timeout(call: FusedCall): AdmitTimeoutError {

@@ -1,4 +1,4 @@
-import { AdmitTimeoutError, Gate, memory, type Stage, type Ticket } from "floodgate";
+import { AdmitTimeoutError, ClosedError, Gate, memory, type Stage, type Ticket } from "floodgate";
 import { redis } from "floodgate/redis";
 import { FakeClock } from "floodgate/testing";
 import type { Redis } from "ioredis";
@@ -302,6 +302,31 @@ describe("a fused Redis gate", () => {
     expect(next).toBeDefined();
     expect(await client.zcard(line)).toBe(0);
     await next!.release("success");
+  });
+
+  it("closes with every waiting call rejected, and no listener piled on a shared signal", async () => {
+    const clock = new FakeClock(1000);
+    const { b } = await backend(randomPrefix("fused-close"), clock);
+    const gate = new Gate(
+      [b.semaphore("inflight", { limit: 1 }), b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 })],
+      { clock },
+    );
+    const warnings: string[] = [];
+    const onWarning = (w: Error) => warnings.push(w.name);
+    process.on("warning", onWarning);
+    try {
+      const holder = await gate.admit();
+      const waiting = Array.from({ length: 30 }, () => gate.admit().catch((e: unknown) => e));
+      await clock.advance(10);
+      expect(gate.snapshot().waiting).toBe(30);
+      await gate.close();
+      for (const outcome of await Promise.all(waiting)) expect(outcome).toBeInstanceOf(ClosedError);
+      await holder.release("success");
+      await new Promise((resolve) => setImmediate(resolve));
+      expect(warnings).not.toContain("MaxListenersExceededWarning");
+    } finally {
+      process.off("warning", onWarning);
+    }
   });
 
   it("passes a waiter that stopped asking once its place in line expires", async () => {
