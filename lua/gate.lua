@@ -33,9 +33,9 @@
 --           but with -2 for its first field (a refusal of its own is 0); a step not run (someone
 --           is ahead in line) answers false
 --
--- All or nothing: the permit steps run first, then the metering steps, up to the first refusal
--- (a permit refusal ends the try before the rates: the call then waits to be told permits are
--- free, whatever the rates say); if any refused, those that admitted are rolled back in
+-- All or nothing: the permit steps run first (all of them), then the metering steps, up to the
+-- first refusal (a permit refusal ends the try before the rates: the call then waits to be told
+-- permits are free, whatever the rates say); if any refused, those that admitted are rolled back in
 -- reverse, so nothing is held anywhere. A permit step rolls back through its release; a token
 -- bucket or interval gate step is restored as it was (DUMP before, RESTORE after), so a refused
 -- admission leaves their keys exactly as they were. The decision is the one the stages would
@@ -185,9 +185,10 @@ local function admit(call)
   end
   if not head and laneHead and laneHead ~= member then return behind(lane, laneExp, 2) end
 
-  -- The permit steps first: a refusal there ends the try (the rates are not looked at: the call
-  -- waits to be told permits are free). Then the metering steps, up to the first that refuses;
-  -- each but the last is saved first, so it can be put back as it was.
+  -- The permit steps first, all of them: a refusal there ends the try once they have run (the
+  -- rates are not looked at: the call waits to be told permits are free). Then the metering
+  -- steps, up to the first that refuses; each but the last is saved first, so it can be put back
+  -- as it was.
   local replies = {}
   local taken = {}
   local saved = {}
@@ -198,7 +199,9 @@ local function admit(call)
   for pass = 1, 2 do
     for i = 1, #steps do
       local s = steps[i]
-      if not refusal and ((PERMIT[s.name] == true) == (pass == 1)) then
+      -- Every permit step runs, even after one refused: each learns of a data loss (and starts
+      -- its quarantine) at the same call, not one after the other.
+      if (pass == 1 or not refusal) and ((PERMIT[s.name] == true) == (pass == 1)) then
         if pass == 2 and i ~= last then
           saved[i] = { redis.call('DUMP', s.keys[1]), redis.call('PTTL', s.keys[1]) }
         end

@@ -181,7 +181,7 @@ describe("SCRIPT FLUSH and Redis restarts under load", () => {
       `SCRIPT FLUSH ×${flushes} (${flushPhaseFlushes} with Redis up, ${noscript} NOSCRIPT replies sent again ` +
         `transparently) and ${RESTARTS} restarts: ${load.calls.length} calls, ${failed.length} failed closed ` +
         `(all BackendUnavailableError, all in a down window), 0 NOSCRIPT; restart → first success ` +
-        `${spread(recoveries)} (two permit stages' quarantines of ${LEASE_MS} ms each included); peak ${load.oracle.peak}/${LIMIT}`,
+        `${spread(recoveries)} (the quarantines of the gate's two permit stages, ${LEASE_MS} ms each and run together in the fused gate, included); peak ${load.oracle.peak}/${LIMIT}`,
     );
   });
 });
