@@ -239,15 +239,7 @@ export class Gate implements Stage {
   /** What the fused admission of one call needs. */
   #fusedCall(o: AdmitOptions, deadline: number): FusedCall {
     return {
-      optionsFor: (stage) => {
-        const given: TryAdmitOptions = {
-          key: stage.keyedBy === "key" ? o.key : undefined,
-          host: o.host,
-          cost: costAt(stage, o),
-        };
-        if (o.class !== undefined && stage.classes !== undefined) given.class = o.class;
-        return given;
-      },
+      optionsFor: (stage) => this.#tryOptions(stage, o),
       signal: o.signal,
       deadline,
       timeoutMs: o.timeoutMs,
@@ -579,42 +571,35 @@ export class Gate implements Stage {
   async tryAdmit(options?: TryAdmitOptions): Promise<Ticket | undefined> {
     const o = this.#options(options, "tryAdmit");
     const held = newHeld();
-    const upTo = this.#fused ? this.#leading : this.stages.length;
-    for (let i = 0; i < upTo; i++) {
-      const stage = this.stages[i]!;
-      const cost = costAt(stage, o);
-      let t: Ticket | undefined;
-      try {
-        const key = stage.keyedBy === "key" ? o.key : undefined;
-        const costs = stage.kind === "gate" ? o.costs : undefined;
-        const given: TryAdmitOptions = { key, host: o.host, cost, costs };
-        if (o.class !== undefined && stage.classes !== undefined) given.class = o.class;
-        t = await stage.tryAdmit(given);
-      } catch (error) {
-        await settleAll(held.splice(0), undefined);
-        throw error;
+    const refused = () => settleAll(held.splice(0), undefined).then(() => undefined);
+    try {
+      const upTo = this.#fused ? this.#leading : this.stages.length;
+      for (let i = 0; i < upTo; i++) {
+        const stage = this.stages[i]!;
+        const t = await stage.tryAdmit(this.#tryOptions(stage, o));
+        if (!t) return await refused();
+        held.push(t);
       }
-      if (!t) {
-        await settleAll(held.splice(0), undefined);
-        return undefined;
+      if (this.#fused) {
+        const tickets = await this.#fused.admit(this.#fusedCall(o, Number.POSITIVE_INFINITY), false);
+        if (!tickets) return await refused();
+        held.push(...tickets);
       }
-      held.push(t);
-    }
-    if (this.#fused) {
-      let tickets: Ticket[] | undefined;
-      try {
-        tickets = await this.#fused.admit(this.#fusedCall(o, Number.POSITIVE_INFINITY), false);
-      } catch (error) {
-        await settleAll(held.splice(0), undefined);
-        throw error;
-      }
-      if (!tickets) {
-        await settleAll(held.splice(0), undefined);
-        return undefined;
-      }
-      held.push(...tickets);
+    } catch (error) {
+      await settleAll(held.splice(0), undefined);
+      throw error;
     }
     return this.#started(held, o);
+  }
+
+  /** A stage's options for a call's `tryAdmit` (its key, the host, its cost, the class). */
+  #tryOptions(stage: Stage, o: AdmitOptions): TryAdmitOptions {
+    const key = stage.keyedBy === "key" ? o.key : undefined;
+    // A gate in the gate resolves its own stages' costs.
+    const costs = stage.kind === "gate" ? o.costs : undefined;
+    const given: TryAdmitOptions = { key, host: o.host, cost: costAt(stage, o), costs };
+    if (o.class !== undefined && stage.classes !== undefined) given.class = o.class;
+    return given;
   }
 
   /**

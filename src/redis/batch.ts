@@ -78,3 +78,45 @@ export class ScriptBatch {
     );
   };
 }
+
+/**
+ * Items of one kind, each going out at once when none is out, else gathered until the end of the
+ * turn of the event loop and sent together: ScriptBatch's rule for items that are not script
+ * arguments (a fused gate's tries and releases). `send` sends a list and returns its reply, or
+ * undefined when it sent nothing.
+ */
+export class TurnQueue<I> {
+  #out = 0;
+  #pending: I[] | undefined = undefined;
+  readonly #done = () => {
+    this.#out--;
+  };
+
+  constructor(readonly send: (items: I[]) => Promise<unknown> | undefined) {}
+
+  /** Send `item`, alone or with this turn's others. */
+  add(item: I): void {
+    if (this.#out === 0) {
+      this.#go([item]);
+      return;
+    }
+    if (this.#pending === undefined) {
+      this.#pending = [];
+      process.nextTick(this.#flush);
+    }
+    this.#pending.push(item);
+  }
+
+  #go(items: I[]): void {
+    const reply = this.send(items);
+    if (reply === undefined) return;
+    this.#out++;
+    reply.then(this.#done, this.#done);
+  }
+
+  readonly #flush = (): void => {
+    const items = this.#pending!;
+    this.#pending = undefined;
+    this.#go(items);
+  };
+}

@@ -8,7 +8,9 @@ import type { BaseStage } from "../base/stage.js";
 import type { Clock, ClockTimer } from "../clock.js";
 import { AdmitTimeoutError } from "../errors.js";
 import { FUSE, type FusedAdmission, type FusedCall, type FusionHost } from "../fuse.js";
+import { settleAll } from "../gate-ticket.js";
 import type { Stage, Ticket } from "../types.js";
+import { TurnQueue } from "./batch.js";
 import { stageKey } from "./keys.js";
 import { type GateCall, type GateHead, type GateReply, NOT_RUN, type RedisLink } from "./link.js";
 
@@ -51,6 +53,8 @@ interface Attempt {
 interface Try {
   call: FusedCall;
   member: string;
+  /** The call's lane and its expiries (`#laneOf`). */
+  lane: readonly string[];
   wait: boolean;
   resolve: (a: Attempt) => void;
   reject: (error: unknown) => void;
@@ -127,6 +131,7 @@ class FusedGate implements FusedAdmission {
 
   async admit(call: FusedCall, wait: boolean): Promise<Ticket[] | undefined> {
     const member = `${this.#token}-${++this.#members}`;
+    const lane = this.#laneOf(call);
     const clock = this.#s.clock;
     let inLine = false;
     this.#trying.add(member);
@@ -139,7 +144,7 @@ class FusedGate implements FusedAdmission {
       for (;;) {
         const at = clock.now();
         this.#charge(blame, at - since);
-        const attempt = await this.#attempt(call, member, lines);
+        const attempt = await this.#attempt(call, member, lane, lines);
         if (attempt.tickets) return attempt.tickets;
         const reply = attempt.reply;
         blame = attempt.blame;
@@ -163,7 +168,7 @@ class FusedGate implements FusedAdmission {
         await this.#sleep(member, waitMs >= 0 ? Math.min(waitMs, poll) : poll, call);
       }
     } catch (error) {
-      if (inLine) this.#leave(member, this.#laneOf(call));
+      if (inLine) this.#leave(member, lane);
       throw error;
     } finally {
       this.#trying.delete(member);
@@ -171,38 +176,21 @@ class FusedGate implements FusedAdmission {
     }
   }
 
-  /** Tries waiting for the end of this turn, to go in one `gate` call; undefined when none. */
-  #tries: Try[] | undefined;
-  /** `gate` calls of tries out. */
-  #triesOut = 0;
+  /** Tries: each alone when none is out, else with this turn's others in one `gate` call. */
+  readonly #tries = new TurnQueue<Try>((tries) => this.#send(tries));
 
   /**
    * One try of every stage, in a `gate` call: at once when no other try is out, else with this
    * turn's other tries in one call (decided in turn, as if each had come alone). Each stage
    * runs its own `tryAdmit`, whose script call the link gathers as a step.
    */
-  #attempt(call: FusedCall, member: string, wait: boolean): Promise<Attempt> {
+  #attempt(call: FusedCall, member: string, lane: readonly string[], wait: boolean): Promise<Attempt> {
     return new Promise<Attempt>((resolve, reject) => {
-      const t: Try = { call, member, wait, resolve, reject };
-      if (this.#triesOut === 0) {
-        this.#send([t]);
-        return;
-      }
-      if (this.#tries === undefined) {
-        this.#tries = [];
-        process.nextTick(this.#flushTries);
-      }
-      this.#tries.push(t);
+      this.#tries.add({ call, member, lane, wait, resolve, reject });
     });
   }
 
-  readonly #flushTries = (): void => {
-    const tries = this.#tries!;
-    this.#tries = undefined;
-    this.#send(tries);
-  };
-
-  #send(tries: Try[]): void {
+  #send(tries: Try[]): Promise<unknown> | undefined {
     const stages = this.#stages;
     const pending = tries.map(() => new Array<Promise<Ticket | undefined>>(stages.length));
     const stepOf = tries.map(() => new Array<number>(stages.length));
@@ -210,7 +198,7 @@ class FusedGate implements FusedAdmission {
       (t, c): GateCall => ({
         member: t.member,
         mode: t.wait ? "wait" : "try",
-        lane: this.#laneOf(t.call),
+        lane: t.lane,
         fn: (count) => {
           for (let i = 0; i < stages.length; i++) {
             const stage = stages[i]!;
@@ -222,17 +210,11 @@ class FusedGate implements FusedAdmission {
       }),
     );
     const sent = this.#link.gather(this.#name, this.#admits, calls);
-    if (sent) {
-      this.#triesOut++;
-      const done = () => {
-        this.#triesOut--;
-      };
-      sent.then(done, done);
-    }
     tries.forEach((t, c) => {
       const reply = sent?.then((replies) => replies[c]!);
       this.#outcome(reply, pending[c]!, stepOf[c]!).then(t.resolve, t.reject);
     });
+    return sent;
   }
 
   /** What one try gave, from its reply and its stages' `tryAdmit` results. */
@@ -258,7 +240,7 @@ class FusedGate implements FusedAdmission {
     if (reply) this.#wakeAll(reply.woken);
     if (!refused) return { tickets, reply, blame: -1 };
     // Not all admitted: give back what did (a stage that refused on its own, before Redis).
-    if (tickets.length > 0) await this.together(() => settleEach(tickets));
+    if (tickets.length > 0) await this.together(() => settleAll(tickets, undefined));
     if (failure !== undefined) throw failure;
     if (head!.status === "rejected") throw head!.reason;
     if (reply && reply.status === 1 && notRun) {
@@ -306,58 +288,35 @@ class FusedGate implements FusedAdmission {
     stage.countWait?.(PERMIT_KINDS.has(stage.kind!) ? "permit" : "token", ms);
   }
 
-  /** Releases waiting for the end of this turn, to go in one `gate` call; undefined when none. */
-  #gives: Give[] | undefined;
-  /** `gate` calls of releases out. */
-  #givesOut = 0;
+  /** Releases: each alone when none is out, else with this turn's others in one `gate` call. */
+  readonly #gives = new TurnQueue<Give>((gives) => this.#give(gives));
 
   /**
    * Run `fn` (releases, refunds, settles of this gate's stages) with its script calls gathered
    * into one `gate` call: at once when no other is out, else with this turn's others.
    */
   together(fn: () => Promise<void>): Promise<void> {
-    if (this.#givesOut === 0) return this.#give([fn])[0]!;
     return new Promise<void>((resolve, reject) => {
-      if (this.#gives === undefined) {
-        this.#gives = [];
-        process.nextTick(this.#flushGives);
-      }
-      this.#gives.push({ fn, resolve, reject });
+      this.#gives.add({ fn, resolve, reject });
     });
   }
 
-  readonly #flushGives = (): void => {
-    const gives = this.#gives!;
-    this.#gives = undefined;
-    const done = this.#give(gives.map((g) => g.fn));
-    for (let i = 0; i < gives.length; i++) done[i]!.then(gives[i]!.resolve, gives[i]!.reject);
-  };
-
-  /** Run `fns` with their script calls gathered into one `gate` call; each one's promise. */
-  #give(fns: (() => Promise<void>)[]): Promise<void>[] {
-    const done = new Array<Promise<void>>(fns.length);
+  /** Run the `fn` of each of `gives` with their script calls gathered into one `gate` call. */
+  #give(gives: Give[]): Promise<unknown> | undefined {
     const call: GateCall = {
       member: "",
       mode: "try",
       lane: this.#lane,
       fn: () => {
-        for (let i = 0; i < fns.length; i++) done[i] = fns[i]!();
+        for (const g of gives) g.fn().then(g.resolve, g.reject);
       },
     };
     const sent = this.#link.gather(this.#name, this.#releases, [call]);
-    if (sent) {
-      this.#givesOut++;
-      sent.then(
-        (replies) => {
-          this.#givesOut--;
-          this.#wakeAll(replies[0]!.woken);
-        },
-        () => {
-          this.#givesOut--;
-        },
-      );
-    }
-    return done;
+    sent?.then(
+      (replies) => this.#wakeAll(replies[0]!.woken),
+      () => {},
+    );
+    return sent;
   }
 
   /**
@@ -446,9 +405,4 @@ class FusedGate implements FusedAdmission {
       () => {},
     );
   }
-}
-
-/** Refund every ticket (they were admitted by stages the others' refusal undoes). */
-function settleEach(tickets: readonly Ticket[]): Promise<void> {
-  return Promise.all(tickets.map((t) => t.refund())).then(() => undefined);
 }
