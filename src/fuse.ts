@@ -1,13 +1,21 @@
 /**
- * How a Gate hands its stages to a backend that can decide them all in one step (the Redis
- * backend: one script call per admission and per release). Stages that can be fused carry the
- * backend's `FusionHost` under `FUSE`; a Gate whose call-holding stages all carry the same one
- * asks it for a `FusedAdmission`.
+ * How a Gate hands its stages to a backend that can decide them all in one step (memory stages
+ * on one clock: at one instant with no promise in between; a Redis backend: one script call per
+ * admission and per release). Stages that can be fused carry their `FusionHost` under `FUSE`; a
+ * Gate whose call-holding stages all carry the same one asks it for a `FusedAdmission`.
  */
-import type { Stage, Ticket, TryAdmitOptions } from "./types.js";
+import type { Clock } from "./clock.js";
+import { InvalidOptionsError } from "./errors.js";
+import type { AdmitOptions, Stage, Ticket, TryAdmitOptions } from "./types.js";
+import { messageOf } from "./validate.js";
 
 /** The property under which a stage carries the host that can fuse it with others. */
 export const FUSE: unique symbol = Symbol("floodgate.fuse");
+
+/** Mark `stage` as one a Gate may fuse with the other stages of `host`. */
+export function fusable(stage: object, host: FusionHost | undefined): void {
+  if (host !== undefined) Object.defineProperty(stage, FUSE, { value: host });
+}
 
 /** A backend that can decide several of its stages at once. */
 export interface FusionHost {
@@ -25,6 +33,10 @@ export interface FusedCall {
   deadline: number;
   /** The caller's `timeoutMs`, for the error when it runs out. */
   timeoutMs: number | undefined;
+  /** The gate's clock, which `deadline` is on. */
+  clock: Clock;
+  /** The call's options as the gate was given them (checked): a memory stage reads them as they are. */
+  o: AdmitOptions;
 }
 
 /** Admission and release of a gate's stages, all at once. */
@@ -34,10 +46,25 @@ export interface FusedAdmission {
    * they do not all admit now. Nothing is held while the call waits.
    */
   admit(call: FusedCall, wait: boolean): Promise<Ticket[] | undefined>;
+  /**
+   * Every stage's ticket when they all admit a call with options `o` (the gate's, checked) at
+   * this instant and nobody waits ahead, with no promise in between; else undefined (then
+   * `admit` decides, and says why). Memory gates have it.
+   */
+  admitNow?(o: AdmitOptions): Ticket[] | undefined;
   /** Run `fn`, which releases, refunds or settles tickets of the stages, as one backend call. */
   together(fn: () => Promise<void>): Promise<void>;
   /** The gate closed: every waiting call rejects with `reason`, and so does any later wait. */
   close(reason: unknown): void;
+}
+
+/** The error for a caller's signal that cannot be listened to. */
+export function badSignal(gate: string, error: unknown): InvalidOptionsError {
+  return new InvalidOptionsError(
+    gate,
+    "signal",
+    `gate "${gate}": signal must be an AbortSignal (addEventListener threw: ${messageOf(error)})`,
+  );
 }
 
 /** The host every stage in `stages` carries, or undefined when they do not all carry the same one. */

@@ -38,10 +38,10 @@ export interface GateOptions {
   /** pino-shaped logger. @default silent */
   logger?: Logger;
   /**
-   * Decide the stages together when their backend can (two or more Redis stages of one backend,
-   * not a Cluster, without classes): one script call per admission and per release, all or
-   * nothing, holding nothing while a call waits (see `gate.fused`). `false` takes them one after
-   * another, as a gate of memory stages does. @default true
+   * Decide the stages together when they can be (two or more memory stages on one clock, or
+   * Redis stages of one backend, not a Cluster; none with classes): at one instant, all or
+   * nothing, holding nothing while a call waits; on Redis in one script call per admission and
+   * per release (see `gate.fused`). `false` takes them one after another. @default true
    */
   fuse?: boolean;
 }
@@ -151,15 +151,18 @@ interface GateWait<T> {
 }
 
 /**
- * An ordered list of stages that admits a call only when every stage has. Stages are acquired in
- * order and released in reverse with the call's outcome. A failure, timeout or abort part-way
- * refunds what was already taken. A gate is a stage itself, so gates nest.
+ * An ordered list of stages that admits a call only when every stage has, and releases them in
+ * reverse with the call's outcome. A failure, timeout or abort part-way refunds what was already
+ * taken. A gate is a stage itself, so gates nest.
  *
- * **Order: stages that hold a call first (queue, semaphore, AIMD), then token buckets, then
- * interval gates last.** A stage after a metering stage can still make the call wait, so a
- * token bucket's rate and an interval gate's spacing hold for the starts of calls only when
- * nothing after them waits. The price: a call holds its permits while it waits for its token or
- * its host's slot. A gate listed in another order logs one warning when it is built.
+ * A gate of memory stages, or of Redis stages of one backend, is **fused** (`gate.fused`): every
+ * stage is decided at one instant, all or nothing, and a call that must wait holds nothing
+ * meanwhile, so its stages go in any order. Other gates acquire their stages in order, and for
+ * them: **stages that hold a call first (queue, semaphore, AIMD), then token buckets, then
+ * interval gates last.** A stage after a metering stage can still make the call wait, so a token
+ * bucket's rate and an interval gate's spacing hold for the starts of calls only when nothing
+ * after them waits; the price is that a call holds its permits while it waits for its token or
+ * its host's slot. Such a gate listed in another order logs one warning when it is built.
  */
 export class Gate implements Stage {
   readonly kind: StageKind = "gate";
@@ -206,12 +209,15 @@ export class Gate implements Stage {
   }
 
   /**
-   * The stages after the leading bounded queues, decided together by their backend when they
-   * all live on one that can (Redis, not a Cluster) and there are two or more; else undefined.
+   * The stages after the leading bounded queues, decided together when there are two or more
+   * and they all carry one fusion host (memory stages on one clock; one Redis backend, not a
+   * Cluster); else undefined.
    */
   #fuse(): FusedAdmission | undefined {
     const rest = this.stages.slice(this.#leading);
     if (rest.length < 2 || !rest.every((s) => s.holds === "call" && s.kind !== "gate")) return undefined;
+    // A stage listed twice is taken twice: in turn, as the list says.
+    if (new Set(rest).size !== rest.length) return undefined;
     return sharedHost(rest)?.fuse(this.name, rest);
   }
 
@@ -219,9 +225,10 @@ export class Gate implements Stage {
   readonly #fused: FusedAdmission | undefined;
 
   /**
-   * Whether the gate's stages (after its leading bounded queues) are decided together: in one
-   * backend call per admission and per release, all or nothing, holding nothing while a call
-   * waits. True for two or more Redis stages of one backend (not a Cluster) without classes.
+   * Whether the gate's stages (after its leading bounded queues) are decided together: at one
+   * instant, all or nothing, holding nothing while a call waits; on Redis in one script call per
+   * admission and per release. True for two or more memory stages on one clock, or Redis stages
+   * of one backend (not a Cluster), none of them with classes.
    */
   get fused(): boolean {
     return this.#fused !== undefined;
@@ -243,7 +250,34 @@ export class Gate implements Stage {
       signal: o.signal,
       deadline,
       timeoutMs: o.timeoutMs,
+      clock: this.#clock,
+      o,
     };
+  }
+
+  /**
+   * For a fused gate: admit into `held` what admits at once with no promise in between (leading
+   * memory queues with room, then every fused memory stage together); returns the index of the
+   * first stage left to `#acquire`, all of them when every one admitted. As `#admitFirst`, a
+   * throw gives back what is held and becomes the call's rejection.
+   */
+  #fusedFirst(held: Ticket[], o: AdmitOptions): number | Promise<never> {
+    const fused = this.#fused!;
+    try {
+      const leading = Math.min(this.#leading, this.#syncPrefix);
+      const from = leading === 0 ? 0 : this.#admitSync(held, o, 0, leading);
+      if (from < this.#leading || fused.admitNow === undefined) return from;
+      const tickets = fused.admitNow(o);
+      if (tickets === undefined) return from;
+      for (let i = 0; i < tickets.length; i++) held.push(tickets[i]!);
+      return this.stages.length;
+    } catch (error) {
+      try {
+        return Promise.resolve(this.#giveUp(held, o, error));
+      } catch (thrown) {
+        return Promise.reject(thrown);
+      }
+    }
   }
 
   /** Stages with a largest cost: a call costing more at one of them is refused before any is taken. */
@@ -362,9 +396,9 @@ export class Gate implements Stage {
    * between; returns how many did. The first that would wait (or refuse) is left to `#acquire`;
    * one whose `admitNow` throws throws here, and the caller gives back what is held.
    */
-  #admitSync(held: Ticket[], o: AdmitOptions, from: number): number {
+  #admitSync(held: Ticket[], o: AdmitOptions, from: number, to = this.#syncPrefix): number {
     const stages = this.stages;
-    const n = this.#syncPrefix;
+    const n = to;
     let i = from;
     for (; i < n; i++) {
       const stage = stages[i] as SyncStage;
@@ -449,10 +483,14 @@ export class Gate implements Stage {
       return Promise.reject(error);
     }
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
-    const held = newHeld();
     if (this.#fused) {
-      return this.#acquire(held, 0, this.stages.length, o, this.#deadline(o), true) as Promise<Ticket>;
+      const held = newHeld();
+      const from = this.#fusedFirst(held, o);
+      if (typeof from !== "number") return from;
+      if (from === this.stages.length) return Promise.resolve(this.#started(held, o));
+      return this.#acquire(held, from, this.stages.length, o, this.#deadline(o), true) as Promise<Ticket>;
     }
+    const held = newHeld();
     const from = this.#admitFirst(held, o);
     if (typeof from !== "number") return from;
     if (from === this.stages.length) return Promise.resolve(this.#started(held, o));
@@ -619,12 +657,16 @@ export class Gate implements Stage {
     }
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
     const classify = o.classify;
-    const held = newHeld();
     if (this.#fused) {
-      return this.#acquire(held, 0, this.stages.length, o, this.#deadline(o), true).then((ticket) =>
+      const held = newHeld();
+      const from = this.#fusedFirst(held, o);
+      if (typeof from !== "number") return from;
+      if (from === this.stages.length) return callWith(this.#started(held, o), fn, classify, this.#log);
+      return this.#acquire(held, from, this.stages.length, o, this.#deadline(o), true).then((ticket) =>
         callWith(ticket!, fn, classify, this.#log),
       );
     }
+    const held = newHeld();
     const from = this.#admitFirst(held, o);
     if (typeof from !== "number") return from;
     if (from === this.stages.length) return callWith(this.#started(held, o), fn, classify, this.#log);

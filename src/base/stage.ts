@@ -131,6 +131,9 @@ function startCall<T>(w: RunWaiter<T>): T | PromiseLike<T> {
   return w.ticket === undefined ? w.fail(w.error) : w.start(w.ticket);
 }
 
+/** Told by a stage that it may now admit more, or (`closed`) that it has closed. */
+export type StageWatcher = (stage: BaseStage, closed: boolean) => void;
+
 /**
  * What every stage of both backends shares: counters, the local waiting machinery (FIFO lists,
  * abort, timeout, close), logging. Subclasses decide when a waiter can go and what a release
@@ -223,6 +226,49 @@ export abstract class BaseStage implements Stage, WaiterOwner {
    * then calls `admit`. Memory permit stages have it.
    */
   waitInGate?<T>(w: RunWaiter<T>, o: AdmitOptions, timeoutMs: number | undefined): Promise<T> | undefined;
+
+  /**
+   * For a fused memory Gate: 0 when `admitNow(o, cost)` would admit at this instant; else the
+   * whole ms until it could (>= 1), or -1 when the call waits for permits to be freed. NaN for
+   * options `admitNow` would not take (see `checkOptions`). Changes nothing that a call could
+   * see. Throws `ClosedError` once the stage is closed. Memory stages that can be fused have it.
+   * @internal
+   */
+  fuseProbe?(o: AdmitOptions, cost: number): number;
+
+  /**
+   * Throw what `admit` would reject `options` with (a bad option, a closed stage, an aborted
+   * signal), or nothing.
+   * @internal
+   */
+  checkOptions(options: AdmitOptions): void {
+    this.check(options, "admit");
+  }
+
+  /** Fused gates told when the stage may now admit more (permits freed) or has closed. */
+  #watchers: Set<StageWatcher> | undefined;
+
+  /**
+   * Tell `fn` whenever the stage may admit more than before (memory permit stages: permits
+   * freed with nobody in their own line) and once when it closes, until `unwatch`.
+   * @internal
+   */
+  watch(fn: StageWatcher): void {
+    this.#watchers ??= new Set();
+    this.#watchers.add(fn);
+  }
+
+  /** Stop telling `fn`. @internal */
+  unwatch(fn: StageWatcher): void {
+    this.#watchers?.delete(fn);
+  }
+
+  /** Tell the watchers (see `watch`). */
+  protected notifyWatchers(closed = false): void {
+    const watchers = this.#watchers;
+    if (watchers === undefined || watchers.size === 0) return;
+    for (const fn of [...watchers]) fn(this, closed);
+  }
 
   /**
    * Admit, call `fn` with the ticket, release it with the call's outcome (the one recorded on the
@@ -579,6 +625,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     }
     this.onClose();
     this.#closeController?.abort(new ClosedError(this.name));
+    this.notifyWatchers(true);
     return RESOLVED;
   }
 

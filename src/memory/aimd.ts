@@ -3,9 +3,11 @@ import { classBook } from "../base/classes.js";
 import { BaseTicket } from "../base/stage.js";
 import type { Clock } from "../clock.js";
 import { DEFAULTS } from "../defaults.js";
+import { fusable } from "../fuse.js";
 import type { AimdOptions } from "../options.js";
 import type { Outcome, Snapshot, StageKind } from "../types.js";
 import { aimdSchema, parseOptions } from "../validate.js";
+import { memoryFusion } from "./fused-gate.js";
 import { PermitStage } from "./semaphore.js";
 
 /** A ticket that remembers the AIMD epoch it was admitted in. */
@@ -41,6 +43,7 @@ export class MemoryAimd extends PermitStage {
     this.#slowCallMs = o.slowCallMs ?? Number.POSITIVE_INFINITY;
     this.#state = { limit: o.initial, epoch: 0 };
     this.stampsTickets = this.#slowCallMs !== Number.POSITIVE_INFINITY;
+    if (!this.book) fusable(this, memoryFusion(clock));
     this.init(o.logger);
   }
 

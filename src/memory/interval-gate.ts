@@ -13,9 +13,12 @@ import type { WaitEntry, WaitList } from "../base/wait-list.js";
 import { hostRule } from "../call-rule.js";
 import type { Clock } from "../clock.js";
 import { DEFAULTS } from "../defaults.js";
+import { ClosedError } from "../errors.js";
+import { fusable } from "../fuse.js";
 import type { IntervalGateOptions } from "../options.js";
 import type { AdmitOptions, Outcome, StageKind, Ticket } from "../types.js";
 import { intervalGateSchema, parseOptions } from "../validate.js";
+import { memoryFusion } from "./fused-gate.js";
 import { MemoryLineStage } from "./line-stage.js";
 
 /** One host: when its next call may start, its FIFO of waiters, and the timer for the head. */
@@ -66,6 +69,7 @@ export class MemoryIntervalGate extends MemoryLineStage<HostSlot> {
     this.#random = o.random ?? random;
     this.#defaultHost = o.defaultHost;
     this.callRule = hostRule(this.#defaultHost);
+    fusable(this, memoryFusion(clock));
     this.init(o.logger);
   }
 
@@ -129,6 +133,17 @@ export class MemoryIntervalGate extends MemoryLineStage<HostSlot> {
     const h = this.line(host, now);
     if (h.size !== 0 || h.nextAt > now) return undefined;
     return this.#start(h, cost, host, now);
+  }
+
+  override fuseProbe(o: AdmitOptions, cost: number): number {
+    if (this.closed) throw new ClosedError(this.name);
+    const host = o.host ?? this.#defaultHost;
+    if (host === undefined || !Number.isInteger(cost) || cost < 0) return Number.NaN;
+    const now = this.clock.now();
+    const h = this.line(host, now);
+    if (h.size === 0 && h.nextAt <= now) return 0;
+    // Behind its own waiters, the host's slot is theirs first: ask again once it has passed.
+    return Math.max(1, Math.ceil(delayMs(h.nextAt, now)));
   }
 
   protected tryAdmitChecked(o: AdmitOptions): Promise<Ticket | undefined> {

@@ -3,7 +3,7 @@ import { type ClassBook, classRule } from "../base/classes.js";
 import { BaseStage, type BaseTicket, type RunWaiter, type WaitFor } from "../base/stage.js";
 import { type WaitEntry, WaitList } from "../base/wait-list.js";
 import type { Clock } from "../clock.js";
-import { ReclaimedError } from "../errors.js";
+import { ClosedError, ReclaimedError } from "../errors.js";
 import type { AdmitOptions, Outcome, RunOptions, Snapshot, Ticket } from "../types.js";
 
 /**
@@ -197,6 +197,12 @@ export abstract class PermitStage extends BaseStage {
     return this.fitsNow(cost, cls) ? this.take(cost, cls) : undefined;
   }
 
+  override fuseProbe(_o: AdmitOptions, cost: number): number {
+    if (this.closed) throw new ClosedError(this.name);
+    if (!Number.isInteger(cost) || cost < 0 || cost > this.maxCost) return Number.NaN;
+    return this.fitsNow(cost) ? 0 : -1;
+  }
+
   override waitInGate<T>(
     w: RunWaiter<T>,
     o: AdmitOptions,
@@ -288,6 +294,8 @@ export abstract class PermitStage extends BaseStage {
       this.used += w.cost;
       this.grant(w, this.waitFor);
     }
+    // Room left with nobody in line: a fused gate's call may now go.
+    if (list.size === 0 && this.used < this.limit) this.notifyWatchers();
   }
 
   protected afterWaiterGone(): void {

@@ -30,9 +30,12 @@ import { type WaitEntry, WaitList } from "../base/wait-list.js";
 import { bothRules, bucketRule, UNKEYED } from "../call-rule.js";
 import type { Clock } from "../clock.js";
 import { DEFAULTS } from "../defaults.js";
+import { ClosedError } from "../errors.js";
+import { fusable } from "../fuse.js";
 import type { TokenBucketOptions } from "../options.js";
 import type { AdmitOptions, ClassSnapshot, Outcome, Snapshot, StageKind, Ticket } from "../types.js";
 import { parseOptions, tokenBucketSchema } from "../validate.js";
+import { memoryFusion } from "./fused-gate.js";
 import { MemoryLineStage } from "./line-stage.js";
 
 /**
@@ -122,7 +125,7 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
       for (let i = 0; i < this.#book.names.length; i++)
         this.#view.push({ headCost: undefined, headAt: 0, headSince: 0 });
       this.callRule = bothRules(this.callRule, classRule(this.#book));
-    }
+    } else fusable(this, memoryFusion(clock));
     this.init(o.logger);
   }
 
@@ -353,6 +356,20 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
     const b = this.line(key, now);
     if (!this.#takeFor(b, cls, cost, now)) return undefined;
     return this.#issue(b, cost, key, cls);
+  }
+
+  override fuseProbe(o: AdmitOptions, cost: number): number {
+    if (this.closed) throw new ClosedError(this.name);
+    const key = this.#keyed ? o.key : UNKEYED;
+    if (key === undefined || !Number.isInteger(cost) || cost < 0 || cost > this.#config.capacity) {
+      return Number.NaN;
+    }
+    if (cost === 0) return 0;
+    const now = this.clock.now();
+    const b = this.line(key, now);
+    // With waiters of its own, the bucket's tokens are theirs first: after them, at the soonest.
+    if (b.size !== 0) return Math.max(1, Math.min(this.#endWaitMs(b, cost, now), LONGEST_MS));
+    return Math.min(waitMs(b, this.#config, cost, now), LONGEST_MS);
   }
 
   protected tryAdmitChecked(o: AdmitOptions): Promise<Ticket | undefined> {

@@ -7,7 +7,7 @@ import { randomBytes } from "node:crypto";
 import type { BaseStage } from "../base/stage.js";
 import type { Clock, ClockTimer } from "../clock.js";
 import { AdmitTimeoutError } from "../errors.js";
-import { FUSE, type FusedAdmission, type FusedCall, type FusionHost } from "../fuse.js";
+import { badSignal, type FusedAdmission, type FusedCall, type FusionHost } from "../fuse.js";
 import { settleAll } from "../gate-ticket.js";
 import type { Stage, Ticket } from "../types.js";
 import { TurnQueue } from "./batch.js";
@@ -31,11 +31,6 @@ export class RedisFusion implements FusionHost {
   fuse(gate: string, stages: readonly Stage[]): FusedAdmission {
     return new FusedGate(gate, stages, this.settings);
   }
-}
-
-/** Mark `stage` as one a Gate may fuse with the other stages of `host`. */
-export function fusable(stage: object, host: FusionHost | undefined): void {
-  if (host !== undefined) Object.defineProperty(stage, FUSE, { value: host });
 }
 
 /** A waiting call's way to be woken early: with no error by a wake message, with one on close. */
@@ -334,7 +329,11 @@ class FusedGate implements FusedAdmission {
       const end = (error?: unknown) => {
         if (timer !== undefined) clock.clearTimeout(timer);
         this.#wakes.delete(member);
-        call.signal?.removeEventListener("abort", onAbort);
+        try {
+          call.signal?.removeEventListener("abort", onAbort);
+        } catch {
+          // A signal that cannot be listened to was never listened to.
+        }
         if (error === undefined) resolve();
         else reject(error);
       };
@@ -348,7 +347,11 @@ class FusedGate implements FusedAdmission {
         Math.min(ms, left),
       );
       this.#wakes.set(member, end);
-      call.signal?.addEventListener("abort", onAbort, { once: true });
+      try {
+        call.signal?.addEventListener("abort", onAbort, { once: true });
+      } catch (error) {
+        end(badSignal(this.#name, error));
+      }
     });
   }
 

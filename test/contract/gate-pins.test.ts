@@ -315,15 +315,22 @@ describe("Gate pins", () => {
       expect(line?.obj).toEqual({ err: expect.objectContaining({ message: "job broke" }) });
     });
 
-    it("warns on its logger when its stages are out of order", () => {
+    it("warns on its logger when its stages are out of order and taken in turn, never when fused", () => {
       const { logger, lines } = recordingLogger();
       const b = memory({ clock });
+      const fused = new Gate(
+        [b.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 }), b.semaphore("sem", { limit: 1 })],
+        { clock, logger, name: "g" },
+      );
+      expect(fused.fused).toBe(true);
+      expect(lines.filter((l) => l.level === "warn")).toEqual([]);
       new Gate(
         [b.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 }), b.semaphore("sem", { limit: 1 })],
         {
           clock,
           logger,
           name: "g",
+          fuse: false,
         },
       );
       const warned = lines.filter((l) => l.level === "warn");
@@ -336,6 +343,7 @@ describe("Gate pins", () => {
         {
           clock,
           logger,
+          fuse: false,
         },
       );
       expect(lines.filter((l) => l.level === "warn")).toEqual([]);
@@ -351,7 +359,7 @@ describe("Gate pins", () => {
       const b = fresh.memory({ clock });
       new fresh.Gate(
         [b.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 }), b.semaphore("sem", { limit: 1 })],
-        { clock, name: "g" },
+        { clock, name: "g", fuse: false },
       );
       expect(emit).toHaveBeenCalledTimes(1);
       expect(emit.mock.calls[0]![0]).toMatch(/^gate "g": tokenBucket "rate" comes before semaphore "sem"/);

@@ -166,7 +166,7 @@ describe("the Gate's warning", () => {
     expect(stageOrderWarning([gate(sem!, bucket!), spacing!])).toBe(undefined);
   });
 
-  it("is logged once, when the gate is built, on the gate's logger", async () => {
+  it("is logged once, when a gate taken in turn is built, on the gate's logger", async () => {
     const warned: string[] = [];
     const logger = quiet((msg) => warned.push(msg));
     const clock = new FakeClock();
@@ -175,6 +175,7 @@ describe("the Gate's warning", () => {
     const gate = new Gate([b.intervalGate("h", { minIntervalMs: 10 }), b.semaphore("s", { limit: 1 })], {
       clock,
       logger,
+      fuse: false,
     });
     await (await gate.admit({ host: "a" })).release("success");
     await (await gate.admit({ host: "b" })).release("success");

@@ -36,7 +36,7 @@ describe("run in memory", () => {
     expect(bucket.tokens()).toBe(4);
   });
 
-  it("has a gate wait at the first stage without room, holding the ones before it", async () => {
+  it("has a gate whose stages do not all admit wait holding none of them, then take them all at once", async () => {
     const clock = new FakeClock();
     const b = memory({ clock });
     const bucket = b.tokenBucket("rate", { capacity: 5, refillPerSecond: 1 });
@@ -44,11 +44,12 @@ describe("run in memory", () => {
     const gate = new Gate([bucket, sem], { clock });
     const held = await sem.admit();
     const call = gate.run(() => "late");
-    expect(bucket.tokens()).toBe(4);
+    expect(bucket.tokens()).toBe(5);
     expect(gate.snapshot()).toMatchObject({ waiting: 1, inFlight: 0 });
     await clock.advance(10);
     await held.release();
     expect(await call).toBe("late");
+    expect(bucket.tokens()).toBe(4);
     expect(gate.snapshot()).toMatchObject({ waiting: 0, inFlight: 0, admitted: 1, permitWaitMs: 10 });
   });
 });
