@@ -42,7 +42,7 @@ local minLimit    = tonumber(ARGV[6])
 local maxLimit    = tonumber(ARGV[7])
 local ratio       = tonumber(ARGV[8])
 local slow        = ARGV[9] == '1'
-local classes     = floodgate_classes(ARGV[13])
+local classes     = floodgate_classes(KEYS, ARGV[13])
 
 local state = redis.call('HMGET', meta, 'limit', 'epoch', 'used', 'quarantine')
 local limit = tonumber(state[1]) or tonumber(ARGV[12]) or maxLimit
@@ -84,7 +84,7 @@ if redis.call('ZRANGE', queue, 0, 0)[1] then
     else
       local head = floodgate_live_head(queue, qexp, procs, now)
       if head and used < limit then
-        grants, used = floodgate_grant_heads(head, used, limit, now, tonumber(ARGV[10]), epoch,
+        grants, used = floodgate_grant_heads(KEYS, head, used, limit, now, tonumber(ARGV[10]), epoch,
           channel, ARGV[11] == '1', floodgate_token(member))
         redis.call('HSET', meta, 'used', used)
       end

@@ -196,12 +196,12 @@ end
 -- take it; else 2, the channel to tell it on and when its process stops counting as alive (nil:
 -- not known). `hears` remembers each process's listeners for the rest of the call; `own` is the
 -- calling process's token (its grants come back in the reply, so it needs no listener).
-local function floodgate_reach(head, now, channel, listeners, own, hears)
+local function floodgate_reach(keys, head, now, channel, listeners, own, hears)
   local token = floodgate_token(head)
-  local alive = token and floodgate_alive_until(KEYS[5], token)
+  local alive = token and floodgate_alive_until(keys[5], token)
   if alive and alive <= now then
-    redis.call('ZREM', KEYS[2], head)
-    redis.call('ZREM', KEYS[3], head)
+    redis.call('ZREM', keys[2], head)
+    redis.call('ZREM', keys[3], head)
     return 0
   end
   local to = token and (channel .. ':' .. token) or channel
@@ -223,24 +223,25 @@ end
 -- process judges from them whether the grant is still good when the message reaches it) on
 -- channel `to`. Returns the message, or nil when its place in line had already ended (it leaves
 -- the line granted nothing).
-local function floodgate_hand(head, now, claimMs, alive, epoch, to)
-  local expiry = tonumber(redis.call('ZSCORE', KEYS[3], head))
-  redis.call('ZREM', KEYS[2], head)
-  redis.call('ZREM', KEYS[3], head)
+local function floodgate_hand(keys, head, now, claimMs, alive, epoch, to)
+  local expiry = tonumber(redis.call('ZSCORE', keys[3], head))
+  redis.call('ZREM', keys[2], head)
+  redis.call('ZREM', keys[3], head)
   if not expiry or expiry <= now then return nil end
   expiry = math.min(expiry, now + claimMs)
   if alive then expiry = math.min(expiry, alive) end
-  redis.call('ZADD', KEYS[1], expiry, head)
-  local fence = redis.call('HINCRBY', KEYS[4], 'seq', 1)
+  redis.call('ZADD', keys[1], expiry, head)
+  local fence = redis.call('HINCRBY', keys[4], 'seq', 1)
   local message = head .. '|' .. fence .. '|' .. epoch .. '|' .. floodgate_num(expiry) .. '|' .. floodgate_num(now)
   redis.call('PUBLISH', to, message)
   return message
 end
 
 -- Grant on release: give the waiters at the head of the line their permits while they fit, so a
--- freed permit goes straight to the next waiter with no round trip of its own. KEYS are the
+-- freed permit goes straight to the next waiter with no round trip of its own. `keys` are the
 -- permit stage's, in the order every permit script takes them: holders, queue, qexp, meta,
--- procs. `channel` is the stage's grant channel, `listeners` whether to ask Redis who listens
+-- procs (passed in, not read from the global KEYS: in a gate call those are the gate's own).
+-- `channel` is the stage's grant channel, `listeners` whether to ask Redis who listens
 -- (pub/sub counts are exact on one server, not across a cluster's nodes) and `own` the token of
 -- the calling process (its grants come back in this call's reply).
 -- `head` is the first member in line. Waiter by waiter, from the head: one whose process went
@@ -249,27 +250,27 @@ end
 -- granted (floodgate_hand) on `channel`:<token> when the member is "<token>-<n>:<cost>" (the
 -- channel of its own process, so a grant wakes no other process), else on `channel`.
 -- Returns the messages sent and the permits now used. At most 64 grants per call.
-local function floodgate_grant_heads(head, used, limit, now, claimMs, epoch, channel, listeners, own)
+local function floodgate_grant_heads(keys, head, used, limit, now, claimMs, epoch, channel, listeners, own)
   local sent = {}
   local n = 0
   local passed = 0
   local hears = {}
   for _ = 1, 256 do
     if not head or n >= 64 then break end
-    local state, to, alive = floodgate_reach(head, now, channel, listeners, own, hears)
+    local state, to, alive = floodgate_reach(keys, head, now, channel, listeners, own, hears)
     if state == 1 then
       passed = passed + 1
     elseif state == 2 then
       local cost = floodgate_cost(head)
       if used + cost > limit then break end
-      local message = floodgate_hand(head, now, claimMs, alive, epoch, to)
+      local message = floodgate_hand(keys, head, now, claimMs, alive, epoch, to)
       if message then
         used = used + cost
         n = n + 1
         sent[n] = message
       end
     end
-    head = redis.call('ZRANGE', KEYS[2], passed, passed)[1]
+    head = redis.call('ZRANGE', keys[2], passed, passed)[1]
   end
   return sent, used
 end
@@ -320,7 +321,9 @@ end
 --   c.next(used, headCost, headAt, guarantee, ceiling, kept, free)
 --                      the class whose head goes next (the twin of `nextClass`)
 --   c.load(meta), c.free(member), c.goes(…), c.grant(…), c.reclaim(…): below
-local function floodgate_classes(spec)
+-- `keys` are the stage's own (as floodgate_grant_heads takes them): never the global KEYS, which
+-- in a gate call are the gate's.
+local function floodgate_classes(keys, spec)
   if spec == nil or spec == '' then return nil end
   local c = { n = 0, fields = { 'cls', 'rc' }, used = {}, spec = spec }
   -- A leading "!": the stage asks borrowed leases back (reclaim "signal", c.reclaim below).
@@ -443,7 +446,7 @@ local function floodgate_classes(spec)
   -- arrival sequence; nil, false, 0 when there is none.
   local function head(i, offset)
     local low = (i - 1) * floodgate_band
-    local r = redis.call('ZRANGEBYSCORE', KEYS[2], low, '(' .. floodgate_num(low + floodgate_band),
+    local r = redis.call('ZRANGEBYSCORE', keys[2], low, '(' .. floodgate_num(low + floodgate_band),
       'WITHSCORES', 'LIMIT', offset, 1)
     if not r[1] then return nil, false, 0 end
     return r[1], floodgate_cost(r[1]), tonumber(r[2]) - low
@@ -492,11 +495,11 @@ local function floodgate_classes(spec)
       if n >= 64 then break end
       local k = c.next(c.used, headCost, headAt, c.guarantee, c.ceiling, c.kept, limit - used)
       if k == 0 then break end
-      local state, to, alive = floodgate_reach(heads[k], now, channel, listeners, own, hears)
+      local state, to, alive = floodgate_reach(keys, heads[k], now, channel, listeners, own, hears)
       if state == 1 then
         passed[k] = passed[k] + 1
       elseif state == 2 then
-        local message = floodgate_hand(heads[k], now, claimMs, alive, epoch, to)
+        local message = floodgate_hand(keys, heads[k], now, claimMs, alive, epoch, to)
         if message then
           used = used + headCost[k]
           c.used[k] = c.used[k] + headCost[k]
@@ -521,7 +524,7 @@ local function floodgate_classes(spec)
     local asked, still = {}, {}
     for i = 1, c.n do asked[i] = 0 end
     for member in string.gmatch(c.asked or '', '[^ ]+') do
-      if redis.call('ZSCORE', KEYS[1], member) then
+      if redis.call('ZSCORE', keys[1], member) then
         local k = floodgate_class(member) + 1
         asked[k] = asked[k] + floodgate_cost(member)
         still[#still + 1] = member
@@ -568,7 +571,7 @@ local function floodgate_classes(spec)
         end
       end
       -- Leases by their end, then by their number within a process (the later taken last).
-      local r = redis.call('ZRANGE', KEYS[1], 0, -1, 'WITHSCORES')
+      local r = redis.call('ZRANGE', keys[1], 0, -1, 'WITHSCORES')
       local held = {}
       for x = 1, #r, 2 do
         held[#held + 1] = { member = r[x], ends = tonumber(r[x + 1]),

@@ -74,7 +74,7 @@ local lastFence   = tonumber(ARGV[9]) or 0
 local procs       = KEYS[5]
 local claimMs     = tonumber(ARGV[13])          -- ms
 local listeners   = ARGV[12] == '1'
-local classes     = floodgate_classes(ARGV[14])
+local classes     = floodgate_classes(KEYS, ARGV[14])
 
 -- A caller that lines up is a sign of life of its process: its waiters stay in line, and grants
 -- are made to them, only while it keeps giving one. Given once per call, and only by one that
@@ -89,7 +89,7 @@ local function serve(head, used, limit, epoch, member)
     if not head and not redis.call('ZRANGE', queue, 0, 0)[1] then return {}, used end
     return classes.grant(used, limit, now, claimMs, epoch, channel, listeners, floodgate_token(member))
   elseif head and used < limit then
-    return floodgate_grant_heads(head, used, limit, now, claimMs, epoch, channel, listeners, floodgate_token(member))
+    return floodgate_grant_heads(KEYS, head, used, limit, now, claimMs, epoch, channel, listeners, floodgate_token(member))
   end
   return {}, used
 end

@@ -32,7 +32,7 @@ local qexp    = KEYS[3]
 local meta    = KEYS[4]
 local procs   = KEYS[5]
 local channel = ARGV[4]
-local classes = floodgate_classes(ARGV[8])
+local classes = floodgate_classes(KEYS, ARGV[8])
 
 -- Take `by` permits off the count; returns the permits still used.
 local function lower(by)
@@ -73,7 +73,7 @@ local function grantFreed(used)
   end
   local head = floodgate_live_head(queue, qexp, procs, now)
   if not head or used >= limit then return {}, used end
-  grants, used = floodgate_grant_heads(head, used, limit, now, tonumber(ARGV[6]),
+  grants, used = floodgate_grant_heads(KEYS, head, used, limit, now, tonumber(ARGV[6]),
     tonumber(state[3]) or 0, channel, ARGV[7] == '1', floodgate_token(ARGV[2]))
   redis.call('HSET', meta, 'used', used)
   return grants, used

@@ -199,6 +199,36 @@ describe("a fused Redis gate", () => {
     await second!.release("success");
   });
 
+  it("grants the stage's own waiters on its release, with the stage's keys (a semaphore shared with direct callers)", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-shared");
+    const { b, client } = await backend(prefix, clock);
+    const { b: other } = await backend(prefix, clock);
+    const sem = b.semaphore("inflight", { limit: 1 });
+    const gate = new Gate([sem, b.tokenBucket("rate", { capacity: 5, refillPerSecond: 1 })], { clock });
+    const held = await gate.admit();
+    // Callers of the semaphore itself, in this process and in another, wait in its own line.
+    const queued = (n: number) =>
+      until(async () => (await client.zcard(`${prefix}{inflight}:queue`)) === n, {
+        timeoutMs: 5000,
+        message: "the direct callers did not line up",
+      });
+    const direct = other.semaphore("inflight", { limit: 1 }).admit();
+    await queued(1);
+    const local = sem.admit();
+    await queued(2);
+    // The gate's release grants the first of them in the same script call.
+    await held.release("success");
+    expect(await client.zcard(`${prefix}{inflight}:holders`)).toBe(1);
+    expect(await client.zcard(`${prefix}{inflight}:queue`)).toBe(1);
+    // (The other process's waiter is passed over while its grant channel has no listener yet.)
+    const granted = await Promise.race([direct, local]);
+    expect(await client.zcard(`${prefix}{inflight}:holders`)).toBe(1);
+    await granted.release("success");
+    for (const t of await Promise.all([direct, local])) if (t !== granted) await t.release("success");
+    expect(await client.zcard(`${prefix}{inflight}:holders`)).toBe(0);
+  });
+
   it("lets a lane go while another waits for its own tokens (keyed buckets do not hold each other up)", async () => {
     const clock = new FakeClock(1000);
     const { b } = await backend(randomPrefix("fused-lanes"), clock);

@@ -86,7 +86,7 @@ describe("Lua scripts against their TypeScript twins", () => {
     const body = `
       local out = {}
       for _, c in ipairs(cjson.decode(ARGV[1])) do
-        local classes = floodgate_classes(c.spec)
+        local classes = floodgate_classes(KEYS, c.spec)
         local g, ceil, kept = classes.bounds(c.limit)
         local headCost = {}
         for i = 1, #c.used do headCost[i] = c.headCost[i] >= 0 and c.headCost[i] or false end
