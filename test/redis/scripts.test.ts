@@ -98,6 +98,14 @@ describe("the prelude in front of each script", () => {
     }
   });
 
+  it("never reads the global KEYS or ARGV in a definition (a gate runs each script as a step with its own)", () => {
+    const code = readFileSync(join(LUA_DIR, "prelude.lua"), "utf8")
+      .split("\n")
+      .filter((line) => !line.trimStart().startsWith("--"))
+      .join("\n");
+    expect(code.match(/\b(KEYS|ARGV)\b/g) ?? []).toEqual([]);
+  });
+
   it("ends each script with the script itself, unchanged", () => {
     for (const name of names) {
       expect(scriptSource(name).endsWith(readFileSync(join(LUA_DIR, `${name}.lua`), "utf8"))).toBe(true);
