@@ -13,16 +13,16 @@
  * settled with the actual usage from the response (`ticket.settle({ tpm })`), so the unused part
  * of the reservation goes back to the bucket. A prompt larger than the whole TPM budget is
  * refused at once. A 429 halves the AIMD limit, and its Retry-After pauses the host for every
- * caller (`gate.pause`). At 85% of the corpus (or on Ctrl-C) the client shuts down gracefully:
- * no new admissions, waiting calls aborted, a short grace for calls in flight, then the rest
- * aborted and the gate closed.
+ * caller (`gate.pause`). At 85% of the corpus (or on Ctrl-C / SIGTERM, through
+ * `drainOnSignals`) the client shuts down gracefully with `gate.drain`: no new admissions,
+ * waiting calls rejected, a short grace for calls in flight, then the rest aborted through their
+ * ticket's signal, released, and the gate closed.
  *
  * Fails (exit 1) when the provider refused anything for RPM or TPM, a call was sent while a
  * Retry-After pause was running, the oversized prompt was not refused at once, AIMD did not cut
  * after a 429, or the shutdown left a call waiting or in flight.
  */
-import { setMaxListeners } from "node:events";
-import { Gate, isFloodgateError, type Ticket } from "floodgate";
+import { type DrainResult, drainOnSignals, Gate, isFloodgateError, type Ticket } from "floodgate";
 import { parseRetryAfter } from "floodgate/fetch";
 import {
   deadline,
@@ -34,7 +34,6 @@ import {
   perSec,
   progress,
   secs,
-  sleep,
   where,
 } from "./common.js";
 import { startProvider } from "./provider.js";
@@ -147,10 +146,6 @@ export async function main(argv: string[]): Promise<number> {
     id: i,
     prompt: `Summarise filing ${i}. ${"lorem ipsum ".repeat(30 + Math.floor(Math.random() * 500))}`,
   }));
-  const stopAdmitting = new AbortController();
-  const stopInFlight = new AbortController();
-  // Every caller listens to these two while it waits or is in flight.
-  setMaxListeners(0, stopAdmitting.signal, stopInFlight.signal);
   const limit = deadline("llm", Math.max(30_000, (docs / Math.min(hiddenCap, rpm / 60)) * serviceMs * 5));
   limit.signal.addEventListener("abort", () => void shutdown(limit.signal.reason as Error), { once: true });
 
@@ -168,9 +163,9 @@ export async function main(argv: string[]): Promise<number> {
   const cuts: string[] = [];
   const sends: number[] = [];
   const pauses: { at: number; ms: number; landed: number }[] = [];
-  let inFlight = 0;
   let shuttingDown: Promise<void> | undefined;
   let shutdownReason = "";
+  let drained: DrainResult | undefined;
 
   /** Note the AIMD limit when it moved. */
   const sample = () => {
@@ -187,46 +182,41 @@ export async function main(argv: string[]): Promise<number> {
       async (ticket: Ticket): Promise<Attempt> => {
         state.sent = true;
         sends.push(performance.now());
-        inFlight++;
-        try {
-          const res = await fetch(`${provider.url}/v1/completions`, {
-            method: "POST",
-            headers: { "content-type": "application/json" },
-            body: JSON.stringify({ prompt, max_tokens: maxTokens }),
-            signal: AbortSignal.any([stopInFlight.signal, ticket.signal]),
-          });
-          const body = (await res.json()) as { usage?: Usage; reason?: string };
-          if (res.status === 429) {
-            ticket.record("dropped"); // AIMD halves
-            // Retry-After overrides any backoff of ours: the host is paused for every caller.
-            const ms = parseRetryAfter(res.headers);
-            if (ms !== undefined && ms > 0) {
-              const pause = { at: performance.now(), ms, landed: Number.POSITIVE_INFINITY };
-              pauses.push(pause);
-              await gate.pause(host, ms);
-              pause.landed = performance.now(); // from here on, no call may pass the gate
-            }
-            // The provider charged no tokens for a refused call: give the reservation back.
-            await ticket.settle({ tpm: 0 });
-            return { status: 429, reason: body.reason ?? "?" };
+        const res = await fetch(`${provider.url}/v1/completions`, {
+          method: "POST",
+          headers: { "content-type": "application/json" },
+          body: JSON.stringify({ prompt, max_tokens: maxTokens }),
+          signal: ticket.signal, // aborts if the drain's grace runs out
+        });
+        const body = (await res.json()) as { usage?: Usage; reason?: string };
+        if (res.status === 429) {
+          ticket.record("dropped"); // AIMD halves
+          // Retry-After overrides any backoff of ours: the host is paused for every caller.
+          const ms = parseRetryAfter(res.headers);
+          if (ms !== undefined && ms > 0) {
+            const pause = { at: performance.now(), ms, landed: Number.POSITIVE_INFINITY };
+            pauses.push(pause);
+            await gate.pause(host, ms);
+            pause.landed = performance.now(); // from here on, no call may pass the gate
           }
-          if (res.status !== 200 || !body.usage) return { status: res.status, reason: "unexpected answer" };
-          const usage = body.usage;
-          reserved += estimate;
-          charged += usage.total_tokens;
-          settledBack += estimate - usage.total_tokens;
-          // Reserve, then settle: the bucket keeps only what the call cost.
-          await ticket.settle({ tpm: usage.total_tokens });
-          return { status: 200, usage };
-        } finally {
-          inFlight--;
+          // The provider charged no tokens for a refused call: give the reservation back.
+          await ticket.settle({ tpm: 0 });
+          return { status: 429, reason: body.reason ?? "?" };
         }
+        if (res.status !== 200 || !body.usage) return { status: res.status, reason: "unexpected answer" };
+        const usage = body.usage;
+        reserved += estimate;
+        charged += usage.total_tokens;
+        settledBack += estimate - usage.total_tokens;
+        // Reserve, then settle: the bucket keeps only what the call cost.
+        await ticket.settle({ tpm: usage.total_tokens });
+        return { status: 200, usage };
       },
-      { host, costs: { tpm: estimate }, signal: stopAdmitting.signal },
+      { host, costs: { tpm: estimate } },
     );
 
   async function caller(): Promise<void> {
-    while (next < docs && !stopAdmitting.signal.aborted) {
+    while (next < docs && !shuttingDown) {
       const doc = corpus[next++]!;
       const estimate = promptTokens(doc.prompt) + maxTokens;
       for (;;) {
@@ -241,8 +231,8 @@ export async function main(argv: string[]): Promise<number> {
           }
           retries++;
         } catch (error) {
-          if (stopAdmitting.signal.aborted || stopInFlight.signal.aborted) {
-            // Not sent yet: the wait was aborted. Sent: the call was cut in flight.
+          if (isFloodgateError(error, "DRAINING")) {
+            // Not sent yet: refused or rejected by the drain. Sent: cut when its grace ran out.
             if (state.sent) abortedInFlight++;
             else abortedWaiting++;
             return;
@@ -256,21 +246,18 @@ export async function main(argv: string[]): Promise<number> {
     }
   }
 
-  /** Graceful shutdown: stop admitting, give calls in flight a grace period, cut the rest, close. */
+  /** Graceful shutdown: the gate's drain (no new calls, waiting ones rejected, a grace, then cut). */
   function shutdown(reason: Error): Promise<void> {
-    shuttingDown ??= (async () => {
-      shutdownReason = reason.message;
-      stopAdmitting.abort(reason);
-      const graceEnds = performance.now() + graceMs;
-      while (inFlight > 0 && performance.now() < graceEnds) await sleep(5);
-      stopInFlight.abort(reason);
-      await gate.close();
-    })();
+    shutdownReason ||= reason.message;
+    shuttingDown ??= gate.drain({ graceMs }).then((r) => {
+      drained = r;
+    });
     return shuttingDown;
   }
-  const onSignal = () => void shutdown(new Error("interrupted"));
-  process.on("SIGINT", onSignal);
-  process.on("SIGTERM", onSignal);
+  // Ctrl-C or SIGTERM drains the gate the same way; the run then prints its summary and exits.
+  const stopOnSignals = drainOnSignals(gate, { graceMs, exit: false, onDrained: (r) => (drained = r) });
+  process.once("SIGINT", () => void shutdown(new Error("interrupted")));
+  process.once("SIGTERM", () => void shutdown(new Error("terminated")));
 
   const started = performance.now();
   const ticker = progress(() => {
@@ -289,8 +276,7 @@ export async function main(argv: string[]): Promise<number> {
   limit.clear();
   clearInterval(sampler);
   ticker.stop();
-  process.off("SIGINT", onSignal);
-  process.off("SIGTERM", onSignal);
+  stopOnSignals();
 
   const after = gate.snapshot();
   const p = provider.stats();
@@ -335,7 +321,8 @@ export async function main(argv: string[]): Promise<number> {
       ` · oversized prompt: ${refusal || "not refused"}\n` +
       `  shutdown (${shutdownReason}): ${finishedInGrace} finished in the ${graceMs} ms grace,` +
       ` ${abortedInFlight} aborted in flight, ${abortedWaiting} aborted waiting, ${notStarted} never started;` +
-      ` gate closed with ${after.inFlight} in flight, ${after.waiting} waiting\n`,
+      ` gate.drain: ${drained?.completed ?? "?"} completed, ${drained?.aborted ?? "?"} aborted, ${drained?.rejected ?? "?"} rejected` +
+      ` in ${drained ? msText(drained.tookMs) : "?"}; gate closed with ${after.inFlight} in flight, ${after.waiting} waiting\n`,
   );
   return failures.length === 0 ? 0 : 1;
 }

@@ -7,6 +7,7 @@ export type ErrorCode =
   | "LEASE_LOST"
   | "RECLAIMED"
   | "CLOSED"
+  | "DRAINING"
   | "RETRIES_EXHAUSTED";
 
 const kCode = Symbol.for("floodgate.error.code");
@@ -111,6 +112,19 @@ export class ClosedError extends FloodgateError {
   static override readonly code = "CLOSED" as const;
   constructor(stage: string, message = `stage "${stage}" is closed`) {
     super("CLOSED", message, { stage });
+  }
+}
+
+/**
+ * The stage or gate is draining (`drain()`): a new call is refused with it at once; a waiting
+ * call with it when the drain rejects waiters (or its grace ran out before the call was
+ * admitted); and a ticket's `signal` aborts with it when the grace runs out before the call
+ * released it.
+ */
+export class DrainingError extends FloodgateError {
+  static override readonly code = "DRAINING" as const;
+  constructor(stage: string, message = `stage "${stage}" is draining`) {
+    super("DRAINING", message, { stage });
   }
 }
 

@@ -5,8 +5,8 @@ import type { Outcome, StageKind, Ticket } from "./types.js";
 /** What a gate ticket needs of its gate. */
 export interface TicketGate {
   readonly name: string;
-  /** Calls holding a ticket of the gate; a release or refund counts one out. */
-  inFlight: number;
+  /** A ticket of the gate is released or refunded: count it out of the calls in flight. */
+  ticketDone(ticket: GateTicket): void;
   /** Aborts when the gate closes. */
   readonly closedSignal: AbortSignal;
   /** Whether the gate's stages are released together (`together`), in one backend call. */
@@ -45,7 +45,7 @@ export class GateTicket extends HeldTicket {
   }
 
   protected giveBack(outcome: Outcome | undefined): Promise<void> {
-    this.gate.inFlight--;
+    this.gate.ticketDone(this);
     if (!this.gate.fused) return settleAll(this.held, outcome);
     return this.gate.together(() => settleAll(this.held, outcome));
   }

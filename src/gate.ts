@@ -13,10 +13,13 @@ export { stageOrderWarning } from "./stage-order.js";
 import { callWith, RESOLVED } from "./base/run.js";
 import { type BaseStage, type BaseTicket, RunWaiter } from "./base/stage.js";
 import { type Clock, systemClock } from "./clock.js";
-import { ClosedError, InvalidOptionsError } from "./errors.js";
+import { Drain, drainOptions, LiveTickets, nothingDrained } from "./drain.js";
+import { ClosedError, DrainingError, InvalidOptionsError } from "./errors.js";
 import { stageLogger } from "./logger.js";
 import type {
   AdmitOptions,
+  DrainOptions,
+  DrainResult,
   GateSnapshot,
   IntervalGateStage,
   Logger,
@@ -345,6 +348,9 @@ export class Gate implements Stage {
     }
     if (o.class !== undefined) this.#checkClass(o.class);
     if (this.#closed) throw new ClosedError(this.name);
+    if (this.#drain !== undefined) {
+      throw new DrainingError(this.name, `gate "${this.name}" is draining: it admits no new call`);
+    }
     return o;
   }
 
@@ -446,6 +452,7 @@ export class Gate implements Stage {
       throw error;
     } finally {
       this.#waiting--;
+      this.#drain?.poke();
     }
     return start ? this.#started(held, o) : undefined;
   }
@@ -468,7 +475,9 @@ export class Gate implements Stage {
     }
     this.inFlight++;
     this.#admitted++;
-    return new GateTicket(this, o.cost ?? 1, call);
+    const ticket = new GateTicket(this, o.cost ?? 1, call);
+    this.#live.add(ticket);
+    return ticket;
   }
 
   /**
@@ -532,6 +541,7 @@ export class Gate implements Stage {
   /** A call's wait at stage `w.index` is over: go on to the next stages, then make the call. */
   #resume<T>(w: GateWait<T>, ticket: Ticket): T | Promise<T> {
     this.#waiting--;
+    this.#drain?.poke();
     const { held, o } = w;
     held.push(ticket);
     // A permit that arrives just after an abort is given back at once.
@@ -602,6 +612,7 @@ export class Gate implements Stage {
 
     fail(error: unknown): Promise<T> {
       this.gate.#waiting--;
+      this.gate.#drain?.poke();
       return this.gate.#giveUp(this.held, this.o, error);
     }
   };
@@ -733,6 +744,82 @@ export class Gate implements Stage {
       limit: stages.reduce((n, s) => Math.min(n, s.limit), Number.POSITIVE_INFINITY),
       stages,
     };
+  }
+
+  /** The gate's tickets not yet released: what a drain aborts and releases once its grace is over. */
+  readonly #live = new LiveTickets();
+  #drain: Drain | undefined;
+  #drained: Promise<DrainResult> | undefined;
+
+  /** A ticket of the gate is released or refunded. @internal */
+  ticketDone(ticket: GateTicket): void {
+    this.inFlight--;
+    this.#live.delete(ticket);
+    this.#drain?.released();
+  }
+
+  /**
+   * Shut the gate down gracefully: refuse new calls at once with `DrainingError`; reject the
+   * waiting ones (or, with `waiting: "admit"`, let them be admitted within the grace); drain
+   * every stage; wait up to `graceMs` for the calls in flight to release; then abort the rest
+   * through their `signal` (`DrainingError`), release them (on Redis, their leases) and close
+   * the gate and its stages. Resolves with the gate's own figures; a second call gets the same
+   * promise. Rejects with `InvalidOptionsError` for bad options.
+   */
+  drain(options?: DrainOptions): Promise<DrainResult> {
+    let o: ReturnType<typeof drainOptions>;
+    try {
+      o = drainOptions("gate", this.name, options);
+    } catch (error) {
+      return Promise.reject(error);
+    }
+    this.#drained ??= this.#drainNow(o.graceMs, o.waiting);
+    return this.#drained;
+  }
+
+  async #drainNow(graceMs: number, waiting: "reject" | "admit"): Promise<DrainResult> {
+    if (this.#closed) return nothingDrained();
+    const clock = this.#clock;
+    const start = clock.now();
+    const where = `gate "${this.name}"`;
+    const d = new Drain(new DrainingError(this.name, `${where} is draining`));
+    this.#drain = d;
+    this.#log.warn({ graceMs, waiting, inFlight: this.inFlight, waitingCalls: this.#waiting }, "draining");
+    // Calls already waiting: admitted within the grace, or rejected now. A fused gate's wait in
+    // the gate's own lines; a gate taken in turn's in its stages' lines (their drains reject them).
+    if (waiting === "admit") await d.until(() => this.#waiting === 0, graceMs, clock);
+    const rejected = this.#waiting;
+    this.#fused?.close(
+      new DrainingError(
+        this.name,
+        waiting === "admit"
+          ? `${where} drained: the grace of ${graceMs} ms ran out before this call was admitted`
+          : `${where} is draining: waiting calls are rejected`,
+      ),
+    );
+    const left = Math.max(0, graceMs - (clock.now() - start));
+    // The gate's own wait first, so its grace runs out before its stages' (same clock, same end).
+    const inTime = d.until(() => this.inFlight === 0, left, clock);
+    const stages = this.stages.map((s) =>
+      typeof s.drain === "function" ? s.drain({ graceMs: left, waiting: "reject" }) : s.close(),
+    );
+    await inTime;
+    d.forcing = true;
+    const live = this.#live.list();
+    if (live.length > 0) {
+      const cut = new DrainingError(
+        this.name,
+        `${where} drained: the grace of ${graceMs} ms ran out before this call released its ticket`,
+      );
+      this.#closeController ??= new AbortController();
+      this.#closeController.abort(cut);
+      await Promise.allSettled(live.map((t) => t.release("ignored")));
+    }
+    await Promise.allSettled(stages);
+    await this.close();
+    const result = { completed: d.completed, aborted: live.length, rejected, tookMs: clock.now() - start };
+    this.#log.warn(result, "drained");
+    return result;
   }
 
   /** Refuse new calls, then close every stage (rejecting their waiters with `ClosedError`). */

@@ -5,10 +5,12 @@
  * @module floodgate
  */
 export { type Clock, type ClockTimer, systemClock } from "./clock.js";
+export { type Drainable, type DrainOnSignalsOptions, drainOnSignals } from "./drain.js";
 export {
   AdmitTimeoutError,
   BackendUnavailableError,
   ClosedError,
+  DrainingError,
   type ErrorCode,
   FloodgateError,
   InvalidOptionsError,
@@ -51,6 +53,8 @@ export type {
   AdmitOptions,
   Backend,
   ClassSnapshot,
+  DrainOptions,
+  DrainResult,
   GateSnapshot,
   IntervalGateStage,
   Logger,

@@ -27,6 +27,10 @@ export function outcomeError(
 export abstract class HeldTicket implements Ticket {
   released = false;
   recorded: Outcome | undefined = undefined;
+  /** Neighbours among its owner's live tickets (see `LiveTickets`). @internal */
+  liveNext: HeldTicket | null = null;
+  /** @internal */
+  livePrev: HeldTicket | null = null;
 
   constructor(readonly cost: number) {}
 

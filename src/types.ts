@@ -253,6 +253,13 @@ export interface Stage extends AsyncDisposable {
    * ticket's `signal`. Held tickets can still be released.
    */
   close(): Promise<void>;
+  /**
+   * Shut down gracefully: refuse new calls at once with `DrainingError`, reject the waiting ones
+   * (or, with `waiting: "admit"`, admit them as room frees), give the calls in flight `graceMs`
+   * to release, then abort the rest through their `signal`, release them, and close. Every
+   * stage floodgate builds has it; a `Gate` closes a stage of your own that lacks it.
+   */
+  drain?(options?: DrainOptions): Promise<DrainResult>;
 }
 
 /** An interval gate: a stage that can also hold a host back. */
@@ -280,3 +287,31 @@ export interface Backend extends AsyncDisposable {
 }
 
 export type { Logger } from "./options.js";
+
+/** Options for `drain()` (see `Stage.drain`). */
+export interface DrainOptions {
+  /**
+   * How long calls in flight (and, with `waiting: "admit"`, calls still waiting) get to finish,
+   * in ms; then their tickets' `signal` aborts with `DrainingError` and they are released.
+   * A finite number >= 0. @default 30_000
+   */
+  graceMs?: number;
+  /**
+   * What calls already waiting get: `"reject"`, `DrainingError` at once; `"admit"`, admitted as
+   * room frees, within the grace (those still waiting when it runs out are rejected).
+   * @default "reject"
+   */
+  waiting?: "reject" | "admit";
+}
+
+/** What a drain did. */
+export interface DrainResult {
+  /** Calls that released their ticket within the grace (in flight when the drain began, or admitted during it). */
+  completed: number;
+  /** Calls still in flight when the grace ran out: their `signal` aborted and their ticket was released. */
+  aborted: number;
+  /** Waiting calls rejected with `DrainingError`. */
+  rejected: number;
+  /** How long the drain took, in ms on the stage's clock. */
+  tookMs: number;
+}

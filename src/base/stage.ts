@@ -6,11 +6,14 @@
 import { admitOptions, type Entry, fnError, tooCostly } from "../admit.js";
 import { type CallRule, ONE_BUDGET } from "../call-rule.js";
 import type { Clock } from "../clock.js";
-import { AdmitTimeoutError, ClosedError, InvalidOptionsError } from "../errors.js";
+import { Drain, drainOptions, LiveTickets, nothingDrained } from "../drain.js";
+import { AdmitTimeoutError, ClosedError, DrainingError, InvalidOptionsError } from "../errors.js";
 import { enabled, stageLogger } from "../logger.js";
 import { HeldTicket } from "../ticket.js";
 import type {
   AdmitOptions,
+  DrainOptions,
+  DrainResult,
   Logger,
   Outcome,
   RunOptions,
@@ -55,7 +58,7 @@ export class BaseTicket extends HeldTicket {
   }
 
   protected giveBack(outcome: Outcome | undefined): Promise<void> {
-    this.owner.inFlight--;
+    this.owner.ticketDone(this);
     return this.owner.releaseTicket(this, outcome ?? "ignored", outcome === undefined) ?? RESOLVED;
   }
 
@@ -315,6 +318,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   protected check(options: AdmitOptions | undefined, entry: Entry = "run"): AdmitOptions {
     const o = admitOptions(this.kind, this.name, options, entry);
     if (this.closed) throw new ClosedError(this.name);
+    if (this.#drain !== undefined) throw this.drainingError();
     // An aborted caller gets nothing, even where capacity is free.
     if (o.signal?.aborted) throw o.signal.reason;
     // A cost above what the stage can ever grant is refused at once, never waited on.
@@ -348,6 +352,117 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     return undefined;
   }
 
+  /** Tickets issued and not yet released: what a drain aborts and releases once its grace is over. */
+  readonly #live = new LiveTickets();
+
+  /** The drain under way, once `drain` has begun. */
+  #drain: Drain | undefined;
+  #drained: Promise<DrainResult> | undefined;
+
+  /** Whether new calls are refused: the stage is closed or draining. */
+  protected get refusing(): boolean {
+    return this.closed || this.#drain !== undefined;
+  }
+
+  /** The error a new call gets while the stage drains. */
+  protected drainingError(): DrainingError {
+    return new DrainingError(this.name, `${this.kind} "${this.name}" is draining: it admits no new call`);
+  }
+
+  /** Throw what a new call gets from a stage that is closed or draining; nothing otherwise. */
+  protected throwIfRefusing(): void {
+    if (this.closed) throw new ClosedError(this.name);
+    if (this.#drain !== undefined) throw this.drainingError();
+  }
+
+  /** `ticket` is released: count it out of the calls in flight (and into a drain's). @internal */
+  ticketDone(ticket: BaseTicket): void {
+    this.inFlight--;
+    this.#live.delete(ticket);
+    this.#drain?.released();
+  }
+
+  /**
+   * Shut down gracefully (see `Stage.drain`): refuse new calls with `DrainingError` at once,
+   * reject the waiting ones (or admit them as room frees, with `waiting: "admit"`), wait up to
+   * `graceMs` for the calls in flight to release, then abort the rest through their `signal`,
+   * release them (on Redis, their leases) and close. Resolves with what happened; a second call
+   * gets the same promise. Rejects with `InvalidOptionsError` for bad options.
+   */
+  drain(options?: DrainOptions): Promise<DrainResult> {
+    let o: ReturnType<typeof drainOptions>;
+    try {
+      o = drainOptions(this.kind, this.name, options);
+    } catch (error) {
+      return Promise.reject(error);
+    }
+    this.#drained ??= this.#drainNow(o.graceMs, o.waiting);
+    return this.#drained;
+  }
+
+  async #drainNow(graceMs: number, waiting: "reject" | "admit"): Promise<DrainResult> {
+    if (this.closed) return nothingDrained();
+    const clock = this.clock;
+    const start = clock.now();
+    const d = new Drain(this.drainingError());
+    this.#drain = d;
+    const where = `${this.kind} "${this.name}"`;
+    let rejected =
+      waiting === "admit"
+        ? 0
+        : this.#refuseAll(new DrainingError(this.name, `${where} is draining: waiting calls are rejected`));
+    this.log.warn({ graceMs, waiting, inFlight: this.inFlight }, "draining");
+    await d.until(() => this.inFlight === 0 && this.waiting === 0, graceMs, clock);
+    rejected += this.#refuseAll(
+      new DrainingError(
+        this.name,
+        `${where} drained: the grace of ${graceMs} ms ran out before this call was admitted`,
+      ),
+    );
+    const cut = new DrainingError(
+      this.name,
+      `${where} drained: the grace of ${graceMs} ms ran out before this call released its ticket`,
+    );
+    d.forcing = true;
+    const live = this.#live.list();
+    if (live.length > 0) {
+      this.abortTickets(cut);
+      this.#closeController ??= new AbortController();
+      this.#closeController.abort(cut);
+      await Promise.allSettled(live.map((t) => t.release("ignored")));
+    }
+    await this.close();
+    const result = { completed: d.completed, aborted: live.length, rejected, tookMs: clock.now() - start };
+    this.log.warn(result, "drained");
+    return result;
+  }
+
+  /**
+   * Reject every waiting call with `error`: all are taken off their lines first, so none is
+   * granted on the way; then each is refused and its line told (a Redis waiter leaves the line in
+   * Redis). Returns how many.
+   */
+  #refuseAll(error: DrainingError): number {
+    const gone: [AnyList, WaitEntry][] = [];
+    for (const list of this.lists()) {
+      for (let w = list.head; w; w = list.head) {
+        this.unlink(w);
+        gone.push([list, w]);
+      }
+    }
+    for (const [list, w] of gone) {
+      w.refuse(error);
+      this.afterWaiterGone(list, w);
+    }
+    return gone.length;
+  }
+
+  /**
+   * Abort the `signal` of tickets that have one of their own (not the stage's shared one) with
+   * `reason`: a drain's grace ran out. Stages with such signals override it.
+   */
+  protected abortTickets(_reason: DrainingError): void {}
+
   /** A granted ticket, counted. */
   /**
    * A granted ticket, counted. `waitedFrom` is when the caller started waiting, or `undefined`
@@ -357,6 +472,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   protected issue(cost: number, key: string, waitedFrom: number | undefined, waitFor: WaitFor): BaseTicket {
     const now = waitedFrom !== undefined || this.stampsTickets || this.#debug ? this.clock.now() : Number.NaN;
     const ticket = this.newTicket(cost, key, now);
+    this.#live.add(ticket);
     this.inFlight++;
     this.admitted++;
     if (waitedFrom !== undefined && now > waitedFrom) this.addWait(waitFor, now - waitedFrom);
@@ -524,6 +640,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   private unlink(w: WaitEntry): void {
     w.list?.remove(w);
     this.waiting--;
+    this.#drain?.poke();
     if (w.signal) {
       const signal = w.signal;
       w.signal = undefined;

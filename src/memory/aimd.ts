@@ -79,7 +79,7 @@ export class MemoryAimd extends PermitStage {
         this.log[level]({ from: before.limit, to: this.#state.limit, outcome, slow }, "limit changed");
       }
     }
-    this.drain();
+    this.serveLine();
   }
 
   override snapshot(): Snapshot {

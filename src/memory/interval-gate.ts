@@ -13,7 +13,6 @@ import type { WaitEntry, WaitList } from "../base/wait-list.js";
 import { hostRule } from "../call-rule.js";
 import type { Clock } from "../clock.js";
 import { DEFAULTS } from "../defaults.js";
-import { ClosedError } from "../errors.js";
 import { fusable } from "../fuse.js";
 import type { IntervalGateOptions } from "../options.js";
 import type { AdmitOptions, Outcome, StageKind, Ticket } from "../types.js";
@@ -126,7 +125,7 @@ export class MemoryIntervalGate extends MemoryLineStage<HostSlot> {
   }
 
   override admitNow(o: AdmitOptions, cost: number): BaseTicket | undefined {
-    if (this.closed || !Number.isInteger(cost) || cost < 0 || o.signal?.aborted) return undefined;
+    if (this.refusing || !Number.isInteger(cost) || cost < 0 || o.signal?.aborted) return undefined;
     const host = o.host ?? this.#defaultHost;
     if (host === undefined) return undefined;
     const now = this.clock.now();
@@ -136,7 +135,7 @@ export class MemoryIntervalGate extends MemoryLineStage<HostSlot> {
   }
 
   override fuseProbe(o: AdmitOptions, cost: number): number {
-    if (this.closed) throw new ClosedError(this.name);
+    this.throwIfRefusing();
     const host = o.host ?? this.#defaultHost;
     if (host === undefined || !Number.isInteger(cost) || cost < 0) return Number.NaN;
     const now = this.clock.now();
@@ -183,7 +182,7 @@ export class MemoryIntervalGate extends MemoryLineStage<HostSlot> {
     const t = ticket as SlotTicket;
     const h = this.lines.get(t.key);
     // Hand the slot back only when nothing has moved the host on since (a later call, a pause).
-    if (h && refundSlot(h, t.claimed, t.previous)) this.drain(h, t.key);
+    if (h && refundSlot(h, t.claimed, t.previous)) this.serveLine(h, t.key);
   }
 
   protected afterWaiterGone(list: WaitList, waiter: { key: string }): void {

@@ -35,7 +35,7 @@ export abstract class MemoryLineStage<L extends TimedLine> extends KeyedLineStag
   }
 
   /** Grant what is due now, then sleep until the next head could go. */
-  protected drain(line: L, key: string): void {
+  protected serveLine(line: L, key: string): void {
     const now = this.clock.now();
     this.grantReady(line, key, now);
     this.schedule(line, key, now);
@@ -53,11 +53,11 @@ export abstract class MemoryLineStage<L extends TimedLine> extends KeyedLineStag
     const ms = Math.min(wait, LONGEST_MS);
     line.timer = this.clock.setTimeout(() => {
       line.timer = undefined;
-      this.drain(line, key);
+      this.serveLine(line, key);
     }, ms);
   }
 
   protected override grantDue(list: WaitList, key: string): undefined {
-    this.drain(list as L, key);
+    this.serveLine(list as L, key);
   }
 }

@@ -3,7 +3,7 @@ import { type ClassBook, classRule } from "../base/classes.js";
 import { BaseStage, type BaseTicket, type RunWaiter, type WaitFor } from "../base/stage.js";
 import { type WaitEntry, WaitList } from "../base/wait-list.js";
 import type { Clock } from "../clock.js";
-import { ClosedError, ReclaimedError } from "../errors.js";
+import { type DrainingError, ReclaimedError } from "../errors.js";
 import type { AdmitOptions, Outcome, RunOptions, Snapshot, Ticket } from "../types.js";
 
 /**
@@ -106,6 +106,11 @@ export abstract class PermitStage extends BaseStage {
     return h.controller.signal;
   }
 
+  protected override abortTickets(reason: DrainingError): void {
+    if (!this.#held) return;
+    for (const h of this.#held.values()) h.controller?.abort(reason);
+  }
+
   protected override onClose(): void {
     if (!this.#held) return;
     for (const h of this.#held.values()) h.controller?.abort(this.closedSignal.reason);
@@ -190,7 +195,7 @@ export abstract class PermitStage extends BaseStage {
   }
 
   override admitNow(o: AdmitOptions, cost: number): BaseTicket | undefined {
-    if (this.closed || !Number.isInteger(cost) || cost < 0 || cost > this.maxCost || o.signal?.aborted) {
+    if (this.refusing || !Number.isInteger(cost) || cost < 0 || cost > this.maxCost || o.signal?.aborted) {
       return undefined;
     }
     const cls = this.classOf(o, cost);
@@ -198,7 +203,7 @@ export abstract class PermitStage extends BaseStage {
   }
 
   override fuseProbe(_o: AdmitOptions, cost: number): number {
-    if (this.closed) throw new ClosedError(this.name);
+    this.throwIfRefusing();
     if (!Number.isInteger(cost) || cost < 0 || cost > this.maxCost) return Number.NaN;
     return this.fitsNow(cost) ? 0 : -1;
   }
@@ -210,7 +215,7 @@ export abstract class PermitStage extends BaseStage {
   ): Promise<T> | undefined {
     const cost = w.cost;
     if (
-      this.closed ||
+      this.refusing ||
       !this.blocks ||
       !Number.isInteger(cost) ||
       cost < 0 ||
@@ -274,12 +279,12 @@ export abstract class PermitStage extends BaseStage {
       this.#held!.delete(ticket);
       if (h.asked) this.#asked[h.cls]! -= ticket.cost;
     }
-    this.drain();
+    this.serveLine();
     this.#askBack();
   }
 
   /** Grant waiters from the head while they fit (with classes: in the order `nextClass` picks). */
-  protected drain(): void {
+  protected serveLine(): void {
     if (this.book) {
       for (let cls = this.#pick(); cls >= 0; cls = this.#pick()) {
         const w = this.#lines[cls]!.head!;
@@ -299,7 +304,7 @@ export abstract class PermitStage extends BaseStage {
   }
 
   protected afterWaiterGone(): void {
-    this.drain();
+    this.serveLine();
   }
 
   protected lists(): Iterable<WaitList> {

@@ -30,7 +30,6 @@ import { type WaitEntry, WaitList } from "../base/wait-list.js";
 import { bothRules, bucketRule, UNKEYED } from "../call-rule.js";
 import type { Clock } from "../clock.js";
 import { DEFAULTS } from "../defaults.js";
-import { ClosedError } from "../errors.js";
 import { fusable } from "../fuse.js";
 import type { TokenBucketOptions } from "../options.js";
 import type { AdmitOptions, ClassSnapshot, Outcome, Snapshot, StageKind, Ticket } from "../types.js";
@@ -340,7 +339,7 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
 
   override admitNow(o: AdmitOptions, cost: number): BaseTicket | undefined {
     if (
-      this.closed ||
+      this.refusing ||
       !Number.isInteger(cost) ||
       cost < 0 ||
       cost > this.#config.capacity ||
@@ -359,7 +358,7 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
   }
 
   override fuseProbe(o: AdmitOptions, cost: number): number {
-    if (this.closed) throw new ClosedError(this.name);
+    this.throwIfRefusing();
     const key = this.#keyed ? o.key : UNKEYED;
     if (key === undefined || !Number.isInteger(cost) || cost < 0 || cost > this.#config.capacity) {
       return Number.NaN;
@@ -404,7 +403,7 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
       const now = this.clock.now();
       refundInPlace(b, this.#config, ticket.cost, now);
       if (cls >= 0) this.#credit(b, cls, ticket.cost, now);
-      this.drain(b, ticket.key);
+      this.serveLine(b, ticket.key);
     } else if (outcome === "dropped" && this.#penaltyFactor !== undefined) {
       const now = this.clock.now();
       const b = this.line(ticket.key, now);
@@ -433,7 +432,7 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
         chargeClass(b.ledger!, this.#shares!, this.#config, cls, actual - estimated, now);
       else this.#credit(b, cls, estimated - actual, now);
     }
-    this.drain(b, ticket.key);
+    this.serveLine(b, ticket.key);
   }
 
   /** `amount` tokens back to class `cls` of `b` (up to what its ledger holds with its head waiting). */
@@ -459,11 +458,11 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
   protected afterWaiterGone(list: WaitList, waiter: { key: string }): void {
     const b = this.#bucketOf(list);
     b.end = undefined;
-    this.drain(b, waiter.key);
+    this.serveLine(b, waiter.key);
   }
 
   protected override grantDue(list: WaitList, key: string): undefined {
-    this.drain(this.#bucketOf(list), key);
+    this.serveLine(this.#bucketOf(list), key);
   }
 
   /** Every line waiters stand in: each key's, or each class's line of each key. */

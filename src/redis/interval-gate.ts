@@ -90,7 +90,7 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
       return this.tryAdmit({ host, cost: o.cost }).then((t) => t ?? this.wait(line, o.cost ?? 1, host, o));
     }
     const promise = this.wait(line, o.cost ?? 1, host, o);
-    void this.drain(line, host);
+    void this.serveLine(line, host);
     return promise;
   }
 
@@ -122,7 +122,7 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
     this.log.warn({ host, ms: pauseMs }, "host paused");
     return this.#link
       .run(this.name, "interval-gate-pause", [this.#key(host)], [this.#link.now(), pauseMs])
-      .then(() => this.redrain(host));
+      .then(() => this.serveAgain(host));
   }
 
   protected async attempt(line: HostLine, _head: Waiter): Promise<Attempt> {
@@ -148,7 +148,7 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
   releaseTicket(ticket: BaseTicket, _outcome: Outcome, refund: boolean): Promise<void> | undefined {
     if (!refund) return undefined;
     return this.#refund(ticket as SlotTicket).then(() => {
-      this.redrain(ticket.key);
+      this.serveAgain(ticket.key);
     });
   }
 }

@@ -48,13 +48,13 @@ export abstract class RedisLineStage<L extends RedisLine> extends KeyedLineStage
   }
 
   /** Ask again for `key`'s head, if it has a line (after a refund, a pause, a settle). */
-  protected redrain(key: string): void {
+  protected serveAgain(key: string): void {
     const line = this.lines.get(key);
-    if (line) void this.drain(line, key);
+    if (line) void this.serveLine(line, key);
   }
 
   /** Grant the head and go on, or sleep as long as Redis says. Returns the call in flight. */
-  protected drain(line: L, key: string): Promise<void> | undefined {
+  protected serveLine(line: L, key: string): Promise<void> | undefined {
     if (line.busy) {
       line.again = true;
       return line.busy;
@@ -72,16 +72,16 @@ export abstract class RedisLineStage<L extends RedisLine> extends KeyedLineStage
         if (a.granted) {
           if (head.list === line) a.adopt(this.grant(head, "token"));
           else a.giveBack(); // it left while the call was out
-          void this.drain(line, key);
+          void this.serveLine(line, key);
           return;
         }
         if (line.again || head.list !== line) {
-          void this.drain(line, key);
+          void this.serveLine(line, key);
           return;
         }
         line.timer = this.clock.setTimeout(() => {
           line.timer = undefined;
-          void this.drain(line, key);
+          void this.serveLine(line, key);
         }, a.waitMs);
       },
       (error: unknown) => {
@@ -94,10 +94,10 @@ export abstract class RedisLineStage<L extends RedisLine> extends KeyedLineStage
   }
 
   protected override grantDue(list: WaitList, key: string): Promise<void> | undefined {
-    return this.drain(list as L, key);
+    return this.serveLine(list as L, key);
   }
 
   protected afterWaiterGone(list: WaitList, waiter: Waiter): void {
-    void this.drain(list as L, waiter.key);
+    void this.serveLine(list as L, waiter.key);
   }
 }

@@ -9,7 +9,13 @@ import { type ClassBook, classRule, classSpec } from "../base/classes.js";
 import { BaseStage, type BaseTicket, type WaitFor } from "../base/stage.js";
 import { Waiter, WaitList } from "../base/wait-list.js";
 import { type ClockTimer, unrefTimer } from "../clock.js";
-import { isFloodgateError, LeaseLostError, ReclaimedError, ShedError } from "../errors.js";
+import {
+  type DrainingError,
+  isFloodgateError,
+  LeaseLostError,
+  ReclaimedError,
+  ShedError,
+} from "../errors.js";
 import { fusable } from "../fuse.js";
 import type { AdmitOptions, Logger, Outcome, Snapshot, Ticket } from "../types.js";
 import { ScriptBatch } from "./batch.js";
@@ -619,6 +625,10 @@ export abstract class RedisPermitStage extends BaseStage {
     const reply = await this.#releases.run(t.leaseId, "lease");
     this.granted(reply[3], sentAt);
     return Number(reply[0]) === 1;
+  }
+
+  protected override abortTickets(reason: DrainingError): void {
+    for (const t of this.#signalled) t.controller!.abort(reason);
   }
 
   protected override onClose(): void {

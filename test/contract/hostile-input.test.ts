@@ -1,5 +1,5 @@
 import fc from "fast-check";
-import { type Backend, Gate, isFloodgateError, type Stage, type Ticket } from "floodgate";
+import { type Backend, drainOnSignals, Gate, isFloodgateError, type Stage, type Ticket } from "floodgate";
 import { wrapFetch } from "floodgate/fetch";
 import { FakeClock } from "floodgate/testing";
 import { floodgateInterceptor } from "floodgate/undici";
@@ -430,6 +430,48 @@ function entries(): Entry[] {
       },
     );
   }
+  // A drain closes what it drains: no capacity is checked after it (target "factory").
+  for (const kind of KINDS) {
+    const draining = (env: Env) => env.stages[kind] as Stage & { drain(o?: unknown): Promise<unknown> };
+    list.push(
+      {
+        name: `${kind}.drain(v)`,
+        target: "factory",
+        run: async (env, v, c) => void (await c.async("drain", () => draining(env).drain(v()))),
+      },
+      {
+        name: `${kind}.drain({ graceMs: v })`,
+        target: "factory",
+        run: async (env, v, c) => void (await c.async("drain", () => draining(env).drain({ graceMs: v() }))),
+      },
+      {
+        name: `${kind}.drain({ waiting: v })`,
+        target: "factory",
+        run: async (env, v, c) => void (await c.async("drain", () => draining(env).drain({ waiting: v() }))),
+      },
+    );
+  }
+  list.push(
+    {
+      name: "drainOnSignals(v)",
+      target: "factory",
+      run: async (_env, v, c) => c.sync("drainOnSignals", () => drainOnSignals(v() as never))?.(),
+    },
+    {
+      name: "drainOnSignals(gate, v)",
+      target: "factory",
+      run: async (env, v, c) =>
+        c.sync("drainOnSignals", () => drainOnSignals(env.stages.gate as Gate, v() as never))?.(),
+    },
+    {
+      name: "drainOnSignals(gate, { signals: v })",
+      target: "factory",
+      run: async (env, v, c) =>
+        c.sync("drainOnSignals", () =>
+          drainOnSignals(env.stages.gate as Gate, { signals: v() as never }),
+        )?.(),
+    },
+  );
   for (const kind of Object.keys(GOOD) as Built[]) {
     const factory = (env: Env) => env.b[kind] as (name: unknown, options: unknown) => Stage;
     list.push(
