@@ -1,11 +1,10 @@
 /**
- * Graceful shutdown, shared by every stage and the Gate: the live tickets a drain may have to
- * abort and release, the state of a drain under way, and `drainOnSignals` for a worker process.
+ * Graceful shutdown, shared by every stage and the Gate: the options, the state of a drain under
+ * way, and `drainOnSignals` for a worker process.
  */
 import { z } from "zod";
 import type { Clock, ClockTimer } from "./clock.js";
 import { type DrainingError, InvalidOptionsError } from "./errors.js";
-import type { HeldTicket } from "./ticket.js";
 import type { DrainOptions, DrainResult, StageKind } from "./types.js";
 import { got, isArray, messageOf, parseOptions } from "./validate.js";
 
@@ -41,38 +40,6 @@ export function drainOptions(
 ): { graceMs: number; waiting: "reject" | "admit" } {
   const o = parseOptions(drainSchema, kind, name, options ?? {});
   return { graceMs: o.graceMs ?? DEFAULT_GRACE_MS, waiting: o.waiting ?? "reject" };
-}
-
-/**
- * Tickets not yet released, as an intrusive list through the tickets themselves (no allocation
- * per ticket): what a drain aborts and releases when its grace runs out.
- */
-export class LiveTickets {
-  head: HeldTicket | null = null;
-
-  add(t: HeldTicket): void {
-    t.liveNext = this.head;
-    t.livePrev = null;
-    if (this.head !== null) this.head.livePrev = t;
-    this.head = t;
-  }
-
-  delete(t: HeldTicket): void {
-    const { livePrev: prev, liveNext: next } = t;
-    if (prev !== null) prev.liveNext = next;
-    else if (this.head === t) this.head = next;
-    else return;
-    if (next !== null) next.livePrev = prev;
-    t.liveNext = null;
-    t.livePrev = null;
-  }
-
-  /** Every live ticket, as a list of its own (releasing them changes this one). */
-  list(): HeldTicket[] {
-    const all: HeldTicket[] = [];
-    for (let t = this.head; t !== null; t = t.liveNext) all.push(t);
-    return all;
-  }
 }
 
 /** A drain under way: its error, its count of calls that released in time, its wait. */

@@ -5,8 +5,11 @@ import type { Outcome, StageKind, Ticket } from "./types.js";
 /** What a gate ticket needs of its gate. */
 export interface TicketGate {
   readonly name: string;
-  /** A ticket of the gate is released or refunded: count it out of the calls in flight. */
-  ticketDone(ticket: GateTicket): void;
+  /**
+   * A ticket of the gate is being released or refunded: count it out of the calls in flight;
+   * false when there is nothing more to give back (a drain released its stages' tickets).
+   */
+  ticketDone(): boolean;
   /** Aborts when the gate closes. */
   readonly closedSignal: AbortSignal;
   /** Whether the gate's stages are released together (`together`), in one backend call. */
@@ -45,7 +48,7 @@ export class GateTicket extends HeldTicket {
   }
 
   protected giveBack(outcome: Outcome | undefined): Promise<void> {
-    this.gate.ticketDone(this);
+    if (!this.gate.ticketDone()) return RESOLVED;
     if (!this.gate.fused) return settleAll(this.held, outcome);
     return this.gate.together(() => settleAll(this.held, outcome));
   }

@@ -13,7 +13,7 @@ export { stageOrderWarning } from "./stage-order.js";
 import { callWith, RESOLVED } from "./base/run.js";
 import { type BaseStage, type BaseTicket, RunWaiter } from "./base/stage.js";
 import { type Clock, systemClock } from "./clock.js";
-import { Drain, drainOptions, LiveTickets, nothingDrained } from "./drain.js";
+import { Drain, drainOptions, nothingDrained } from "./drain.js";
 import { ClosedError, DrainingError, InvalidOptionsError } from "./errors.js";
 import { stageLogger } from "./logger.js";
 import type {
@@ -475,9 +475,7 @@ export class Gate implements Stage {
     }
     this.inFlight++;
     this.#admitted++;
-    const ticket = new GateTicket(this, o.cost ?? 1, call);
-    this.#live.add(ticket);
-    return ticket;
+    return new GateTicket(this, o.cost ?? 1, call);
   }
 
   /**
@@ -746,16 +744,20 @@ export class Gate implements Stage {
     };
   }
 
-  /** The gate's tickets not yet released: what a drain aborts and releases once its grace is over. */
-  readonly #live = new LiveTickets();
   #drain: Drain | undefined;
   #drained: Promise<DrainResult> | undefined;
+  /** Set once a drain's grace has run out: its stages release every ticket themselves. */
+  #releasedAll = false;
 
-  /** A ticket of the gate is released or refunded. @internal */
-  ticketDone(ticket: GateTicket): void {
+  /**
+   * A ticket of the gate is being released or refunded: false when a drain has released its
+   * stages' tickets already (nothing more to give back). @internal
+   */
+  ticketDone(): boolean {
+    if (this.#releasedAll) return false;
     this.inFlight--;
-    this.#live.delete(ticket);
     this.#drain?.released();
+    return true;
   }
 
   /**
@@ -805,19 +807,22 @@ export class Gate implements Stage {
     );
     await inTime;
     d.forcing = true;
-    const live = this.#live.list();
-    if (live.length > 0) {
+    // Calls still in flight: their signal aborts, and each stage's drain (whose grace runs out
+    // at the same time) releases what they hold.
+    const aborted = this.inFlight;
+    if (aborted > 0) {
       const cut = new DrainingError(
         this.name,
         `${where} drained: the grace of ${graceMs} ms ran out before this call released its ticket`,
       );
       this.#closeController ??= new AbortController();
       this.#closeController.abort(cut);
-      await Promise.allSettled(live.map((t) => t.release("ignored")));
+      this.#releasedAll = true;
+      this.inFlight = 0;
     }
     await Promise.allSettled(stages);
     await this.close();
-    const result = { completed: d.completed, aborted: live.length, rejected, tookMs: clock.now() - start };
+    const result = { completed: d.completed, aborted, rejected, tookMs: clock.now() - start };
     this.#log.warn(result, "drained");
     return result;
   }

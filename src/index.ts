@@ -4,6 +4,17 @@
  *
  * @module floodgate
  */
+export {
+  type BackendErrorMessage,
+  type CallMessage,
+  CHANNELS,
+  type GrantMessage,
+  type LeaseLostMessage,
+  type PauseMessage,
+  type ReleaseMessage,
+  type ShedMessage,
+  type StageMessage,
+} from "./channels.js";
 export { type Clock, type ClockTimer, systemClock } from "./clock.js";
 export { type Drainable, type DrainOnSignalsOptions, drainOnSignals } from "./drain.js";
 export {

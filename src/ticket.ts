@@ -25,14 +25,18 @@ export function outcomeError(
  * gives back is its owner's business, in `giveBack` and `settleWith`.
  */
 export abstract class HeldTicket implements Ticket {
-  released = false;
-  recorded: Outcome | undefined = undefined;
-  /** Neighbours among its owner's live tickets (see `LiveTickets`). @internal */
-  liveNext: HeldTicket | null = null;
-  /** @internal */
-  livePrev: HeldTicket | null = null;
+  declare released: boolean;
+  declare recorded: Outcome | undefined;
+  /** What the call was admitted at; a token bucket's ticket is re-priced by `settle`. */
+  declare cost: number;
 
-  constructor(readonly cost: number) {}
+  // Fields are set here, not declared with initializers: defined fields ([[Define]]) on every
+  // ticket, overridden in subclasses, cost more than the rest of an admission together.
+  constructor(cost: number) {
+    this.cost = cost;
+    this.released = false;
+    this.recorded = undefined;
+  }
 
   /** The name of the stage or gate that granted the ticket. */
   abstract get stage(): string;

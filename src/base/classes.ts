@@ -131,6 +131,12 @@ export class ClassBook {
     this.calls[i]!--;
   }
 
+  /** Every class's permits given back at once (a drain released every ticket). */
+  giveBackAll(): void {
+    this.used.fill(0);
+    this.calls.fill(0);
+  }
+
   /** Each class as the snapshot shows it; `waiting` by class index. */
   snapshot(limit: number, waiting: (i: number) => number): Record<string, ClassSnapshot> {
     const b = this.bounds(limit);

@@ -5,8 +5,17 @@
  */
 import { admitOptions, type Entry, fnError, tooCostly } from "../admit.js";
 import { type CallRule, ONE_BUDGET } from "../call-rule.js";
+import {
+  admitChannel,
+  type CallMessage,
+  type GrantMessage,
+  grantChannel,
+  type ReleaseMessage,
+  releaseChannel,
+  waitChannel,
+} from "../channels.js";
 import type { Clock } from "../clock.js";
-import { Drain, drainOptions, LiveTickets, nothingDrained } from "../drain.js";
+import { Drain, drainOptions, nothingDrained } from "../drain.js";
 import { AdmitTimeoutError, ClosedError, DrainingError, InvalidOptionsError } from "../errors.js";
 import { enabled, stageLogger } from "../logger.js";
 import { HeldTicket } from "../ticket.js";
@@ -36,13 +45,15 @@ export type WaitFor = "token" | "permit" | "queue";
 
 /** A ticket granted by a stage built on `BaseStage`. */
 export class BaseTicket extends HeldTicket {
-  constructor(
-    readonly owner: BaseStage,
-    public override cost: number,
-    readonly key: string,
-    readonly admittedAt: number,
-  ) {
+  declare readonly owner: BaseStage;
+  declare readonly key: string;
+  declare readonly admittedAt: number;
+
+  constructor(owner: BaseStage, cost: number, key: string, admittedAt: number) {
     super(cost);
+    this.owner = owner;
+    this.key = key;
+    this.admittedAt = admittedAt;
   }
 
   get stage(): string {
@@ -58,7 +69,8 @@ export class BaseTicket extends HeldTicket {
   }
 
   protected giveBack(outcome: Outcome | undefined): Promise<void> {
-    this.owner.ticketDone(this);
+    if (!this.owner.ticketDone()) return RESOLVED;
+    if (releaseChannel.hasSubscribers) this.owner.published(this, outcome);
     return this.owner.releaseTicket(this, outcome ?? "ignored", outcome === undefined) ?? RESOLVED;
   }
 
@@ -103,8 +115,11 @@ export abstract class RunWaiter<T> extends WaitEntry {
 
 /** A waiting `stage.run` call. */
 class CallWaiter<T> extends RunWaiter<T> {
+  // The owner's type narrowed, not redefined: see HeldTicket's constructor.
+  declare readonly owner: BaseStage;
+
   constructor(
-    override readonly owner: BaseStage,
+    owner: BaseStage,
     cost: number,
     key: string,
     enqueuedAt: number,
@@ -352,9 +367,6 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     return undefined;
   }
 
-  /** Tickets issued and not yet released: what a drain aborts and releases once its grace is over. */
-  readonly #live = new LiveTickets();
-
   /** The drain under way, once `drain` has begun. */
   #drain: Drain | undefined;
   #drained: Promise<DrainResult> | undefined;
@@ -375,11 +387,21 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     if (this.#drain !== undefined) throw this.drainingError();
   }
 
-  /** `ticket` is released: count it out of the calls in flight (and into a drain's). @internal */
-  ticketDone(ticket: BaseTicket): void {
+  /**
+   * Set once a drain's grace has run out and the stage has released every ticket itself: a
+   * holder's own release afterwards gives back nothing more.
+   */
+  #releasedAll = false;
+
+  /**
+   * A ticket is being released: count it out of the calls in flight (and into a drain's).
+   * False when the drain has released it already (nothing more to give back). @internal
+   */
+  ticketDone(): boolean {
+    if (this.#releasedAll) return false;
     this.inFlight--;
-    this.#live.delete(ticket);
     this.#drain?.released();
+    return true;
   }
 
   /**
@@ -424,15 +446,17 @@ export abstract class BaseStage implements Stage, WaiterOwner {
       `${where} drained: the grace of ${graceMs} ms ran out before this call released its ticket`,
     );
     d.forcing = true;
-    const live = this.#live.list();
-    if (live.length > 0) {
+    const aborted = this.inFlight;
+    if (aborted > 0) {
       this.abortTickets(cut);
       this.#closeController ??= new AbortController();
       this.#closeController.abort(cut);
-      await Promise.allSettled(live.map((t) => t.release("ignored")));
+      this.#releasedAll = true;
+      this.inFlight = 0;
+      await this.releaseAll();
     }
     await this.close();
-    const result = { completed: d.completed, aborted: live.length, rejected, tookMs: clock.now() - start };
+    const result = { completed: d.completed, aborted, rejected, tookMs: clock.now() - start };
     this.log.warn(result, "drained");
     return result;
   }
@@ -463,21 +487,70 @@ export abstract class BaseStage implements Stage, WaiterOwner {
    */
   protected abortTickets(_reason: DrainingError): void {}
 
+  /**
+   * Give back what every ticket still held holds, as if each were released with `"ignored"`: a
+   * drain's grace has run out (their holders' own releases then do nothing). Stages whose
+   * tickets hold something (permits, leases) override it.
+   */
+  protected releaseAll(): void | Promise<void> {}
+
   /** A granted ticket, counted. */
   /**
    * A granted ticket, counted. `waitedFrom` is when the caller started waiting, or `undefined`
    * when it did not wait: then the clock is not read at all (the hot path), unless the stage
    * stamps its tickets (`stampsTickets`) or logs grants.
    */
-  protected issue(cost: number, key: string, waitedFrom: number | undefined, waitFor: WaitFor): BaseTicket {
-    const now = waitedFrom !== undefined || this.stampsTickets || this.#debug ? this.clock.now() : Number.NaN;
+  protected issue(
+    cost: number,
+    key: string,
+    waitedFrom: number | undefined,
+    waitFor: WaitFor,
+    waited = waitedFrom !== undefined,
+  ): BaseTicket {
+    const now =
+      waitedFrom !== undefined || this.stampsTickets || this.#debug || releaseChannel.hasSubscribers
+        ? this.clock.now()
+        : Number.NaN;
     const ticket = this.newTicket(cost, key, now);
-    this.#live.add(ticket);
     this.inFlight++;
     this.admitted++;
     if (waitedFrom !== undefined && now > waitedFrom) this.addWait(waitFor, now - waitedFrom);
+    if (!waited) {
+      if (admitChannel.hasSubscribers) admitChannel.publish(this.callMessage(key, cost));
+    } else if (grantChannel.hasSubscribers) {
+      const m = this.callMessage(key, cost) as GrantMessage;
+      m.waitedMs = now - waitedFrom!;
+      grantChannel.publish(m);
+    }
     if (this.#debug) this.log.debug({ key, cost, waitedMs: now - (waitedFrom ?? now) }, "granted");
     return ticket;
+  }
+
+  /**
+   * Whether a call in the stage's own line waits (memory stages, and Redis token buckets, whose
+   * callers line up once Redis has reserved their place); false where a call stands in the line
+   * while Redis decides, and the stage says when it waits (`markWaiting`).
+   */
+  protected readonly waitsInLine: boolean = true;
+
+  /** `w` waits: published once on `floodgate:wait`, and its grant on `floodgate:grant`. */
+  protected markWaiting(w: WaitEntry): void {
+    if (w.waited) return;
+    w.waited = true;
+    if (waitChannel.hasSubscribers) waitChannel.publish(this.callMessage(w.key, w.cost));
+  }
+
+  /** A message naming the stage and a call of `cost` under `key`, for a diagnostics channel. */
+  protected callMessage(key: string, cost: number): CallMessage {
+    return { stage: this.name, kind: this.kind, backend: this.backend, key, cost };
+  }
+
+  /** Publish `ticket`'s release on `floodgate:release` (there is a subscriber). @internal */
+  published(ticket: BaseTicket, outcome: Outcome | undefined): void {
+    const m = this.callMessage(ticket.key, ticket.cost) as ReleaseMessage;
+    m.outcome = outcome ?? "refund";
+    m.heldMs = this.clock.now() - ticket.admittedAt;
+    releaseChannel.publish(m);
   }
 
   /** Stages that need `ticket.admittedAt` (to time the call) set this. */
@@ -588,6 +661,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     list.push(w);
     w.seq = ++this.#arrivals;
     this.waiting++;
+    if (this.waitsInLine) this.markWaiting(w);
     if (signal) {
       try {
         signal.addEventListener("abort", w, { once: true });
@@ -620,7 +694,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   /** Hand `w` its ticket: unlink it, drop its listener and timer, resolve. */
   protected grant(w: WaitEntry, waitFor: WaitFor): BaseTicket {
     this.unlink(w);
-    const ticket = this.issue(w.cost, w.key, w.enqueuedAt, waitFor);
+    const ticket = this.issue(w.cost, w.key, w.enqueuedAt, waitFor, w.waited);
     w.deliver(ticket);
     return ticket;
   }

@@ -18,6 +18,8 @@ export abstract class WaitEntry {
   timer: ClockTimer | undefined = undefined;
   /** Its place in the order of arrival at its stage, across all the stage's lines. */
   seq = 0;
+  /** Whether it was published as waiting (`floodgate:wait`): its grant is then one too. */
+  waited = false;
 
   constructor(
     readonly owner: WaiterOwner,

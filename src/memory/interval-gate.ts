@@ -11,6 +11,7 @@ import { TimedLine } from "../base/line-stage.js";
 import { BaseTicket } from "../base/stage.js";
 import type { WaitEntry, WaitList } from "../base/wait-list.js";
 import { hostRule } from "../call-rule.js";
+import { pauseChannel } from "../channels.js";
 import type { Clock } from "../clock.js";
 import { DEFAULTS } from "../defaults.js";
 import { fusable } from "../fuse.js";
@@ -167,6 +168,9 @@ export class MemoryIntervalGate extends MemoryLineStage<HostSlot> {
     const h = this.line(host, now);
     pauseHost(h, now, ms);
     this.log.warn({ host, ms }, "host paused");
+    if (pauseChannel.hasSubscribers) {
+      pauseChannel.publish({ stage: this.name, kind: this.kind, backend: this.backend, host, ms });
+    }
     this.schedule(h, host);
     return Promise.resolve();
   }

@@ -111,6 +111,13 @@ export abstract class PermitStage extends BaseStage {
     for (const h of this.#held.values()) h.controller?.abort(reason);
   }
 
+  protected override releaseAll(): void {
+    this.used = 0;
+    this.book?.giveBackAll();
+    this.#held?.clear();
+    this.#asked.fill(0);
+  }
+
   protected override onClose(): void {
     if (!this.#held) return;
     for (const h of this.#held.values()) h.controller?.abort(this.closedSignal.reason);
@@ -184,7 +191,7 @@ export abstract class PermitStage extends BaseStage {
     const cost = o.cost ?? 1;
     const cls = this.classOf(o, cost);
     if (this.fitsNow(cost, cls)) return Promise.resolve(this.take(cost, cls));
-    const waiting = this.shedding() ?? this.wait(this.lineOf(cls), cost, this.keyOf(cls), o);
+    const waiting = this.shedding(cost) ?? this.wait(this.lineOf(cls), cost, this.keyOf(cls), o);
     this.#askBack();
     return waiting;
   }
@@ -240,7 +247,7 @@ export abstract class PermitStage extends BaseStage {
   }
 
   /** What a call that finds no room gets instead of a place in line: a shedding queue's error. */
-  protected shedding(): Promise<never> | undefined {
+  protected shedding(_cost: number): Promise<never> | undefined {
     return undefined;
   }
 
@@ -260,7 +267,7 @@ export abstract class PermitStage extends BaseStage {
     const cost = o.cost ?? 1;
     const cls = this.classOf(o, cost);
     if (this.fitsNow(cost, cls)) return this.callTicket(this.take(cost, cls), fn, o.classify);
-    const waiting = this.shedding() ?? this.waitToRun(this.lineOf(cls), cost, this.keyOf(cls), o, fn);
+    const waiting = this.shedding(cost) ?? this.waitToRun(this.lineOf(cls), cost, this.keyOf(cls), o, fn);
     this.#askBack();
     return waiting;
   }

@@ -1,4 +1,5 @@
 import type { WaitFor } from "../base/stage.js";
+import { shedChannel } from "../channels.js";
 import type { Clock } from "../clock.js";
 import { ShedError } from "../errors.js";
 import type { QueueOptions } from "../options.js";
@@ -28,10 +29,12 @@ export class MemoryQueue extends PermitStage {
     return this.whenFull === "block";
   }
 
-  protected override shedding(): Promise<never> | undefined {
+  protected override shedding(cost: number): Promise<never> | undefined {
     if (this.whenFull === "block") return undefined;
     this.shed++;
     this.log.warn({ depth: this.used, maxSize: this.limit }, "queue full, shed");
+    if (shedChannel.hasSubscribers)
+      shedChannel.publish({ stage: this.name, kind: this.kind, backend: this.backend, cost });
     return Promise.reject(
       new ShedError(this.name, `queue "${this.name}": full (maxSize ${this.limit}), job shed`),
     );

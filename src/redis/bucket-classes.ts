@@ -64,6 +64,7 @@ type Reply = [status: number, waitMs: number, grants: string[], now: number, tic
  */
 export class RedisClassBucket extends KeyedLineStage<KeyLine> {
   readonly kind: StageKind = "tokenBucket";
+  protected override readonly waitsInLine = false;
   override readonly backend = "redis";
   readonly #link: RedisLink;
   readonly #ctx: RedisContext;
@@ -294,6 +295,7 @@ export class RedisClassBucket extends KeyedLineStage<KeyLine> {
           this.#ask(w);
           return;
         }
+        this.markWaiting(w);
         if (w.again) {
           this.#ask(w);
           return;

@@ -3,6 +3,7 @@ import { spacingMs } from "../algorithms/interval.js";
 import { BaseTicket } from "../base/stage.js";
 import type { Waiter } from "../base/wait-list.js";
 import { hostRule } from "../call-rule.js";
+import { pauseChannel } from "../channels.js";
 import { DEFAULTS } from "../defaults.js";
 import { fusable } from "../fuse.js";
 import { draw } from "../memory/interval-gate.js";
@@ -120,6 +121,9 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
     if (invalid) return Promise.reject(invalid);
     const pauseMs = Math.min(ms, LONGEST_MS);
     this.log.warn({ host, ms: pauseMs }, "host paused");
+    if (pauseChannel.hasSubscribers) {
+      pauseChannel.publish({ stage: this.name, kind: this.kind, backend: this.backend, host, ms: pauseMs });
+    }
     return this.#link
       .run(this.name, "interval-gate-pause", [this.#key(host)], [this.#link.now(), pauseMs])
       .then(() => this.serveAgain(host));

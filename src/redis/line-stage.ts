@@ -1,6 +1,6 @@
 import { KeyedLineStage, TimedLine } from "../base/line-stage.js";
 import type { BaseTicket } from "../base/stage.js";
-import type { Waiter, WaitList } from "../base/wait-list.js";
+import type { WaitEntry, Waiter, WaitList } from "../base/wait-list.js";
 import type { RedisContext } from "./semaphore.js";
 
 /** This process's waiters for one key or host, asked for in order, one Redis call at a time. */
@@ -24,6 +24,7 @@ export type Attempt =
  */
 export abstract class RedisLineStage<L extends RedisLine> extends KeyedLineStage<L> {
   override readonly backend = "redis";
+  protected override readonly waitsInLine = false;
   constructor(name: string, ctx: RedisContext) {
     super(name, ctx.clock, 10_000);
   }
@@ -75,6 +76,8 @@ export abstract class RedisLineStage<L extends RedisLine> extends KeyedLineStage
           void this.serveLine(line, key);
           return;
         }
+        // Refused for now: the line waits (its head for its time, the others behind it).
+        for (let w: WaitEntry | null = line.head; w; w = w.next) this.markWaiting(w);
         if (line.again || head.list !== line) {
           void this.serveLine(line, key);
           return;

@@ -3,6 +3,8 @@
  * the first connection, the server's clock and the pub/sub subscriber. Over 350 lines because
  * every call goes through its one queue of pending replies, which these parts share.
  */
+
+import { backendErrorChannel } from "../channels.js";
 import type { Clock, ClockTimer } from "../clock.js";
 import { BackendUnavailableError } from "../errors.js";
 import type { Logger } from "../types.js";
@@ -134,6 +136,14 @@ class Call {
     readonly resolve: (value: unknown) => void,
     readonly reject: (error: unknown) => void,
   ) {}
+}
+
+/** `error` (a failed Redis call of a stage), published on `floodgate:backend-error` when anyone listens. */
+function published(error: BackendUnavailableError): BackendUnavailableError {
+  if (backendErrorChannel.hasSubscribers) {
+    backendErrorChannel.publish({ stage: error.stage, backend: "redis", error });
+  }
+  return error;
 }
 
 export class RedisLink {
@@ -325,12 +335,14 @@ export class RedisLink {
         // Anything else Redis answers instead of a reply (a replica after a failover, out of
         // memory, a busy or failing script) fails closed too, typed, with Redis's error as cause.
         reject(
-          new BackendUnavailableError(
-            stage,
-            isConnectionError(error)
-              ? `Redis failed: ${message(error)}`
-              : `Redis refused ${script}: ${message(error)}`,
-            { cause: error },
+          published(
+            new BackendUnavailableError(
+              stage,
+              isConnectionError(error)
+                ? `Redis failed: ${message(error)}`
+                : `Redis refused ${script}: ${message(error)}`,
+              { cause: error },
+            ),
           ),
         );
       };
@@ -353,7 +365,7 @@ export class RedisLink {
       `Redis is not connected (status "${this.client.status}")`,
     );
     unsent.add(error);
-    return Promise.reject(error);
+    return Promise.reject(published(error));
   }
 
   /** Whether the client has been ready since this link was made. */
@@ -430,9 +442,11 @@ export class RedisLink {
     for (let call = this.#first; call !== undefined && call.deadline <= now; call = this.#first) {
       this.#remove(call);
       call.reject(
-        new BackendUnavailableError(
-          call.stage,
-          `Redis did not answer ${call.script} within ${this.commandTimeoutMs} ms`,
+        published(
+          new BackendUnavailableError(
+            call.stage,
+            `Redis did not answer ${call.script} within ${this.commandTimeoutMs} ms`,
+          ),
         ),
       );
     }

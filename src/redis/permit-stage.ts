@@ -8,6 +8,7 @@ import { randomBytes } from "node:crypto";
 import { type ClassBook, classRule, classSpec } from "../base/classes.js";
 import { BaseStage, type BaseTicket, type WaitFor } from "../base/stage.js";
 import { Waiter, WaitList } from "../base/wait-list.js";
+import { leaseLostChannel, shedChannel } from "../channels.js";
 import { type ClockTimer, unrefTimer } from "../clock.js";
 import {
   type DrainingError,
@@ -93,6 +94,7 @@ export interface PermitSettings {
  * class is written on its waiters and tickets as their `key`, as in memory.
  */
 export abstract class RedisPermitStage extends BaseStage {
+  protected override readonly waitsInLine = false;
   override readonly backend = "redis";
   protected readonly waiters = new WaitList();
   protected readonly waitFor: WaitFor = "permit";
@@ -405,6 +407,7 @@ export abstract class RedisPermitStage extends BaseStage {
     t.fence = fence;
     t.epoch = epoch;
     if (this.book) this.book.takeNamed(t.key, t.cost);
+    this.#leased.add(t);
     this.#leases.keep(t, validUntil);
     // A waiter that got its ticket may have been the last: no sign of life is needed then.
     this.#leases.quiet();
@@ -433,6 +436,9 @@ export abstract class RedisPermitStage extends BaseStage {
     if (this.settings.whenFull === "shed") {
       this.shed++;
       this.log.warn({ maxSize: this.limit }, "queue full, shed");
+      if (shedChannel.hasSubscribers) {
+        shedChannel.publish({ stage: this.name, kind: this.kind, backend: this.backend, cost });
+      }
       throw new ShedError(this.name, `${this.kind} "${this.name}": full (maxSize ${this.limit}), job shed`);
     }
     this.timedOut++;
@@ -515,6 +521,7 @@ export abstract class RedisPermitStage extends BaseStage {
         }
         // In line in Redis (the acquire gave a sign of life): from now on the process must keep
         // giving them.
+        this.markWaiting(w);
         this.#leases.keepAlive(sentAt);
         if (w.again) return this.#attempt(w);
         if (!this.#listening) {
@@ -591,6 +598,14 @@ export abstract class RedisPermitStage extends BaseStage {
     t.lost = true;
     this.leasesLost++;
     this.log.warn({ lease: t.leaseId, fence: t.fence }, "lease lost");
+    if (leaseLostChannel.hasSubscribers) {
+      leaseLostChannel.publish({
+        stage: this.name,
+        kind: this.kind,
+        backend: this.backend,
+        leaseId: t.leaseId,
+      });
+    }
     this.ticketSignal(t);
     t.controller!.abort(
       new LeaseLostError(
@@ -604,6 +619,7 @@ export abstract class RedisPermitStage extends BaseStage {
   releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): Promise<void> | undefined {
     const t = ticket as LeaseTicket;
     this.#leases.drop(t);
+    this.#leased.delete(t);
     this.#held?.delete(t.leaseId);
     this.#signalled.delete(t);
     this.book?.giveBack(t.key, t.cost);
@@ -629,6 +645,14 @@ export abstract class RedisPermitStage extends BaseStage {
 
   protected override abortTickets(reason: DrainingError): void {
     for (const t of this.#signalled) t.controller!.abort(reason);
+  }
+
+  /** Tickets with a lease in Redis not yet released: a drain releases them when its grace runs out. */
+  readonly #leased = new Set<LeaseTicket>();
+
+  protected override async releaseAll(): Promise<void> {
+    const held = [...this.#leased];
+    await Promise.allSettled(held.map((t) => this.releaseTicket(t, "ignored", false)));
   }
 
   protected override onClose(): void {
