@@ -301,18 +301,26 @@ export async function main(argv: string[]): Promise<number> {
     shed > 0 || snap.queueWaitMs > Math.max(tokenWait, permitWait)
       ? "the feed outruns the pipeline (queue full)"
       : "";
-  // A record waits for its supplier's token holding its permits, so the permit wait counts waits
-  // behind records that wait for tokens too. What the permits' time went to tells them apart:
-  // waiting for tokens (the supplier rates bind; more pool would only wait for tokens too), or
-  // sending while records wait for a permit (the pool binds).
-  const forTokens = tokenWait / Math.max(1, tokenWait + sendingMs);
-  const held = `permits held ${secs(tokenWait + sendingMs)}, ${(100 * forTokens).toFixed(0)}% of it waiting for tokens`;
+  // Which bound the throughput met, supplier by supplier (each is fed its share of the records):
+  // its rate (its bucket's, acme's quota where lower) or its share of the pool (calls in flight
+  // ÷ the mean time a call took, Little's law). Each supplier's gate is fused, so a record waits
+  // holding nothing; the waits are counted at the stage waited for.
+  const callMs = sendingMs / Math.max(1, delivered);
+  const shareBound = (share * 1000) / Math.max(1e-3, callMs);
+  const atRate = suppliers.filter((s) => {
+    const achieved = s.delivered / Math.max(1e-3, (s.lastAt - started) / 1000);
+    const bound = Math.min(rate, s.quota);
+    return bound <= shareBound && achieved >= 0.75 * bound;
+  });
+  const waits =
+    `${atRate.length} of ${suppliers.length} suppliers at their rate, their pool share allowing ${shareBound.toFixed(0)}/s each;` +
+    ` records waited ${secs(tokenWait)} for tokens, ${secs(permitWait)} for a permit`;
   const inside =
-    forTokens >= 0.05
-      ? `supplier rates (${held}): more pool would not help`
+    atRate.length > 0
+      ? `supplier rates (${waits}): more pool would not help`
       : permitWait > 0.1 * sendingMs
-        ? `the pool (${held}; records waited ${secs(permitWait)} for one): the semaphore is the limit`
-        : `neither (${held}, little wait for them)`;
+        ? `the pool (${waits}): the semaphore is the limit`
+        : `neither (${waits})`;
 
   process.stdout.write(
     `ingest [${handle.mode}; ${shedMode ? "shed" : "block"}]: ${delivered}/${produced} records delivered in ${secs(elapsedMs)}` +
