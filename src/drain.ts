@@ -94,6 +94,49 @@ export class Drain {
   }
 }
 
+/** What a stage or a gate keeps of its drain: the one under way, its promise, and its end. */
+export class Drains {
+  /** The drain under way, once `drain` has begun (new calls are refused from then on). */
+  current: Drain | undefined = undefined;
+  #promise: Promise<DrainResult> | undefined = undefined;
+  /**
+   * Set once the grace has run out and the owner has released every ticket itself: a holder's
+   * own release afterwards gives back nothing more.
+   */
+  releasedAll = false;
+
+  /**
+   * A ticket of `owner` is being released: count it out of the calls in flight (and into the
+   * drain's); false when the drain has released it already.
+   */
+  ticketDone(owner: { inFlight: number }): boolean {
+    if (this.releasedAll) return false;
+    owner.inFlight--;
+    this.current?.released();
+    return true;
+  }
+
+  /**
+   * Run `run` with the checked options, once: a later call gets the same promise; bad options
+   * reject with `InvalidOptionsError`, and nothing starts.
+   */
+  start(
+    kind: StageKind,
+    name: string,
+    options: DrainOptions | undefined,
+    run: (graceMs: number, waiting: "reject" | "admit") => Promise<DrainResult>,
+  ): Promise<DrainResult> {
+    let o: ReturnType<typeof drainOptions>;
+    try {
+      o = drainOptions(kind, name, options);
+    } catch (error) {
+      return Promise.reject(error);
+    }
+    this.#promise ??= run(o.graceMs, o.waiting);
+    return this.#promise;
+  }
+}
+
 /** What a drain reports when there was nothing to drain (closed already). */
 export function nothingDrained(): DrainResult {
   return { completed: 0, aborted: 0, rejected: 0, tookMs: 0 };

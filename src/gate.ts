@@ -13,7 +13,7 @@ export { stageOrderWarning } from "./stage-order.js";
 import { callWith, RESOLVED } from "./base/run.js";
 import { type BaseStage, type BaseTicket, RunWaiter } from "./base/stage.js";
 import { type Clock, systemClock } from "./clock.js";
-import { Drain, drainOptions, nothingDrained } from "./drain.js";
+import { Drain, Drains, nothingDrained } from "./drain.js";
 import { ClosedError, DrainingError, InvalidOptionsError } from "./errors.js";
 import { stageLogger } from "./logger.js";
 import type {
@@ -348,7 +348,7 @@ export class Gate implements Stage {
     }
     if (o.class !== undefined) this.#checkClass(o.class);
     if (this.#closed) throw new ClosedError(this.name);
-    if (this.#drain !== undefined) {
+    if (this.#drains.current !== undefined) {
       throw new DrainingError(this.name, `gate "${this.name}" is draining: it admits no new call`);
     }
     return o;
@@ -452,7 +452,7 @@ export class Gate implements Stage {
       throw error;
     } finally {
       this.#waiting--;
-      this.#drain?.poke();
+      this.#drains.current?.poke();
     }
     return start ? this.#started(held, o) : undefined;
   }
@@ -539,7 +539,7 @@ export class Gate implements Stage {
   /** A call's wait at stage `w.index` is over: go on to the next stages, then make the call. */
   #resume<T>(w: GateWait<T>, ticket: Ticket): T | Promise<T> {
     this.#waiting--;
-    this.#drain?.poke();
+    this.#drains.current?.poke();
     const { held, o } = w;
     held.push(ticket);
     // A permit that arrives just after an abort is given back at once.
@@ -610,7 +610,7 @@ export class Gate implements Stage {
 
     fail(error: unknown): Promise<T> {
       this.gate.#waiting--;
-      this.gate.#drain?.poke();
+      this.gate.#drains.current?.poke();
       return this.gate.#giveUp(this.held, this.o, error);
     }
   };
@@ -744,20 +744,14 @@ export class Gate implements Stage {
     };
   }
 
-  #drain: Drain | undefined;
-  #drained: Promise<DrainResult> | undefined;
-  /** Set once a drain's grace has run out: its stages release every ticket themselves. */
-  #releasedAll = false;
+  readonly #drains = new Drains();
 
   /**
    * A ticket of the gate is being released or refunded: false when a drain has released its
    * stages' tickets already (nothing more to give back). @internal
    */
   ticketDone(): boolean {
-    if (this.#releasedAll) return false;
-    this.inFlight--;
-    this.#drain?.released();
-    return true;
+    return this.#drains.ticketDone(this);
   }
 
   /**
@@ -769,14 +763,9 @@ export class Gate implements Stage {
    * promise. Rejects with `InvalidOptionsError` for bad options.
    */
   drain(options?: DrainOptions): Promise<DrainResult> {
-    let o: ReturnType<typeof drainOptions>;
-    try {
-      o = drainOptions("gate", this.name, options);
-    } catch (error) {
-      return Promise.reject(error);
-    }
-    this.#drained ??= this.#drainNow(o.graceMs, o.waiting);
-    return this.#drained;
+    return this.#drains.start("gate", this.name, options, (graceMs, waiting) =>
+      this.#drainNow(graceMs, waiting),
+    );
   }
 
   async #drainNow(graceMs: number, waiting: "reject" | "admit"): Promise<DrainResult> {
@@ -785,7 +774,7 @@ export class Gate implements Stage {
     const start = clock.now();
     const where = `gate "${this.name}"`;
     const d = new Drain(new DrainingError(this.name, `${where} is draining`));
-    this.#drain = d;
+    this.#drains.current = d;
     this.#log.warn({ graceMs, waiting, inFlight: this.inFlight, waitingCalls: this.#waiting }, "draining");
     // Calls already waiting: admitted within the grace, or rejected now. A fused gate's wait in
     // the gate's own lines; a gate taken in turn's in its stages' lines (their drains reject them).
@@ -817,7 +806,7 @@ export class Gate implements Stage {
       );
       this.#closeController ??= new AbortController();
       this.#closeController.abort(cut);
-      this.#releasedAll = true;
+      this.#drains.releasedAll = true;
       this.inFlight = 0;
     }
     await Promise.allSettled(stages);

@@ -15,7 +15,7 @@ import {
   waitChannel,
 } from "../channels.js";
 import type { Clock } from "../clock.js";
-import { Drain, drainOptions, nothingDrained } from "../drain.js";
+import { Drain, Drains, nothingDrained } from "../drain.js";
 import { AdmitTimeoutError, ClosedError, DrainingError, InvalidOptionsError } from "../errors.js";
 import { enabled, stageLogger } from "../logger.js";
 import { HeldTicket } from "../ticket.js";
@@ -333,7 +333,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   protected check(options: AdmitOptions | undefined, entry: Entry = "run"): AdmitOptions {
     const o = admitOptions(this.kind, this.name, options, entry);
     if (this.closed) throw new ClosedError(this.name);
-    if (this.#drain !== undefined) throw this.drainingError();
+    if (this.#drains.current !== undefined) throw this.drainingError();
     // An aborted caller gets nothing, even where capacity is free.
     if (o.signal?.aborted) throw o.signal.reason;
     // A cost above what the stage can ever grant is refused at once, never waited on.
@@ -368,12 +368,11 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   }
 
   /** The drain under way, once `drain` has begun. */
-  #drain: Drain | undefined;
-  #drained: Promise<DrainResult> | undefined;
+  readonly #drains = new Drains();
 
   /** Whether new calls are refused: the stage is closed or draining. */
   protected get refusing(): boolean {
-    return this.closed || this.#drain !== undefined;
+    return this.closed || this.#drains.current !== undefined;
   }
 
   /** The error a new call gets while the stage drains. */
@@ -384,24 +383,15 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   /** Throw what a new call gets from a stage that is closed or draining; nothing otherwise. */
   protected throwIfRefusing(): void {
     if (this.closed) throw new ClosedError(this.name);
-    if (this.#drain !== undefined) throw this.drainingError();
+    if (this.#drains.current !== undefined) throw this.drainingError();
   }
-
-  /**
-   * Set once a drain's grace has run out and the stage has released every ticket itself: a
-   * holder's own release afterwards gives back nothing more.
-   */
-  #releasedAll = false;
 
   /**
    * A ticket is being released: count it out of the calls in flight (and into a drain's).
    * False when the drain has released it already (nothing more to give back). @internal
    */
   ticketDone(): boolean {
-    if (this.#releasedAll) return false;
-    this.inFlight--;
-    this.#drain?.released();
-    return true;
+    return this.#drains.ticketDone(this);
   }
 
   /**
@@ -412,14 +402,9 @@ export abstract class BaseStage implements Stage, WaiterOwner {
    * gets the same promise. Rejects with `InvalidOptionsError` for bad options.
    */
   drain(options?: DrainOptions): Promise<DrainResult> {
-    let o: ReturnType<typeof drainOptions>;
-    try {
-      o = drainOptions(this.kind, this.name, options);
-    } catch (error) {
-      return Promise.reject(error);
-    }
-    this.#drained ??= this.#drainNow(o.graceMs, o.waiting);
-    return this.#drained;
+    return this.#drains.start(this.kind, this.name, options, (graceMs, waiting) =>
+      this.#drainNow(graceMs, waiting),
+    );
   }
 
   async #drainNow(graceMs: number, waiting: "reject" | "admit"): Promise<DrainResult> {
@@ -427,7 +412,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     const clock = this.clock;
     const start = clock.now();
     const d = new Drain(this.drainingError());
-    this.#drain = d;
+    this.#drains.current = d;
     const where = `${this.kind} "${this.name}"`;
     let rejected =
       waiting === "admit"
@@ -451,7 +436,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
       this.abortTickets(cut);
       this.#closeController ??= new AbortController();
       this.#closeController.abort(cut);
-      this.#releasedAll = true;
+      this.#drains.releasedAll = true;
       this.inFlight = 0;
       await this.releaseAll();
     }
@@ -714,7 +699,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   private unlink(w: WaitEntry): void {
     w.list?.remove(w);
     this.waiting--;
-    this.#drain?.poke();
+    this.#drains.current?.poke();
     if (w.signal) {
       const signal = w.signal;
       w.signal = undefined;

@@ -318,26 +318,39 @@ class MemoryFusedGate implements FusedAdmission {
     const line = this.#permitLine;
     for (let w = line.head; w !== null; w = line.head) {
       const now = this.#clock.now();
-      let r: number;
-      try {
-        r = this.#probe(w.call.o);
-      } catch (error) {
-        this.#rejectAll(error);
-        return;
-      }
+      const r = this.#ask(w);
+      if (r === undefined) return;
       if (r < 0) {
         this.#charge(w, now, this.#refusedBy);
         return;
       }
-      line.remove(w);
-      if (r === 0) {
-        this.#charge(w, now, -1);
-        this.#grant(w);
-      } else {
-        this.#charge(w, now, this.#refusedBy);
-        this.#toLane(w, true);
-      }
+      if (!this.#admitted(w, line, r, now)) this.#toLane(w, true);
     }
+  }
+
+  /** What `#probe` says for `w`; undefined when a stage has closed (every waiter is then rejected). */
+  #ask(w: Waiter): number | undefined {
+    try {
+      return this.#probe(w.call.o);
+    } catch (error) {
+      this.#rejectAll(error);
+      return undefined;
+    }
+  }
+
+  /**
+   * `w` leaves `line`: admitted when every stage admits (`r` 0), and true; else (a refusal it
+   * waits on elsewhere) its wait so far is counted, and false.
+   */
+  #admitted(w: Waiter, line: Line, r: number, now: number): boolean {
+    line.remove(w);
+    if (r === 0) {
+      this.#charge(w, now, -1);
+      this.#grant(w);
+      return true;
+    }
+    this.#charge(w, now, this.#refusedBy);
+    return false;
   }
 
   /**
@@ -358,26 +371,14 @@ class MemoryFusedGate implements FusedAdmission {
         this.#toPermits(w);
         continue;
       }
-      let r: number;
-      try {
-        r = this.#probe(w.call.o);
-      } catch (error) {
-        this.#rejectAll(error);
-        return;
-      }
+      const r = this.#ask(w);
+      if (r === undefined) return;
       if (r > 0) {
         this.#charge(w, now, this.#refusedBy);
         lane.timer = this.#retry(lane, r);
         break;
       }
-      lane.remove(w);
-      if (r === 0) {
-        this.#charge(w, now, -1);
-        this.#grant(w);
-      } else {
-        this.#charge(w, now, this.#refusedBy);
-        this.#permitLine.insert(w);
-      }
+      if (!this.#admitted(w, lane, r, now)) this.#permitLine.insert(w);
     }
     if (lane.size === 0 && this.#lanes.get(lane.key) === lane) this.#lanes.delete(lane.key);
   }
