@@ -19,14 +19,16 @@ import type { Backend, IntervalGateStage, Logger, Stage } from "../types.js";
 import { parseOptions, redisBackendSchema } from "../validate.js";
 import { RedisAimd } from "./aimd.js";
 import { RedisClassBucket } from "./bucket-classes.js";
+import { connectionOf, type SupportedClient } from "./clients/index.js";
 import { FallbackStage } from "./fallback.js";
 import { RedisFusion } from "./fused-gate.js";
 import { RedisIntervalGate } from "./interval-gate.js";
-import { type RedisClientLike, RedisLink } from "./link.js";
+import { RedisLink } from "./link.js";
 import { RedisQueue } from "./queue.js";
 import { type RedisContext, RedisSemaphore } from "./semaphore.js";
 import { RedisTokenBucket } from "./token-bucket.js";
 
+export type { IoredisFamilyClient, NodeRedisClient, SupportedClient } from "./clients/index.js";
 export { stageKey } from "./keys.js";
 export type { LeaseTicket } from "./lease.js";
 export { commandName, SCRIPTS, type ScriptName, scriptSha, scriptSource } from "./scripts.js";
@@ -90,10 +92,12 @@ export interface RedisBackendOptions extends StageOptions {
   /** Default `onBackendError` of every stage this backend builds. @default "fail-closed" */
   onBackendError?: "fail-closed" | "fail-open" | "local";
   /**
-   * A connection for the pub/sub wake-ups, which need one of their own. You own it: `close()`
-   * leaves it open. @default `client.duplicate()`, made on first need and closed by `close()`
+   * A connection for the pub/sub wake-ups, which need one of their own: a client of the same
+   * library as `client` (for node-redis, connected or not; it is connected when first needed).
+   * You own it: `close()` leaves it open. @default `client.duplicate()`, made on first need and
+   * closed by `close()`
    */
-  subscriber?: Redis | Cluster;
+  subscriber?: RedisClient;
 }
 
 /** The Redis backend: every stage it builds is shared by all processes using the same Redis and prefix. */
@@ -101,39 +105,57 @@ export interface RedisBackend extends Backend {
   readonly kind: "redis";
 }
 
+/**
+ * A client `redis(client)` accepts, recognised by its shape: an ioredis (5, 6) or iovalkey
+ * `Redis` or `Cluster`, or a node-redis (5, 6) client from `createClient()` or `createCluster()`.
+ */
+export type RedisClient = Redis | Cluster | SupportedClient;
+
 /** At least one of anything countable. */
 const share = (n: number, by: number) => Math.max(1, Math.floor(n * by));
 
 /**
- * The Redis backend. Pass an ioredis `Redis` or `Cluster` client; create it with
- * `enableOfflineQueue: false` so a Redis outage fails calls at once instead of queueing a burst
- * to replay later (floodgate also refuses to send while the client is not ready, but for its
- * first connection, which the first calls wait for up to `commandTimeoutMs`).
+ * The Redis backend. Pass an ioredis or iovalkey `Redis` or `Cluster` client (create it with
+ * `enableOfflineQueue: false`), or a node-redis client from `createClient()` or `createCluster()`
+ * (with `disableOfflineQueue: true`), so a Redis outage fails calls at once instead of queueing a
+ * burst to replay later. floodgate also refuses to send while the client is not ready, but for
+ * its first connection, which the first calls wait for up to `commandTimeoutMs` (a client not
+ * told to connect yet, `lazyConnect` or a node-redis client before `connect()`, is connected by
+ * the first call). Throws `InvalidOptionsError` for anything else.
  *
  * ```ts
  * const backend = redis(new Redis(process.env.REDIS_URL, { enableOfflineQueue: false }), { prefix: "sos:" });
  * const portal = backend.semaphore("de-inflight", { limit: 8, leaseMs: 15_000 });
  * ```
  */
-export function redis(client: Redis | Cluster, options: RedisBackendOptions = {}): RedisBackend {
+export function redis(client: RedisClient, options: RedisBackendOptions = {}): RedisBackend {
   const o = parseOptions(redisBackendSchema, "redis", undefined, options);
-  if (!client || typeof (client as unknown as RedisClientLike).defineCommand !== "function") {
+  const connection = connectionOf(client);
+  if (connection === undefined) {
     throw new InvalidOptionsError(
       undefined,
       "client",
-      "redis: client must be an ioredis Redis or Cluster client",
+      "redis: client must be an ioredis or iovalkey Redis or Cluster client, or a node-redis client (createClient or createCluster)",
+    );
+  }
+  const subscriber = o.subscriber === undefined ? undefined : connectionOf(o.subscriber, false);
+  if (o.subscriber !== undefined && (subscriber === undefined || subscriber.library !== connection.library)) {
+    throw new InvalidOptionsError(
+      undefined,
+      "subscriber",
+      `redis: subscriber must be a client of the same library as client (${connection.library})`,
     );
   }
   const clock: Clock = o.clock ?? systemClock;
   const logger: Logger | undefined = o.logger;
   const log = stageLogger(logger, "redis", "gate", "redis");
   const link = new RedisLink(
-    client as unknown as RedisClientLike,
+    connection,
     clock,
     o.commandTimeoutMs ?? 2000,
     log,
     (o.time ?? "server") === "clock",
-    o.subscriber as unknown as RedisClientLike | undefined,
+    subscriber,
   );
   const prefix = o.prefix ?? "floodgate:";
   const registry = new StageRegistry();

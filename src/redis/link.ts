@@ -9,29 +9,10 @@ import type { Clock, ClockTimer } from "../clock.js";
 import { BackendUnavailableError } from "../errors.js";
 import type { Logger } from "../types.js";
 import { ScriptBatch } from "./batch.js";
-import {
-  commandName,
-  defineScripts,
-  GATE_STEPS,
-  type GateStep,
-  SCRIPTS,
-  type ScriptName,
-  scriptSource,
-} from "./scripts.js";
+import { type Corkable, isConnectionError, type RedisConnection } from "./clients/index.js";
+import { GATE_STEPS, type GateStep, SCRIPTS, type ScriptName } from "./scripts.js";
 
-/** The part of an ioredis client (`Redis` or `Cluster`) floodgate uses. */
-export interface RedisClientLike {
-  status: string;
-  defineCommand(name: string, definition: { numberOfKeys?: number; lua: string }): void;
-  duplicate(...args: never[]): RedisClientLike;
-  subscribe(...channels: string[]): Promise<unknown>;
-  unsubscribe(...channels: string[]): Promise<unknown>;
-  on(event: string, listener: (...args: any[]) => void): unknown;
-  off?(event: string, listener: (...args: any[]) => void): unknown;
-  quit(): Promise<unknown>;
-  disconnect(): void;
-  connect?(): Promise<unknown>;
-}
+export { isConnectionError } from "./clients/index.js";
 
 /** Waiter ids are delivered to every handler registered for the channel. */
 type WakeHandler = (id: string) => void;
@@ -41,10 +22,10 @@ class Subscriber {
   readonly handlers = new Map<string, Set<WakeHandler>>();
   readonly subscribing = new Map<string, Promise<unknown>>();
   constructor(
-    readonly connection: RedisClientLike,
+    readonly connection: RedisConnection,
     log: Logger,
   ) {
-    connection.on("message", (channel: string, id: string) => {
+    connection.onMessage((channel: string, id: string) => {
       const set = this.handlers.get(channel);
       if (set) for (const handler of set) handler(id);
     });
@@ -52,12 +33,8 @@ class Subscriber {
   }
 }
 
-const subscribers = new WeakMap<RedisClientLike, Subscriber>();
-
-/** The ioredis command each script is defined under, looked up once. */
-const COMMANDS = Object.fromEntries(
-  Object.keys(SCRIPTS).map((name) => [name, commandName(name as ScriptName)]),
-) as Record<ScriptName, string>;
+/** The pub/sub connection of each subscriber client, shared by the backends given it. */
+const subscribers = new WeakMap<object, Subscriber>();
 
 /**
  * The scripts whose calls may be held back to the end of the turn and sent with others: the
@@ -66,8 +43,6 @@ const COMMANDS = Object.fromEntries(
 const CORKED: ReadonlySet<ScriptName> = new Set(
   (Object.keys(SCRIPTS) as ScriptName[]).filter((name) => /^(token-bucket|interval-gate)-/.test(name)),
 );
-
-type ScriptCommand = (this: RedisClientLike, ...args: unknown[]) => Promise<unknown>;
 
 const STEPS: ReadonlySet<ScriptName> = new Set(GATE_STEPS);
 
@@ -118,12 +93,6 @@ const LINES = [undefined, "permits", "lane"] as const;
 
 export const NOT_RUN = new Error("not run: another caller is ahead in the gate's line");
 
-/** The part of a socket that can hold writes back and send them together. */
-interface Corkable {
-  cork(): void;
-  uncork(): void;
-}
-
 /** A script call waiting for its reply, in a list ordered by deadline. */
 class Call {
   prev: Call | undefined = undefined;
@@ -167,19 +136,19 @@ export class RedisLink {
   };
 
   constructor(
-    readonly client: RedisClientLike,
+    /** The client, whichever library it is from, behind the one interface of clients/. */
+    readonly client: RedisConnection,
     readonly clock: Clock,
     readonly commandTimeoutMs: number,
     readonly log: Logger,
     /** Decide with the injected clock's time instead of the server's (tests). */
     readonly useClockTime: boolean,
     /** A connection for pub/sub the caller owns; else one `duplicate()` made on first need. */
-    readonly subscriberConnection: RedisClientLike | undefined,
+    readonly subscriberConnection: RedisConnection | undefined,
   ) {
-    defineScripts(client);
-    this.#connected = client.status === "ready";
+    this.#connected = client.status() === "ready";
     if (!this.#connected) client.on("ready", this.#onReady);
-    this.listeners = (client as { isCluster?: unknown }).isCluster === true ? "" : "1";
+    this.listeners = client.cluster ? "" : "1";
   }
 
   /**
@@ -299,11 +268,12 @@ export class RedisLink {
     args: readonly (string | number)[],
   ): Promise<any> {
     const client = this.client;
-    if (client.status !== "ready") {
+    const status = client.status();
+    if (status !== "ready") {
       // A client made just now is still connecting: wait for it, up to the command timeout,
       // rather than fail the first calls of a process. Once it has been ready, a client that is
       // not fails calls at once (the fail-closed promise).
-      if (!this.#connected && FIRST_CONNECT.has(client.status) && !this.#closed) {
+      if (!this.#connected && FIRST_CONNECT.has(status) && !this.#closed) {
         return this.#firstConnection().then((ready) =>
           ready ? this.#run(stage, script, keys, args) : this.#notConnected(stage),
         );
@@ -317,13 +287,6 @@ export class RedisLink {
       // the token bucket and interval gate, whose callers are known to gain from it.
       if (this.#first !== undefined && this.#corked === undefined && CORKED.has(script)) this.#cork();
       this.#push(call);
-      const command = (client as unknown as Record<string, ScriptCommand>)[COMMANDS[script]]!;
-      const sent =
-        SCRIPTS[script] < 0
-          ? command.call(client, keys.length, ...keys, ...args)
-          : keys.length === 1
-            ? command.call(client, keys[0], ...args)
-            : command.call(client, ...keys, ...args);
       const answered = (value: unknown) => {
         if (call.done) return;
         this.#remove(call);
@@ -346,23 +309,15 @@ export class RedisLink {
           ),
         );
       };
-      sent.then(answered, (error: unknown) => {
-        // The script was not run: its cache was flushed again before the client's own resend
-        // (which it tries once). Send the body itself, which cannot miss.
-        if (!call.done && message(error).startsWith("NOSCRIPT")) {
-          const evalScript = (client as unknown as { eval: ScriptCommand }).eval;
-          evalScript.call(client, scriptSource(script), keys.length, ...keys, ...args).then(answered, failed);
-          return;
-        }
-        failed(error);
-      });
+      // By SHA; the connection sends the body after NOSCRIPT.
+      client.script(script, keys, args).then(answered, failed);
     });
   }
 
   #notConnected(stage: string): Promise<never> {
     const error = new BackendUnavailableError(
       stage,
-      `Redis is not connected (status "${this.client.status}")`,
+      `Redis is not connected (status "${this.client.status()}")`,
     );
     unsent.add(error);
     return Promise.reject(published(error));
@@ -382,30 +337,30 @@ export class RedisLink {
       const client = this.client;
       const done = (ready: boolean) => {
         this.clock.clearTimeout(timer);
-        client.off?.("ready", onReady);
-        client.off?.("error", onFailed);
-        client.off?.("end", onFailed);
+        client.off("ready", onReady);
+        client.off("error", onFailed);
+        client.off("end", onFailed);
         this.#waitingForFirst = undefined;
         resolve(ready);
       };
       const onReady = () => done(true);
       const onFailed = () => done(false);
-      const timer = this.clock.setTimeout(() => done(client.status === "ready"), this.commandTimeoutMs);
+      const timer = this.clock.setTimeout(() => done(client.status() === "ready"), this.commandTimeoutMs);
       client.on("ready", onReady);
       client.on("error", onFailed);
       client.on("end", onFailed);
       // A `lazyConnect` client connects on its first command: floodgate's first call is that.
-      if (client.status === "wait") (client as { connect?: () => Promise<void> }).connect?.().catch(() => {});
+      if (client.status() === "wait") client.connect().catch(() => {});
     });
     return this.#waitingForFirst;
   }
 
   /** Hold the client's socket writes back until the end of this turn of the event loop. */
   #cork(): void {
-    const stream = (this.client as { stream?: Partial<Corkable> }).stream;
-    if (typeof stream?.cork !== "function" || typeof stream.uncork !== "function") return;
+    const stream = this.client.socket();
+    if (stream === undefined) return;
     stream.cork();
-    this.#corked = stream as Corkable;
+    this.#corked = stream;
     process.nextTick(this.#uncorked);
   }
 
@@ -459,10 +414,10 @@ export class RedisLink {
   async listen(channel: string, handler: WakeHandler): Promise<void> {
     if (!this.#subscriber) {
       const connection = this.subscriberConnection ?? this.client.duplicate();
-      let sub = subscribers.get(connection);
+      let sub = subscribers.get(connection.client);
       if (!sub) {
         sub = new Subscriber(connection, this.log);
-        subscribers.set(connection, sub);
+        subscribers.set(connection.client, sub);
       }
       this.#subscriber = sub;
     }
@@ -497,7 +452,7 @@ export class RedisLink {
         if (done) return;
         done = true;
         this.clock.clearTimeout(timer);
-        connection.off?.("ready", onReady);
+        connection.off("ready", onReady);
         if (error) reject(error);
         else resolve(undefined);
       };
@@ -509,11 +464,11 @@ export class RedisLink {
         this.commandTimeoutMs,
       );
       const onReady = () => connection.subscribe(channel).then(() => finish(), finish);
-      if (connection.status === "ready") onReady();
+      if (connection.status() === "ready") onReady();
       else {
         connection.on("ready", onReady);
-        // A duplicate of a `lazyConnect` client waits to be told to connect.
-        if (connection.status === "wait") connection.connect?.().catch(() => {});
+        // A duplicate of a `lazyConnect` client (or any node-redis duplicate) waits to be told to connect.
+        if (connection.status() === "wait") connection.connect().catch(() => {});
       }
     });
   }
@@ -521,13 +476,13 @@ export class RedisLink {
   /** Stop listening; quit the pub/sub connection when this link made it. */
   readonly #onReady = () => {
     this.#connected = true;
-    this.client.off?.("ready", this.#onReady);
+    this.client.off("ready", this.#onReady);
   };
 
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;
-    this.client.off?.("ready", this.#onReady);
+    this.client.off("ready", this.#onReady);
     const sub = this.#subscriber;
     this.#subscriber = undefined;
     if (!sub) return;
@@ -557,22 +512,4 @@ export function maybeSent(error: unknown): boolean {
 
 function message(error: unknown): string {
   return error instanceof Error ? error.message : String(error);
-}
-
-/** Errors that mean "Redis could not be reached", as opposed to a script's own error. */
-export function isConnectionError(error: unknown): boolean {
-  if (!(error instanceof Error)) return false;
-  const code = (error as { code?: unknown }).code;
-  if (
-    typeof code === "string" &&
-    /^(ECONNREFUSED|ECONNRESET|EPIPE|ETIMEDOUT|ENOTFOUND|EHOSTUNREACH|ENETUNREACH)$/.test(code)
-  ) {
-    return true;
-  }
-  return (
-    error.name === "MaxRetriesPerRequestError" ||
-    /Connection is closed|Stream isn't writeable|enableOfflineQueue|CLUSTERDOWN|TRYAGAIN|LOADING|Command timed out|connect|Cluster is not ready|None of startup nodes/i.test(
-      error.message,
-    )
-  );
 }
