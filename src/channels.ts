@@ -24,6 +24,8 @@ export const CHANNELS = {
   leaseLost: "floodgate:lease-lost",
   /** A Redis call failed (refused, timed out, not connected): the call fails closed or falls back. */
   backendError: "floodgate:backend-error",
+  /** A drain ended: what it did, and the waiting calls it rejected with `DrainingError`. */
+  drain: "floodgate:drain",
 } as const;
 
 /** What every message names: the stage, its kind and its backend. */
@@ -74,6 +76,19 @@ export interface BackendErrorMessage {
   error: Error;
 }
 
+/**
+ * `floodgate:drain`: the drain of a stage or a gate (`kind: "gate"`) ended with `completed`,
+ * `aborted` and `rejected` calls, after `tookMs`.
+ */
+export interface DrainMessage {
+  stage: string;
+  kind: StageKind;
+  completed: number;
+  aborted: number;
+  rejected: number;
+  tookMs: number;
+}
+
 export const admitChannel = diagnostics_channel.channel(CHANNELS.admit);
 export const waitChannel = diagnostics_channel.channel(CHANNELS.wait);
 export const grantChannel = diagnostics_channel.channel(CHANNELS.grant);
@@ -82,3 +97,4 @@ export const shedChannel = diagnostics_channel.channel(CHANNELS.shed);
 export const pauseChannel = diagnostics_channel.channel(CHANNELS.pause);
 export const leaseLostChannel = diagnostics_channel.channel(CHANNELS.leaseLost);
 export const backendErrorChannel = diagnostics_channel.channel(CHANNELS.backendError);
+export const drainChannel = diagnostics_channel.channel(CHANNELS.drain);

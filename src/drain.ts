@@ -3,6 +3,7 @@
  * way, and `drainOnSignals` for a worker process.
  */
 import { z } from "zod";
+import { drainChannel } from "./channels.js";
 import type { Clock, ClockTimer } from "./clock.js";
 import { type DrainingError, InvalidOptionsError } from "./errors.js";
 import type { DrainOptions, DrainResult, StageKind } from "./types.js";
@@ -118,7 +119,8 @@ export class Drains {
 
   /**
    * Run `run` with the checked options, once: a later call gets the same promise; bad options
-   * reject with `InvalidOptionsError`, and nothing starts.
+   * reject with `InvalidOptionsError`, and nothing starts. Its result is published on
+   * `floodgate:drain`.
    */
   start(
     kind: StageKind,
@@ -132,7 +134,10 @@ export class Drains {
     } catch (error) {
       return Promise.reject(error);
     }
-    this.#promise ??= run(o.graceMs, o.waiting);
+    this.#promise ??= run(o.graceMs, o.waiting).then((result) => {
+      if (drainChannel.hasSubscribers) drainChannel.publish({ stage: name, kind, ...result });
+      return result;
+    });
     return this.#promise;
   }
 }
