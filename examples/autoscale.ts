@@ -48,6 +48,7 @@ import { type Backend, Gate, memory } from "floodgate";
 import { parseRateLimit, wrapFetch } from "floodgate/fetch";
 import { redis } from "floodgate/redis";
 import type { Redis } from "ioredis";
+import { startChart, writeChart } from "./chart.js";
 import { UsageError } from "./cli.js";
 import {
   connectRedis,
@@ -322,6 +323,7 @@ export async function main(argv: string[]): Promise<number> {
   async function addReplica(): Promise<void> {
     const gate = replicaGate(await backendFor(), `replica-${replicas}`);
     gates.push(gate);
+    chart?.watch(gate);
     replicas++;
     const send = sender(gate, "bulk");
     for (let j = 0; j < perReplica; j++) workers.push(bulkJob(send));
@@ -351,6 +353,12 @@ export async function main(argv: string[]): Promise<number> {
     }
   })();
 
+  // The provider's cap (3 × the bound) is far above the lines: the bound is the semaphore's limit.
+  const chart = startChart(f.chart, {
+    title: `autoscale [${url ? "redis" : "memory"}]: fleet bound ${bound}, ${rate}/s`,
+  })
+    ?.watch(apiGate)
+    .watchProvider(provider);
   const started = performance.now();
   const ticker = progress(() => {
     const p = provider.stats();
@@ -399,6 +407,7 @@ export async function main(argv: string[]): Promise<number> {
   await Promise.all(interactiveCalls);
   ticker.stop();
   limit.clear();
+  await writeChart(chart);
 
   // The classes as the stages divide them (fleet-wide figures, also on Redis).
   const [permitStage, rateStage] = apiGate.stages;

@@ -6,26 +6,28 @@ import { randomBytes } from "node:crypto";
 import { type Backend, memory } from "floodgate";
 import { redis } from "floodgate/redis";
 import { Redis } from "ioredis";
+import { CHART_FLAG } from "./chart.js";
 import { type Command, command, type Flags, parseCommandLine, usage, type Values } from "./cli.js";
 
 /** The flag every example takes: a short run. */
 const SMALL = { type: "boolean", help: "a short run (a few seconds)" } as const;
 
 /**
- * An example's command line: `npm run example -- <name> [flags]`, with `--small` added. A flag's
- * `small` is its default under `--small`.
+ * An example's command line: `npm run example -- <name> [flags]`, with `--small` and `--chart`
+ * added. A flag's `small` is its default under `--small`; `--chart FILE.svg` names the file the
+ * example draws its run to (see `chart.ts`).
  */
 export function exampleCommand<const F extends Flags>(
   name: string,
   about: string,
   flags: F,
   notes: readonly string[] = [],
-): Command<F & { small: typeof SMALL }> {
+): Command<F & { small: typeof SMALL; chart: typeof CHART_FLAG }> {
   return command({
     name,
     synopsis: `npm run example -- ${name} [flags]`,
     about: `${about[0]!.toUpperCase()}${about.slice(1)}.`,
-    flags: { small: SMALL, ...flags },
+    flags: { small: SMALL, ...flags, chart: CHART_FLAG },
     notes,
     hint: `try: npm run example -- ${name} --help`,
   });

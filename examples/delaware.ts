@@ -25,6 +25,7 @@
 import { type ChildProcess, fork } from "node:child_process";
 import { fileURLToPath } from "node:url";
 import { Gate } from "floodgate";
+import { startChart, writeChart } from "./chart.js";
 import {
   deadline,
   exampleCommand,
@@ -202,6 +203,10 @@ export async function main(argv: string[]): Promise<number> {
       `blocks itself 2 s above that\n`,
   );
 
+  const chart = startChart(f.chart, { title: `delaware [${handle.mode}]: ${fleet}`, cap })?.watchProvider(
+    provider,
+  );
+
   const queue = new EntityQueue(Array.from({ length: entities }, (_, i) => `DE-${5_000_000 + i}`));
   const idealMs = (entities / Math.min(permits, cap)) * serviceMs * 1.25;
   const limit = deadline("delaware", Math.max(30_000, 10 * idealMs));
@@ -226,6 +231,7 @@ export async function main(argv: string[]): Promise<number> {
       [handle.backend.semaphore(SEMAPHORE, { limit: permits, leaseMs, classes: entityClasses(permits) })],
       { name: "delaware" },
     );
+    chart?.watch(gate).start();
     started = performance.now();
     await Promise.all(
       Array.from({ length: workers }, (_, worker) =>
@@ -304,12 +310,14 @@ export async function main(argv: string[]): Promise<number> {
       `delaware: ${workers} worker processes connected in ${secs(performance.now() - forked)}\n`,
     );
     started = performance.now();
+    chart?.start(); // the run starts now; the workers' stages are in their own processes
     for (const c of children) if (c.connected) c.send({ type: "go" });
     await Promise.all(exited);
   }
   const elapsedMs = (queue.finishedAt || performance.now()) - started;
   limit.clear();
   ticker.stop();
+  await writeChart(chart);
 
   const p = provider.stats();
   await provider.close();

@@ -12,6 +12,7 @@
 import { setMaxListeners } from "node:events";
 import { Gate, memory } from "floodgate";
 import { wrapFetch } from "floodgate/fetch";
+import { CHART_FLAG, startChart, writeChart } from "./chart.js";
 import { command, parseOrExit } from "./cli.js";
 import { startProvider } from "./provider.js";
 
@@ -27,11 +28,12 @@ const COMMAND = command({
     callers: { type: "int", default: 64, help: "concurrent callers" },
     cap: { type: "int", default: 8, help: "requests the provider serves at once; the gate's limit" },
     "service-ms": { type: "int", default: 50, help: "provider answer time per request" },
+    chart: CHART_FLAG,
   },
 });
 
 async function main(): Promise<number> {
-  const { requests, callers, cap, "service-ms": serviceMs } = parseOrExit(COMMAND).values;
+  const { requests, callers, cap, "service-ms": serviceMs, chart: chartFile } = parseOrExit(COMMAND).values;
   const provider = await startProvider({ cap, serviceMs });
   const backend = memory();
   const gate = new Gate(
@@ -44,6 +46,11 @@ async function main(): Promise<number> {
     { name: "demo" },
   );
   const gatedFetch = wrapFetch(gate);
+  const chart = startChart(chartFile, {
+    title: `demo: ${requests} requests from ${callers} callers, provider cap ${cap}, ${serviceMs} ms each`,
+    cap,
+  });
+  chart?.watch(gate).watchProvider(provider);
 
   // Bounded in time as well as in count: far longer than the run needs, then everything stops.
   const idealMs = (requests / cap) * serviceMs;
@@ -98,6 +105,7 @@ async function main(): Promise<number> {
   clearInterval(ticker);
   progress();
   if (tty) process.stderr.write("\n");
+  await writeChart(chart);
 
   const stats = provider.stats();
   const snapshot = gate.snapshot();

@@ -25,6 +25,7 @@
  */
 import { setMaxListeners } from "node:events";
 import { Gate, type Job, ShedError } from "floodgate";
+import { startChart, writeChart } from "./chart.js";
 import {
   deadline,
   exampleCommand,
@@ -237,6 +238,12 @@ export async function main(argv: string[]): Promise<number> {
       ` · permit wait ${secs(s.permitWaitMs)} · shed ${s.shed}`
     );
   };
+  const chart = startChart(f.chart, {
+    title: `ingest [${handle.mode}]: ${suppliers.length} suppliers, queue ${queueSize} (${shedMode ? "shed" : "block"}), pool ${pool}`,
+  })?.watch(...gates.values());
+  // The suppliers' servers as one: in flight across them (the group), and their 429s.
+  const rejected429 = () => suppliers.reduce((n, s) => n + s.server!.stats().rejected429, 0);
+  chart?.watchProvider({ stats: () => ({ ...group, rejected429: rejected429() }) }, "suppliers");
   let produced = 0;
   const ticker = progress(() => {
     const delivered = suppliers.reduce((n, s) => n + s.delivered, 0);
@@ -268,6 +275,7 @@ export async function main(argv: string[]): Promise<number> {
   clearInterval(sampler);
   ticker.stop();
   limit.clear();
+  await writeChart(chart);
 
   const snap = four();
   const delivered = suppliers.reduce((n, s) => n + s.delivered, 0);

@@ -24,6 +24,7 @@
  */
 import { type DrainResult, drainOnSignals, Gate, isFloodgateError, type Ticket } from "floodgate";
 import { parseRetryAfter } from "floodgate/fetch";
+import { startChart, writeChart } from "./chart.js";
 import {
   deadline,
   exampleCommand,
@@ -259,6 +260,10 @@ export async function main(argv: string[]): Promise<number> {
   process.once("SIGINT", () => void shutdown(new Error("interrupted")));
   process.once("SIGTERM", () => void shutdown(new Error("terminated")));
 
+  // The cap drawn is the provider's undocumented one, which AIMD finds by its 429s.
+  const chart = startChart(f.chart, { title: `llm [${handle.mode}]: ${rpm} RPM, ${tpm} TPM`, cap: hiddenCap })
+    ?.watch(gate)
+    .watchProvider(provider);
   const started = performance.now();
   const ticker = progress(() => {
     const p = provider.stats();
@@ -277,6 +282,7 @@ export async function main(argv: string[]): Promise<number> {
   clearInterval(sampler);
   ticker.stop();
   stopOnSignals();
+  await writeChart(chart);
 
   const after = gate.snapshot();
   const p = provider.stats();

@@ -23,6 +23,7 @@
 import { setMaxListeners } from "node:events";
 import { Gate } from "floodgate";
 import { wrapFetch } from "floodgate/fetch";
+import { startChart, writeChart } from "./chart.js";
 import {
   deadline,
   exampleCommand,
@@ -161,6 +162,12 @@ export async function main(argv: string[]): Promise<number> {
   let done = 0;
   let errors = 0;
   const audit = new Map<string, number>();
+  const chart = startChart(f.chart, {
+    title: `rateshop [${handle.mode}]: ${hosts.length} hosts, ceiling ${ceiling}`,
+  })?.watch(...[...fetchers.values()].map((x) => x.gate));
+  // The hosts' servers as one: in flight across them (the group), and their 429s.
+  const rejected429 = () => hosts.reduce((n, h) => n + h.server!.stats().rejected429, 0);
+  chart?.watchProvider({ stats: () => ({ ...group, rejected429: rejected429() }) }, "hosts");
   const started = performance.now();
   const ticker = progress(
     () =>
@@ -204,6 +211,7 @@ export async function main(argv: string[]): Promise<number> {
   const elapsedMs = performance.now() - started;
   ticker.stop();
   limit.clear();
+  await writeChart(chart);
 
   const stats = new Map(hosts.map((h) => [h.name, h.server!.stats()]));
   for (const { gate } of fetchers.values()) await gate.close();
