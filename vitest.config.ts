@@ -10,7 +10,7 @@ export default defineConfig({
       { find: /^floodgate\/fetch$/, replacement: src("http/fetch.ts") },
       { find: /^floodgate\/undici$/, replacement: src("http/undici.ts") },
       { find: /^floodgate\/testing$/, replacement: src("testing/index.ts") },
-      { find: /^floodgate\/otel$/, replacement: src("otel.ts") },
+      { find: /^floodgate\/otel$/, replacement: src("otel/index.ts") },
       { find: /^floodgate$/, replacement: src("index.ts") },
     ],
   },

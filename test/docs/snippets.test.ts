@@ -60,7 +60,7 @@ function typeCheck(): void {
         "floodgate/fetch": src("http/fetch.ts"),
         "floodgate/undici": src("http/undici.ts"),
         "floodgate/testing": src("testing/index.ts"),
-        "floodgate/otel": src("otel.ts"),
+        "floodgate/otel": src("otel/index.ts"),
       },
     },
     include: ["*.ts"],

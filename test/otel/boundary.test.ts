@@ -39,8 +39,8 @@ it.each([
   expect(found.filter((p) => p.startsWith("@opentelemetry/"))).toEqual([]);
 });
 
-it("src/otel.ts imports @opentelemetry/api, and no other package of OpenTelemetry", async () => {
-  expect((await packagesOf("src/otel.ts")).filter((p) => p.startsWith("@opentelemetry/"))).toEqual([
+it("floodgate/otel imports @opentelemetry/api, and no other package of OpenTelemetry", async () => {
+  expect((await packagesOf("src/otel/index.ts")).filter((p) => p.startsWith("@opentelemetry/"))).toEqual([
     "@opentelemetry/api",
   ]);
 });

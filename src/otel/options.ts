@@ -1,0 +1,118 @@
+/** What `instrument` takes: its targets and its options, checked, and the meter they name. */
+import { type Meter, type MeterProvider, metrics } from "@opentelemetry/api";
+import { z } from "zod";
+import { InvalidOptionsError } from "../errors.js";
+import type { Snapshot } from "../types.js";
+import { got, isArray, messageOf, parseOptions } from "../validate.js";
+import { METER_NAME } from "./names.js";
+
+/** What `instrument` reads: anything with `snapshot()`, such as a stage or a `Gate`. */
+export interface Instrumentable {
+  snapshot(): Snapshot;
+}
+
+/** Options for `instrument`. Give at most one of `meter` and `meterProvider`. */
+export interface InstrumentOptions {
+  /** The meter to create the instruments on. */
+  meter?: Meter;
+  /**
+   * The provider to get the `floodgate` meter from.
+   * @default the global one: `metrics.getMeterProvider()` of `@opentelemetry/api`
+   */
+  meterProvider?: MeterProvider;
+}
+
+const isMeter = (v: unknown): v is Meter =>
+  typeof v === "object" &&
+  v !== null &&
+  [
+    "createHistogram",
+    "createObservableCounter",
+    "createObservableUpDownCounter",
+    "createObservableGauge",
+    "addBatchObservableCallback",
+    "removeBatchObservableCallback",
+  ].every((m) => typeof (v as Record<string, unknown>)[m] === "function");
+
+const optionsSchema = z
+  .strictObject({
+    meter: z.custom<Meter>(isMeter, { error: "must be an OpenTelemetry Meter" }).optional(),
+    meterProvider: z
+      .custom<MeterProvider>(
+        (v) =>
+          typeof v === "object" && v !== null && typeof (v as { getMeter?: unknown }).getMeter === "function",
+        { error: "must be an OpenTelemetry MeterProvider" },
+      )
+      .optional(),
+  })
+  .refine((o) => o.meter === undefined || o.meterProvider === undefined, {
+    path: ["meterProvider"],
+    error: "must not be given with meter",
+  });
+
+/** `targets` checked: each has `snapshot()`; else `InvalidOptionsError` naming `targets` or `targets.i`. */
+export function checkTargets(targets: unknown): Instrumentable[] {
+  const many = isArray(targets);
+  let list: unknown[];
+  try {
+    list = many ? Array.from(targets as unknown[]) : [targets];
+  } catch (error) {
+    throw new InvalidOptionsError(
+      undefined,
+      "targets",
+      `instrument: targets could not be read (${messageOf(error)})`,
+    );
+  }
+  if (list.length === 0) {
+    throw new InvalidOptionsError(
+      undefined,
+      "targets",
+      "instrument: targets must hold at least one gate or stage",
+    );
+  }
+  list.forEach((t, i) => {
+    let ok = false;
+    try {
+      ok = typeof (t as Partial<Instrumentable> | null)?.snapshot === "function";
+    } catch {
+      ok = false;
+    }
+    if (!ok) {
+      const field = many ? `targets.${i}` : "targets";
+      throw new InvalidOptionsError(
+        undefined,
+        field,
+        `instrument: ${field} must be a gate or a stage, ${got(t)}`,
+      );
+    }
+  });
+  return list as Instrumentable[];
+}
+
+/** `options` checked, and the meter they name: an `InvalidOptionsError` naming the field, else the meter. */
+export function meterOf(options: InstrumentOptions): Meter {
+  const o = parseOptions(optionsSchema, "instrument", undefined, options);
+  return o.meter ?? providerMeter(o.meterProvider);
+}
+
+/** The `floodgate` meter of `provider`, or of the global provider. */
+function providerMeter(provider: MeterProvider | undefined): Meter {
+  let meter: unknown;
+  try {
+    meter = (provider ?? metrics.getMeterProvider()).getMeter(METER_NAME);
+  } catch (error) {
+    throw new InvalidOptionsError(
+      undefined,
+      "meterProvider",
+      `instrument: meterProvider.getMeter() threw (${messageOf(error)})`,
+    );
+  }
+  if (!isMeter(meter)) {
+    throw new InvalidOptionsError(
+      undefined,
+      "meterProvider",
+      `instrument: meterProvider.getMeter() must return an OpenTelemetry Meter, ${got(meter)}`,
+    );
+  }
+  return meter;
+}
