@@ -1,10 +1,11 @@
 import { randomUUID } from "node:crypto";
 import { type Backend, memory } from "floodgate";
-import { redis } from "floodgate/redis";
+import { type RedisClient, redis } from "floodgate/redis";
 import type { FakeClock } from "floodgate/testing";
 import { Cluster, type ClusterNode, Redis } from "ioredis";
 import { Redis as Redis6 } from "ioredis6";
 import { afterAll, beforeAll, inject } from "vitest";
+import { closeAny, LIBRARIES } from "../redis/libraries.js";
 
 /**
  * The backends every contract suite runs against. Each builds a fresh backend driven by the
@@ -121,12 +122,55 @@ function redisClusterBackend(): ContractBackend {
   };
 }
 
+/**
+ * A backend on a client of another library (node-redis 6 or 5, iovalkey), on the single server
+ * or the Cluster: a client and a subscriber opened by `open`, with the options of the backends
+ * above.
+ */
+function libraryBackend(name: string, open: () => Promise<RedisClient>): ContractBackend {
+  let client: RedisClient | undefined;
+  let subscriber: RedisClient | undefined;
+  return {
+    name,
+    async setup() {
+      [client, subscriber] = await Promise.all([open(), open()]);
+    },
+    async teardown() {
+      await Promise.all([closeAny(client), closeAny(subscriber)]);
+    },
+    make(clock, random) {
+      if (!client || !subscriber) throw new Error(`the ${name} contract backend was not set up`);
+      return redis(client, {
+        prefix: `contract:${randomUUID()}:`,
+        clock,
+        time: "clock",
+        subscriber,
+        claimMs: 30_000, // see the single-node backend above
+        livenessMs: 600_000,
+        ...(random ? { random } : {}),
+      });
+    },
+  };
+}
+
+const library = (name: string) => LIBRARIES.find((l) => l.name === name)!;
+
+/** The single-server and Cluster backends of each library other than ioredis. */
+const libraryBackends: ContractBackend[] = ["node-redis", "node-redis5", "iovalkey"].flatMap((name) => {
+  const lib = library(name);
+  const single = libraryBackend(`redis-${name}`, () => lib.connect(redisUrl()));
+  if (!lib.connectCluster) return [single];
+  const connectCluster = lib.connectCluster;
+  return [single, libraryBackend(`redis-cluster-${name}`, () => connectCluster(redisClusterNodes()))];
+});
+
 /** Every backend the contract suites know, by the names `FLOODGATE_BACKENDS` takes. */
 export const allBackends: readonly ContractBackend[] = [
   { name: "memory", make: (clock, random) => memory({ clock, ...(random ? { random } : {}) }) },
   redisBackend("redis", testClient),
   redisBackend("redis-ioredis6", ioredis6),
   redisClusterBackend(),
+  ...libraryBackends,
 ];
 
 /**

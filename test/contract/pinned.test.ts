@@ -551,8 +551,14 @@ describe("selecting contract backends", () => {
       "redis",
       "redis-ioredis6",
       "redis-cluster",
+      "redis-node-redis",
+      "redis-cluster-node-redis",
+      "redis-node-redis5",
+      "redis-cluster-node-redis5",
+      "redis-iovalkey",
+      "redis-cluster-iovalkey",
     ]);
-    expect(selectBackends(allBackends, " ").length).toBe(4);
+    expect(selectBackends(allBackends, " ").length).toBe(10);
   });
 
   it("takes the backends named, in their own order", () => {

@@ -1,0 +1,119 @@
+import type { RedisClient } from "floodgate/redis";
+import { Cluster, type ClusterNode, Redis } from "ioredis";
+import { Redis as Valkey, Cluster as ValkeyCluster } from "iovalkey";
+import { createClient, createCluster } from "redis";
+import { createClient as createClient5, createCluster as createCluster5 } from "redis5";
+
+/**
+ * One Redis client library the backend supports, with fail-fast test clients: no retries per
+ * request, no offline queue, connected before they are returned. `reconnect` makes a client
+ * that reconnects every 50 ms after a lost connection (for the fault tests); otherwise it does
+ * not reconnect at all.
+ */
+export interface Library {
+  name: string;
+  connect(url: string, options?: { reconnect?: boolean }): Promise<RedisClient>;
+  /** Absent for a library whose Cluster client floodgate does not support. */
+  connectCluster?(nodes: readonly ClusterNode[]): Promise<RedisClient>;
+  /** Quit when connected, else drop the connection; never throws. */
+  close(client: RedisClient): Promise<void>;
+}
+
+type AnyClient = {
+  status?: string;
+  isOpen?: boolean;
+  quit?(): Promise<unknown>;
+  close?(): Promise<unknown>;
+  disconnect?(): unknown;
+  destroy?(): void;
+};
+
+/** Close any client of any library: politely when it is up, else at once; never throws. */
+export async function closeAny(client: RedisClient | undefined): Promise<void> {
+  const c = client as AnyClient | undefined;
+  if (!c) return;
+  try {
+    if (typeof c.status === "string") {
+      if (c.status === "ready") await c.quit!();
+      else c.disconnect!();
+    } else if (c.isOpen) {
+      await (c.close ? c.close() : c.quit!()).catch(() => c.destroy?.());
+    }
+  } catch {
+    if (typeof c.status === "string") c.disconnect?.();
+    else c.destroy?.();
+  }
+}
+
+const url = (node: ClusterNode) =>
+  `redis://${(node as { host: string }).host}:${(node as { port: number }).port}`;
+
+function ioredisFamily(name: string, Client: typeof Redis, ClusterClient: typeof Cluster): Library {
+  return {
+    name,
+    async connect(address, { reconnect = false } = {}) {
+      const client = new Client(address, {
+        maxRetriesPerRequest: 0,
+        enableOfflineQueue: false,
+        lazyConnect: true,
+        retryStrategy: reconnect ? () => 50 : () => null,
+      });
+      client.on("error", () => {});
+      await client.connect();
+      return client;
+    },
+    async connectCluster(nodes) {
+      const client = new ClusterClient([...nodes], {
+        redisOptions: { maxRetriesPerRequest: 0 },
+        enableOfflineQueue: false,
+        lazyConnect: true,
+        clusterRetryStrategy: () => null,
+      });
+      client.on("error", () => {});
+      await client.connect();
+      return client;
+    },
+    close: closeAny,
+  };
+}
+
+function nodeRedis(name: string, create: typeof createClient, cluster: typeof createCluster): Library {
+  return {
+    name,
+    async connect(address, { reconnect = false } = {}) {
+      const client = create({
+        url: address,
+        disableOfflineQueue: true,
+        socket: { reconnectStrategy: reconnect ? () => 50 : false },
+      });
+      client.on("error", () => {});
+      await client.connect();
+      return client as unknown as RedisClient;
+    },
+    async connectCluster(nodes) {
+      const client = cluster({
+        rootNodes: nodes.map((node) => ({ url: url(node) })),
+        defaults: { disableOfflineQueue: true, socket: { reconnectStrategy: false } },
+      });
+      client.on("error", () => {});
+      await client.connect();
+      return client as unknown as RedisClient;
+    },
+    close: closeAny,
+  };
+}
+
+/** Every library, by name: ioredis 5, node-redis 6 and 5, iovalkey. */
+export const LIBRARIES: readonly Library[] = [
+  ioredisFamily("ioredis", Redis, Cluster),
+  nodeRedis("node-redis", createClient, createCluster),
+  nodeRedis(
+    "node-redis5",
+    createClient5 as unknown as typeof createClient,
+    createCluster5 as unknown as typeof createCluster,
+  ),
+  ioredisFamily("iovalkey", Valkey as unknown as typeof Redis, ValkeyCluster as unknown as typeof Cluster),
+];
+
+/** The libraries other than ioredis, which the existing Redis suites already run on. */
+export const OTHER_LIBRARIES: readonly Library[] = LIBRARIES.filter((library) => library.name !== "ioredis");
