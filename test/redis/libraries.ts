@@ -117,3 +117,25 @@ export const LIBRARIES: readonly Library[] = [
 
 /** The libraries other than ioredis, which the existing Redis suites already run on. */
 export const OTHER_LIBRARIES: readonly Library[] = LIBRARIES.filter((library) => library.name !== "ioredis");
+
+/** Close any client at once, dropping its connection; never throws. */
+export function dropAny(client: RedisClient | undefined): void {
+  const c = client as AnyClient | undefined;
+  try {
+    if (typeof c?.status === "string") c.disconnect?.();
+    else if (c?.isOpen) c.destroy?.();
+  } catch {
+    // Already closed.
+  }
+}
+
+/** Whether `client`, of any library, is connected and ready for commands. */
+export function isReady(client: RedisClient): boolean {
+  const c = client as AnyClient & { isReady?: boolean };
+  return typeof c.status === "string" ? c.status === "ready" : c.isOpen === true && c.isReady !== false;
+}
+
+/** Whether `client` is an ioredis or iovalkey client, whose queues the fault tests can read. */
+export function isIoredisFamily(client: RedisClient): client is Redis {
+  return typeof (client as AnyClient).status === "string";
+}
