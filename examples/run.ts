@@ -35,8 +35,9 @@ async function list(): Promise<string> {
   lines.push(
     "",
     "flags:",
-    "  --small     a short run (a few seconds); every example takes it",
-    "  -h, --help  this list; after a name, that example's flags and their defaults",
+    "  --small           a short run (a few seconds); every example takes it",
+    "  --chart FILE.svg  draw the run (in flight, waiting, 429s and sheds over time) to FILE.svg",
+    "  -h, --help        this list; after a name, that example's flags and their defaults",
   );
   return `${lines.join("\n")}\n`;
 }
