@@ -1,7 +1,7 @@
 /**
  * The packed package as a dependent project gets it. `npm pack` (which builds) into a temporary
- * directory, checks what the tarball holds, installs it with ioredis, undici, typescript and
- * @types/node into a new project under the system's temporary directory, then:
+ * directory, checks what the tarball holds, installs it with ioredis, undici, @opentelemetry/api,
+ * typescript and @types/node into a new project under the system's temporary directory, then:
  *
  * - type-checks the programs of test/package/consumer/ and the README's `ts run` blocks, strict,
  *   under `module: nodenext` and under `moduleResolution: bundler`;
@@ -164,7 +164,7 @@ async function main(): Promise<void> {
     );
 
     const ready = await check(
-      "npm install the tarball, ioredis, undici, typescript, @types/node",
+      "npm install the tarball, ioredis, undici, @opentelemetry/api, typescript, @types/node",
       async () => {
         const ran = await sh(
           npm,
@@ -177,6 +177,7 @@ async function main(): Promise<void> {
             tarball,
             `ioredis@${installed("ioredis", "5")}`,
             `undici@${installed("undici", "7")}`,
+            `@opentelemetry/api@${installed("@opentelemetry/api", "1")}`,
             `typescript@${installed("typescript", "5")}`,
             `@types/node@${installed("@types/node", "20")}`,
           ],

@@ -2,6 +2,7 @@
 
 import { type Backend, Gate, memory, type Outcome, type Stage } from "floodgate";
 import { type FetchGate, parseRetryAfter, wrapFetch } from "floodgate/fetch";
+import { instrument, METRICS } from "floodgate/otel";
 import { type RedisBackendOptions, stageKey } from "floodgate/redis";
 import { FakeClock } from "floodgate/testing";
 import { floodgateInterceptor, type InterceptorOptions } from "floodgate/undici";
@@ -19,5 +20,9 @@ const interceptorOptions: Partial<InterceptorOptions> = {};
 if (typeof interceptor !== "function" || typeof interceptorOptions !== "object") throw new Error("undici");
 const retryAfter = parseRetryAfter({ "retry-after": "5" });
 if (retryAfter !== 5_000) throw new Error(`parseRetryAfter gave ${retryAfter} for "5"`);
+// With no SDK registered, the global meter is a no-op: nothing is recorded.
+const instrumented = instrument(stages);
+if (METRICS.admissions !== "floodgate.admissions") throw new Error("otel");
+instrumented.close();
 await backend.close();
 console.log(`${outcome}, ${stageKey(options.prefix!, "s", "k")}`);
