@@ -12,6 +12,8 @@ import { createClient as createClient5, createCluster as createCluster5 } from "
  */
 export interface Library {
   name: string;
+  /** A client not connected yet, with an `error` listener: the backend connects it on its first call. */
+  make(url: string, options?: { reconnect?: boolean }): RedisClient;
   connect(url: string, options?: { reconnect?: boolean }): Promise<RedisClient>;
   /** Absent for a library whose Cluster client floodgate does not support. */
   connectCluster?(nodes: readonly ClusterNode[]): Promise<RedisClient>;
@@ -51,7 +53,7 @@ const url = (node: ClusterNode) =>
 function ioredisFamily(name: string, Client: typeof Redis, ClusterClient: typeof Cluster): Library {
   return {
     name,
-    async connect(address, { reconnect = false } = {}) {
+    make(address, { reconnect = false } = {}) {
       const client = new Client(address, {
         maxRetriesPerRequest: 0,
         enableOfflineQueue: false,
@@ -59,6 +61,10 @@ function ioredisFamily(name: string, Client: typeof Redis, ClusterClient: typeof
         retryStrategy: reconnect ? () => 50 : () => null,
       });
       client.on("error", () => {});
+      return client;
+    },
+    async connect(address, options) {
+      const client = this.make(address, options) as Redis;
       await client.connect();
       return client;
     },
@@ -80,13 +86,17 @@ function ioredisFamily(name: string, Client: typeof Redis, ClusterClient: typeof
 function nodeRedis(name: string, create: typeof createClient, cluster: typeof createCluster): Library {
   return {
     name,
-    async connect(address, { reconnect = false } = {}) {
+    make(address, { reconnect = false } = {}) {
       const client = create({
         url: address,
         disableOfflineQueue: true,
         socket: { reconnectStrategy: reconnect ? () => 50 : false },
       });
       client.on("error", () => {});
+      return client as unknown as RedisClient;
+    },
+    async connect(address, options) {
+      const client = this.make(address, options) as unknown as ReturnType<typeof createClient>;
       await client.connect();
       return client as unknown as RedisClient;
     },
@@ -138,4 +148,14 @@ export function isReady(client: RedisClient): boolean {
 /** Whether `client` is an ioredis or iovalkey client, whose queues the fault tests can read. */
 export function isIoredisFamily(client: RedisClient): client is Redis {
   return typeof (client as AnyClient).status === "string";
+}
+
+/** Run one Redis command on `client`, of any library (on a Cluster, routed by its second word, a key). */
+export function command(client: RedisClient, args: readonly string[]): Promise<unknown> {
+  if (isIoredisFamily(client)) return client.call(args[0]!, ...args.slice(1));
+  const c = client as unknown as {
+    getSlotMaster?: unknown;
+    sendCommand(...a: unknown[]): Promise<unknown>;
+  };
+  return typeof c.getSlotMaster === "function" ? c.sendCommand(args[1], false, [...args]) : c.sendCommand([...args]);
 }
