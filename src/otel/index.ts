@@ -175,12 +175,14 @@ export function instrument(
     if (r !== undefined) wait.record(seconds, r.of(c.key));
   };
   const onAdmit = (m: unknown) => waited(m as CallMessage, 0);
-  const onGrant = (m: unknown) => waited(m as GrantMessage, (m as GrantMessage).waitedMs / 1000);
+  // A clock stepped back gives a negative span, which a histogram refuses: counted as 0.
+  const onGrant = (m: unknown) => waited(m as GrantMessage, Math.max(0, (m as GrantMessage).waitedMs) / 1000);
   const onRelease = (m: unknown) => {
     const rel = m as ReleaseMessage;
-    if (!(rel.heldMs >= 0)) return;
+    // NaN: admitted before anyone subscribed, and not timed.
+    if (Number.isNaN(rel.heldMs)) return;
     const r = rowOf(rel.stage, rel.kind, rel.backend);
-    if (r !== undefined) held.record(rel.heldMs / 1000, r.released(rel.key, rel.outcome));
+    if (r !== undefined) held.record(Math.max(0, rel.heldMs) / 1000, r.released(rel.key, rel.outcome));
   };
   const onDrain = (m: unknown) => {
     const d = m as DrainMessage;
