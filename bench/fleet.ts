@@ -7,7 +7,14 @@
  * lease semaphore polling every 200 ms, and no gate; the ceiling is exactly 8 ungated callers.
  * Admission waits are compared with those of a perfect FIFO queue fed the same service and think
  * times (a simulation of 24 callers on 8 permits with zero handoff cost).
+ *
+ * With `--chart FILE.svg` (see `drawFleetChart`) it draws the first round of the first variant:
+ * the provider's requests in flight against the cap and its 429s over time, one line per
+ * contender, from what the parent sees (the provider; the workers' stages are in their processes).
  */
+
+import { writeFile } from "node:fs/promises";
+import { type ChartPoint, ChartRecorder, renderChart } from "../examples/chart.js";
 import { startProvider } from "../examples/provider.js";
 import type { Mode, RunMessage, RunReport } from "./fleet-worker.js";
 import {
@@ -35,6 +42,13 @@ const CAP = 8;
 const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
 
 type Reply = RunReport | { kind: "ready" };
+
+let chartFile: string | undefined;
+
+/** Draw the fleet's runs to `file` (an SVG) on its next run: `bench/index.ts fleet --chart FILE.svg`. */
+export function drawFleetChart(file: string): void {
+  chartFile = file;
+}
 
 const newWorker = (redisUrl: string) =>
   new BenchWorker<Reply>(new URL("./fleet-worker.ts", import.meta.url), [redisUrl], "fleet worker");
@@ -167,6 +181,10 @@ export const fleet: Benchmark = {
       for (const v of variants) {
         const provider = await startProvider({ cap: CAP, serviceMs: v.serviceMs });
         const stats = new Map<string, RunStats[]>();
+        // The chart: the first variant's first measured round of each contender, on one time axis.
+        const charted = chartFile !== undefined && v === variants[0];
+        const chartPoints: ChartPoint[] = [];
+        const chartTotals: string[] = [];
         try {
           const runOnce = async (mode: Mode, name: string, round: number): Promise<number> => {
             const durationMs = (round < 0 ? Math.min(seconds, warmup) : seconds) * 1000;
@@ -189,9 +207,21 @@ export const fleet: Benchmark = {
               };
               w.child.send(m);
             });
+            const chart =
+              charted && round === 0
+                ? new ChartRecorder({ title: mode, cap: CAP, intervalMs: 20 }).watchProvider(provider, mode)
+                : undefined;
+            const chartAt = chart && setTimeout(() => chart.start(), Math.max(0, startAt - nowMs()));
             const reports = (await Promise.all(
               workers.map((w) => w.next(durationMs + 120_000)),
             )) as RunReport[];
+            if (chart) {
+              clearTimeout(chartAt);
+              chart.stop();
+              chartPoints.push(...chart.points);
+              const p = provider.stats();
+              chartTotals.push(`${mode} peak ${p.peak}, 429s ${p.rejected429}`);
+            }
             const p = provider.stats();
             const ok = reports.reduce((n, r) => n + r.ok, 0);
             const waits = sorted(reports.flatMap((r) => r.waits));
@@ -219,6 +249,23 @@ export const fleet: Benchmark = {
             run: (round) => runOnce(mode, name, round),
           }));
           const figures = await rounds(contenders, count);
+          if (charted) {
+            const file = chartFile!;
+            await writeFile(
+              file,
+              await renderChart({
+                title:
+                  `fleet: ${WORKERS} processes × ${PER_WORKER} callers, cap ${CAP}, ${v.serviceMs} ms ` +
+                  `service, ${v.thinkMs} ms think (round 1)`,
+                subtitle: [0, 3].map((i) => chartTotals.slice(i, i + 3).join(" · ")),
+                legend: "contender",
+                points: chartPoints,
+                cap: CAP,
+                intervalMs: 20,
+              }),
+            );
+            console.error(`(fleet: chart in ${file})`);
+          }
           const ceiling = figures.get(MODES[0]!.name)!;
           const rows: string[][] = [];
           const notes: string[] = [];

@@ -12,13 +12,48 @@
  *
  * Flags: --quick, --rounds N, --tasks N, --seconds S, --handoffs N, --keys N (--help says more).
  * Redis benchmarks start their own redis-server on a free loopback port unless REDIS_URL is set.
+ *
+ * `--chart FILE.svg` draws the fleet benchmark's first round (`npx tsx bench/index.ts fleet
+ * --quick --chart fleet.svg`): the provider's requests in flight against the cap and its 429s
+ * over time, one line per contender. It is taken off the command line here, before the suite
+ * reads its flags.
  */
 import { spawn } from "node:child_process";
-import { parseOrExit } from "../examples/cli.js";
+import { resolve } from "node:path";
+import { parseOrExit, refusal, UsageError } from "../examples/cli.js";
+import { drawFleetChart } from "./fleet.js";
 import { COMMAND, runSuite } from "./suite.js";
 
+/** `argv` without `--chart FILE` (or `--chart=FILE`), and the file. */
+function takeChart(argv: readonly string[]): { argv: string[]; chart: string | undefined } {
+  const rest: string[] = [];
+  let chart: string | undefined;
+  for (let i = 0; i < argv.length; i++) {
+    const a = argv[i]!;
+    if (a === "--chart" || a.startsWith("--chart=")) {
+      const value = a === "--chart" ? argv[++i] : a.slice("--chart=".length);
+      if (value === undefined || value === "" || value.startsWith("-")) {
+        process.stderr.write(refusal(COMMAND, new UsageError("--chart needs a value")));
+        process.exit(2);
+      }
+      chart = value;
+    } else rest.push(a);
+  }
+  return { argv: rest, chart };
+}
+
+const { argv, chart } = takeChart(process.argv.slice(2));
 // Help and a command line it cannot use end here, before a child is started.
-parseOrExit(COMMAND);
+const { args: names } = parseOrExit(COMMAND, argv);
+if (chart !== undefined) {
+  if (names.length > 0 && !names.includes("fleet") && !names.includes("redis")) {
+    process.stderr.write(
+      refusal(COMMAND, new UsageError("--chart draws the fleet benchmark; name it (fleet)")),
+    );
+    process.exit(2);
+  }
+  drawFleetChart(resolve(chart));
+}
 
 // Collections between contenders keep one contender's garbage out of the next one's figure.
 if (typeof (globalThis as { gc?: unknown }).gc !== "function" && !process.env.FLOODGATE_BENCH_CHILD) {
@@ -32,5 +67,5 @@ if (typeof (globalThis as { gc?: unknown }).gc !== "function" && !process.env.FL
   process.on("SIGTERM", forward("SIGTERM"));
   child.on("exit", (code, signal) => process.exit(code ?? (signal ? 1 : 0)));
 } else {
-  await runSuite(process.argv.slice(2));
+  await runSuite(argv);
 }

@@ -48,6 +48,8 @@ export interface ChartData {
   cap?: number | undefined;
   /** Milliseconds between samples, for the third panel's title. @default 50 */
   intervalMs?: number | undefined;
+  /** The legend's title: what the lines are. @default "stage, class or provider" */
+  legend?: string | undefined;
 }
 
 /** Options of a recorder. */
@@ -291,9 +293,27 @@ export async function writeChart(chart: ChartRecorder | undefined): Promise<void
 const WIDTH = 640;
 const HEIGHT = 130;
 
+/**
+ * `text` in lines of at most `max` characters, broken at spaces. Without a browser, vega sizes
+ * the chart from an estimate of each title line's width (0.8 × font size per character), so a
+ * long line would widen the whole SVG.
+ */
+function wrap(text: string, max: number): string[] {
+  const lines: string[] = [];
+  let line = "";
+  for (const word of text.split(" ")) {
+    if (line !== "" && line.length + 1 + word.length > max) {
+      lines.push(line);
+      line = word;
+    } else line = line === "" ? word : `${line} ${word}`;
+  }
+  if (line !== "") lines.push(line);
+  return lines;
+}
+
 /** The panels' titles on the y axis. */
-function panelTitle(panel: ChartPanel, intervalMs: number): string {
-  if (panel === "in flight") return "in flight (dashed: limit)";
+function panelTitle(panel: ChartPanel, intervalMs: number, limits: boolean): string {
+  if (panel === "in flight") return limits ? "in flight (dashed: limit)" : "in flight";
   if (panel === "waiting") return "waiting";
   return `429s, sheds per ${intervalMs} ms`;
 }
@@ -304,7 +324,8 @@ function panelTitle(panel: ChartPanel, intervalMs: number): string {
  */
 export function chartSpec(data: ChartData): Record<string, unknown> {
   const intervalMs = data.intervalMs ?? 50;
-  const tMax = Math.max(0.001, ...data.points.map((p) => p.t));
+  const tMax = data.points.reduce((m, p) => Math.max(m, p.t), 0.001);
+  const limits = data.points.some((p) => p.measure === "limit");
   const series = [...new Set(data.points.map((p) => p.series))];
   const panels = (["in flight", "waiting", "refused"] as const).filter((panel) =>
     data.points.some((p) => p.panel === panel),
@@ -314,7 +335,7 @@ export function chartSpec(data: ChartData): Record<string, unknown> {
     type: "nominal",
     scale: { domain: series, scheme: series.length > 10 ? "category20" : "tableau10" },
     legend: {
-      title: "stage, class or provider",
+      title: data.legend ?? "stage, class or provider",
       orient: "bottom",
       columns: 3,
       labelLimit: 300,
@@ -341,7 +362,7 @@ export function chartSpec(data: ChartData): Record<string, unknown> {
   const vconcat = panels.map((panel, i) => {
     const last = i === panels.length - 1;
     // From 0, to at least 1 (an all-zero panel still has a scale) and to the cap.
-    let top = Math.max(1, ...data.points.filter((p) => p.panel === panel).map((p) => p.value));
+    let top = data.points.reduce((m, p) => (p.panel === panel ? Math.max(m, p.value) : m), 1);
     if (panel === "in flight" && data.cap !== undefined) top = Math.max(top, data.cap);
     const layer: Record<string, unknown>[] = [
       {
@@ -352,7 +373,7 @@ export function chartSpec(data: ChartData): Record<string, unknown> {
           y: {
             field: "value",
             type: "quantitative",
-            title: panelTitle(panel, intervalMs),
+            title: panelTitle(panel, intervalMs, limits),
             scale: { domain: [0, top], nice: true },
             axis: { tickMinStep: 1, format: "d" },
           },
@@ -391,16 +412,23 @@ export function chartSpec(data: ChartData): Record<string, unknown> {
         },
       );
     }
-    return { width: WIDTH, height: panel === "refused" ? HEIGHT - 40 : HEIGHT, layer };
+    return { width: WIDTH, height: panel === "refused" ? HEIGHT - 30 : HEIGHT, layer };
   });
   return {
     $schema: "https://vega.github.io/schema/vega-lite/v6.json",
-    title: { text: data.title, subtitle: data.subtitle ?? "", anchor: "start", subtitlePadding: 4 },
+    title: {
+      text: wrap(data.title, 75),
+      subtitle: [data.subtitle ?? []].flat().flatMap((line) => wrap(line, 90)),
+      anchor: "start",
+      subtitlePadding: 4,
+      offset: 12,
+    },
     background: "white",
     padding: 8,
     data: { values: points },
     vconcat,
     spacing: 12,
+    align: "none",
     config: { font: "sans-serif", axis: { grid: true, gridOpacity: 0.4 } },
   };
 }

@@ -203,9 +203,10 @@ export async function main(argv: string[]): Promise<number> {
       `blocks itself 2 s above that\n`,
   );
 
-  const chart = startChart(f.chart, { title: `delaware [${handle.mode}]: ${fleet}`, cap })?.watchProvider(
-    provider,
-  );
+  const chart = startChart(f.chart, {
+    title: `delaware [${handle.mode}]: ${workers} workers, ${permits} permits, cap ${cap}`,
+    cap,
+  })?.watchProvider(provider);
 
   const queue = new EntityQueue(Array.from({ length: entities }, (_, i) => `DE-${5_000_000 + i}`));
   const idealMs = (entities / Math.min(permits, cap)) * serviceMs * 1.25;

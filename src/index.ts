@@ -8,6 +8,7 @@ export {
   type BackendErrorMessage,
   type CallMessage,
   CHANNELS,
+  type DrainMessage,
   type GrantMessage,
   type LeaseLostMessage,
   type PauseMessage,
