@@ -6,6 +6,7 @@ import { command, parseOrExit } from "../examples/cli.js";
 import { bucketClassesBench, redisBucketClassesBench } from "./bucket-classes.js";
 import { bucketFleet } from "./bucket-fleet.js";
 import { classesBench, redisClassesBench } from "./classes.js";
+import { clientLibraries } from "./client-libraries.js";
 import { fleet } from "./fleet.js";
 import { handoff } from "./handoff.js";
 import { idleKeys } from "./idle-keys.js";
@@ -32,6 +33,7 @@ export const BENCHMARKS: readonly Benchmark[] = [
   redisGate,
   redisCommands,
   handoff,
+  clientLibraries,
   redisClassesBench,
   redisBucketClassesBench,
   bucketFleet,
