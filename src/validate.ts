@@ -207,7 +207,7 @@ export const redisBackendSchema = z.strictObject({
       (v) =>
         typeof v === "object" && v !== null && typeof (v as { subscribe?: unknown }).subscribe === "function",
       {
-        error: "must be an ioredis connection",
+        error: "must be a Redis client (ioredis, iovalkey or node-redis)",
       },
     )
     .optional(),
