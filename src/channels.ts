@@ -49,7 +49,7 @@ export interface GrantMessage extends CallMessage {
 /** `floodgate:release`: a ticket released with `outcome` (`"refund"` for a refund) after `heldMs`. */
 export interface ReleaseMessage extends CallMessage {
   outcome: Outcome | "refund";
-  /** ms from admission to release; NaN when the ticket was admitted before anyone subscribed. */
+  /** ms from admission to release. */
   heldMs: number;
 }
 

@@ -9,7 +9,7 @@ export interface TicketGate {
    * A ticket of the gate is being released or refunded: count it out of the calls in flight;
    * false when there is nothing more to give back (a drain released its stages' tickets).
    */
-  ticketDone(): boolean;
+  ticketDone(ticket: GateTicket, counted: boolean): boolean;
   /** Aborts when the gate closes. */
   readonly closedSignal: AbortSignal;
   /** Whether the gate's stages are released together (`together`), in one backend call. */
@@ -26,6 +26,8 @@ export class GateTicket extends HeldTicket {
     readonly gate: TicketGate,
     cost: number,
     readonly held: Ticket[],
+    /** When the gate admitted the call, on the gate's clock. */
+    readonly admittedAt: number,
   ) {
     super(cost);
   }
@@ -48,7 +50,7 @@ export class GateTicket extends HeldTicket {
   }
 
   protected giveBack(outcome: Outcome | undefined): Promise<void> {
-    if (!this.gate.ticketDone()) return RESOLVED;
+    if (!this.gate.ticketDone(this, outcome !== undefined)) return RESOLVED;
     if (!this.gate.fused) return settleAll(this.held, outcome);
     return this.gate.together(() => settleAll(this.held, outcome));
   }

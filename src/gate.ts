@@ -10,6 +10,7 @@ import { stageOrderWarning, warnOrder } from "./stage-order.js";
 
 export { stageOrderWarning } from "./stage-order.js";
 
+import { Flow } from "./base/flow.js";
 import { callWith, RESOLVED } from "./base/run.js";
 import { type BaseStage, type BaseTicket, RunWaiter } from "./base/stage.js";
 import { type Clock, systemClock } from "./clock.js";
@@ -173,6 +174,8 @@ export class Gate implements Stage {
   readonly name: string;
   readonly stages: readonly Stage[];
   readonly #clock: Clock;
+  /** Little's law over the last window, for the gate's own tickets. */
+  readonly #flow: Flow;
   readonly #log: Logger;
   /** Stages that come first and only hold a call while it waits (bounded queues). */
   readonly #leading: number;
@@ -191,6 +194,7 @@ export class Gate implements Stage {
     this.name = o.name ?? "gate";
     this.stages = checkStages(stages);
     this.#clock = o.clock ?? systemClock;
+    this.#flow = new Flow(this.#clock.now());
     this.#log = stageLogger(o.logger, this.name, "gate", "gate");
     let leading = 0;
     while (leading < this.stages.length && this.stages[leading]!.holds === "wait") leading++;
@@ -473,9 +477,11 @@ export class Gate implements Stage {
       call = new Array<Ticket>(this.#callStages);
       for (let i = 0, j = 0; i < held.length; i++) if (stages[i]!.holds !== "wait") call[j++] = held[i]!;
     }
+    const now = this.#clock.now();
+    this.#flow.advance(now, this.inFlight);
     this.inFlight++;
     this.#admitted++;
-    return new GateTicket(this, o.cost ?? 1, call);
+    return new GateTicket(this, o.cost ?? 1, call, now);
   }
 
   /**
@@ -724,6 +730,7 @@ export class Gate implements Stage {
   snapshot(): GateSnapshot {
     const stages = this.stages.map((s) => s.snapshot());
     const sum = (field: keyof Snapshot) => stages.reduce((n, s) => n + (s[field] as number), 0);
+    const limit = stages.reduce((n, s) => Math.min(n, s.limit), Number.POSITIVE_INFINITY);
     return {
       name: this.name,
       kind: "gate",
@@ -739,7 +746,8 @@ export class Gate implements Stage {
       permitWaitMs: sum("permitWaitMs"),
       queueWaitMs: sum("queueWaitMs"),
       leasesLost: sum("leasesLost"),
-      limit: stages.reduce((n, s) => Math.min(n, s.limit), Number.POSITIVE_INFINITY),
+      limit,
+      flow: this.#flow.snapshot(this.#clock.now(), this.inFlight, limit),
       stages,
     };
   }
@@ -750,8 +758,12 @@ export class Gate implements Stage {
    * A ticket of the gate is being released or refunded: false when a drain has released its
    * stages' tickets already (nothing more to give back). @internal
    */
-  ticketDone(): boolean {
-    return this.#drains.ticketDone(this);
+  ticketDone(ticket: GateTicket, counted: boolean): boolean {
+    const now = this.#clock.now();
+    this.#flow.advance(now, this.inFlight);
+    if (!this.#drains.ticketDone(this)) return false;
+    if (counted) this.#flow.released(now, now - ticket.admittedAt);
+    return true;
   }
 
   /**

@@ -17,6 +17,14 @@ export {
   type StageMessage,
 } from "./channels.js";
 export { type Clock, type ClockTimer, systemClock } from "./clock.js";
+export {
+  autoscalerCeiling,
+  type Constraint,
+  type DiagnoseOptions,
+  type Diagnosis,
+  diagnose,
+  type StageDiagnosis,
+} from "./diagnose.js";
 export { type Drainable, type DrainOnSignalsOptions, drainOnSignals } from "./drain.js";
 export {
   AdmitTimeoutError,
@@ -67,6 +75,8 @@ export type {
   ClassSnapshot,
   DrainOptions,
   DrainResult,
+  FleetSnapshot,
+  FlowSnapshot,
   GateSnapshot,
   IntervalGateStage,
   Logger,

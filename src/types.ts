@@ -162,6 +162,51 @@ export interface Snapshot {
   limit: number;
   /** Each traffic class, by name, on a stage built with `classes`. */
   classes?: Record<string, ClassSnapshot>;
+  /**
+   * Little's law over the last 10 s: throughput, service time (admission to release), mean in
+   * flight and their product. Every built-in stage and gate fills it; a custom stage may not.
+   */
+  flow?: FlowSnapshot;
+  /**
+   * Redis stages that hold permits (semaphore, AIMD limiter, bounded queue): the permits held
+   * across the whole fleet, as the last reply of Redis said. Absent until a first reply.
+   */
+  fleet?: FleetSnapshot;
+}
+
+/** What a Redis permit stage last heard of the whole fleet. */
+export interface FleetSnapshot {
+  /** Permits held across every process sharing the stage. */
+  inFlight: number;
+  /** The fleet-wide limit (the current one, for an AIMD limiter). */
+  limit: number;
+  /** How long ago Redis said so, in ms. */
+  ageMs: number;
+}
+
+/**
+ * A stage's flow over a sliding window (the last 10 s, shorter while the stage is younger), in
+ * this process. Little's law says `littleInFlight` (throughput × service time) and
+ * `meanInFlight` agree when calls complete within the window; both against `limit` say how much
+ * of its concurrency the stage used.
+ */
+export interface FlowSnapshot {
+  /** The span the figures cover, in ms. */
+  windowMs: number;
+  /** Tickets released in the window (refunds are not counted: the call was never made). */
+  released: number;
+  /** `released` per second. */
+  throughput: number;
+  /** Mean ms from admission to release of the tickets released in the window. */
+  serviceMs: number;
+  /** 95th percentile of the same (over the most recent 512 of them). */
+  serviceP95Ms: number;
+  /** Tickets in flight, averaged over the window (time-weighted). */
+  meanInFlight: number;
+  /** `throughput × serviceMs / 1000`: the calls in flight Little's law gives. */
+  littleInFlight: number;
+  /** `meanInFlight / limit`; 0 where the stage has no concurrency limit. */
+  utilisation: number;
 }
 
 /** One traffic class of a stage, at the moment of the snapshot. */

@@ -34,6 +34,7 @@ import type {
 } from "../types.js";
 import { messageOf } from "../validate.js";
 import { noClasses } from "./classes.js";
+import { Flow } from "./flow.js";
 import { callWith, RESOLVED } from "./run.js";
 import { WaitEntry, Waiter, type WaiterOwner, type WaitList } from "./wait-list.js";
 
@@ -69,7 +70,7 @@ export class BaseTicket extends HeldTicket {
   }
 
   protected giveBack(outcome: Outcome | undefined): Promise<void> {
-    if (!this.owner.ticketDone()) return RESOLVED;
+    if (!this.owner.ticketDone(this, outcome !== undefined)) return RESOLVED;
     if (releaseChannel.hasSubscribers) this.owner.published(this, outcome);
     return this.owner.releaseTicket(this, outcome ?? "ignored", outcome === undefined) ?? RESOLVED;
   }
@@ -184,7 +185,11 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     clock: Clock,
   ) {
     this.clock = clock;
+    this.flow = new Flow(clock.now());
   }
+
+  /** Little's law over the last window: see `Snapshot.flow`. */
+  protected readonly flow: Flow;
 
   /** Call at the end of the subclass constructor, once `kind` is set. */
   protected init(logger: Logger | undefined): void {
@@ -390,8 +395,12 @@ export abstract class BaseStage implements Stage, WaiterOwner {
    * A ticket is being released: count it out of the calls in flight (and into a drain's).
    * False when the drain has released it already (nothing more to give back). @internal
    */
-  ticketDone(): boolean {
-    return this.#drains.ticketDone(this);
+  ticketDone(ticket: BaseTicket, counted: boolean): boolean {
+    const now = this.clock.now();
+    this.flow.advance(now, this.inFlight);
+    if (!this.#drains.ticketDone(this)) return false;
+    if (counted) this.flow.released(now, now - ticket.admittedAt);
+    return true;
   }
 
   /**
@@ -479,11 +488,9 @@ export abstract class BaseStage implements Stage, WaiterOwner {
    */
   protected releaseAll(): void | Promise<void> {}
 
-  /** A granted ticket, counted. */
   /**
    * A granted ticket, counted. `waitedFrom` is when the caller started waiting, or `undefined`
-   * when it did not wait: then the clock is not read at all (the hot path), unless the stage
-   * stamps its tickets (`stampsTickets`) or logs grants.
+   * when it did not wait.
    */
   protected issue(
     cost: number,
@@ -492,11 +499,9 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     waitFor: WaitFor,
     waited = waitedFrom !== undefined,
   ): BaseTicket {
-    const now =
-      waitedFrom !== undefined || this.stampsTickets || this.#debug || releaseChannel.hasSubscribers
-        ? this.clock.now()
-        : Number.NaN;
+    const now = this.clock.now();
     const ticket = this.newTicket(cost, key, now);
+    this.flow.advance(now, this.inFlight);
     this.inFlight++;
     this.admitted++;
     if (waitedFrom !== undefined && now > waitedFrom) this.addWait(waitFor, now - waitedFrom);
@@ -537,9 +542,6 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     m.heldMs = this.clock.now() - ticket.admittedAt;
     releaseChannel.publish(m);
   }
-
-  /** Stages that need `ticket.admittedAt` (to time the call) set this. */
-  protected stampsTickets = false;
 
   protected newTicket(cost: number, key: string, now: number): BaseTicket {
     return new BaseTicket(this, cost, key, now);
@@ -787,6 +789,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
       queueWaitMs: this.queueWaitMs,
       leasesLost: this.leasesLost,
       limit,
+      flow: this.flow.snapshot(this.clock.now(), this.inFlight, limit),
     };
   }
 

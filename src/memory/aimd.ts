@@ -42,7 +42,6 @@ export class MemoryAimd extends PermitStage {
     };
     this.#slowCallMs = o.slowCallMs ?? Number.POSITIVE_INFINITY;
     this.#state = { limit: o.initial, epoch: 0 };
-    this.stampsTickets = this.#slowCallMs !== Number.POSITIVE_INFINITY;
     if (!this.book) fusable(this, memoryFusion(clock));
     this.init(o.logger);
   }

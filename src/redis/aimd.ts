@@ -40,7 +40,6 @@ export class RedisAimd extends RedisPermitStage {
     this.#initial = o.initial;
     this.#ratio = o.backoffRatio ?? DEFAULTS.aimd.backoffRatio;
     this.#slowCallMs = o.slowCallMs ?? Number.POSITIVE_INFINITY;
-    this.stampsTickets = this.#slowCallMs !== Number.POSITIVE_INFINITY;
     this.init(o.logger ?? ctx.logger);
   }
 
@@ -64,6 +63,7 @@ export class RedisAimd extends RedisPermitStage {
       this.classSpec,
     ]);
     this.limit = Number(reply[1]);
+    this.sawUsed(reply[3]);
     this.granted(reply[4], sentAt);
     if (this.limit !== before) {
       const level = this.limit < before ? "warn" : "debug";

@@ -1,4 +1,5 @@
 import { admitOptions, fnError, pauseError } from "../admit.js";
+import { addFlows } from "../base/flow.js";
 import { callWith, RESOLVED, type RecordingTicket } from "../base/run.js";
 import type { Clock } from "../clock.js";
 import { isFloodgateError } from "../errors.js";
@@ -180,6 +181,7 @@ export class FallbackStage implements IntervalGateStage {
       s.permitWaitMs += l.permitWaitMs;
       s.queueWaitMs += l.queueWaitMs;
       s.leasesLost += l.leasesLost;
+      if (s.flow && l.flow) s.flow = addFlows(s.flow, l.flow, s.limit);
     }
     s.admitted += this.#open;
     return s;

@@ -292,6 +292,7 @@ export abstract class RedisPermitStage extends BaseStage {
   #saw(reply: AcquireReply, sentAt: number): void {
     this.link.sawServerTime(Number(reply[7]), sentAt);
     this.limit = Number(reply[3]);
+    this.sawUsed(reply[2]);
     const quarantineMs = Number(reply[6] ?? 0);
     if (quarantineMs > 0 && !this.#quarantined) {
       this.log.warn({ quarantineMs }, "Redis lost this stage's data; no grants until held leases have ended");
@@ -323,7 +324,10 @@ export abstract class RedisPermitStage extends BaseStage {
         this.classSpec,
       ])
       .then(
-        (reply) => this.granted(reply[3], sentAt),
+        (reply) => {
+          this.sawUsed(reply[2]);
+          this.granted(reply[3], sentAt);
+        },
         (error) => {
           // Redis is away (a dropped connection, a pause): ask again shortly, for as long as the
           // lease could still be held, so a lost reply does not keep a permit for a whole lease.
@@ -639,6 +643,7 @@ export abstract class RedisPermitStage extends BaseStage {
   protected async giveBack(t: LeaseTicket, _outcome: Outcome, _refund: boolean): Promise<boolean> {
     const sentAt = this.clock.now();
     const reply = await this.#releases.run(t.leaseId, "lease");
+    this.sawUsed(reply[2]);
     this.granted(reply[3], sentAt);
     return Number(reply[0]) === 1;
   }
@@ -670,6 +675,30 @@ export abstract class RedisPermitStage extends BaseStage {
    * Figures of this process, as in memory; with classes, each class's too (what this process's
    * calls of it hold and wait for, against the fleet-wide guarantee at the limit last seen).
    */
+  /** The permits held across the fleet, as the last reply said, and when it came. */
+  #fleetUsed = Number.NaN;
+  #fleetSeenAt = Number.NaN;
+
+  /** Note the permits held across the fleet, as a reply of Redis says. */
+  protected sawUsed(used: unknown): void {
+    const n = Number(used);
+    if (!Number.isFinite(n)) return;
+    this.#fleetUsed = n;
+    this.#fleetSeenAt = this.clock.now();
+  }
+
+  protected override baseSnapshot(limit: number): Snapshot {
+    const snap = super.baseSnapshot(limit);
+    if (!Number.isNaN(this.#fleetSeenAt)) {
+      snap.fleet = {
+        inFlight: this.#fleetUsed,
+        limit,
+        ageMs: Math.max(0, this.clock.now() - this.#fleetSeenAt),
+      };
+    }
+    return snap;
+  }
+
   snapshot(): Snapshot {
     const snap = this.baseSnapshot(this.limit);
     if (this.book) {

@@ -1,0 +1,144 @@
+/**
+ * Little's law over a sliding window: how many calls a stage completed a second, how long each
+ * held its ticket, and how many it held on average. Ten slots of a tenth of the window each, so
+ * the window slides a slot at a time and costs a few numbers per admission and release.
+ */
+import type { FlowSnapshot } from "../types.js";
+
+/** The window every stage measures its flow over, in ms. */
+export const FLOW_WINDOW_MS = 10_000;
+
+const SLOTS = 10;
+/** Service times kept for the p95 (the most recent ones). */
+const SAMPLES = 512;
+
+export class Flow {
+  readonly #slotMs: number;
+  /** Which slot of time (`floor(t / slotMs)`) each entry holds now. */
+  readonly #id = new Float64Array(SLOTS).fill(Number.NEGATIVE_INFINITY);
+  readonly #released = new Float64Array(SLOTS);
+  readonly #heldMs = new Float64Array(SLOTS);
+  /** ∫ in flight dt over the slot, in call·ms. */
+  readonly #area = new Float64Array(SLOTS);
+  readonly #sampleMs = new Float64Array(SAMPLES);
+  readonly #sampleAt = new Float64Array(SAMPLES);
+  #samples = 0;
+  /** The time the area has been counted up to. */
+  #since: number;
+  readonly #born: number;
+
+  constructor(now: number, windowMs = FLOW_WINDOW_MS) {
+    this.#slotMs = windowMs / SLOTS;
+    this.#since = now;
+    this.#born = now;
+  }
+
+  /**
+   * Count the time since the last change at `level` calls in flight, up to `now`. Call it before
+   * the number in flight changes.
+   */
+  advance(now: number, level: number): void {
+    let t = this.#since;
+    if (!(now > t)) return;
+    this.#since = now;
+    if (level <= 0) return;
+    const slotMs = this.#slotMs;
+    // Only the last SLOTS slots are kept: skip what lies before them.
+    const first = (Math.floor(now / slotMs) - SLOTS + 1) * slotMs;
+    if (t < first) t = first;
+    while (t < now) {
+      const id = Math.floor(t / slotMs);
+      const end = Math.min(now, (id + 1) * slotMs);
+      const i = this.#slot(id);
+      this.#area[i] = this.#area[i]! + level * (end - t);
+      t = end;
+    }
+  }
+
+  /** A ticket held `heldMs` was released at `now` (after `advance`). */
+  released(now: number, heldMs: number): void {
+    const i = this.#slot(Math.floor(now / this.#slotMs));
+    this.#released[i] = this.#released[i]! + 1;
+    if (!(heldMs >= 0)) return;
+    this.#heldMs[i] = this.#heldMs[i]! + heldMs;
+    const s = this.#samples++ % SAMPLES;
+    this.#sampleMs[s] = heldMs;
+    this.#sampleAt[s] = now;
+  }
+
+  /** The entry of slot `id`, emptied first if it held an older slot. */
+  #slot(id: number): number {
+    const i = ((id % SLOTS) + SLOTS) % SLOTS;
+    if (this.#id[i] !== id) {
+      this.#id[i] = id;
+      this.#released[i] = 0;
+      this.#heldMs[i] = 0;
+      this.#area[i] = 0;
+    }
+    return i;
+  }
+
+  /** The figures at `now`, with `level` in flight since the last change, against `limit`. */
+  snapshot(now: number, level: number, limit: number): FlowSnapshot {
+    this.advance(now, level);
+    const slotMs = this.#slotMs;
+    const last = Math.floor(now / slotMs);
+    const from = Math.max(this.#born, (last - SLOTS + 1) * slotMs);
+    const windowMs = Math.max(0, now - from);
+    let released = 0;
+    let heldMs = 0;
+    let area = 0;
+    for (let i = 0; i < SLOTS; i++) {
+      const id = this.#id[i]!;
+      if (id > last || id <= last - SLOTS) continue;
+      released += this.#released[i]!;
+      heldMs += this.#heldMs[i]!;
+      area += this.#area[i]!;
+    }
+    const throughput = windowMs > 0 ? (released * 1000) / windowMs : 0;
+    const serviceMs = released > 0 ? heldMs / released : 0;
+    const meanInFlight = windowMs > 0 ? area / windowMs : 0;
+    return {
+      windowMs,
+      released,
+      throughput,
+      serviceMs,
+      serviceP95Ms: this.#p95(from),
+      meanInFlight,
+      littleInFlight: (throughput * serviceMs) / 1000,
+      utilisation: limit > 0 && limit < Number.POSITIVE_INFINITY ? meanInFlight / limit : 0,
+    };
+  }
+
+  /** The 95th percentile of the kept service times of calls released at or after `from`. */
+  #p95(from: number): number {
+    const n = Math.min(this.#samples, SAMPLES);
+    const kept: number[] = [];
+    for (let i = 0; i < n; i++) if (this.#sampleAt[i]! >= from) kept.push(this.#sampleMs[i]!);
+    if (kept.length === 0) return 0;
+    kept.sort((a, b) => a - b);
+    return kept[Math.min(kept.length - 1, Math.ceil(0.95 * kept.length) - 1)]!;
+  }
+}
+
+/**
+ * Two flows of one stage taken together (a Redis stage and its local fallback): counts and
+ * means in flight add up, the service time is the mean over both, the p95 the larger one.
+ */
+export function addFlows(a: FlowSnapshot, b: FlowSnapshot, limit: number): FlowSnapshot {
+  const released = a.released + b.released;
+  const windowMs = Math.max(a.windowMs, b.windowMs);
+  const throughput = a.throughput + b.throughput;
+  const serviceMs = released > 0 ? (a.serviceMs * a.released + b.serviceMs * b.released) / released : 0;
+  const meanInFlight = a.meanInFlight + b.meanInFlight;
+  return {
+    windowMs,
+    released,
+    throughput,
+    serviceMs,
+    serviceP95Ms: Math.max(a.serviceP95Ms, b.serviceP95Ms),
+    meanInFlight,
+    littleInFlight: (throughput * serviceMs) / 1000,
+    utilisation: limit > 0 && limit < Number.POSITIVE_INFINITY ? meanInFlight / limit : 0,
+  };
+}
