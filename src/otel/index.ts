@@ -20,7 +20,7 @@ import { InvalidOptionsError } from "../errors.js";
 import type { Snapshot } from "../types.js";
 import { isArray, messageOf } from "../validate.js";
 import { ATTRIBUTES, BUCKETS, METRICS } from "./names.js";
-import { checkTargets, type Instrumentable, type InstrumentOptions, meterOf } from "./options.js";
+import { checkOptions, checkTargets, type Instrumentable, type InstrumentOptions } from "./options.js";
 import { Row, walk } from "./row.js";
 
 export { ATTRIBUTES, METER_NAME, METRICS } from "./names.js";
@@ -57,18 +57,19 @@ export interface Instrumentation extends Disposable {
  * `close()`; a call admitted before may count no service time (when its stage did not time it).
  * Instrument each stage once: two instrumentations of one stage record its histograms twice.
  * Without a meter or a provider, the global provider's `floodgate` meter is used (a no-op until
- * an SDK is registered).
+ * an SDK is registered). The histograms are the only per-call cost; `histograms: false` leaves
+ * them out.
  *
  * Throws `InvalidOptionsError` naming the field for a target without `snapshot()` (`targets`, or
  * `targets.i` in a list), an empty list, a `meter` or `meterProvider` of the wrong shape, both of
- * them, or an unknown option.
+ * them, a `histograms` that is not a boolean, or an unknown option.
  */
 export function instrument(
   targets: Instrumentable | readonly Instrumentable[],
   options: InstrumentOptions = {},
 ): Instrumentation {
   const list = checkTargets(targets);
-  const meter = meterOf(options);
+  const { meter, histograms } = checkOptions(options);
 
   // The rows, by name (their kind and backend tell apart stages of one name).
   const rows = new Map<string, Row[]>();
@@ -98,14 +99,18 @@ export function instrument(
 
   const call = { unit: "{call}" };
   const seconds = { unit: "s", advice: { explicitBucketBoundaries: BUCKETS } };
-  const wait: Histogram = meter.createHistogram(METRICS.waitDuration, {
-    ...seconds,
-    description: "How long a call waited for admission at a stage (0 when admitted at once).",
-  });
-  const held: Histogram = meter.createHistogram(METRICS.callDuration, {
-    ...seconds,
-    description: "Service time: how long a call held its ticket, from admission to release.",
-  });
+  const wait: Histogram | undefined = histograms
+    ? meter.createHistogram(METRICS.waitDuration, {
+        ...seconds,
+        description: "How long a call waited for admission at a stage (0 when admitted at once).",
+      })
+    : undefined;
+  const held: Histogram | undefined = histograms
+    ? meter.createHistogram(METRICS.callDuration, {
+        ...seconds,
+        description: "Service time: how long a call held its ticket, from admission to release.",
+      })
+    : undefined;
   const admissions = meter.createObservableCounter(METRICS.admissions, {
     ...call,
     description: "Calls admitted by a stage.",
@@ -172,7 +177,7 @@ export function instrument(
   // The histograms, and the drains' rejections, from the channels.
   const waited = (c: CallMessage, seconds: number) => {
     const r = rowOf(c.stage, c.kind, c.backend);
-    if (r !== undefined) wait.record(seconds, r.of(c.key));
+    if (r !== undefined) wait!.record(seconds, r.of(c.key));
   };
   const onAdmit = (m: unknown) => waited(m as CallMessage, 0);
   // A clock stepped back gives a negative span, which a histogram refuses: counted as 0.
@@ -182,19 +187,17 @@ export function instrument(
     // NaN: admitted before anyone subscribed, and not timed.
     if (Number.isNaN(rel.heldMs)) return;
     const r = rowOf(rel.stage, rel.kind, rel.backend);
-    if (r !== undefined) held.record(Math.max(0, rel.heldMs) / 1000, r.released(rel.key, rel.outcome));
+    if (r !== undefined) held!.record(Math.max(0, rel.heldMs) / 1000, r.released(rel.key, rel.outcome));
   };
   const onDrain = (m: unknown) => {
     const d = m as DrainMessage;
     const found = rows.get(d.stage)?.find((r) => r.kind === d.kind);
     if (found !== undefined) found.drained += d.rejected;
   };
-  const subscriptions: [string, (m: unknown) => void][] = [
-    [CHANNELS.admit, onAdmit],
-    [CHANNELS.grant, onGrant],
-    [CHANNELS.release, onRelease],
-    [CHANNELS.drain, onDrain],
-  ];
+  const subscriptions: [string, (m: unknown) => void][] = [[CHANNELS.drain, onDrain]];
+  if (histograms) {
+    subscriptions.push([CHANNELS.admit, onAdmit], [CHANNELS.grant, onGrant], [CHANNELS.release, onRelease]);
+  }
   for (const [name, fn] of subscriptions) diagnostics_channel.subscribe(name, fn);
 
   let closed = false;

@@ -20,6 +20,14 @@ export interface InstrumentOptions {
    * @default the global one: `metrics.getMeterProvider()` of `@opentelemetry/api`
    */
   meterProvider?: MeterProvider;
+  /**
+   * Record the two histograms (wait and service time). They are the only figures that cost
+   * something per call: two values a call a stage, fed by the diagnostics channels. `false`
+   * leaves them out and subscribes to no per-call channel: the counts and gauges, read from
+   * `snapshot()` at collection, remain.
+   * @default true
+   */
+  histograms?: boolean;
 }
 
 const isMeter = (v: unknown): v is Meter =>
@@ -44,6 +52,7 @@ const optionsSchema = z
         { error: "must be an OpenTelemetry MeterProvider" },
       )
       .optional(),
+    histograms: z.boolean({ error: "must be true or false" }).optional(),
   })
   .refine((o) => o.meter === undefined || o.meterProvider === undefined, {
     path: ["meterProvider"],
@@ -89,10 +98,10 @@ export function checkTargets(targets: unknown): Instrumentable[] {
   return list as Instrumentable[];
 }
 
-/** `options` checked, and the meter they name: an `InvalidOptionsError` naming the field, else the meter. */
-export function meterOf(options: InstrumentOptions): Meter {
+/** `options` checked: an `InvalidOptionsError` naming the field, else the meter they name and the histograms rule. */
+export function checkOptions(options: InstrumentOptions): { meter: Meter; histograms: boolean } {
   const o = parseOptions(optionsSchema, "instrument", undefined, options);
-  return o.meter ?? providerMeter(o.meterProvider);
+  return { meter: o.meter ?? providerMeter(o.meterProvider), histograms: o.histograms ?? true };
 }
 
 /** The `floodgate` meter of `provider`, or of the global provider. */

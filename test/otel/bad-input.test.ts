@@ -62,6 +62,12 @@ const ROWS: [string, () => unknown, string, RegExp][] = [
     /meterProvider must be an OpenTelemetry MeterProvider, got "global" \(string\)/,
   ],
   [
+    "histograms not a boolean",
+    () => instrument(sem, { histograms: "no" as never }),
+    "histograms",
+    /histograms must be true or false, got "no" \(string\)/,
+  ],
+  [
     "both a meter and a meterProvider",
     () => instrument(sem, { meter: provider.getMeter("x"), meterProvider: provider }),
     "meterProvider",

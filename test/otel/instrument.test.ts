@@ -274,6 +274,23 @@ describe("instrument in memory", () => {
     ]);
   });
 
+  it("with histograms: false, keeps the counts and gauges and subscribes to no per-call channel", async () => {
+    const sem = memory({ clock }).semaphore("counted", { limit: 2 });
+    using _ = instrument(sem, { meterProvider: m.provider, histograms: false });
+    for (const name of [CHANNELS.admit, CHANNELS.grant, CHANNELS.release]) {
+      expect(diagnostics_channel.hasSubscribers(name), name).toBe(false);
+    }
+    const held = await sem.admit();
+    await (await sem.admit()).release("success");
+    const seen = await m.collect();
+    const a = at("counted", "semaphore", "memory");
+    expect(pointOf(seen, "floodgate.admissions", a)).toBe(2);
+    expect(pointOf(seen, "floodgate.call.active", a)).toBe(1);
+    expect(seen.has("floodgate.admission.wait.duration")).toBe(false);
+    expect(seen.has("floodgate.call.duration")).toBe(false);
+    await held.release("success");
+  });
+
   it("uses the global meter provider when given none", async () => {
     const { metrics } = await import("@opentelemetry/api");
     metrics.setGlobalMeterProvider(m.provider);
