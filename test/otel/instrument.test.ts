@@ -107,6 +107,32 @@ describe.each(backends)("instrument on $name", (backend) => {
   });
 });
 
+describe.each(backends)("instrument of a stage with classes on $name", (backend) => {
+  useBackend(backend);
+  const where = backend.name === "memory" ? "memory" : "redis";
+
+  it("names the class of each admission, wait and release", async () => {
+    const b = backend.make(clock);
+    const sem = b.semaphore("llm", { limit: 2, classes: { interactive: { share: 1 }, bulk: { share: 1 } } });
+    using _ = instrument(sem, { meterProvider: m.provider });
+    const interactive = at("llm", "semaphore", where, { "floodgate.class": "interactive" });
+    const bulk = at("llm", "semaphore", where, { "floodgate.class": "bulk" });
+    await (await sem.admit({ class: "interactive" })).release("success");
+    await (await sem.admit({ class: "bulk" })).release("dropped");
+    await (await sem.admit({ class: "bulk" })).release("success");
+    const seen = await m.collect();
+    expect(pointOf(seen, "floodgate.admissions", interactive)).toBe(1);
+    expect(pointOf(seen, "floodgate.admissions", bulk)).toBe(2);
+    expect(pointOf(seen, "floodgate.call.active", bulk)).toBe(0);
+    expect(pointOf(seen, "floodgate.admission.wait.duration", bulk)).toMatchObject({ count: 2 });
+    expect(
+      pointOf(seen, "floodgate.call.duration", { ...bulk, "floodgate.call.outcome": "dropped" }),
+    ).toMatchObject({ count: 1 });
+    expect(pointOf(seen, "floodgate.permit.limit", at("llm", "semaphore", where))).toBe(2);
+    await b.close();
+  });
+});
+
 /** Let Redis replies and timers' follow-ups land until `done` holds (no real wait is asserted). */
 async function until(done: () => boolean): Promise<void> {
   for (let i = 0; i < 500 && !done(); i++) {
