@@ -361,7 +361,7 @@ export function chartSpec(data: ChartData): Record<string, unknown> {
     flat.size === 0 ? data.points : data.points.filter((p) => !flat.has(`${p.panel}\u0000${p.series}`));
   const vconcat = panels.map((panel, i) => {
     const last = i === panels.length - 1;
-    // From 0, to at least 1 (an all-zero panel still has a scale) and to the cap.
+    // From 0 to a little above the highest value and the cap (an all-zero panel still has a scale).
     let top = data.points.reduce((m, p) => (p.panel === panel ? Math.max(m, p.value) : m), 1);
     if (panel === "in flight" && data.cap !== undefined) top = Math.max(top, data.cap);
     const layer: Record<string, unknown>[] = [
@@ -374,7 +374,7 @@ export function chartSpec(data: ChartData): Record<string, unknown> {
             field: "value",
             type: "quantitative",
             title: panelTitle(panel, intervalMs, limits),
-            scale: { domain: [0, top], nice: true },
+            scale: { domain: [0, top + Math.max(1, top * 0.08)] },
             axis: { tickMinStep: 1, format: "d" },
           },
           color,
