@@ -44,7 +44,7 @@ export interface ChartData {
   /** Lines under the title (totals, the sampling interval). */
   subtitle?: string | readonly string[] | undefined;
   points: readonly ChartPoint[];
-  /** The provider's cap: a dashed gray rule across the first panel. */
+  /** The provider's cap: a dotted gray rule across the first panel. */
   cap?: number | undefined;
   /** Milliseconds between samples, for the third panel's title. @default 50 */
   intervalMs?: number | undefined;
@@ -56,7 +56,7 @@ export interface ChartData {
 export interface ChartOptions {
   /** The chart's title, e.g. the example's name and its backend. */
   title: string;
-  /** The provider's cap, drawn as a dashed rule (omit when the provider has none). */
+  /** The provider's cap, drawn as a dotted rule (omit when the provider has none). */
   cap?: number | undefined;
   /** Milliseconds between samples. An integer >= 10. @default 50 */
   intervalMs?: number;
@@ -71,7 +71,7 @@ export interface Watched {
   readonly stages?: readonly Watched[];
 }
 
-/** What the recorder reads from a provider: `examples/provider.ts`'s `stats()` has both. */
+/** What the recorder reads from a provider: `examples/provider.ts`'s `stats()` has all three. */
 export interface ProviderCounters {
   stats(): { inFlight: number; rejected429: number; peak: number };
 }
@@ -165,41 +165,29 @@ export class ChartRecorder {
       // A stage with a cap (semaphore, AIMD, queue) goes in the first panel; a bucket or an
       // interval gate, whose in-flight count only repeats the others', only in the second.
       const capped = Number.isFinite(first.limit);
-      if (first.classes) {
-        for (const cls of Object.keys(first.classes)) {
-          const series = `${name} · ${cls}`;
-          if (capped)
-            add(
-              "in flight",
-              series,
-              "in flight",
-              sum(snaps, (s) => s.classes?.[cls]?.inFlight),
-            );
-          add(
-            "waiting",
-            series,
-            "waiting",
-            sum(snaps, (s) => s.classes?.[cls]?.waiting),
-          );
-        }
-      } else {
+      // A line per class where the stage has classes, else one for the stage.
+      const lines: [string, (s: Snapshot) => { inFlight: number; waiting: number } | undefined][] =
+        first.classes
+          ? Object.keys(first.classes).map((cls) => [`${name} · ${cls}`, (s) => s.classes?.[cls]])
+          : [[name, (s) => s]];
+      for (const [series, part] of lines) {
         if (capped)
           add(
             "in flight",
-            name,
+            series,
             "in flight",
-            sum(snaps, (s) => s.inFlight),
+            sum(snaps, (s) => part(s)?.inFlight),
           );
         add(
           "waiting",
-          name,
+          series,
           "waiting",
-          sum(snaps, (s) => s.waiting),
+          sum(snaps, (s) => part(s)?.waiting),
         );
       }
       // Every process of a fleet holds the same limit: draw it once, not summed.
       if (capped) add("in flight", name, "limit", first.limit);
-      if (first.kind === "queue")
+      if (first.kind === "queue") {
         add(
           "refused",
           name,
@@ -209,17 +197,14 @@ export class ChartRecorder {
             sum(snaps, (s) => s.shed),
           ),
         );
+      }
     }
     for (const [name, same] of this.#gates) {
-      add(
-        "waiting",
-        `gate ${name}`,
-        "waiting",
-        sum(
-          [...same].map((g) => g.snapshot()),
-          (s) => s.waiting,
-        ),
+      const waiting = sum(
+        [...same].map((g) => g.snapshot()),
+        (s) => s.waiting,
       );
+      add("waiting", `gate ${name}`, "waiting", waiting);
     }
     for (const [name, provider] of this.#providers) {
       const stats = provider.stats();

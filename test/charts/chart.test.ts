@@ -146,11 +146,18 @@ describe("charts", () => {
     expect(chart.points.filter((p) => p.measure === "429s").map((p) => p.value)).toEqual([5, 2]);
   });
 
-  it("records nothing without a file, and samples on a timer that keeps no process alive", () => {
+  it("records nothing without a file; started, it samples at once and once more when it stops", () => {
     expect(startChart(undefined, { title: "t" })).toBeUndefined();
-    const chart = startChart("unused.svg", { title: "t", intervalMs: 10 })!;
-    expect(chart.points.length).toBe(0); // nothing watched yet: the first sample is empty
+    const provider = fakeProvider();
+    const chart = new ChartRecorder({ title: "t", intervalMs: 10_000 }).watchProvider(provider);
+    chart.start();
+    expect(chart.points.map((p) => p.measure)).toEqual(["in flight", "429s"]);
+    provider.rejected429 = 1;
     chart.stop();
+    chart.stop(); // a second stop does nothing
+    expect(chart.points.map((p) => p.value)).toEqual([0, 0, 0, 1]);
+    chart.start(); // starting over drops the points taken so far
+    expect(chart.points.map((p) => p.t)).toEqual([expect.any(Number), expect.any(Number)]);
     chart.stop();
     expect(() => new ChartRecorder({ title: "t", intervalMs: 5 })).toThrow(/intervalMs/);
   });
