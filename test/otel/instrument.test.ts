@@ -317,6 +317,26 @@ describe("instrument in memory", () => {
     await held.release("success");
   });
 
+  it("measures stages instrumented one call at a time on one provider, each on its own series", async () => {
+    const b = memory({ clock });
+    const one = b.semaphore("one", { limit: 1 });
+    const two = b.semaphore("two", { limit: 3 });
+    using _one = instrument(one, { meterProvider: m.provider });
+    using _two = instrument(two, { meterProvider: m.provider });
+    await (await one.admit()).release("success");
+    await (await two.admit()).release("success");
+    await (await two.admit()).release("success");
+    const seen = await m.collect();
+    expect(pointOf(seen, "floodgate.admissions", at("one", "semaphore", "memory"))).toBe(1);
+    expect(pointOf(seen, "floodgate.admissions", at("two", "semaphore", "memory"))).toBe(2);
+    expect(pointOf(seen, "floodgate.permit.limit", at("two", "semaphore", "memory"))).toBe(3);
+    expect(
+      pointOf(seen, "floodgate.admission.wait.duration", at("two", "semaphore", "memory")),
+    ).toMatchObject({
+      count: 2,
+    });
+  });
+
   it("uses the global meter provider when given none", async () => {
     const { metrics } = await import("@opentelemetry/api");
     metrics.setGlobalMeterProvider(m.provider);
