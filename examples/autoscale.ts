@@ -36,15 +36,16 @@
  * objects, sharing the semaphore, the bucket and bulk's pauses through Redis, as separate
  * processes would.
  *
- * The summary checks Little's law for each phase: throughput × service time = calls in flight,
- * compared with the concurrency the fleet had. Equal: the fleet is the constraint (scale out).
- * Less: the shared rate is the constraint (more replicas will not help).
+ * The summary prints, for each phase, what the library measured and concluded: Little's law of
+ * the fleet bound (`snapshot().flow`: throughput × service time = calls in flight, against the
+ * bound) and `diagnose()`'s verdict on the replicas' gates, with the backlog left. The ceiling
+ * is `autoscalerCeiling(bound, perReplica)`.
  *
  * Fails (exit 1) when an interactive request was refused, the fleet had more calls in flight than
  * its bound, the provider saw more than its cap, or work was not done.
  */
 import { setMaxListeners } from "node:events";
-import { type Backend, Gate, memory } from "floodgate";
+import { autoscalerCeiling, type Backend, type Diagnosis, diagnose, Gate, memory } from "floodgate";
 import { parseRateLimit, wrapFetch } from "floodgate/fetch";
 import { redis } from "floodgate/redis";
 import type { Redis } from "ioredis";
@@ -110,14 +111,14 @@ const COMMAND = exampleCommand(
 
 type TrafficClass = "interactive" | "bulk";
 
+/** A phase of the run (one replica, then as many as the autoscaler asked for) and its diagnosis. */
 interface Phase {
   name: string;
   from: number;
   to: number;
   done: number;
-  serviceMs: number[];
-  concurrency: number;
-  meanInFlight: number;
+  /** What `diagnose` said of the replicas' gates at the end of the phase. */
+  diagnosis: Diagnosis | undefined;
 }
 
 /** What one class did: calls sent, their answers, their waits for admission, calls in flight. */
@@ -147,7 +148,7 @@ export async function main(argv: string[]): Promise<number> {
     throw new UsageError(`--interactive-share must be a percent from 1 to 99 (got ${interactiveShare})`);
   }
   const cap = 3 * bound;
-  const ceiling = Math.max(1, Math.floor(bound / perReplica));
+  const ceiling = autoscalerCeiling(bound, perReplica);
   // At most burst + rate requests start in any second (5 + 90 of a window of 100 by default); the
   // rest is left for calls that leave just before a window turns over and arrive just after.
   const burst = Math.max(1, Math.floor(allowance / 20));
@@ -284,15 +285,12 @@ export async function main(argv: string[]): Promise<number> {
   let replicas = 0;
 
   const phases: Phase[] = [];
-  const bulkMeter = stats.bulk.meter;
-  let phase: Phase = {
-    name: "1 replica",
-    from: performance.now(),
-    to: 0,
-    done: 0,
-    serviceMs: [],
-    concurrency: perReplica,
-    meanInFlight: 0,
+  let phase: Phase = { name: "1 replica", from: performance.now(), to: 0, done: 0, diagnosis: undefined };
+  /** End the phase: the library's diagnosis of the replicas' gates, with the work still waiting. */
+  const endPhase = () => {
+    phase.to = performance.now();
+    phase.diagnosis = diagnose(gates.slice(1), { backlog: backlog.length });
+    phases.push(phase);
   };
 
   async function bulkJob(send: (path: string) => Promise<{ status: number; tookMs: number }>) {
@@ -304,7 +302,6 @@ export async function main(argv: string[]): Promise<number> {
         if (res.status === 200) {
           bulkDone++;
           phase.done++;
-          phase.serviceMs.push(res.tookMs);
         } else {
           // A 429 has paused bulk for its Retry-After already; the item goes again after it.
           if (res.status !== 429) errors++;
@@ -379,29 +376,16 @@ export async function main(argv: string[]): Promise<number> {
     if (stop.signal.aborted) return;
     const desired = Math.ceil(backlog.length / 25);
     const wanted = noCeiling ? desired : Math.min(desired, ceiling);
-    phase.to = performance.now();
-    phase.meanInFlight = bulkMeter.mean();
-    phases.push(phase);
-    bulkMeter.restart();
+    endPhase();
     while (replicas < wanted) await addReplica();
     scaledTo = `1→${replicas} (backlog ${backlog.length} asks for ${desired}; ceiling ${bound}/${perReplica} = ${ceiling}${noCeiling ? ", ignored" : ""})`;
-    phase = {
-      name: `${replicas} replicas`,
-      from: performance.now(),
-      to: 0,
-      done: 0,
-      serviceMs: [],
-      concurrency: Math.min(bound, replicas * perReplica),
-      meanInFlight: 0,
-    };
+    phase = { name: `${replicas} replicas`, from: performance.now(), to: 0, done: 0, diagnosis: undefined };
   })();
 
   await autoscaler;
   // Workers finish once the backlog is empty (a worker started during scaling is in the list).
   for (let i = 0; i < workers.length; i++) await workers[i];
-  phase.to = performance.now();
-  phase.meanInFlight = bulkMeter.mean();
-  phases.push(phase);
+  endPhase();
   const elapsedMs = performance.now() - started;
   await interactive;
   await Promise.all(interactiveCalls);
@@ -440,19 +424,12 @@ export async function main(argv: string[]): Promise<number> {
   if (errors > 0) failures.push(`${errors} calls failed`);
   if (stop.signal.aborted) failures.push((stop.signal.reason as Error).message);
 
+  // Little's law and the constraint of each phase, as the library measured them (the replicas'
+  // share of the fleet bound: throughput × service time against the concurrency they had).
   const little = phases.map((ph) => {
-    const spanMs = ph.to - ph.from;
-    const lambda = ph.done / (spanMs / 1000);
-    const w = ph.serviceMs.reduce((n, x) => n + x, 0) / Math.max(1, ph.serviceMs.length) / 1000;
-    const l = lambda * w;
-    const bound =
-      l >= 0.85 * ph.concurrency
-        ? "fleet-bound: more replicas help"
-        : "rate-bound: more replicas will not help";
-    return (
-      `${ph.name}: ${lambda.toFixed(1)}/s × ${w.toFixed(3)} s = ${l.toFixed(1)} in flight` +
-      ` (measured ${ph.meanInFlight.toFixed(1)}) of ${ph.concurrency} → ${bound}`
-    );
+    const d = ph.diagnosis!;
+    const inflight = d.stages.find((st) => st.name === "fleet-inflight")!;
+    return `${ph.name} (${ph.done} done in ${secs(ph.to - ph.from)}): ${inflight.line} → ${d.constraint}: ${d.summary}`;
   });
 
   const classLine = (cls: TrafficClass) => {
@@ -478,7 +455,7 @@ export async function main(argv: string[]): Promise<number> {
       ` · ${failures.length === 0 ? "OK" : `FAILED: ${failures.join("; ")}`}\n` +
       `  classes: ${classLine("interactive")} · ${classLine("bulk")}\n` +
       `  autoscaler: ${scaledTo || "did not scale"}\n` +
-      `  Little's law: ${little.join(" · ")}\n`,
+      `  Little's law and the constraint, per phase:\n${little.map((l) => `    ${l}\n`).join("")}`,
   );
   return failures.length === 0 ? 0 : 1;
 }

@@ -24,7 +24,7 @@
  * or the penalised supplier kept being refused (more than a quarter of its calls).
  */
 import { setMaxListeners } from "node:events";
-import { Gate, type Job, ShedError } from "floodgate";
+import { diagnose, Gate, type Job, ShedError } from "floodgate";
 import { startChart, writeChart } from "./chart.js";
 import {
   deadline,
@@ -171,22 +171,15 @@ export async function main(argv: string[]): Promise<number> {
     if (!producing && outstanding === 0) allDone();
   };
 
-  /** Time records spent at the suppliers, holding their permits (beside waiting for a token). */
-  let sendingMs = 0;
   const deliver = async (ticketSignal: AbortSignal, s: Supplier, n: number) => {
-    const t = performance.now();
-    try {
-      const res = await fetch(`${s.server!.url}/records/${n}`, {
-        method: "POST",
-        body: JSON.stringify({ supplier: s.id, n }),
-        signal: AbortSignal.any([ticketSignal, stop.signal]),
-      });
-      await res.arrayBuffer();
-      // A 429 is released as `dropped` (the default classify), which penalises this supplier's key.
-      return { status: res.status };
-    } finally {
-      sendingMs += performance.now() - t;
-    }
+    const res = await fetch(`${s.server!.url}/records/${n}`, {
+      method: "POST",
+      body: JSON.stringify({ supplier: s.id, n }),
+      signal: AbortSignal.any([ticketSignal, stop.signal]),
+    });
+    await res.arrayBuffer();
+    // A 429 is released as `dropped` (the default classify), which penalises this supplier's key.
+    return { status: res.status };
   };
 
   /** Hand one record to the gate; resolves once it is queued (or shed). */
@@ -278,6 +271,10 @@ export async function main(argv: string[]): Promise<number> {
   await writeChart(chart);
 
   const snap = four();
+  // What bound the throughput, and Little's law of each supplier's share of the pool, as the
+  // library measured them (before the gates close).
+  const diagnosis = diagnose([...gates.values()]);
+  const shareFlows = shares.map((sh) => sh.snapshot().flow!);
   const delivered = suppliers.reduce((n, s) => n + s.delivered, 0);
   const shed = suppliers.reduce((n, s) => n + s.shed, 0);
   const rejected = suppliers.reduce((n, s) => n + s.rejected, 0);
@@ -309,26 +306,13 @@ export async function main(argv: string[]): Promise<number> {
     shed > 0 || snap.queueWaitMs > Math.max(tokenWait, permitWait)
       ? "the feed outruns the pipeline (queue full)"
       : "";
-  // Which bound the throughput met, supplier by supplier (each is fed its share of the records):
-  // its rate (its bucket's, acme's quota where lower) or its share of the pool (calls in flight
-  // ÷ the mean time a call took, Little's law). Each supplier's gate is fused, so a record waits
-  // holding nothing; the waits are counted at the stage waited for.
-  const callMs = sendingMs / Math.max(1, delivered);
-  const shareBound = (share * 1000) / Math.max(1e-3, callMs);
-  const atRate = suppliers.filter((s) => {
-    const achieved = s.delivered / Math.max(1e-3, (s.lastAt - started) / 1000);
-    const bound = Math.min(rate, s.quota);
-    return bound <= shareBound && achieved >= 0.75 * bound;
-  });
-  const waits =
-    `${atRate.length} of ${suppliers.length} suppliers at their rate, their pool share allowing ${shareBound.toFixed(0)}/s each;` +
-    ` records waited ${secs(tokenWait)} for tokens, ${secs(permitWait)} for a permit`;
-  const inside =
-    atRate.length > 0
-      ? `supplier rates (${waits}): more pool would not help`
-      : permitWait > 0.1 * sendingMs
-        ? `the pool (${waits}): the semaphore is the limit`
-        : `neither (${waits})`;
+  const inside = `${diagnosis.constraint}: ${diagnosis.summary}`;
+  const little = suppliers
+    .map((s, i) => {
+      const f = shareFlows[i]!;
+      return `${s.id} ${f.throughput.toFixed(1)}/s × ${(f.serviceMs / 1000).toFixed(3)} s = ${f.littleInFlight.toFixed(1)} of ${share}`;
+    })
+    .join(" · ");
 
   process.stdout.write(
     `ingest [${handle.mode}; ${shedMode ? "shed" : "block"}]: ${delivered}/${produced} records delivered in ${secs(elapsedMs)}` +
@@ -338,6 +322,7 @@ export async function main(argv: string[]): Promise<number> {
       ` · ${failures.length === 0 ? "OK" : `FAILED: ${failures.join("; ")}`}\n` +
       `  bottleneck: ${constraint ? `${constraint}; inside it, ` : ""}${inside}` +
       ` · producer blocked ${secs(producerBlockedMs)} in total (queue wait ${secs(snap.queueWaitMs)})\n` +
+      `  Little's law of each supplier's share of the pool: ${little}\n` +
       `  per supplier: ${suppliers
         .map((s) => {
           const st = stats.get(s.id)!;

@@ -4,7 +4,7 @@
  * what Redis last said of the fleet), with the numbers that say so.
  */
 import { InvalidOptionsError } from "./errors.js";
-import type { FleetSnapshot, FlowSnapshot, GateSnapshot, Snapshot, Stage } from "./types.js";
+import type { FleetSnapshot, FlowSnapshot, Snapshot, Stage } from "./types.js";
 import { got, isArray, messageOf } from "./validate.js";
 
 /**
@@ -54,7 +54,7 @@ export interface Diagnosis {
   constraint: Constraint;
   /** The verdict in one sentence, with the numbers behind it. */
   summary: string;
-  /** Each stage looked at, in order (a gate's stages in its place). */
+  /** Each stage looked at, in order (a gate's stages in its place, a stage shared by gates once). */
   stages: StageDiagnosis[];
 }
 
@@ -71,10 +71,14 @@ export function diagnose(targets: Stage | readonly Stage[], options: DiagnoseOpt
   const list = isArray(targets) ? (targets as readonly Stage[]) : [targets as Stage];
   if (list.length === 0)
     throw new InvalidOptionsError(undefined, "targets", "diagnose: targets must not be empty");
+  // A gate's stages are looked at one by one, each once however many gates share it.
+  const seen = new Set<Stage>();
   const snaps: Snapshot[] = [];
-  list.forEach((t, i) => {
-    const field = isArray(targets) ? `targets[${i}]` : "targets";
-    let snap: Snapshot;
+  const visit = (t: Stage, field: string) => {
+    if (seen.has(t)) return;
+    seen.add(t);
+    let inner: unknown;
+    let snap: Snapshot | undefined;
     try {
       if (typeof (t as Partial<Stage> | null)?.snapshot !== "function") {
         throw new InvalidOptionsError(
@@ -83,7 +87,8 @@ export function diagnose(targets: Stage | readonly Stage[], options: DiagnoseOpt
           `diagnose: ${field} must be a stage or a gate, ${got(t)}`,
         );
       }
-      snap = t.snapshot();
+      inner = (t as { stages?: unknown }).stages;
+      if (!isArray(inner)) snap = t.snapshot();
     } catch (error) {
       if (error instanceof InvalidOptionsError) throw error;
       throw new InvalidOptionsError(
@@ -92,10 +97,10 @@ export function diagnose(targets: Stage | readonly Stage[], options: DiagnoseOpt
         `diagnose: ${field}.snapshot() threw (${messageOf(error)})`,
       );
     }
-    const stages = (snap as Partial<GateSnapshot>).stages;
-    if (stages) snaps.push(...stages);
-    else snaps.push(snap);
-  });
+    if (snap) snaps.push(snap);
+    else (inner as Stage[]).forEach((s, i) => visit(s, `${field}.stages[${i}]`));
+  };
+  list.forEach((t, i) => visit(t, isArray(targets) ? `targets[${i}]` : "targets"));
   const stages = snaps.map(describe);
   return { ...verdict(snaps, o), stages };
 }
@@ -214,6 +219,18 @@ function waitedMs(s: Snapshot): number {
   return RATE_KINDS.has(s.kind) ? s.tokenWaitMs : s.permitWaitMs;
 }
 
+/**
+ * Whether callers waited for `s` long enough to call it binding: at least a tenth of the time
+ * its calls held it (`admitted × serviceMs`), so a few short waits (a turn of a line, a round
+ * trip) do not count.
+ */
+function waitedLong(s: Snapshot): boolean {
+  const ms = waitedMs(s);
+  return ms > 0 && ms >= WAITED_SHARE * s.admitted * (s.flow?.serviceMs ?? 0);
+}
+
+const WAITED_SHARE = 0.1;
+
 function verdict(snaps: readonly Snapshot[], o: Checked): { constraint: Constraint; summary: string } {
   if (o.rejected > 0) {
     return {
@@ -225,7 +242,7 @@ function verdict(snaps: readonly Snapshot[], o: Checked): { constraint: Constrai
   const bounds = snaps.filter((s) => Number.isFinite(s.limit) && s.kind !== "queue" && s.kind !== "gate");
   // The stage callers waited for most (a fused gate's waits are counted at the stage that refused).
   const waited = [...rates, ...bounds]
-    .filter((s) => s.waiting > 0 || waitedMs(s) > 0)
+    .filter(waitedLong)
     .sort((a, b) => waitedMs(b) - waitedMs(a) || b.waiting - a.waiting)[0];
   const full = bounds.filter((s) => fullness(s) >= o.full).sort((a, b) => fullness(b) - fullness(a))[0];
   const binding = waited ?? full;

@@ -71,6 +71,9 @@ describe.each(backends)("diagnose on $name", (backend) => {
       /^the provider's allowance: tokenBucket "rpm" \(it lets [\d.]+\/s through; calls waited/,
     );
     expect(d.stages.map((s) => s.name)).toEqual(["rpm", "sem"]);
+    // A stage shared by several gates is looked at once.
+    const other = new Gate([sem], { clock, name: "other" });
+    expect(diagnose([gate, other, sem]).stages.map((s) => s.name)).toEqual(["rpm", "sem"]);
     expect(d.stages[1]!.line).toMatch(/^sem \(semaphore.*\): [\d.]+\/s × 0\.050 s = /);
     await gate.close();
   });
@@ -104,6 +107,19 @@ describe.each(backends)("diagnose on $name", (backend) => {
     const process = diagnose(sem, { backlog: 40 });
     expect(process.constraint).toBe("process");
     expect(process.summary).toMatch(/^this process: 40 jobs wait, yet semaphore "sem" has 1\.0 of 8/);
+    await sem.close();
+  });
+
+  it("a few short waits do not make a stage the constraint (under a tenth of the time calls held it)", async () => {
+    const sem = backend.make(clock).semaphore("sem", { limit: 4 });
+    await load(sem, 10, 1, 100); // 1 s of calls, one at a time
+    const held = [await sem.admit(), await sem.admit(), await sem.admit(), await sem.admit()];
+    const fifth = sem.admit();
+    await clock.advance(10);
+    for (const t of held) await t.release("success");
+    await (await fifth).release("success");
+    expect(sem.snapshot().permitWaitMs).toBe(10);
+    expect(diagnose(sem).constraint).toBe("producer");
     await sem.close();
   });
 
