@@ -24,6 +24,8 @@ export interface RunMessage {
   thinkMs: number;
   callers: number;
   cap: number;
+  /** When set, count the callers waiting for admission every `sampleMs` from `startAt` (for a chart). */
+  sampleMs?: number;
 }
 
 export interface RunReport {
@@ -41,6 +43,8 @@ export interface RunReport {
   services: number[];
   /** Think times slept, ms. */
   thinks: number[];
+  /** With `sampleMs`: callers waiting for admission at `startAt + i × sampleMs`. */
+  waiting?: number[];
 }
 
 const client = await workerClient();
@@ -131,11 +135,20 @@ async function run(m: RunMessage): Promise<RunReport> {
   const stop = new AbortController();
   await sleep(Math.max(0, m.startAt - nowMs()));
   const timer = setTimeout(() => stop.abort(new Error("deadline")), Math.max(0, deadline - nowMs()));
+  let waiting = 0;
+  if (m.sampleMs !== undefined) report.waiting = [];
+  const sampler =
+    m.sampleMs === undefined
+      ? undefined
+      : setInterval(() => {
+          report.waiting![Math.round((nowMs() - m.startAt) / m.sampleMs!)] = waiting;
+        }, m.sampleMs);
   const caller = async (index: number) => {
     report.perCaller[index] = 0;
     while (nowMs() < deadline) {
       const asked = nowMs();
       let release: Release;
+      waiting++;
       try {
         release = await gate.admit(stop.signal);
       } catch (error) {
@@ -143,6 +156,8 @@ async function run(m: RunMessage): Promise<RunReport> {
         report.waits.push(deadline - asked);
         report.cutOff++;
         break;
+      } finally {
+        waiting--;
       }
       const granted = nowMs();
       if (m.mode !== "none" && m.mode !== "ceiling") report.waits.push(granted - asked);
@@ -174,6 +189,7 @@ async function run(m: RunMessage): Promise<RunReport> {
     await Promise.all(Array.from({ length: m.callers }, (_, i) => caller(i)));
   } finally {
     clearTimeout(timer);
+    clearInterval(sampler);
     await gate.close();
   }
   return report;

@@ -8,9 +8,9 @@
  * Admission waits are compared with those of a perfect FIFO queue fed the same service and think
  * times (a simulation of 24 callers on 8 permits with zero handoff cost).
  *
- * With `--chart FILE.svg` (see `drawFleetChart`) it draws the first round of the first variant:
- * the provider's requests in flight against the cap and its 429s over time, one line per
- * contender, from what the parent sees (the provider; the workers' stages are in their processes).
+ * With `--chart FILE.svg` (see `drawFleetChart`) it draws the first round of the first variant,
+ * one line per contender: the provider's requests in flight against the cap and its 429s over
+ * time, and the callers waiting for admission, which the workers count every 20 ms in that round.
  */
 
 import { writeFile } from "node:fs/promises";
@@ -40,6 +40,8 @@ const WORKERS = 12;
 const PER_WORKER = 2;
 const CAP = 8;
 const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
+/** Milliseconds between a chart's samples (`--chart`): the runs last 0.5 to 3 s. */
+const CHART_MS = 20;
 
 type Reply = RunReport | { kind: "ready" };
 
@@ -204,12 +206,16 @@ export const fleet: Benchmark = {
                 thinkMs: mode === "ceiling" ? 0 : v.thinkMs,
                 callers,
                 cap: CAP,
+                ...(charted && round === 0 ? { sampleMs: CHART_MS } : {}),
               };
               w.child.send(m);
             });
             const chart =
               charted && round === 0
-                ? new ChartRecorder({ title: mode, cap: CAP, intervalMs: 20 }).watchProvider(provider, mode)
+                ? new ChartRecorder({ title: mode, cap: CAP, intervalMs: CHART_MS }).watchProvider(
+                    provider,
+                    mode,
+                  )
                 : undefined;
             const chartAt = chart && setTimeout(() => chart.start(), Math.max(0, startAt - nowMs()));
             const reports = (await Promise.all(
@@ -219,6 +225,20 @@ export const fleet: Benchmark = {
               clearTimeout(chartAt);
               chart.stop();
               chartPoints.push(...chart.points);
+              // The callers waiting for admission, summed over the workers' samples.
+              const waiting: number[] = [];
+              for (const r of reports) {
+                for (const [i, n] of (r.waiting ?? []).entries()) waiting[i] = (waiting[i] ?? 0) + (n ?? 0);
+              }
+              waiting.forEach((n, i) => {
+                chartPoints.push({
+                  t: (i * CHART_MS) / 1000,
+                  panel: "waiting",
+                  series: mode,
+                  measure: "waiting",
+                  value: n,
+                });
+              });
               const p = provider.stats();
               chartTotals.push(`${mode} peak ${p.peak}, 429s ${p.rejected429}`);
             }
@@ -261,7 +281,7 @@ export const fleet: Benchmark = {
                 legend: "contender",
                 points: chartPoints,
                 cap: CAP,
-                intervalMs: 20,
+                intervalMs: CHART_MS,
               }),
             );
             console.error(`(fleet: chart in ${file})`);

@@ -14,8 +14,8 @@
  * Redis benchmarks start their own redis-server on a free loopback port unless REDIS_URL is set.
  *
  * `--chart FILE.svg` draws the fleet benchmark's first round (`npx tsx bench/index.ts fleet
- * --quick --chart fleet.svg`): the provider's requests in flight against the cap and its 429s
- * over time, one line per contender. It is taken off the command line here, before the suite
+ * --quick --chart fleet.svg`): the provider's requests in flight against the cap, the callers
+ * waiting and the 429s over time, one line per contender. It is taken off the command line here, before the suite
  * reads its flags.
  */
 import { spawn } from "node:child_process";
