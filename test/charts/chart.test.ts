@@ -1,6 +1,9 @@
+import { execFile } from "node:child_process";
 import { mkdtemp, readFile, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { fileURLToPath } from "node:url";
+import { promisify } from "node:util";
 import { Gate, memory } from "floodgate";
 import { describe, expect, it } from "vitest";
 import {
@@ -160,6 +163,28 @@ describe("charts", () => {
     expect(chart.points.map((p) => p.t)).toEqual([expect.any(Number), expect.any(Number)]);
     chart.stop();
     expect(() => new ChartRecorder({ title: "t", intervalMs: 5 })).toThrow(/intervalMs/);
+  });
+});
+
+describe("--chart", () => {
+  it("makes the demo write a chart of its run that names its stages, its gate and the provider", {
+    timeout: 60_000,
+  }, async () => {
+    const dir = await mkdtemp(join(tmpdir(), "floodgate-chart-"));
+    try {
+      const file = join(dir, "demo.svg");
+      const root = fileURLToPath(new URL("../..", import.meta.url));
+      const { stderr } = await promisify(execFile)(
+        process.execPath,
+        ["--import", "tsx", "examples/demo.ts", "--requests", "40", "--callers", "16", "--chart", file],
+        { cwd: root },
+      );
+      expect(stderr).toContain(`chart: ${file}`);
+      const series = ["demo-queue", "demo-inflight", "demo-adaptive", "gate demo", "provider"];
+      expect(checkSvg(await readFile(file, "utf8"), series).problems).toEqual([]);
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
   });
 });
 
