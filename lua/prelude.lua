@@ -287,6 +287,26 @@ local function floodgate_class(member)
   return tonumber(string.match(member, '~(%d+):')) or 0
 end
 
+-- A lease of a stage with classes (`~k:` in its member) taken back by a process that built the
+-- stage without them: take its permits off its class's count in `meta` (u0, u1, …) all the
+-- same, so no class keeps counting a permit nobody holds.
+local function floodgate_unclass(meta, member)
+  local k = string.match(member, '~(%d+):')
+  if not k then return end
+  local field = 'u' .. k
+  local left = (tonumber(redis.call('HGET', meta, field)) or 0) - floodgate_cost(member)
+  redis.call('HSET', meta, field, math.max(0, left))
+end
+
+-- Nobody holds a permit: zero every class count in `meta`, for a process that built the stage
+-- without classes (one with them zeroes its own).
+local function floodgate_unclass_all(meta)
+  local fields = redis.call('HKEYS', meta)
+  for i = 1, #fields do
+    if string.match(fields[i], '^u%d+$') then redis.call('HSET', meta, fields[i], 0) end
+  end
+end
+
 -- Write `used` (all permits held) to `meta` in one HSET, with what each class of `c` holds when
 -- `c` is given, and the fencing sequence when `seq` is.
 local function floodgate_set_used(meta, used, c, seq)

@@ -181,12 +181,14 @@ local function decide(member, again)
     if #dead > 0 then
       for i = 1, #dead do
         used = used - floodgate_cost(dead[i])
-        if classes then classes.free(dead[i]) end
+        if classes then classes.free(dead[i]) else floodgate_unclass(meta, dead[i]) end
       end
       if used < 0 or redis.call('ZCARD', holders) == 0 then
         used = 0
         if classes then
           for i = 1, classes.n do classes.used[i] = 0 end
+        else
+          floodgate_unclass_all(meta)
         end
       end
       floodgate_set_used(meta, used, classes)
