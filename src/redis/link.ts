@@ -309,8 +309,8 @@ export class RedisLink {
           ),
         );
       };
-      // By SHA; the connection sends the body after NOSCRIPT.
-      client.script(script, keys, args).then(answered, failed);
+      // By SHA; the connection sends the body after NOSCRIPT while the call still waits.
+      client.script(script, keys, args, () => !call.done).then(answered, failed);
     });
   }
 

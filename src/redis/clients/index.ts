@@ -43,9 +43,16 @@ export interface RedisConnection {
   connect(): Promise<unknown>;
   /**
    * Run a script by its SHA; on `NOSCRIPT` (a flushed cache, a failover) send its body, which
-   * loads it again. `keys` may be empty only for a script that takes none.
+   * loads it again, unless `wanted` says the caller no longer waits for it (it timed out: a
+   * body sent then could take what nobody would give back). `keys` may be empty only for a
+   * script that takes none.
    */
-  script(name: ScriptName, keys: readonly string[], args: readonly (string | number)[]): Promise<unknown>;
+  script(
+    name: ScriptName,
+    keys: readonly string[],
+    args: readonly (string | number)[],
+    wanted: () => boolean,
+  ): Promise<unknown>;
   /** A new connection to the same server(s) with the same options, for pub/sub. */
   duplicate(): RedisConnection;
   /** Call `listener` with every pub/sub message this connection receives. Set once. */

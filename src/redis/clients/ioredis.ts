@@ -75,7 +75,12 @@ export class IoredisConnection implements RedisConnection {
     return this.#client.connect?.() ?? Promise.resolve();
   }
 
-  script(name: ScriptName, keys: readonly string[], args: readonly (string | number)[]): Promise<unknown> {
+  script(
+    name: ScriptName,
+    keys: readonly string[],
+    args: readonly (string | number)[],
+    wanted: () => boolean,
+  ): Promise<unknown> {
     const client = this.#client;
     // The client sends the body once per connection, then the SHA, and resends after NOSCRIPT.
     const command = (client as unknown as Record<string, ScriptCommand>)[COMMANDS[name]]!;
@@ -88,7 +93,7 @@ export class IoredisConnection implements RedisConnection {
     return sent.catch((error: unknown) => {
       // The cache was flushed again before the client's own resend (which it tries once): send
       // the body itself, which cannot miss.
-      if (error instanceof Error && error.message.startsWith("NOSCRIPT")) {
+      if (wanted() && error instanceof Error && error.message.startsWith("NOSCRIPT")) {
         return client.eval(scriptSource(name), keys.length, ...keys, ...args);
       }
       throw error;

@@ -116,7 +116,12 @@ export class NodeRedisConnection implements RedisConnection {
     return this.#client.connect();
   }
 
-  script(name: ScriptName, keys: readonly string[], args: readonly (string | number)[]): Promise<unknown> {
+  script(
+    name: ScriptName,
+    keys: readonly string[],
+    args: readonly (string | number)[],
+    wanted: () => boolean,
+  ): Promise<unknown> {
     const argv: string[] = [String(keys.length), ...keys];
     for (const arg of args) argv.push(typeof arg === "string" ? arg : String(arg));
     const client = this.#client;
@@ -125,7 +130,7 @@ export class NodeRedisConnection implements RedisConnection {
       : (command: string[]) => client.sendCommand(command);
     return send(["EVALSHA", sha(name), ...argv]).catch((error: unknown) => {
       // Not in the cache (flushed, or a failover): the body runs it and loads it again.
-      if (error instanceof Error && error.message.startsWith("NOSCRIPT")) {
+      if (wanted() && error instanceof Error && error.message.startsWith("NOSCRIPT")) {
         return send(["EVAL", scriptSource(name), ...argv]);
       }
       throw error;
