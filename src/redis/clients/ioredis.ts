@@ -43,6 +43,7 @@ export function isIoredisFamily(client: object): client is IoredisFamilyClient {
   return typeof c.defineCommand === "function" && typeof c.status === "string" && typeof c.on === "function";
 }
 
+/** An ioredis or iovalkey client (`Redis` or `Cluster`) as the backend's one client interface. */
 export class IoredisConnection implements RedisConnection {
   readonly library = "ioredis";
   readonly cluster: boolean;

@@ -65,6 +65,10 @@ function sha(name: ScriptName): string {
   return value;
 }
 
+/**
+ * A node-redis client or cluster as the backend's one client interface. Its `status()` speaks
+ * ioredis's words: `wait` before `connect()`, `connecting`, `ready`, `reconnecting`, `end`.
+ */
 export class NodeRedisConnection implements RedisConnection {
   readonly library = "node-redis";
   readonly cluster: boolean;
