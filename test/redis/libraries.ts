@@ -15,8 +15,14 @@ export interface Library {
   /** A client not connected yet, with an `error` listener: the backend connects it on its first call. */
   make(url: string, options?: { reconnect?: boolean }): RedisClient;
   connect(url: string, options?: { reconnect?: boolean }): Promise<RedisClient>;
-  /** Absent for a library whose Cluster client floodgate does not support. */
-  connectCluster?(nodes: readonly ClusterNode[]): Promise<RedisClient>;
+  /**
+   * Absent for a library whose Cluster client floodgate does not support. `name` names every
+   * connection it makes (CLIENT SETNAME); `reconnect` as for `connect`.
+   */
+  connectCluster?(
+    nodes: readonly ClusterNode[],
+    options?: { name?: string; reconnect?: boolean },
+  ): Promise<RedisClient>;
   /** Quit when connected, else drop the connection; never throws. */
   close(client: RedisClient): Promise<void>;
 }
@@ -68,12 +74,16 @@ function ioredisFamily(name: string, Client: typeof Redis, ClusterClient: typeof
       await client.connect();
       return client;
     },
-    async connectCluster(nodes) {
+    async connectCluster(nodes, { name, reconnect = false } = {}) {
       const client = new ClusterClient([...nodes], {
-        redisOptions: { maxRetriesPerRequest: 0 },
+        redisOptions: {
+          maxRetriesPerRequest: 0,
+          ...(name ? { connectionName: name } : {}),
+          ...(reconnect ? { retryStrategy: () => 50 } : {}),
+        },
         enableOfflineQueue: false,
         lazyConnect: true,
-        clusterRetryStrategy: () => null,
+        clusterRetryStrategy: reconnect ? () => 50 : () => null,
       });
       client.on("error", () => {});
       await client.connect();
@@ -100,10 +110,14 @@ function nodeRedis(name: string, create: typeof createClient, cluster: typeof cr
       await client.connect();
       return client as unknown as RedisClient;
     },
-    async connectCluster(nodes) {
+    async connectCluster(nodes, { name, reconnect = false } = {}) {
       const client = cluster({
         rootNodes: nodes.map((node) => ({ url: url(node) })),
-        defaults: { disableOfflineQueue: true, socket: { reconnectStrategy: false } },
+        defaults: {
+          disableOfflineQueue: true,
+          ...(name ? { name } : {}),
+          socket: { reconnectStrategy: reconnect ? () => 50 : false },
+        },
       });
       client.on("error", () => {});
       await client.connect();
@@ -157,5 +171,7 @@ export function command(client: RedisClient, args: readonly string[]): Promise<u
     getSlotMaster?: unknown;
     sendCommand(...a: unknown[]): Promise<unknown>;
   };
-  return typeof c.getSlotMaster === "function" ? c.sendCommand(args[1], false, [...args]) : c.sendCommand([...args]);
+  return typeof c.getSlotMaster === "function"
+    ? c.sendCommand(args[1], false, [...args])
+    : c.sendCommand([...args]);
 }
