@@ -350,7 +350,8 @@ export class RedisLink {
       client.on("error", onFailed);
       client.on("end", onFailed);
       // A `lazyConnect` client connects on its first command: floodgate's first call is that.
-      if (client.status() === "wait") client.connect().catch(() => {});
+      // A connect that fails (a refused cluster discovery says so only here) fails it at once.
+      if (client.status() === "wait") client.connect().catch(onFailed);
     });
     return this.#waitingForFirst;
   }

@@ -206,6 +206,24 @@ describe.each(OTHER_LIBRARIES)("the first connection on $name", (library) => {
   });
 });
 
+describe.each(LIBRARIES)("a Cluster whose first connection is refused, on $name", (library) => {
+  it("fails calls closed at once, again and again", async () => {
+    const client = library.makeCluster!([{ host: "127.0.0.1", port: await freePort() }]);
+    const backend = redis(client, { prefix: randomPrefix(`lib-cluster-refused-${library.name}`) });
+    try {
+      const sem = backend.semaphore("first", { limit: 1 });
+      for (let i = 0; i < 3; i++) {
+        const error = await within(rejectionOf(sem.admit()), 1_500, `admit() ${i + 1} on a refused Cluster`);
+        expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
+      }
+      expect(sem.snapshot()).toMatchObject({ waiting: 0, inFlight: 0 });
+    } finally {
+      await backend.close();
+      dropAny(client);
+    }
+  });
+});
+
 describe("recognising the client", () => {
   it("refuses an object of no client library it knows with InvalidOptionsError", () => {
     for (const client of [{}, { status: "ready" }, { sendCommand() {} }, null]) {

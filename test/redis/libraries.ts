@@ -23,6 +23,8 @@ export interface Library {
     nodes: readonly ClusterNode[],
     options?: { name?: string; reconnect?: boolean },
   ): Promise<RedisClient>;
+  /** A Cluster client not connected yet, with an `error` listener, as `connectCluster` makes it. */
+  makeCluster?(nodes: readonly ClusterNode[], options?: { name?: string; reconnect?: boolean }): RedisClient;
   /** Quit when connected, else drop the connection; never throws. */
   close(client: RedisClient): Promise<void>;
 }
@@ -57,7 +59,7 @@ const url = (node: ClusterNode) =>
   `redis://${(node as { host: string }).host}:${(node as { port: number }).port}`;
 
 function ioredisFamily(name: string, Client: typeof Redis, ClusterClient: typeof Cluster): Library {
-  return {
+  const library: Library = {
     name,
     make(address, { reconnect = false } = {}) {
       const client = new Client(address, {
@@ -70,11 +72,16 @@ function ioredisFamily(name: string, Client: typeof Redis, ClusterClient: typeof
       return client;
     },
     async connect(address, options) {
-      const client = this.make(address, options) as Redis;
+      const client = library.make(address, options) as Redis;
       await client.connect();
       return client;
     },
-    async connectCluster(nodes, { name, reconnect = false } = {}) {
+    async connectCluster(nodes, options) {
+      const client = library.makeCluster!(nodes, options) as Cluster;
+      await client.connect();
+      return client;
+    },
+    makeCluster(nodes, { name, reconnect = false } = {}) {
       const client = new ClusterClient([...nodes], {
         redisOptions: {
           maxRetriesPerRequest: 0,
@@ -86,15 +93,15 @@ function ioredisFamily(name: string, Client: typeof Redis, ClusterClient: typeof
         clusterRetryStrategy: reconnect ? () => 50 : () => null,
       });
       client.on("error", () => {});
-      await client.connect();
       return client;
     },
     close: closeAny,
   };
+  return library;
 }
 
 function nodeRedis(name: string, create: typeof createClient, cluster: typeof createCluster): Library {
-  return {
+  const library: Library = {
     name,
     make(address, { reconnect = false } = {}) {
       const client = create({
@@ -106,11 +113,16 @@ function nodeRedis(name: string, create: typeof createClient, cluster: typeof cr
       return client as unknown as RedisClient;
     },
     async connect(address, options) {
-      const client = this.make(address, options) as unknown as ReturnType<typeof createClient>;
+      const client = library.make(address, options) as unknown as ReturnType<typeof createClient>;
       await client.connect();
       return client as unknown as RedisClient;
     },
-    async connectCluster(nodes, { name, reconnect = false } = {}) {
+    async connectCluster(nodes, options) {
+      const client = library.makeCluster!(nodes, options) as unknown as ReturnType<typeof createCluster>;
+      await client.connect();
+      return client as unknown as RedisClient;
+    },
+    makeCluster(nodes, { name, reconnect = false } = {}) {
       const client = cluster({
         rootNodes: nodes.map((node) => ({ url: url(node) })),
         defaults: {
@@ -120,11 +132,11 @@ function nodeRedis(name: string, create: typeof createClient, cluster: typeof cr
         },
       });
       client.on("error", () => {});
-      await client.connect();
       return client as unknown as RedisClient;
     },
     close: closeAny,
   };
+  return library;
 }
 
 /** Every library, by name: ioredis 5, node-redis 6 and 5, iovalkey. */

@@ -76,11 +76,26 @@ export class NodeRedisConnection implements RedisConnection {
   /** Whether it has been ready: once it has, a closed client is closed, not waiting to connect. */
   #wasReady: boolean;
   #listener: ((channel: string, message: string) => void) | undefined = undefined;
+  /**
+   * On a node-redis 5 cluster, which has no `isReady` (it is open while it still learns its
+   * slots): whether it said `connect` (it knows them) since it last said `disconnect`. Taken as
+   * true for a cluster open when given.
+   */
+  #clusterUp: boolean | undefined = undefined;
 
   constructor(client: NodeRedisClient) {
     this.#client = client as Client;
     // Only a cluster routes by slot.
     this.cluster = typeof this.#client.getSlotMaster === "function";
+    if (this.cluster && !("isReady" in this.#client)) {
+      this.#clusterUp = this.#client.isOpen;
+      this.#client.on("connect", () => {
+        this.#clusterUp = true;
+      });
+      this.#client.on("disconnect", () => {
+        this.#clusterUp = false;
+      });
+    }
     this.#wasReady = this.#ready();
   }
 
@@ -90,7 +105,7 @@ export class NodeRedisConnection implements RedisConnection {
 
   #ready(): boolean {
     const c = this.#client;
-    return c.isOpen && c.isReady !== false;
+    return c.isOpen && (this.#clusterUp ?? c.isReady !== false);
   }
 
   status(): string {
@@ -108,16 +123,25 @@ export class NodeRedisConnection implements RedisConnection {
     return event === "ready" ? "connect" : event === "end" ? "disconnect" : event;
   }
 
+  /** Told when a `connect()` made here fails: a cluster's failed discovery emits no event. */
+  readonly #ended = new Set<(...args: any[]) => void>();
+
   on(event: ConnectionEvent, listener: (...args: any[]) => void): void {
+    if (event === "end") this.#ended.add(listener);
     this.#client.on(this.#event(event), listener);
   }
 
   off(event: ConnectionEvent, listener: (...args: any[]) => void): void {
+    if (event === "end") this.#ended.delete(listener);
     this.#client.off(this.#event(event), listener);
   }
 
   connect(): Promise<unknown> {
-    return this.#client.connect();
+    const connecting = this.#client.connect();
+    connecting.catch(() => {
+      for (const listener of [...this.#ended]) listener();
+    });
+    return connecting;
   }
 
   script(
