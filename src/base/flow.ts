@@ -5,6 +5,26 @@
  */
 import type { FlowSnapshot } from "../types.js";
 
+/**
+ * A time read once for every stage of a fused memory gate (they share one clock) while it takes
+ * or releases them all in one go, so each stage does not read the clock again; NaN otherwise.
+ */
+export const turn = { now: Number.NaN };
+
+/**
+ * Set `turn.now` from `clock` unless it is set already; returns what to restore (`endTurn`).
+ */
+export function startTurn(clock: { now(): number }): number {
+  const before = turn.now;
+  if (Number.isNaN(before)) turn.now = clock.now();
+  return before;
+}
+
+/** Restore what `startTurn` returned. */
+export function endTurn(before: number): void {
+  turn.now = before;
+}
+
 /** The window every stage measures its flow over, in ms. */
 export const FLOW_WINDOW_MS = 10_000;
 
@@ -27,10 +47,15 @@ export class Flow {
   #since: number;
   readonly #born: number;
 
+  /** The entry of the slot `#since` falls in, and when that slot ends. */
+  #cur = 0;
+  #curEnd = Number.NEGATIVE_INFINITY;
+
   constructor(now: number, windowMs = FLOW_WINDOW_MS) {
     this.#slotMs = windowMs / SLOTS;
     this.#since = now;
     this.#born = now;
+    this.#enter(now);
   }
 
   /**
@@ -38,26 +63,40 @@ export class Flow {
    * the number in flight changes.
    */
   advance(now: number, level: number): void {
-    let t = this.#since;
+    const t = this.#since;
     if (!(now > t)) return;
     this.#since = now;
-    if (level <= 0) return;
-    const slotMs = this.#slotMs;
-    // Only the last SLOTS slots are kept: skip what lies before them.
-    const first = (Math.floor(now / slotMs) - SLOTS + 1) * slotMs;
-    if (t < first) t = first;
-    while (t < now) {
-      const id = Math.floor(t / slotMs);
-      const end = Math.min(now, (id + 1) * slotMs);
-      const i = this.#slot(id);
-      this.#area[i] = this.#area[i]! + level * (end - t);
-      t = end;
+    if (now < this.#curEnd) {
+      // Still in the slot of the last change: the common case, one addition.
+      if (level > 0) this.#area[this.#cur] = this.#area[this.#cur]! + level * (now - t);
+      return;
     }
+    if (level > 0) {
+      const slotMs = this.#slotMs;
+      // Only the last SLOTS slots are kept: skip what lies before them.
+      const first = (Math.floor(now / slotMs) - SLOTS + 1) * slotMs;
+      let from = t < first ? first : t;
+      while (from < now) {
+        const id = Math.floor(from / slotMs);
+        const end = Math.min(now, (id + 1) * slotMs);
+        const i = this.#slot(id);
+        this.#area[i] = this.#area[i]! + level * (end - from);
+        from = end;
+      }
+    }
+    this.#enter(now);
   }
 
-  /** A ticket held `heldMs` was released at `now` (after `advance`). */
+  /** Make the slot `now` falls in the current one. */
+  #enter(now: number): void {
+    const id = Math.floor(now / this.#slotMs);
+    this.#cur = this.#slot(id);
+    this.#curEnd = (id + 1) * this.#slotMs;
+  }
+
+  /** A ticket held `heldMs` was released at `now`, just after `advance(now, …)`. */
   released(now: number, heldMs: number): void {
-    const i = this.#slot(Math.floor(now / this.#slotMs));
+    const i = this.#cur;
     this.#released[i] = this.#released[i]! + 1;
     if (!(heldMs >= 0)) return;
     this.#heldMs[i] = this.#heldMs[i]! + heldMs;

@@ -5,6 +5,7 @@
  * lines, as a fused Redis gate's callers wait in Redis: one line for its permits, and one per
  * lane (the call's key and host) for its rates, each in arrival order.
  */
+import { endTurn, startTurn } from "../base/flow.js";
 import type { BaseStage, StageWatcher } from "../base/stage.js";
 import type { Clock, ClockTimer } from "../clock.js";
 import { AdmitTimeoutError, ClosedError } from "../errors.js";
@@ -172,15 +173,20 @@ class MemoryFusedGate implements FusedAdmission {
   #take(o: AdmitOptions): Ticket[] {
     const stages = this.#stages;
     const tickets = new Array<Ticket>(stages.length);
-    for (let i = 0; i < stages.length; i++) {
-      const stage = stages[i]!;
-      const ticket = stage.admitNow(o, costAt(stage, o));
-      if (ticket === undefined) {
-        // A stage went back on its word: give back what was taken, as it was.
-        for (let j = i - 1; j >= 0; j--) void tickets[j]!.refund();
-        throw new Error(`gate "${this.#name}": ${stage.name} refused a call it said it would admit`);
+    const before = startTurn(this.#clock);
+    try {
+      for (let i = 0; i < stages.length; i++) {
+        const stage = stages[i]!;
+        const ticket = stage.admitNow(o, costAt(stage, o));
+        if (ticket === undefined) {
+          // A stage went back on its word: give back what was taken, as it was.
+          for (let j = i - 1; j >= 0; j--) void tickets[j]!.refund();
+          throw new Error(`gate "${this.#name}": ${stage.name} refused a call it said it would admit`);
+        }
+        tickets[i] = ticket;
       }
-      tickets[i] = ticket;
+    } finally {
+      endTurn(before);
     }
     return tickets;
   }
@@ -188,11 +194,14 @@ class MemoryFusedGate implements FusedAdmission {
   admitNow(o: AdmitOptions): Ticket[] | undefined {
     if (this.#closedBy !== undefined || this.#permitLine.size > 0) return undefined;
     if (this.#lanes.size > 0 && this.#lanes.has(this.#laneOf(o))) return undefined;
+    const before = startTurn(this.#clock);
     try {
       return this.#probe(o) === 0 ? this.#take(o) : undefined;
     } catch {
       // `admit` says why, with the stage's own error.
       return undefined;
+    } finally {
+      endTurn(before);
     }
   }
 
@@ -435,7 +444,13 @@ class MemoryFusedGate implements FusedAdmission {
   }
 
   together(fn: () => Promise<void>): Promise<void> {
-    return fn();
+    // Memory releases are done before `fn` returns: every stage reads the one time.
+    const before = startTurn(this.#clock);
+    try {
+      return fn();
+    } finally {
+      endTurn(before);
+    }
   }
 
   close(reason: unknown): void {

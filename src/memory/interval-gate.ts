@@ -129,7 +129,7 @@ export class MemoryIntervalGate extends MemoryLineStage<HostSlot> {
     if (this.refusing || !Number.isInteger(cost) || cost < 0 || o.signal?.aborted) return undefined;
     const host = o.host ?? this.#defaultHost;
     if (host === undefined) return undefined;
-    const now = this.clock.now();
+    const now = this.time();
     const h = this.line(host, now);
     if (h.size !== 0 || h.nextAt > now) return undefined;
     return this.#start(h, cost, host, now);
@@ -139,7 +139,7 @@ export class MemoryIntervalGate extends MemoryLineStage<HostSlot> {
     this.throwIfRefusing();
     const host = o.host ?? this.#defaultHost;
     if (host === undefined || !Number.isInteger(cost) || cost < 0) return Number.NaN;
-    const now = this.clock.now();
+    const now = this.time();
     const h = this.line(host, now);
     if (h.size === 0 && h.nextAt <= now) return 0;
     // Behind its own waiters, the host's slot is theirs first: ask again once it has passed.

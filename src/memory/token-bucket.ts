@@ -351,7 +351,7 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
     if (key === undefined) return undefined;
     const cls = this.#classOf(o, cost);
     if (cost === 0) return this.#free(key, cls);
-    const now = this.clock.now();
+    const now = this.time();
     const b = this.line(key, now);
     if (!this.#takeFor(b, cls, cost, now)) return undefined;
     return this.#issue(b, cost, key, cls);
@@ -364,7 +364,7 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
       return Number.NaN;
     }
     if (cost === 0) return 0;
-    const now = this.clock.now();
+    const now = this.time();
     const b = this.line(key, now);
     // With waiters of its own, the bucket's tokens are theirs first: after them, at the soonest.
     if (b.size !== 0) return Math.max(1, Math.min(this.#endWaitMs(b, cost, now), LONGEST_MS));
