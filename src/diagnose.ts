@@ -98,9 +98,12 @@ export function diagnose(targets: Stage | readonly Stage[], options: DiagnoseOpt
       );
     }
     if (snap) snaps.push(snap);
-    else (inner as Stage[]).forEach((s, i) => visit(s, `${field}.stages[${i}]`));
+    else {
+      const stages = inner as Stage[];
+      for (let i = 0; i < stages.length; i++) visit(stages[i]!, `${field}.stages[${i}]`);
+    }
   };
-  list.forEach((t, i) => visit(t, isArray(targets) ? `targets[${i}]` : "targets"));
+  for (let i = 0; i < list.length; i++) visit(list[i]!, isArray(targets) ? `targets[${i}]` : "targets");
   const stages = snaps.map(describe);
   return { ...verdict(snaps, o), stages };
 }

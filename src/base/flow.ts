@@ -75,7 +75,7 @@ export class Flow {
       const slotMs = this.#slotMs;
       // Only the last SLOTS slots are kept: skip what lies before them.
       const first = (Math.floor(now / slotMs) - SLOTS + 1) * slotMs;
-      let from = t < first ? first : t;
+      let from = Math.max(t, first);
       while (from < now) {
         const id = Math.floor(from / slotMs);
         const end = Math.min(now, (id + 1) * slotMs);
