@@ -54,7 +54,7 @@ export interface Instrumentation extends Disposable {
  * own admissions and refusals; no histograms): a fused gate's waits are counted there.
  *
  * The histograms come from the `node:diagnostics_channel` events, subscribed to from now until
- * `close()`; a call admitted before may count no service time (when its stage did not time it).
+ * `close()`: a call admitted before counts its whole service time once it is released.
  * Instrument each stage once: two instrumentations of one stage record its histograms twice.
  * Without a meter or a provider, the global provider's `floodgate` meter is used (a no-op until
  * an SDK is registered). The histograms are the only per-call cost; `histograms: false` leaves
@@ -184,7 +184,7 @@ export function instrument(
   const onGrant = (m: unknown) => waited(m as GrantMessage, Math.max(0, (m as GrantMessage).waitedMs) / 1000);
   const onRelease = (m: unknown) => {
     const rel = m as ReleaseMessage;
-    // NaN: admitted before anyone subscribed, and not timed.
+    // NaN from a stage of your own that does not time its tickets.
     if (Number.isNaN(rel.heldMs)) return;
     const r = rowOf(rel.stage, rel.kind, rel.backend);
     if (r !== undefined) held!.record(Math.max(0, rel.heldMs) / 1000, r.released(rel.key, rel.outcome));
