@@ -57,6 +57,20 @@ describe.each(targets)("grants, leases and quarantine on $name", (target) => {
     return { client: c, backend: b };
   }
 
+  it("adds no listener to the client per backend built on it", async () => {
+    const c = await client();
+    const emitter = c as unknown as {
+      eventNames(): (string | symbol)[];
+      listenerCount(e: string | symbol): number;
+    };
+    const count = () => emitter.eventNames().reduce((n, e) => n + emitter.listenerCount(e), 0);
+    const first = redis(c, { prefix: randomPrefix("listeners") });
+    const before = count();
+    for (let i = 0; i < 20; i++) backends.push(redis(c, { prefix: randomPrefix("listeners") }));
+    expect(count()).toBe(before);
+    backends.push(first);
+  });
+
   it("hands a permit released in one process to a waiter in another through its grant message", async () => {
     const prefix = randomPrefix(`lib-grant-${target.library.name}`);
     const first = await backend(prefix);

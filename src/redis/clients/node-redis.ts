@@ -66,6 +66,28 @@ function sha(name: ScriptName): string {
 }
 
 /**
+ * Whether a node-redis 5 cluster said `connect` since it last said `disconnect`, watched once per
+ * client however many backends are built on it (a listener pair each would pile up).
+ */
+const clusterStates = new WeakMap<object, { up: boolean }>();
+
+function clusterState(client: Client): { up: boolean } {
+  let state = clusterStates.get(client);
+  if (state === undefined) {
+    const s = { up: client.isOpen };
+    client.on("connect", () => {
+      s.up = true;
+    });
+    client.on("disconnect", () => {
+      s.up = false;
+    });
+    clusterStates.set(client, s);
+    state = s;
+  }
+  return state;
+}
+
+/**
  * A node-redis client or cluster as the backend's one client interface. Its `status()` speaks
  * ioredis's words: `wait` before `connect()`, `connecting`, `ready`, `reconnecting`, `end`.
  */
@@ -81,21 +103,13 @@ export class NodeRedisConnection implements RedisConnection {
    * slots): whether it said `connect` (it knows them) since it last said `disconnect`. Taken as
    * true for a cluster open when given.
    */
-  #clusterUp: boolean | undefined = undefined;
+  #clusterUp: { up: boolean } | undefined = undefined;
 
   constructor(client: NodeRedisClient) {
     this.#client = client as Client;
     // Only a cluster routes by slot.
     this.cluster = typeof this.#client.getSlotMaster === "function";
-    if (this.cluster && !("isReady" in this.#client)) {
-      this.#clusterUp = this.#client.isOpen;
-      this.#client.on("connect", () => {
-        this.#clusterUp = true;
-      });
-      this.#client.on("disconnect", () => {
-        this.#clusterUp = false;
-      });
-    }
+    if (this.cluster && !("isReady" in this.#client)) this.#clusterUp = clusterState(this.#client);
     this.#wasReady = this.#ready();
   }
 
@@ -105,7 +119,7 @@ export class NodeRedisConnection implements RedisConnection {
 
   #ready(): boolean {
     const c = this.#client;
-    return c.isOpen && (this.#clusterUp ?? c.isReady !== false);
+    return c.isOpen && (this.#clusterUp ? this.#clusterUp.up : c.isReady !== false);
   }
 
   status(): string {
