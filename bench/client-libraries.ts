@@ -96,8 +96,8 @@ export const clientLibraries: Benchmark = {
   redis: true,
   async run(args: BenchArgs) {
     const url = await args.redisUrl();
-    const count = args.rounds ?? (args.quick ? 3 : 5);
-    const seconds = args.seconds ?? (args.quick ? 1 : 3);
+    const count = args.rounds ?? (args.quick ? 2 : 5);
+    const seconds = args.seconds ?? (args.quick ? 0.5 : 3);
     const h = args.handoffs ?? (args.quick ? 20 : 200);
     const prefix = freshPrefix("libraries");
     const names = Object.keys(LIBRARIES);

@@ -217,19 +217,24 @@ function fullness(s: Snapshot): number {
   return Math.max(own, fleet);
 }
 
-/** What a stage's callers waited for it in all, in ms: rate for a rate stage, permits for a bound. */
+/**
+ * What a stage's callers waited for it, in ms: in the flow's window when the stage measures one,
+ * else in all (rate for a rate stage, permits for a bound).
+ */
 function waitedMs(s: Snapshot): number {
+  if (s.flow) return s.flow.waitedMs;
   return RATE_KINDS.has(s.kind) ? s.tokenWaitMs : s.permitWaitMs;
 }
 
 /**
  * Whether callers waited for `s` long enough to call it binding: at least a tenth of the time
- * its calls held it (`admitted × serviceMs`), so a few short waits (a turn of a line, a round
- * trip) do not count.
+ * its calls held it (in the window: `released × serviceMs`; without a flow, `admitted ×` none),
+ * so a few short waits (a turn of a line, a round trip) do not count.
  */
 function waitedLong(s: Snapshot): boolean {
   const ms = waitedMs(s);
-  return ms > 0 && ms >= WAITED_SHARE * s.admitted * (s.flow?.serviceMs ?? 0);
+  const held = s.flow ? s.flow.released * s.flow.serviceMs : 0;
+  return ms > 0 && ms >= WAITED_SHARE * held;
 }
 
 const WAITED_SHARE = 0.1;
@@ -259,7 +264,7 @@ function verdict(snaps: readonly Snapshot[], o: Checked): { constraint: Constrai
         : `${binding.inFlight} in flight of ${binding.limit}; `;
     const fleet = binding.fleet ? `fleet-wide ${binding.fleet.inFlight} of ${binding.fleet.limit}; ` : "";
     const waits =
-      `calls waited ${fixed(waitedMs(binding) / 1000, 2)} s for it in all` +
+      `calls waited ${fixed(waitedMs(binding) / 1000, 2)} s for it${binding.flow ? ` in the last ${fixed(binding.flow.windowMs / 1000)} s` : " in all"}` +
       `${binding.waiting > 0 ? `, ${binding.waiting} wait now` : ""}`;
     const what = `${binding.kind} "${binding.name}" (${figures}${fleet}${waits})`;
     if (rate) {

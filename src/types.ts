@@ -207,6 +207,11 @@ export interface FlowSnapshot {
   littleInFlight: number;
   /** `meanInFlight / limit`; 0 where the stage has no concurrency limit. */
   utilisation: number;
+  /**
+   * ms callers waited for this stage in the window (for tokens, permits or a queue slot; a
+   * fused gate's waits at the stage that refused them), counted when each wait ended.
+   */
+  waitedMs: number;
 }
 
 /** One traffic class of a stage, at the moment of the snapshot. */

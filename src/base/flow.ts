@@ -40,6 +40,8 @@ export class Flow {
   readonly #heldMs = new Float64Array(SLOTS);
   /** ∫ in flight dt over the slot, in call·ms. */
   readonly #area = new Float64Array(SLOTS);
+  /** ms callers waited for the stage, by the slot their wait ended in. */
+  readonly #waitedMs = new Float64Array(SLOTS);
   readonly #sampleMs = new Float64Array(SAMPLES);
   readonly #sampleAt = new Float64Array(SAMPLES);
   #samples = 0;
@@ -94,6 +96,11 @@ export class Flow {
     this.#curEnd = (id + 1) * this.#slotMs;
   }
 
+  /** A caller's wait of `ms` for the stage ended (in the slot of the last change). */
+  waited(ms: number): void {
+    this.#waitedMs[this.#cur] = this.#waitedMs[this.#cur]! + ms;
+  }
+
   /** A ticket held `heldMs` was released at `now`, just after `advance(now, …)`. */
   released(now: number, heldMs: number): void {
     const i = this.#cur;
@@ -113,6 +120,7 @@ export class Flow {
       this.#released[i] = 0;
       this.#heldMs[i] = 0;
       this.#area[i] = 0;
+      this.#waitedMs[i] = 0;
     }
     return i;
   }
@@ -127,12 +135,14 @@ export class Flow {
     let released = 0;
     let heldMs = 0;
     let area = 0;
+    let waitedMs = 0;
     for (let i = 0; i < SLOTS; i++) {
       const id = this.#id[i]!;
       if (id > last || id <= last - SLOTS) continue;
       released += this.#released[i]!;
       heldMs += this.#heldMs[i]!;
       area += this.#area[i]!;
+      waitedMs += this.#waitedMs[i]!;
     }
     const throughput = windowMs > 0 ? (released * 1000) / windowMs : 0;
     const serviceMs = released > 0 ? heldMs / released : 0;
@@ -146,6 +156,7 @@ export class Flow {
       meanInFlight,
       littleInFlight: (throughput * serviceMs) / 1000,
       utilisation: limit > 0 && limit < Number.POSITIVE_INFINITY ? meanInFlight / limit : 0,
+      waitedMs,
     };
   }
 
@@ -179,5 +190,6 @@ export function addFlows(a: FlowSnapshot, b: FlowSnapshot, limit: number): FlowS
     meanInFlight,
     littleInFlight: (throughput * serviceMs) / 1000,
     utilisation: limit > 0 && limit < Number.POSITIVE_INFINITY ? meanInFlight / limit : 0,
+    waitedMs: a.waitedMs + b.waitedMs,
   };
 }

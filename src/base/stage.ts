@@ -564,6 +564,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
 
   private addWait(waitFor: WaitFor, ms: number): void {
     if (!(ms > 0)) return;
+    this.flow.waited(ms);
     if (waitFor === "token") this.tokenWaitMs += ms;
     else if (waitFor === "permit") this.permitWaitMs += ms;
     else this.queueWaitMs += ms;

@@ -52,7 +52,8 @@ describe.each(backends)("diagnose on $name", (backend) => {
     const d = diagnose(sem);
     expect(d.constraint).toBe("bound");
     expect(d.summary).toMatch(/^the concurrency bound: semaphore "sem" \(/);
-    expect(d.summary).toMatch(/of 2; calls waited 0\.60 s for it in all/);
+    expect(d.summary).toMatch(/of 2; calls waited 0\.60 s for it in the last 0\.6 s\)/);
+    expect(d.stages[0]!.flow!.waitedMs).toBe(600);
     expect(d.stages[0]!.flow!.released).toBe(12);
     expect(d.stages[0]!.flow!.serviceMs).toBe(100);
     expect(d.stages[0]!.flow!.meanInFlight).toBeCloseTo(2, 9);
