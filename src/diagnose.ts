@@ -5,7 +5,7 @@
  */
 import { InvalidOptionsError } from "./errors.js";
 import type { FleetSnapshot, FlowSnapshot, Snapshot, Stage } from "./types.js";
-import { got, isArray, messageOf } from "./validate.js";
+import { checkTargets, got, isArray, messageOf } from "./validate.js";
 
 /**
  * What bounds the throughput now:
@@ -68,42 +68,29 @@ const RATE_KINDS = new Set(["tokenBucket", "intervalGate"]);
  */
 export function diagnose(targets: Stage | readonly Stage[], options: DiagnoseOptions = {}): Diagnosis {
   const o = checkOptions(options);
-  const list = isArray(targets) ? (targets as readonly Stage[]) : [targets as Stage];
-  if (list.length === 0)
-    throw new InvalidOptionsError(undefined, "targets", "diagnose: targets must not be empty");
+  const list = checkTargets<Stage>("diagnose", targets, "snapshot", true);
   // A gate's stages are looked at one by one, each once however many gates share it.
   const seen = new Set<Stage>();
   const snaps: Snapshot[] = [];
   const visit = (t: Stage, field: string) => {
     if (seen.has(t)) return;
     seen.add(t);
-    let inner: unknown;
-    let snap: Snapshot | undefined;
+    const inner = (t as { stages?: unknown }).stages;
+    if (isArray(inner)) {
+      for (const s of inner as Stage[]) visit(s, field);
+      return;
+    }
     try {
-      if (typeof (t as Partial<Stage> | null)?.snapshot !== "function") {
-        throw new InvalidOptionsError(
-          undefined,
-          field,
-          `diagnose: ${field} must be a stage or a gate, ${got(t)}`,
-        );
-      }
-      inner = (t as { stages?: unknown }).stages;
-      if (!isArray(inner)) snap = t.snapshot();
+      snaps.push(t.snapshot());
     } catch (error) {
-      if (error instanceof InvalidOptionsError) throw error;
       throw new InvalidOptionsError(
         undefined,
         field,
         `diagnose: ${field}.snapshot() threw (${messageOf(error)})`,
       );
     }
-    if (snap) snaps.push(snap);
-    else {
-      const stages = inner as Stage[];
-      for (let i = 0; i < stages.length; i++) visit(stages[i]!, `${field}.stages[${i}]`);
-    }
   };
-  for (let i = 0; i < list.length; i++) visit(list[i]!, isArray(targets) ? `targets[${i}]` : "targets");
+  for (let i = 0; i < list.length; i++) visit(list[i]!, isArray(targets) ? `targets.${i}` : "targets");
   const stages = snaps.map(describe);
   return { ...verdict(snaps, o), stages };
 }

@@ -5,9 +5,9 @@
 import { z } from "zod";
 import { drainChannel } from "./channels.js";
 import type { Clock, ClockTimer } from "./clock.js";
-import { type DrainingError, InvalidOptionsError } from "./errors.js";
+import type { DrainingError } from "./errors.js";
 import type { DrainOptions, DrainResult, StageKind } from "./types.js";
-import { got, isArray, messageOf, parseOptions } from "./validate.js";
+import { checkTargets, parseOptions } from "./validate.js";
 
 /** How long calls in flight get by default, ms. */
 export const DEFAULT_GRACE_MS = 30_000;
@@ -175,33 +175,7 @@ export function drainOnSignals(
   targets: Drainable | readonly Drainable[],
   options: DrainOnSignalsOptions = {},
 ): () => void {
-  const many = isArray(targets);
-  let list: Drainable[];
-  try {
-    list = many ? Array.from(targets as readonly Drainable[]) : [targets as Drainable];
-  } catch (error) {
-    throw new InvalidOptionsError(
-      undefined,
-      "targets",
-      `drainOnSignals: targets could not be read (${messageOf(error)})`,
-    );
-  }
-  list.forEach((t, i) => {
-    let ok = false;
-    try {
-      ok = typeof (t as Partial<Drainable> | null)?.drain === "function";
-    } catch {
-      ok = false;
-    }
-    if (!ok) {
-      const field = many ? `targets.${i}` : "targets";
-      throw new InvalidOptionsError(
-        undefined,
-        field,
-        `drainOnSignals: ${field} must be a gate or a stage, ${got(t)}`,
-      );
-    }
-  });
+  const list = checkTargets<Drainable>("drainOnSignals", targets, "drain", false);
   const o = parseOptions(onSignalsSchema, "gate", "drainOnSignals", options);
   const { signals = ["SIGTERM", "SIGINT"], onDrained, exit = true, ...rest } = o;
   const drain: DrainOptions = {};

@@ -352,3 +352,48 @@ export function checkName(kind: StageKind, name: unknown): string {
   }
   return name;
 }
+
+/**
+ * `targets` (one, or a list) checked by `where` (`instrument`, `diagnose`, `drainOnSignals`):
+ * each must have a function `method`. Throws `InvalidOptionsError` naming `targets` (or
+ * `targets.i` in a list) for one that has not, a list that cannot be read, or, with `nonEmpty`,
+ * an empty list.
+ */
+export function checkTargets<T>(where: string, targets: unknown, method: string, nonEmpty: boolean): T[] {
+  const many = isArray(targets);
+  let list: unknown[];
+  try {
+    list = many ? Array.from(targets as unknown[]) : [targets];
+  } catch (error) {
+    throw new InvalidOptionsError(
+      undefined,
+      "targets",
+      `${where}: targets could not be read (${messageOf(error)})`,
+    );
+  }
+  if (nonEmpty && list.length === 0) {
+    throw new InvalidOptionsError(
+      undefined,
+      "targets",
+      `${where}: targets must hold at least one gate or stage`,
+    );
+  }
+  for (let i = 0; i < list.length; i++) {
+    const t = list[i];
+    let ok = false;
+    try {
+      ok = typeof (t as Record<string, unknown> | null)?.[method] === "function";
+    } catch {
+      ok = false;
+    }
+    if (!ok) {
+      const field = many ? `targets.${i}` : "targets";
+      throw new InvalidOptionsError(
+        undefined,
+        field,
+        `${where}: ${field} must be a gate or a stage, ${got(t)}`,
+      );
+    }
+  }
+  return list as T[];
+}

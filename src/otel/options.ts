@@ -3,7 +3,7 @@ import { type Meter, type MeterProvider, metrics } from "@opentelemetry/api";
 import { z } from "zod";
 import { InvalidOptionsError } from "../errors.js";
 import type { Snapshot } from "../types.js";
-import { got, isArray, messageOf, parseOptions } from "../validate.js";
+import { checkTargets as checkTargetList, got, messageOf, parseOptions } from "../validate.js";
 import { METER_NAME } from "./names.js";
 
 /** What `instrument` reads: anything with `snapshot()`, such as a stage or a `Gate`. */
@@ -61,41 +61,7 @@ const optionsSchema = z
 
 /** `targets` checked: each has `snapshot()`; else `InvalidOptionsError` naming `targets` or `targets.i`. */
 export function checkTargets(targets: unknown): Instrumentable[] {
-  const many = isArray(targets);
-  let list: unknown[];
-  try {
-    list = many ? Array.from(targets as unknown[]) : [targets];
-  } catch (error) {
-    throw new InvalidOptionsError(
-      undefined,
-      "targets",
-      `instrument: targets could not be read (${messageOf(error)})`,
-    );
-  }
-  if (list.length === 0) {
-    throw new InvalidOptionsError(
-      undefined,
-      "targets",
-      "instrument: targets must hold at least one gate or stage",
-    );
-  }
-  list.forEach((t, i) => {
-    let ok = false;
-    try {
-      ok = typeof (t as Partial<Instrumentable> | null)?.snapshot === "function";
-    } catch {
-      ok = false;
-    }
-    if (!ok) {
-      const field = many ? `targets.${i}` : "targets";
-      throw new InvalidOptionsError(
-        undefined,
-        field,
-        `instrument: ${field} must be a gate or a stage, ${got(t)}`,
-      );
-    }
-  });
-  return list as Instrumentable[];
+  return checkTargetList<Instrumentable>("instrument", targets, "snapshot", true);
 }
 
 /** `options` checked: an `InvalidOptionsError` naming the field, else the meter they name and the histograms rule. */

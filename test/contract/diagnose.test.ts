@@ -146,7 +146,7 @@ describe("diagnose and autoscalerCeiling with hostile input", () => {
     [null, "targets"],
     [42, "targets"],
     [[], "targets"],
-    [[{}], "targets[0]"],
+    [[{}], "targets.0"],
     [
       [
         {
@@ -155,7 +155,7 @@ describe("diagnose and autoscalerCeiling with hostile input", () => {
           },
         },
       ],
-      "targets[0]",
+      "targets.0",
     ],
   ])("targets %j: InvalidOptionsError naming %s", (targets, field) => {
     const error = (() => {
