@@ -91,6 +91,11 @@ export const COMMAND = command({
     handoffs: { type: "int", defaultText: EACH_OWN, help: "handoffs per contender per round (handoff)" },
     keys: { type: "int", defaultText: EACH_OWN, help: "keys (idle-keys)" },
     list: { type: "boolean", help: "name the benchmarks and exit" },
+    chart: {
+      type: "string",
+      value: "FILE.svg",
+      help: "draw the fleet benchmark's first round to FILE.svg: in flight against the cap, waiting, 429s (fleet only)",
+    },
   },
   notes: [
     "Redis benchmarks start their own redis-server on a free loopback port unless REDIS_URL is set.",
