@@ -199,7 +199,7 @@ export interface FlowSnapshot {
   throughput: number;
   /** Mean ms from admission to release of the tickets released in the window. */
   serviceMs: number;
-  /** 95th percentile of the same (over the most recent 512 of them). */
+  /** 95th percentile of the same (over the most recent 256 of them). */
   serviceP95Ms: number;
   /** Tickets in flight, averaged over the window (time-weighted). */
   meanInFlight: number;

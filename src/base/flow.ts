@@ -30,7 +30,7 @@ export const FLOW_WINDOW_MS = 10_000;
 
 const SLOTS = 10;
 /** Service times kept for the p95 (the most recent ones). */
-const SAMPLES = 512;
+const SAMPLES = 256;
 
 export class Flow {
   readonly #slotMs: number;
@@ -42,8 +42,9 @@ export class Flow {
   readonly #area = new Float64Array(SLOTS);
   /** ms callers waited for the stage, by the slot their wait ended in. */
   readonly #waitedMs = new Float64Array(SLOTS);
-  readonly #sampleMs = new Float64Array(SAMPLES);
-  readonly #sampleAt = new Float64Array(SAMPLES);
+  /** The latest service times and when they ended, made at the first release (4 KiB). */
+  #sampleMs: Float64Array | undefined = undefined;
+  #sampleAt: Float64Array | undefined = undefined;
   #samples = 0;
   /** The time the area has been counted up to. */
   #since: number;
@@ -107,9 +108,13 @@ export class Flow {
     this.#released[i] = this.#released[i]! + 1;
     if (!(heldMs >= 0)) return;
     this.#heldMs[i] = this.#heldMs[i]! + heldMs;
+    if (this.#sampleMs === undefined) {
+      this.#sampleMs = new Float64Array(SAMPLES);
+      this.#sampleAt = new Float64Array(SAMPLES);
+    }
     const s = this.#samples++ % SAMPLES;
     this.#sampleMs[s] = heldMs;
-    this.#sampleAt[s] = now;
+    this.#sampleAt![s] = now;
   }
 
   /** The entry of slot `id`, emptied first if it held an older slot. */
@@ -162,9 +167,12 @@ export class Flow {
 
   /** The 95th percentile of the kept service times of calls released at or after `from`. */
   #p95(from: number): number {
+    const ms = this.#sampleMs;
+    const at = this.#sampleAt;
+    if (ms === undefined || at === undefined) return 0;
     const n = Math.min(this.#samples, SAMPLES);
     const kept: number[] = [];
-    for (let i = 0; i < n; i++) if (this.#sampleAt[i]! >= from) kept.push(this.#sampleMs[i]!);
+    for (let i = 0; i < n; i++) if (at[i]! >= from) kept.push(ms[i]!);
     if (kept.length === 0) return 0;
     kept.sort((a, b) => a - b);
     return kept[Math.min(kept.length - 1, Math.ceil(0.95 * kept.length) - 1)]!;
