@@ -3,13 +3,14 @@
  * second (acquire + release) from one process at 1 and 64 callers, and the handoff from a release
  * here to the grant in another process at limit 1 (p50 and p99), each library against its peers.
  */
-import { type ChildProcess, fork } from "node:child_process";
+import { fork } from "node:child_process";
 import { once } from "node:events";
 import { type RedisBackend, type RedisClient, redis } from "floodgate/redis";
 import { Redis } from "ioredis";
 import { Redis as Valkey } from "iovalkey";
 import { createClient } from "redis";
 import { createClient as createClient5 } from "redis5";
+import { inbox, nowMs } from "./handoff.js";
 import {
   type BenchArgs,
   type Benchmark,
@@ -63,33 +64,6 @@ export const LIBRARIES: Record<string, (url: string) => Promise<Opened>> = {
 /** A stage name for a library's rows: `node-redis-6`. */
 const slug = (name: string) => name.replace(/\W+/g, "-");
 
-const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
-type Reply = { kind: string; at?: number; message?: string };
-
-/** Messages from the child, taken in order of kind. */
-function inbox(child: ChildProcess) {
-  const messages: Reply[] = [];
-  let notify: (() => void) | undefined;
-  child.on("message", (m: Reply) => {
-    messages.push(m);
-    notify?.();
-  });
-  return async (kind: string, timeoutMs = 30_000): Promise<Reply> => {
-    const deadline = Date.now() + timeoutMs;
-    for (;;) {
-      const err = messages.findIndex((m) => m.kind === "error");
-      if (err >= 0) throw new Error(`client-libraries child: ${messages[err]!.message}`);
-      const i = messages.findIndex((m) => m.kind === kind);
-      if (i >= 0) return messages.splice(i, 1)[0]!;
-      if (Date.now() > deadline) throw new Error(`client-libraries child: no ${kind} within ${timeoutMs} ms`);
-      await new Promise<void>((resolve) => {
-        notify = resolve;
-        setTimeout(resolve, 100);
-      });
-    }
-  };
-}
-
 export const clientLibraries: Benchmark = {
   name: "redis-client-libraries",
   title: "Redis backend on ioredis, node-redis 6 and 5, iovalkey: admissions/s and handoff",
@@ -112,7 +86,7 @@ export const clientLibraries: Benchmark = {
       execArgv: ["--import", "tsx"],
       stdio: ["ignore", "inherit", "inherit", "ipc"],
     });
-    const next = inbox(child);
+    const next = inbox(child, "client-libraries child");
     let seed = 42;
     const jitter = () => {
       seed = (seed * 1103515245 + 12345) & 0x7fffffff;

@@ -24,11 +24,11 @@ import {
 } from "./lib.js";
 import { connect, freshPrefix } from "./redis-clients.js";
 
-const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
-type Reply = { kind: string; at?: number; message?: string };
+export const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
+export type Reply = { kind: string; at?: number; message?: string };
 
-/** Messages from the child, taken in order of kind. */
-function inbox(child: ChildProcess) {
+/** Messages from the child `label` (errors name it), taken in order of kind. */
+export function inbox(child: ChildProcess, label = "handoff child") {
   const messages: Reply[] = [];
   let notify: (() => void) | undefined;
   child.on("message", (m: Reply) => {
@@ -39,10 +39,10 @@ function inbox(child: ChildProcess) {
     const deadline = Date.now() + timeoutMs;
     for (;;) {
       const err = messages.findIndex((m) => m.kind === "error");
-      if (err >= 0) throw new Error(`handoff child: ${messages[err]!.message}`);
+      if (err >= 0) throw new Error(`${label}: ${messages[err]!.message}`);
       const i = messages.findIndex((m) => m.kind === kind);
       if (i >= 0) return messages.splice(i, 1)[0]!;
-      if (Date.now() > deadline) throw new Error(`handoff child: no ${kind} within ${timeoutMs} ms`);
+      if (Date.now() > deadline) throw new Error(`${label}: no ${kind} within ${timeoutMs} ms`);
       await new Promise<void>((resolve) => {
         notify = resolve;
         setTimeout(resolve, 100);

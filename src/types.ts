@@ -180,7 +180,7 @@ export interface FleetSnapshot {
   inFlight: number;
   /** The fleet-wide limit (the current one, for an AIMD limiter). */
   limit: number;
-  /** How long ago Redis said so, in ms. */
+  /** How long ago the call whose reply said so was sent, in ms. */
   ageMs: number;
 }
 

@@ -63,7 +63,7 @@ export class RedisAimd extends RedisPermitStage {
       this.classSpec,
     ]);
     this.limit = Number(reply[1]);
-    this.sawUsed(reply[3]);
+    this.sawUsed(reply[3], sentAt);
     this.granted(reply[4], sentAt);
     if (this.limit !== before) {
       const level = this.limit < before ? "warn" : "debug";

@@ -292,7 +292,7 @@ export abstract class RedisPermitStage extends BaseStage {
   #saw(reply: AcquireReply, sentAt: number): void {
     this.link.sawServerTime(Number(reply[7]), sentAt);
     this.limit = Number(reply[3]);
-    this.sawUsed(reply[2]);
+    this.sawUsed(reply[2], sentAt);
     const quarantineMs = Number(reply[6] ?? 0);
     if (quarantineMs > 0 && !this.#quarantined) {
       this.log.warn({ quarantineMs }, "Redis lost this stage's data; no grants until held leases have ended");
@@ -325,7 +325,7 @@ export abstract class RedisPermitStage extends BaseStage {
       ])
       .then(
         (reply) => {
-          this.sawUsed(reply[2]);
+          this.sawUsed(reply[2], sentAt);
           this.granted(reply[3], sentAt);
         },
         (error) => {
@@ -643,7 +643,7 @@ export abstract class RedisPermitStage extends BaseStage {
   protected async giveBack(t: LeaseTicket, _outcome: Outcome, _refund: boolean): Promise<boolean> {
     const sentAt = this.clock.now();
     const reply = await this.#releases.run(t.leaseId, "lease");
-    this.sawUsed(reply[2]);
+    this.sawUsed(reply[2], sentAt);
     this.granted(reply[3], sentAt);
     return Number(reply[0]) === 1;
   }
@@ -679,12 +679,12 @@ export abstract class RedisPermitStage extends BaseStage {
   #fleetUsed = Number.NaN;
   #fleetSeenAt = Number.NaN;
 
-  /** Note the permits held across the fleet, as a reply of Redis says. */
-  protected sawUsed(used: unknown): void {
+  /** Note the permits held across the fleet, as the reply to a call sent at `sentAt` says. */
+  protected sawUsed(used: unknown, sentAt: number): void {
     const n = Number(used);
     if (!Number.isFinite(n)) return;
     this.#fleetUsed = n;
-    this.#fleetSeenAt = this.clock.now();
+    this.#fleetSeenAt = sentAt;
   }
 
   protected override baseSnapshot(limit: number): Snapshot {

@@ -58,6 +58,32 @@ export function testClusterClient(nodes = redisClusterNodes()): Cluster {
 /** Fail-fast options, as for `testClient`. */
 const FAIL_FAST = { maxRetriesPerRequest: 0, enableOfflineQueue: false, lazyConnect: true } as const;
 
+/**
+ * A backend on `client` (and `subscriber`) for one contract test: a fresh prefix, the test's
+ * fake clock and `random`.
+ */
+function contractRedis(
+  client: RedisClient,
+  subscriber: RedisClient,
+  clock: FakeClock,
+  random: (() => number) | undefined,
+): Backend {
+  return redis(client, {
+    prefix: `contract:${randomUUID()}:`,
+    clock,
+    time: "clock",
+    subscriber,
+    // A FakeClock jumps (`advance(100_000)` runs every timer at once) while replies and
+    // pub/sub messages still take real time, so a grant's default 500 ms window would run out
+    // before its message arrives and every grant would be claimed again in Redis: slower,
+    // not different. Windows these suites' jumps cannot outrun keep them to the contract;
+    // test/redis/liveness and test/faults/chaos cover the defaults in real time.
+    claimMs: 30_000,
+    livenessMs: 600_000,
+    ...(random ? { random } : {}),
+  });
+}
+
 /** The single-node backend on ioredis 5, or on ioredis 6 (installed as `ioredis6`). */
 function redisBackend(name: string, connect: (url: string) => Redis): ContractBackend {
   let client: Redis | undefined;
@@ -74,20 +100,7 @@ function redisBackend(name: string, connect: (url: string) => Redis): ContractBa
     },
     make(clock, random) {
       if (!client || !subscriber) throw new Error("the Redis contract backend was not set up");
-      return redis(client, {
-        prefix: `contract:${randomUUID()}:`,
-        clock,
-        time: "clock",
-        subscriber,
-        // A FakeClock jumps (`advance(100_000)` runs every timer at once) while replies and
-        // pub/sub messages still take real time, so a grant's default 500 ms window would run out
-        // before its message arrives and every grant would be claimed again in Redis: slower,
-        // not different. Windows these suites' jumps cannot outrun keep them to the contract;
-        // test/redis/liveness and test/faults/chaos cover the defaults in real time.
-        claimMs: 30_000,
-        livenessMs: 600_000,
-        ...(random ? { random } : {}),
-      });
+      return contractRedis(client, subscriber, clock, random);
     },
   };
 }
@@ -109,15 +122,7 @@ function redisClusterBackend(): ContractBackend {
     },
     make(clock, random) {
       if (!client || !subscriber) throw new Error("the Redis Cluster contract backend was not set up");
-      return redis(client, {
-        prefix: `contract:${randomUUID()}:`,
-        clock,
-        time: "clock",
-        subscriber,
-        claimMs: 30_000, // see the single-node backend above
-        livenessMs: 600_000,
-        ...(random ? { random } : {}),
-      });
+      return contractRedis(client, subscriber, clock, random);
     },
   };
 }
@@ -140,15 +145,7 @@ function libraryBackend(name: string, open: () => Promise<RedisClient>): Contrac
     },
     make(clock, random) {
       if (!client || !subscriber) throw new Error(`the ${name} contract backend was not set up`);
-      return redis(client, {
-        prefix: `contract:${randomUUID()}:`,
-        clock,
-        time: "clock",
-        subscriber,
-        claimMs: 30_000, // see the single-node backend above
-        livenessMs: 600_000,
-        ...(random ? { random } : {}),
-      });
+      return contractRedis(client, subscriber, clock, random);
     },
   };
 }

@@ -1,17 +1,17 @@
 import { randomUUID } from "node:crypto";
 import { Gate } from "floodgate";
-import { type RedisClient, redis } from "floodgate/redis";
+import type { RedisClient } from "floodgate/redis";
 import { Redis } from "ioredis";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import { redisClusterNodes, testClusterClient } from "../contract/backends.js";
-import { randomPrefix, sleep, until, within } from "../redis/helpers.js";
+import { randomPrefix, sleep, until } from "../redis/helpers.js";
 import { dropAny, LIBRARIES } from "../redis/libraries.js";
 import {
   describeError,
   expectExactPermits,
+  faultBackend,
   IN_FLIGHT_BOUND_MS,
   Load,
-  POLL_MS,
   RECOVERY_BOUND_MS,
   recordUnhandled,
   spread,
@@ -70,13 +70,7 @@ describe.each(LIBRARIES)("the Redis Cluster under faults, on $name", (library) =
     await raw.connect();
     cleanups.push(() => raw.disconnect());
     const prefix = randomPrefix(`faults-cluster-${label}`);
-    const backend = redis(main, {
-      prefix,
-      subscriber,
-      commandTimeoutMs: COMMAND_TIMEOUT_MS,
-      pollMs: POLL_MS,
-    });
-    cleanups.push(() => within(backend.close(), 5_000, "backend.close()"));
+    const backend = faultBackend(main, subscriber, prefix, cleanups, COMMAND_TIMEOUT_MS);
     const sem = backend.semaphore("sem", { limit: LIMIT, leaseMs: LEASE_MS });
     const bucket = backend.tokenBucket("rate", { capacity: 10, refillPerSecond: 500 });
     const gate = new Gate([sem, bucket]);

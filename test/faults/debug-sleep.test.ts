@@ -1,19 +1,18 @@
 import { Gate, isFloodgateError } from "floodgate";
-import { redis, stageKey } from "floodgate/redis";
+import { stageKey } from "floodgate/redis";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import { connectedClient, randomPrefix, sleep, until, within } from "../redis/helpers.js";
 import { freePort, type RedisProcess } from "../setup/redis-server.js";
 import {
   type Call,
-  COMMAND_TIMEOUT_MS,
   commandQueueLength,
   describeError,
   expectExactPermits,
+  faultBackend,
   IN_FLIGHT_BOUND_MS,
   Load,
   NEW_CALL_BOUND_MS,
   offlineQueueLength,
-  POLL_MS,
   RECOVERY_BOUND_MS,
   recordUnhandled,
   spread,
@@ -55,13 +54,7 @@ describe("a Redis that hangs while connected (DEBUG SLEEP)", () => {
     };
     const [main, subscriber, raw, admin] = await Promise.all([connect(), connect(), connect(), connect()]);
     const prefix = randomPrefix("faults-debug-sleep");
-    const backend = redis(main, {
-      prefix,
-      subscriber,
-      commandTimeoutMs: COMMAND_TIMEOUT_MS,
-      pollMs: POLL_MS,
-    });
-    cleanups.push(() => within(backend.close(), 5_000, "backend.close()"));
+    const backend = faultBackend(main, subscriber, prefix, cleanups);
     const sem = backend.semaphore("sem", { limit: LIMIT, leaseMs: LEASE_MS });
     const bucket = backend.tokenBucket("rate", { keyed: true, capacity: 5, refillPerSecond: 80 });
     const gate = new Gate([bucket, sem]);

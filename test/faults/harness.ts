@@ -3,11 +3,11 @@ import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { isFloodgateError, type Stage, type Ticket } from "floodgate";
-import { stageKey } from "floodgate/redis";
+import { type RedisBackend, type RedisClient, redis, stageKey } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { expect } from "vitest";
 import type { ProviderGroup } from "../../examples/provider.js";
-import { type Child, sleep, until } from "../redis/helpers.js";
+import { type Child, sleep, until, within } from "../redis/helpers.js";
 import { freePort, haveRedisServer, INSTALL_HINT, RedisProcess } from "../setup/redis-server.js";
 
 /** Longest wait for one Redis reply in the fault scenarios, ms. */
@@ -297,4 +297,20 @@ export async function expectExactPermits(
   expect(await raw.zcard(holders)).toBe(0);
   expect(await raw.hget(meta, "used")).toBe("0");
   expect(sem.snapshot()).toMatchObject({ inFlight: 0, waiting: 0 });
+}
+
+/**
+ * The Redis backend a fault suite runs its load through: `main` for scripts, `subscriber` for
+ * wake-ups, the suite's command timeout and `POLL_MS`; closed by `cleanups` (within 5 s).
+ */
+export function faultBackend(
+  main: RedisClient,
+  subscriber: RedisClient,
+  prefix: string,
+  cleanups: (() => unknown)[],
+  commandTimeoutMs = COMMAND_TIMEOUT_MS,
+): RedisBackend {
+  const backend = redis(main, { prefix, subscriber, commandTimeoutMs, pollMs: POLL_MS });
+  cleanups.push(() => within(backend.close(), 5_000, "backend.close()"));
+  return backend;
 }

@@ -1,20 +1,18 @@
 import { Gate, isFloodgateError } from "floodgate";
-import { redis } from "floodgate/redis";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import { connectedClient, randomPrefix, sleep, until, within } from "../redis/helpers.js";
 import { dropAny, isIoredisFamily, LIBRARIES } from "../redis/libraries.js";
 import { freePort, type RedisProcess } from "../setup/redis-server.js";
 import {
   type Call,
-  COMMAND_TIMEOUT_MS,
   commandQueueLength,
   describeError,
   expectExactPermits,
+  faultBackend,
   IN_FLIGHT_BOUND_MS,
   Load,
   NEW_CALL_BOUND_MS,
   offlineQueueLength,
-  POLL_MS,
   RECOVERY_BOUND_MS,
   recordUnhandled,
   spread,
@@ -86,13 +84,7 @@ describe.each(LIBRARIES)(
       ]);
       cleanups.push(() => raw.disconnect());
       const prefix = randomPrefix(`faults-proxy-${label}`);
-      const backend = redis(main, {
-        prefix,
-        subscriber,
-        commandTimeoutMs: COMMAND_TIMEOUT_MS,
-        pollMs: POLL_MS,
-      });
-      cleanups.push(() => within(backend.close(), 5_000, "backend.close()"));
+      const backend = faultBackend(main, subscriber, prefix, cleanups);
       const sem = backend.semaphore("sem", { limit: LIMIT, leaseMs: LEASE_MS });
       const bucket = backend.tokenBucket("rate", {
         keyed: true,

@@ -1,16 +1,15 @@
 import { Gate } from "floodgate";
-import { redis } from "floodgate/redis";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
-import { connectedClient, randomPrefix, sleep, until, within } from "../redis/helpers.js";
+import { connectedClient, randomPrefix, sleep, until } from "../redis/helpers.js";
 import { dropAny, isIoredisFamily, isReady, LIBRARIES } from "../redis/libraries.js";
 import { freePort, type RedisProcess } from "../setup/redis-server.js";
 import {
   describeError,
   expectExactPermits,
+  faultBackend,
   Load,
   noscriptReplies,
   offlineQueueLength,
-  POLL_MS,
   recordUnhandled,
   SLACK_MS,
   spread,
@@ -80,13 +79,7 @@ describe.each(LIBRARIES)("SCRIPT FLUSH and Redis restarts under load, on $name",
     };
     const [main, subscriber, admin] = await Promise.all([connectLibrary(), connectLibrary(), connect()]);
     const prefix = randomPrefix("faults-scripts");
-    const backend = redis(main, {
-      prefix,
-      subscriber,
-      commandTimeoutMs: COMMAND_TIMEOUT_MS,
-      pollMs: POLL_MS,
-    });
-    cleanups.push(() => within(backend.close(), 5_000, "backend.close()"));
+    const backend = faultBackend(main, subscriber, prefix, cleanups, COMMAND_TIMEOUT_MS);
     const sem = backend.semaphore("sem", { limit: LIMIT, leaseMs: LEASE_MS });
     const gate = new Gate([
       backend.tokenBucket("rate", { capacity: 10, refillPerSecond: 500 }),
