@@ -1,8 +1,11 @@
 import { redis, scriptSource } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { redisUrl } from "../contract/backends.js";
+import { ownRedis } from "./clients.js";
 import { closeClient, connectedClient, evalCalls, randomPrefix, until } from "./helpers.js";
+
+/** This file counts the script calls Redis runs: on a server of its own. */
+const redisUrl = ownRedis();
 
 /**
  * Acquires and releases of one stage made in the same turn of the event loop, while another is

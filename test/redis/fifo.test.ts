@@ -1,16 +1,18 @@
 import type { Ticket } from "floodgate";
 import { type RedisBackendOptions, redis } from "floodgate/redis";
 import { describe, expect, it } from "vitest";
-import { redisUrl } from "../contract/backends.js";
-import { useClients } from "./clients.js";
+import { ownRedis, useClients } from "./clients.js";
 import { connectedClient, evalCalls, randomPrefix, until } from "./helpers.js";
+
+/** This file counts the script calls Redis runs: on a server of its own. */
+const redisUrl = ownRedis();
 
 /**
  * Two backends on two connections stand for two processes: the waiting line lives in Redis, so
  * arrival order holds across them, and a release grants only the waiter at the head.
  */
 describe("waiting across processes", () => {
-  const { clients, connect } = useClients();
+  const { clients, connect } = useClients(redisUrl);
 
   async function fleet(n: number, prefix: string, options: RedisBackendOptions = {}) {
     const backends = [];

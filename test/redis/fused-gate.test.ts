@@ -3,15 +3,18 @@ import { redis } from "floodgate/redis";
 import { FakeClock } from "floodgate/testing";
 import type { Redis } from "ioredis";
 import { describe, expect, it } from "vitest";
-import { useClients } from "./clients.js";
+import { ownRedis, useClients } from "./clients.js";
 import { randomPrefix, until, within } from "./helpers.js";
+
+/** This file counts the script calls Redis runs: on a server of its own. */
+const redisUrl = ownRedis();
 
 /**
  * A Gate of Redis stages of one backend decides an admission in one script call (lua/gate.lua):
  * every stage at one instant, all or nothing, holding nothing while a call waits.
  */
 describe("a fused Redis gate", () => {
-  const { connect } = useClients();
+  const { connect } = useClients(redisUrl);
 
   /** A backend on its own connection (a process of the fleet), deciding with `clock`'s time. */
   async function backend(prefix: string, clock: FakeClock, extra: { pollMs?: number } = {}) {
@@ -463,7 +466,7 @@ describe("a fused Redis gate", () => {
  * decision and end in the same state.
  */
 describe("a fused Redis gate, step for step against its stages in turn", () => {
-  const { connect } = useClients();
+  const { connect } = useClients(redisUrl);
 
   /** A seeded generator (mulberry32), so a failing sequence can be replayed. */
   function random(seed: number): () => number {

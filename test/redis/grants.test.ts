@@ -1,10 +1,12 @@
 import { redis } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { redisUrl } from "../contract/backends.js";
-import { useClients } from "./clients.js";
+import { ownRedis, useClients } from "./clients.js";
 import { scriptStage } from "./fixtures/permit-scripts.js";
 import { closeClient, connectedClient, evalCalls, randomPrefix, sleep, until } from "./helpers.js";
+
+/** This file counts the script calls Redis runs: on a server of its own. */
+const redisUrl = ownRedis();
 
 /**
  * Grant on release: a release hands the freed permits to the waiters at the head of the line in
@@ -184,7 +186,7 @@ describe("grants made on release (scripts)", () => {
 
 /** Two backends on two connections stand for two processes. */
 describe("grants made on release (stages)", () => {
-  const { clients, connect } = useClients();
+  const { clients, connect } = useClients(redisUrl);
 
   async function backend(prefix: string, pollMs = 60_000) {
     const client = await connect();

@@ -140,9 +140,21 @@ export function haveRedisCli(): boolean {
 }
 
 /** A throwaway redis-server on 127.0.0.1 with no persistence. */
+/** Servers still running: killed when this process exits (one exit listener for them all). */
+const running = new Set<ChildProcess>();
+let exitHooked = false;
+
+function killOnExit(child: ChildProcess): void {
+  running.add(child);
+  if (exitHooked) return;
+  exitHooked = true;
+  process.once("exit", () => {
+    for (const c of running) c.kill("SIGKILL");
+  });
+}
+
 export class RedisProcess {
   child: ChildProcess | undefined;
-  #exitHook = () => this.child?.kill("SIGKILL");
   constructor(
     readonly port: number,
     readonly extraArgs: string[] = [],
@@ -171,7 +183,7 @@ export class RedisProcess {
       { stdio: "ignore" },
     );
     this.child = child;
-    process.once("exit", this.#exitHook);
+    killOnExit(child);
     const exited = once(child, "exit").then(([code]) => {
       throw new Error(`redis-server on 127.0.0.1:${this.port} exited with code ${code} while starting`);
     });
@@ -181,7 +193,7 @@ export class RedisProcess {
 
   async stop(): Promise<void> {
     const child = this.child;
-    process.off("exit", this.#exitHook);
+    if (child) running.delete(child);
     this.child = undefined;
     if (!child || child.exitCode !== null || child.signalCode !== null) return;
     child.kill("SIGKILL");
