@@ -3,8 +3,11 @@ import { type Backend, memory, type Stage, type TokenBucketOptions } from "flood
 import { redis } from "floodgate/redis";
 import { FakeClock } from "floodgate/testing";
 import { describe, expect, it } from "vitest";
-import { useClients } from "./clients.js";
+import { ownRedis, useClients } from "./clients.js";
 import { randomPrefix } from "./helpers.js";
+
+/** This file counts the script calls Redis runs: on a server of its own. */
+const redisUrl = ownRedis();
 
 const CLASSES = { interactive: { share: 3, priority: 1 }, bulk: { share: 1 } };
 
@@ -22,7 +25,7 @@ interface Ask {
  * bucket, the rule's twin, given the same calls at the same times.
  */
 describe("a token bucket with classes across processes (Redis)", () => {
-  const { connect } = useClients();
+  const { connect } = useClients(redisUrl);
 
   async function fleet(n: number, options: TokenBucketOptions, clock: FakeClock, pollMs = 1000) {
     const prefix = randomPrefix("bucket-classes");

@@ -2,8 +2,11 @@ import type { Clock, ClockTimer, Ticket, TokenBucketOptions } from "floodgate";
 import { redis } from "floodgate/redis";
 import { FakeClock } from "floodgate/testing";
 import { describe, expect, it } from "vitest";
-import { useClients } from "./clients.js";
+import { ownRedis, useClients } from "./clients.js";
 import { randomPrefix, until } from "./helpers.js";
+
+/** This file counts the script calls Redis runs: on a server of its own. */
+const redisUrl = ownRedis();
 
 /**
  * One Redis token bucket shared by several processes (backends on their own connections, on one
@@ -11,7 +14,7 @@ import { randomPrefix, until } from "./helpers.js";
  * in its take, so the key's callers go in the order Redis saw them ask, wherever they run.
  */
 describe("one line per key across processes (Redis token bucket)", () => {
-  const { clients, connect } = useClients();
+  const { clients, connect } = useClients(redisUrl);
 
   async function fleet(n: number, options: TokenBucketOptions) {
     const clock = new FakeClock();

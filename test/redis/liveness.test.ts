@@ -2,10 +2,12 @@ import { type Clock, LeaseLostError } from "floodgate";
 import { redis } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { redisUrl } from "../contract/backends.js";
-import { useClients } from "./clients.js";
+import { ownRedis, useClients } from "./clients.js";
 import { scriptStage } from "./fixtures/permit-scripts.js";
 import { closeClient, connectedClient, evalCalls, randomPrefix, until } from "./helpers.js";
+
+/** This file counts the script calls Redis runs: on a server of its own. */
+const redisUrl = ownRedis();
 
 /**
  * Waiters stay in line, and are granted, only while their process gives a sign of life; a grant
@@ -117,7 +119,7 @@ describe("signs of life and grant ends (scripts)", () => {
 
 /** Two backends on two connections stand for two processes. */
 describe("signs of life and grant ends (stages)", () => {
-  const { connect } = useClients();
+  const { connect } = useClients(redisUrl);
 
   async function connection(): Promise<Redis> {
     const client = await connect();

@@ -11,8 +11,11 @@ import {
   penalize,
   refund,
 } from "../../src/algorithms/token-bucket.js";
-import { redisUrl } from "../contract/backends.js";
+import { ownRedis } from "./clients.js";
 import { closeClient, connectedClient, ROOT, randomPrefix } from "./helpers.js";
+
+/** This file counts the script calls Redis runs: on a server of its own. */
+const redisUrl = ownRedis();
 
 const LUA_DIR = join(ROOT, "lua");
 const luaFiles = readdirSync(LUA_DIR)
