@@ -198,6 +198,16 @@ export function selectBackends(
 /** The backends every contract suite runs against: `FLOODGATE_BACKENDS` when set, else all. */
 export const backends: ContractBackend[] = selectBackends(allBackends, process.env.FLOODGATE_BACKENDS);
 
+/**
+ * The backends of the slower suites (property runs, HTTP): memory and the ioredis server when
+ * selected, which covers both stores (the other clients share every line above the client
+ * interface, which the contract suites cover on each); otherwise every selected backend, so a run
+ * that selects only others (`FLOODGATE_BACKENDS=redis-cluster`) still runs them there.
+ */
+export const coreBackends: ContractBackend[] = ((core) => (core.length > 0 ? core : backends))(
+  backends.filter((b) => b.name === "memory" || b.name === "redis"),
+);
+
 /** Set a backend up before its suite and tear it down after. */
 export function useBackend(backend: ContractBackend): void {
   beforeAll(async () => backend.setup?.());

@@ -2,7 +2,7 @@ import fc from "fast-check";
 import { type Backend, Gate, type Outcome, type Stage, type Ticket } from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { describe, expect, it } from "vitest";
-import { backends, useBackend } from "./backends.js";
+import { type backends, coreBackends, useBackend } from "./backends.js";
 
 /**
  * `settle` re-prices only what prices by cost (token buckets): random sequences of admit,
@@ -333,39 +333,36 @@ async function runSequence(backend: (typeof backends)[number], kind: string, ops
 const KINDS = ["semaphore", "queue", "aimd", "tokenBucket", "intervalGate", "gate"];
 const RUNS: Record<string, number> = { memory: 200, redis: 40 };
 
-describe.each(backends.filter((b) => b.name === "memory" || b.name === "redis"))(
-  "settle keeps capacity exact on $name",
-  (backend) => {
-    useBackend(backend);
+describe.each(coreBackends)("settle keeps capacity exact on $name", (backend) => {
+  useBackend(backend);
 
-    it.each(KINDS)(
-      "a %s admits exactly its capacity whatever is settled, refunded or released",
-      async (kind) => {
-        await fc.assert(
-          fc.asyncProperty(fc.array(opArb(LIMIT + 1), { minLength: 1, maxLength: 25 }), (ops) =>
-            runSequence(backend, kind, ops),
-          ),
-          { numRuns: RUNS[backend.name] ?? 10 },
-        );
-      },
-    );
+  it.each(KINDS)(
+    "a %s admits exactly its capacity whatever is settled, refunded or released",
+    async (kind) => {
+      await fc.assert(
+        fc.asyncProperty(fc.array(opArb(LIMIT + 1), { minLength: 1, maxLength: 25 }), (ops) =>
+          runSequence(backend, kind, ops),
+        ),
+        { numRuns: RUNS[backend.name] ?? 10 },
+      );
+    },
+  );
 
-    it("a semaphore of 2 settled up then released never admits a third", async () => {
-      const b = backend.make(new FakeClock());
-      const sem = b.semaphore("two", { limit: 2 });
-      const t = await sem.admit();
-      await t.settle(5);
-      await t.release();
-      const got = await Promise.all([1, 2, 3].map(() => sem.tryAdmit()));
-      expect(got.filter(Boolean)).toHaveLength(2);
-      for (const x of got) await x?.release();
-      const zero = await sem.admit();
-      await zero.settle(0);
-      await zero.release();
-      const back = await Promise.all([sem.tryAdmit(), sem.tryAdmit()]);
-      expect(back.every(Boolean)).toBe(true);
-      for (const x of back) await x?.release();
-      await b.close();
-    });
-  },
-);
+  it("a semaphore of 2 settled up then released never admits a third", async () => {
+    const b = backend.make(new FakeClock());
+    const sem = b.semaphore("two", { limit: 2 });
+    const t = await sem.admit();
+    await t.settle(5);
+    await t.release();
+    const got = await Promise.all([1, 2, 3].map(() => sem.tryAdmit()));
+    expect(got.filter(Boolean)).toHaveLength(2);
+    for (const x of got) await x?.release();
+    const zero = await sem.admit();
+    await zero.settle(0);
+    await zero.release();
+    const back = await Promise.all([sem.tryAdmit(), sem.tryAdmit()]);
+    expect(back.every(Boolean)).toBe(true);
+    for (const x of back) await x?.release();
+    await b.close();
+  });
+});

@@ -4,7 +4,7 @@ import { FakeClock } from "floodgate/testing";
 import { floodgateInterceptor } from "floodgate/undici";
 import { Agent, request } from "undici";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
-import { backends, track, useBackend } from "../contract/backends.js";
+import { coreBackends, track, useBackend } from "../contract/backends.js";
 import { hostsGate, reply, TestServer } from "./server.js";
 
 const NOW = Date.UTC(2026, 2, 1, 12, 0, 0);
@@ -270,7 +270,7 @@ describe("wrapFetch reserve", () => {
 });
 
 describe("bulk traffic yields to interactive", () => {
-  for (const backend of backends.filter((b) => b.name === "memory" || b.name === "redis")) {
+  for (const backend of coreBackends) {
     describe(backend.name, () => {
       useBackend(backend);
 

@@ -11,7 +11,7 @@ import {
 import { type FetchGate, wrapFetch } from "floodgate/fetch";
 import { FakeClock } from "floodgate/testing";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
-import { backends, useBackend } from "../contract/backends.js";
+import { coreBackends, useBackend } from "../contract/backends.js";
 import { type Respond, reply, sequence, TestServer } from "./server.js";
 
 let server: TestServer;
@@ -249,7 +249,7 @@ describe("wrapFetch settle", () => {
 });
 
 describe("reserve, then settle, on every backend", () => {
-  for (const backend of backends.filter((b) => b.name === "memory" || b.name === "redis")) {
+  for (const backend of coreBackends) {
     describe(backend.name, () => {
       useBackend(backend);
 
