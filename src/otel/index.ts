@@ -36,6 +36,11 @@ export interface Instrumentation extends Disposable {
   close(): void;
 }
 
+/** The stages (by `rowKey`) each meter measures now. */
+const measured = new WeakMap<object, Set<string>>();
+
+const rowKey = (name: string, kind: string, backend: string) => `${kind}\u0000${backend}\u0000${name}`;
+
 /**
  * Record OpenTelemetry metrics for `targets`: stages, gates (with each of their stages, nested
  * gates included) or a list of them. The metrics, their units and attributes are in
@@ -55,13 +60,14 @@ export interface Instrumentation extends Disposable {
  *
  * The histograms come from the `node:diagnostics_channel` events, subscribed to from now until
  * `close()`: a call admitted before counts its whole service time once it is released.
- * Instrument each stage once: two instrumentations of one stage record its histograms twice.
+ * A stage is measured once per meter: instrumenting it again on the same meter, before the first
+ * instrumentation's `close()`, throws (it would count every wait and service time twice).
  * Without a meter or a provider, the global provider's `floodgate` meter is used (a no-op until
  * an SDK is registered). The histograms are the only per-call cost; `histograms: false` leaves
  * them out.
  *
  * Throws `InvalidOptionsError` naming the field for a target without `snapshot()` (`targets`, or
- * `targets.i` in a list), an empty list, a `meter` or `meterProvider` of the wrong shape, both of
+ * `targets.i` in a list), an empty list, a stage already measured on the same meter (`targets`), a `meter` or `meterProvider` of the wrong shape, both of
  * them, a `histograms` that is not a boolean, or an unknown option.
  */
 export function instrument(
@@ -96,6 +102,22 @@ export function instrument(
       rows.set(s.name, [...(rows.get(s.name) ?? []), row]);
     }
   });
+
+  // A stage is measured once per meter: a second instrumentation would record every wait and
+  // service time twice, on the same series.
+  const all = [...rows.values()].flat();
+  const keys = all.map((r) => rowKey(r.name, r.kind, r.backend));
+  const taken = measured.get(meter) ?? new Set<string>();
+  for (const [i, r] of all.entries()) {
+    if (!taken.has(keys[i]!)) continue;
+    throw new InvalidOptionsError(
+      undefined,
+      "targets",
+      `instrument: ${r.kind} "${r.name}" (${r.backend}) is already measured on this meter; close() that instrumentation first, or leave it out (measured twice, its waits and service times would count twice)`,
+    );
+  }
+  for (const k of keys) taken.add(k);
+  measured.set(meter, taken);
 
   const call = { unit: "{call}" };
   const seconds = { unit: "s", advice: { explicitBucketBoundaries: BUCKETS } };
@@ -206,6 +228,7 @@ export function instrument(
     closed = true;
     for (const [name, fn] of subscriptions) diagnostics_channel.unsubscribe(name, fn);
     meter.removeBatchObservableCallback(observe, observables);
+    for (const k of keys) taken.delete(k);
   };
   return { close, [Symbol.dispose]: close };
 }

@@ -1,5 +1,5 @@
 import diagnostics_channel from "node:diagnostics_channel";
-import { CHANNELS, Gate, memory } from "floodgate";
+import { CHANNELS, Gate, InvalidOptionsError, memory } from "floodgate";
 import { instrument } from "floodgate/otel";
 import { FakeClock } from "floodgate/testing";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
@@ -335,6 +335,41 @@ describe("instrument in memory", () => {
     ).toMatchObject({
       count: 2,
     });
+  });
+
+  it("measures a stage once per meter: a second instrumentation there is refused until the first closes", async () => {
+    const b = memory({ clock });
+    const sem = b.semaphore("once", { limit: 2 });
+    const gate = new Gate([sem, b.tokenBucket("rate", { capacity: 5, refillPerSecond: 5 })], { name: "g" });
+    const first = instrument(gate, { meterProvider: m.provider });
+    const refused = (() => {
+      try {
+        instrument(sem, { meterProvider: m.provider });
+      } catch (error) {
+        return error;
+      }
+    })();
+    expect(refused).toBeInstanceOf(InvalidOptionsError);
+    expect((refused as InvalidOptionsError).field).toBe("targets");
+    expect((refused as Error).message).toContain(
+      'semaphore "once" (memory) is already measured on this meter',
+    );
+    // Another meter measures it on its own.
+    const other = new TestMetrics();
+    using _other = instrument(sem, { meterProvider: other.provider });
+    await (await gate.admit()).release("success");
+    const wait = (t: TestMetrics) =>
+      t.collect().then((seen) =>
+        pointOf(seen, "floodgate.call.duration", {
+          ...at("once", "semaphore", "memory"),
+          "floodgate.call.outcome": "success",
+        }),
+      );
+    // Counted once on each meter, not twice on the first.
+    expect(await wait(m)).toMatchObject({ count: 1 });
+    expect(await wait(other)).toMatchObject({ count: 1 });
+    first.close();
+    using _again = instrument(sem, { meterProvider: m.provider });
   });
 
   it("uses the global meter provider when given none", async () => {
