@@ -17,6 +17,7 @@ import { memoryTokenBucket } from "./memory-token-bucket.js";
 import { redisCommands } from "./redis-commands.js";
 import { benchRedis } from "./redis-server.js";
 import { redisGate, redisSemaphore, redisTokenBucket } from "./redis-throughput.js";
+import { scriptCost } from "./script-cost.js";
 import { versions } from "./versions.js";
 import { waiters } from "./waiters.js";
 
@@ -31,6 +32,7 @@ export const BENCHMARKS: readonly Benchmark[] = [
   redisSemaphore,
   redisTokenBucket,
   redisGate,
+  scriptCost,
   redisCommands,
   handoff,
   clientLibraries,
