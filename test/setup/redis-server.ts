@@ -255,7 +255,7 @@ export class RedisCluster {
         "0",
         "--cluster-yes",
       ]);
-      await this.#waitForOk();
+      await this.waitForOk();
     } catch (error) {
       await this.stop();
       throw error;
@@ -263,7 +263,7 @@ export class RedisCluster {
   }
 
   /** Waits until `CLUSTER INFO` says `cluster_state:ok` on every node. */
-  async #waitForOk(timeoutMs = 10_000): Promise<void> {
+  async waitForOk(timeoutMs = 10_000): Promise<void> {
     const deadline = Date.now() + timeoutMs;
     for (;;) {
       const states = await Promise.all(

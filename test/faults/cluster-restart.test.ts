@@ -1,0 +1,139 @@
+import { Gate } from "floodgate";
+import { Redis } from "ioredis";
+import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
+import { randomPrefix, sleep, until } from "../redis/helpers.js";
+import { dropAny, isReady, LIBRARIES } from "../redis/libraries.js";
+import { RedisCluster } from "../setup/redis-server.js";
+import {
+  describeError,
+  expectExactPermits,
+  faultBackend,
+  Load,
+  recordUnhandled,
+  SLACK_MS,
+} from "./harness.js";
+
+const LIMIT = 3;
+/** Short, so the quarantine after the restart (the node came back empty) is short too. */
+const LEASE_MS = 1_000;
+const COMMAND_TIMEOUT_MS = 2_000;
+const CALLERS = 6;
+/** The node is down this long: well under the cluster's node timeout (5 s), so no failover. */
+const DOWN_MS = 500;
+
+/**
+ * One master of a Redis Cluster of this file's own (three masters, no replicas, nothing
+ * persisted, shared by its tests) killed and started again, empty, while callers go through a semaphore and a token
+ * bucket whose keys live on it. As the single-server restart (scripts-restart.test.ts): calls fail
+ * only with `BackendUnavailableError` while it is down (until the cluster says it is ok again on
+ * every node), the semaphore holds its grants back for a
+ * lease once it is back (it lost its leases), the cap holds throughout, and no lease is left.
+ */
+let cluster: RedisCluster;
+
+beforeAll(async () => {
+  cluster = new RedisCluster();
+  await cluster.start();
+}, 60_000);
+
+afterAll(async () => {
+  await cluster?.stop();
+});
+
+describe.each(LIBRARIES.filter((l) => l.connectCluster !== undefined))(
+  "a Redis Cluster master restarted empty under load, on $name",
+  (library) => {
+    const cleanups: (() => Promise<unknown> | unknown)[] = [];
+
+    afterEach(async () => {
+      for (const cleanup of cleanups.splice(0).reverse()) await cleanup();
+    });
+
+    it("fails calls only with BackendUnavailableError while the node is down, holds the cap through its quarantine, and leaves no lease", async () => {
+      const unhandled = recordUnhandled();
+      cleanups.push(() => unhandled.stop());
+      const seeds = cluster.nodes.map((node) => ({ host: "127.0.0.1", port: node.port }));
+      const connect = async () => {
+        const client = await library.connectCluster!(seeds, { reconnect: true });
+        cleanups.push(() => dropAny(client));
+        return client;
+      };
+      const [main, subscriber] = await Promise.all([connect(), connect()]);
+      const prefix = randomPrefix("faults-cluster-restart");
+      const backend = faultBackend(main, subscriber, prefix, cleanups, COMMAND_TIMEOUT_MS);
+      const sem = backend.semaphore("sem", { limit: LIMIT, leaseMs: LEASE_MS });
+      const gate = new Gate([sem, backend.tokenBucket("rate", { capacity: 10, refillPerSecond: 500 })]);
+      const load = new Load((work) => gate.run(work, { timeoutMs: 15_000 }), CALLERS, 10);
+      cleanups.push(() => load.stop());
+
+      // The master that holds the semaphore's keys (they share its name's hash slot).
+      const holders = `${prefix}{sem}:holders`;
+      const probe = new Redis({ port: seeds[0]!.port, host: "127.0.0.1", lazyConnect: true });
+      probe.on("error", () => {});
+      await probe.connect();
+      const slot = (await probe.call("CLUSTER", "KEYSLOT", holders)) as number;
+      const ranges = (await probe.call("CLUSTER", "SLOTS")) as [number, number, [string, number]][];
+      probe.disconnect();
+      const port = ranges.find(([from, to]) => slot >= from && slot <= to)![2][1];
+      const node = cluster.nodes.find((n) => n.port === port)!;
+
+      // Two calls hold their permits across the restart, counted by the oracle as running: the
+      // node forgets them, and only its quarantine keeps the load from taking their permits again
+      // (which would put five calls in flight against a limit of three).
+      const across = await Promise.all([gate.admit(), gate.admit()]);
+      load.oracle.now += across.length;
+      load.oracle.peak = Math.max(load.oracle.peak, load.oracle.now);
+      const startedAt = performance.now();
+      load.start();
+      await sleep(1_500);
+      expect(load.between(startedAt, performance.now()).filter((c) => c.ok).length).toBeGreaterThan(10);
+
+      const down = performance.now();
+      await node.stop();
+      await sleep(DOWN_MS);
+      await node.start();
+      // Up again once the cluster says so on every node: until then the nodes answer CLUSTERDOWN
+      // (which a client may retry, as ioredis does, or pass on, as node-redis does).
+      await cluster.waitForOk();
+      const up = performance.now();
+      await until(() => isReady(main) && isReady(subscriber), {
+        timeoutMs: 10_000,
+        message: "the Cluster clients did not come back after the restart",
+      });
+      // The calls across the restart end well within the lease after it; their leases are gone.
+      await sleep(LEASE_MS * 0.6);
+      for (const ticket of across) {
+        await ticket.release("success").catch(() => {});
+        load.oracle.now--;
+      }
+      // The node came back empty: the semaphore holds its grants back for one lease (quarantine).
+      const recovered = (await load.firstSuccessAfter(up, 2 * LEASE_MS + 10_000)) - up;
+      await sleep(1_000);
+      await load.stop();
+
+      const failed = load.calls.filter((c) => !c.ok);
+      expect(
+        load.otherFailures().map((c) => describeError(c.error)),
+        "calls that failed other than with BackendUnavailableError",
+      ).toEqual([]);
+      // A failure overlaps the down window (stop, then until the cluster is ok again, plus slack).
+      const late = failed.filter((c) => !(c.endedAt >= down && c.startedAt <= up + SLACK_MS));
+      expect(late.map((c) => describeError(c.error))).toEqual([]);
+      expect(load.oracle.peak).toBeLessThanOrEqual(LIMIT);
+      expect(recovered).toBeLessThan(2 * LEASE_MS + 8_000);
+      const raw = new Redis({ port, host: "127.0.0.1", lazyConnect: true });
+      raw.on("error", () => {});
+      await raw.connect();
+      cleanups.push(() => raw.disconnect());
+      await expectExactPermits(raw, prefix, "sem", sem, LIMIT, 2 * LEASE_MS + 5_000);
+      expect(gate.snapshot()).toMatchObject({ inFlight: 0, waiting: 0 });
+      expect(unhandled.seen.map(describeError)).toEqual([]);
+
+      console.log(
+        `cluster restart (${library.name}): node ${port} down ${DOWN_MS} ms; ${load.calls.length} calls, ` +
+          `${failed.length} failed closed (all BackendUnavailableError, all in the down window); ` +
+          `restart → first success ${Math.round(recovered)} ms (a lease's quarantine included); peak ${load.oracle.peak}/${LIMIT}`,
+      );
+    }, 60_000);
+  },
+);
