@@ -67,8 +67,9 @@ const rowKey = (name: string, kind: string, backend: string) => `${kind}\u0000${
  * them out.
  *
  * Throws `InvalidOptionsError` naming the field for a target without `snapshot()` (`targets`, or
- * `targets.i` in a list), an empty list, a stage already measured on the same meter (`targets`), a `meter` or `meterProvider` of the wrong shape, both of
- * them, a `histograms` that is not a boolean, or an unknown option.
+ * `targets.i` in a list), an empty list, a stage already measured on the same meter (`targets`;
+ * stages are told apart by name, kind and backend), a `meter` or `meterProvider` of the wrong
+ * shape, both of them, a `histograms` that is not a boolean, or an unknown option.
  */
 export function instrument(
   targets: Instrumentable | readonly Instrumentable[],
