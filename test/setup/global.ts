@@ -37,7 +37,7 @@ type Provided = {
  * the number of projects set up, so the last teardown stops them.
  */
 interface Shared {
-  started: Promise<Provided>;
+  started: Promise<Provided> | undefined;
   server: RedisProcess | undefined;
   cluster: RedisCluster | undefined;
   users: number;
@@ -53,17 +53,9 @@ const holder = globalThis as { [SHARED]?: Shared };
  * run gets the same server and cluster.
  */
 export async function setup(project: TestProject): Promise<void> {
-  let shared = holder[SHARED];
-  if (shared === undefined) {
-    const fresh: Shared = {
-      started: Promise.resolve() as never,
-      server: undefined,
-      cluster: undefined,
-      users: 0,
-    };
-    fresh.started = startAll(fresh);
-    holder[SHARED] = shared = fresh;
-  }
+  holder[SHARED] ??= { started: undefined, server: undefined, cluster: undefined, users: 0 };
+  const shared = holder[SHARED];
+  shared.started ??= startAll(shared);
   shared.users++;
   const provided = await shared.started;
   for (const [key, value] of Object.entries(provided) as [keyof Provided, string][])
