@@ -28,8 +28,25 @@ const DOWN_MS = 500;
  * only with `BackendUnavailableError` while it is down (until the cluster says it is ok again on
  * every node), the semaphore holds its grants back for a
  * lease once it is back (it lost its leases), the cap holds throughout, and no lease is left.
+ * And a slot its owner lets go for a moment (`CLUSTER DELSLOTS`): the Cluster answers CLUSTERDOWN,
+ * which every client asks again (floodgate itself on node-redis), so the call is admitted once
+ * the slot is served again, within its command timeout.
  */
 let cluster: RedisCluster;
+
+/** The hash slot of `key`, and the port of the master that serves it. */
+async function ownerOf(seeds: { port: number }[], key: string): Promise<{ port: number; slot: number }> {
+  const probe = new Redis({ port: seeds[0]!.port, host: "127.0.0.1", lazyConnect: true });
+  probe.on("error", () => {});
+  await probe.connect();
+  try {
+    const slot = (await probe.call("CLUSTER", "KEYSLOT", key)) as number;
+    const ranges = (await probe.call("CLUSTER", "SLOTS")) as [number, number, [string, number]][];
+    return { port: ranges.find(([from, to]) => slot >= from && slot <= to)![2][1], slot };
+  } finally {
+    probe.disconnect();
+  }
+}
 
 beforeAll(async () => {
   cluster = new RedisCluster();
@@ -49,6 +66,41 @@ describe.each(LIBRARIES.filter((l) => l.connectCluster !== undefined))(
       for (const cleanup of cleanups.splice(0).reverse()) await cleanup();
     });
 
+    it("asks a cluster that answers CLUSTERDOWN again, within the command timeout, and takes the permit once", async () => {
+      const seeds = cluster.nodes.map((node) => ({ host: "127.0.0.1", port: node.port }));
+      const connect = async () => {
+        const client = await library.connectCluster!(seeds, { reconnect: true });
+        cleanups.push(() => dropAny(client));
+        return client;
+      };
+      const [main, subscriber] = await Promise.all([connect(), connect()]);
+      const prefix = randomPrefix("faults-cluster-down");
+      const backend = faultBackend(main, subscriber, prefix, cleanups, COMMAND_TIMEOUT_MS);
+      const sem = backend.semaphore("sem", { limit: 1, leaseMs: 30_000 });
+      await (await sem.admit()).release("success");
+      const { port, slot } = await ownerOf(seeds, `${prefix}{sem}:holders`);
+      const owner = new Redis({ port, host: "127.0.0.1", lazyConnect: true });
+      owner.on("error", () => {});
+      await owner.connect();
+      cleanups.push(async () => {
+        await owner.call("CLUSTER", "ADDSLOTS", String(slot)).catch(() => {});
+        await cluster.waitForOk();
+        owner.disconnect();
+      });
+      // The slot's owner lets it go: the cluster answers CLUSTERDOWN for it until it takes it back.
+      await owner.call("CLUSTER", "DELSLOTS", String(slot));
+      const asked = performance.now();
+      const admitted = sem.tryAdmit();
+      await sleep(300);
+      await owner.call("CLUSTER", "ADDSLOTS", String(slot));
+      const ticket = await admitted;
+      expect(ticket, "the permit, once the cluster served the slot again").toBeDefined();
+      expect(performance.now() - asked).toBeLessThan(COMMAND_TIMEOUT_MS);
+      expect(await sem.tryAdmit(), "a second permit of a limit of 1").toBeUndefined();
+      await ticket!.release("success");
+      expect(await owner.zcard(`${prefix}{sem}:holders`)).toBe(0);
+    }, 30_000);
+
     it("fails calls only with BackendUnavailableError while the node is down, holds the cap through its quarantine, and leaves no lease", async () => {
       const unhandled = recordUnhandled();
       cleanups.push(() => unhandled.stop());
@@ -67,14 +119,7 @@ describe.each(LIBRARIES.filter((l) => l.connectCluster !== undefined))(
       cleanups.push(() => load.stop());
 
       // The master that holds the semaphore's keys (they share its name's hash slot).
-      const holders = `${prefix}{sem}:holders`;
-      const probe = new Redis({ port: seeds[0]!.port, host: "127.0.0.1", lazyConnect: true });
-      probe.on("error", () => {});
-      await probe.connect();
-      const slot = (await probe.call("CLUSTER", "KEYSLOT", holders)) as number;
-      const ranges = (await probe.call("CLUSTER", "SLOTS")) as [number, number, [string, number]][];
-      probe.disconnect();
-      const port = ranges.find(([from, to]) => slot >= from && slot <= to)![2][1];
+      const { port } = await ownerOf(seeds, `${prefix}{sem}:holders`);
       const node = cluster.nodes.find((n) => n.port === port)!;
 
       // Two calls hold their permits across the restart, counted by the oracle as running: the

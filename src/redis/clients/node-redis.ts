@@ -33,6 +33,16 @@ interface Client extends NodeRedisClient {
   disconnect?(): Promise<unknown>;
 }
 
+/** Cluster replies that say a command was not run and may be sent again. */
+const RETRIED = /^(?:CLUSTERDOWN|TRYAGAIN)\b/;
+/** How long to wait before asking a cluster again after one of those, ms (as ioredis does). */
+const RETRY_DELAY_MS = 100;
+
+/** A pause of `ms` that does not keep the process alive. */
+function pause(ms: number): Promise<void> {
+  return new Promise((resolve) => setTimeout(resolve, ms).unref());
+}
+
 /** Whether `client` is a node-redis client or cluster. */
 export function isNodeRedis(client: object): client is NodeRedisClient {
   const c = client as Partial<Client>;
@@ -170,13 +180,27 @@ export class NodeRedisConnection implements RedisConnection {
     const send = this.cluster
       ? (command: string[]) => client.sendCommand(keys[0], false, command)
       : (command: string[]) => client.sendCommand(command);
-    return send(["EVALSHA", sha(name), ...argv]).catch((error: unknown) => {
-      // Not in the cache (flushed, or a failover): the body runs it and loads it again.
-      if (wanted() && error instanceof Error && error.message.startsWith("NOSCRIPT")) {
-        return send(["EVAL", scriptSource(name), ...argv]);
-      }
-      throw error;
-    });
+    const run = () =>
+      send(["EVALSHA", sha(name), ...argv]).catch((error: unknown) => {
+        // Not in the cache (flushed, or a failover): the body runs it and loads it again.
+        if (wanted() && error instanceof Error && error.message.startsWith("NOSCRIPT")) {
+          return send(["EVAL", scriptSource(name), ...argv]);
+        }
+        throw error;
+      });
+    if (!this.cluster) return run();
+    // A cluster that is down for a moment (a master rejoining) or a slot on the move answers
+    // without running the script: ask again while the call is wanted (up to its command timeout),
+    // as ioredis does by itself.
+    const retrying = (): Promise<unknown> =>
+      run().catch((error: unknown) => {
+        if (!(error instanceof Error && RETRIED.test(error.message) && wanted())) throw error;
+        return pause(RETRY_DELAY_MS).then(() => {
+          if (!wanted()) throw error;
+          return retrying();
+        });
+      });
+    return retrying();
   }
 
   duplicate(): RedisConnection {
