@@ -66,7 +66,8 @@ describe.each(LIBRARIES.filter((l) => l.connectCluster !== undefined))(
       for (const cleanup of cleanups.splice(0).reverse()) await cleanup();
     });
 
-    it("asks a cluster that answers CLUSTERDOWN again, within the command timeout, and takes the permit once", async () => {
+    /** Two Cluster clients of the library (one for pub/sub) and a backend on them, on this file's cluster. */
+    async function setup(label: string) {
       const seeds = cluster.nodes.map((node) => ({ host: "127.0.0.1", port: node.port }));
       const connect = async () => {
         const client = await library.connectCluster!(seeds, { reconnect: true });
@@ -74,8 +75,13 @@ describe.each(LIBRARIES.filter((l) => l.connectCluster !== undefined))(
         return client;
       };
       const [main, subscriber] = await Promise.all([connect(), connect()]);
-      const prefix = randomPrefix("faults-cluster-down");
+      const prefix = randomPrefix(`faults-cluster-${label}`);
       const backend = faultBackend(main, subscriber, prefix, cleanups, COMMAND_TIMEOUT_MS);
+      return { seeds, main, subscriber, prefix, backend };
+    }
+
+    it("asks a cluster that answers CLUSTERDOWN again, within the command timeout, and takes the permit once", async () => {
+      const { seeds, prefix, backend } = await setup("down");
       const sem = backend.semaphore("sem", { limit: 1, leaseMs: 30_000 });
       await (await sem.admit()).release("success");
       const { port, slot } = await ownerOf(seeds, `${prefix}{sem}:holders`);
@@ -104,15 +110,7 @@ describe.each(LIBRARIES.filter((l) => l.connectCluster !== undefined))(
     it("fails calls only with BackendUnavailableError while the node is down, holds the cap through its quarantine, and leaves no lease", async () => {
       const unhandled = recordUnhandled();
       cleanups.push(() => unhandled.stop());
-      const seeds = cluster.nodes.map((node) => ({ host: "127.0.0.1", port: node.port }));
-      const connect = async () => {
-        const client = await library.connectCluster!(seeds, { reconnect: true });
-        cleanups.push(() => dropAny(client));
-        return client;
-      };
-      const [main, subscriber] = await Promise.all([connect(), connect()]);
-      const prefix = randomPrefix("faults-cluster-restart");
-      const backend = faultBackend(main, subscriber, prefix, cleanups, COMMAND_TIMEOUT_MS);
+      const { seeds, main, subscriber, prefix, backend } = await setup("restart");
       const sem = backend.semaphore("sem", { limit: LIMIT, leaseMs: LEASE_MS });
       const gate = new Gate([sem, backend.tokenBucket("rate", { capacity: 10, refillPerSecond: 500 })]);
       const load = new Load((work) => gate.run(work, { timeoutMs: 15_000 }), CALLERS, 10);
