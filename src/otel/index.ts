@@ -18,9 +18,9 @@ import {
 } from "../channels.js";
 import { InvalidOptionsError } from "../errors.js";
 import type { Snapshot } from "../types.js";
-import { isArray, messageOf } from "../validate.js";
+import { checkTargets, isArray, messageOf } from "../validate.js";
 import { ATTRIBUTES, BUCKETS, METRICS } from "./names.js";
-import { checkOptions, checkTargets, type Instrumentable, type InstrumentOptions } from "./options.js";
+import { checkOptions, type Instrumentable, type InstrumentOptions } from "./options.js";
 import { Row, walk } from "./row.js";
 
 export { ATTRIBUTES, METER_NAME, METRICS } from "./names.js";
@@ -75,7 +75,7 @@ export function instrument(
   targets: Instrumentable | readonly Instrumentable[],
   options: InstrumentOptions = {},
 ): Instrumentation {
-  const list = checkTargets(targets);
+  const list = checkTargets<Instrumentable>("instrument", targets, "snapshot", true);
   const { meter, histograms } = checkOptions(options);
 
   // The rows, by name (their kind and backend tell apart stages of one name).

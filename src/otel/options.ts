@@ -3,7 +3,7 @@ import { type Meter, type MeterProvider, metrics } from "@opentelemetry/api";
 import { z } from "zod";
 import { InvalidOptionsError } from "../errors.js";
 import type { Snapshot } from "../types.js";
-import { checkTargets as checkTargetList, got, messageOf, parseOptions } from "../validate.js";
+import { got, messageOf, parseOptions } from "../validate.js";
 import { METER_NAME } from "./names.js";
 
 /** What `instrument` reads: anything with `snapshot()`, such as a stage or a `Gate`. */
@@ -58,11 +58,6 @@ const optionsSchema = z
     path: ["meterProvider"],
     error: "must not be given with meter",
   });
-
-/** `targets` checked: each has `snapshot()`; else `InvalidOptionsError` naming `targets` or `targets.i`. */
-export function checkTargets(targets: unknown): Instrumentable[] {
-  return checkTargetList<Instrumentable>("instrument", targets, "snapshot", true);
-}
 
 /** `options` checked: an `InvalidOptionsError` naming the field, else the meter they name and the histograms rule. */
 export function checkOptions(options: InstrumentOptions): { meter: Meter; histograms: boolean } {

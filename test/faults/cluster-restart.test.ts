@@ -95,13 +95,12 @@ describe.each(LIBRARIES.filter((l) => l.connectCluster !== undefined))(
       });
       // The slot's owner lets it go: the cluster answers CLUSTERDOWN for it until it takes it back.
       await owner.call("CLUSTER", "DELSLOTS", String(slot));
-      const asked = performance.now();
+      // Without asking again, it fails at once; the link fails it after the command timeout.
       const admitted = sem.tryAdmit();
       await sleep(300);
       await owner.call("CLUSTER", "ADDSLOTS", String(slot));
       const ticket = await admitted;
       expect(ticket, "the permit, once the cluster served the slot again").toBeDefined();
-      expect(performance.now() - asked).toBeLessThan(COMMAND_TIMEOUT_MS);
       expect(await sem.tryAdmit(), "a second permit of a limit of 1").toBeUndefined();
       await ticket!.release("success");
       expect(await owner.zcard(`${prefix}{sem}:holders`)).toBe(0);
