@@ -26,9 +26,14 @@
 -- ARGV[13] classes  the stage's traffic classes (floodgate_classes), or "" for none: their
 --                   shares are of the limit as moved here, and the freed permits go by
 --                   classes.grant (floodgate_classes)
+-- ARGV[14] member2  without classes: more releases of this turn, each a member, its outcome
+--                   (ARGV[15]), its epoch (ARGV[16]) and its slow flag (ARGV[17]), and so on:
+--                   each is done in turn, exactly as if each had called alone, with one read and
+--                   one write of meta
 --
 -- Returns {released, limit, epoch, used, grants}: grants = the waiters granted the freed permits
--- (floodgate_grant_heads), each as the message PUBLISHed on `channel`.
+-- (floodgate_grant_heads), each as the message PUBLISHed on `channel`. With more than one
+-- member, returns one such reply per member, in order; the grants go with the last.
 local holders     = KEYS[1]
 local queue       = KEYS[2]
 local qexp        = KEYS[3]
@@ -49,21 +54,35 @@ local limit = tonumber(state[1]) or tonumber(ARGV[12]) or maxLimit
 local epoch = tonumber(state[2]) or 0
 local used  = tonumber(state[3]) or 0
 
-local released = redis.call('ZREM', holders, member)
-if redis.call('ZREM', queue, member) == 1 then redis.call('ZREM', qexp, member) end
+-- One release on the state in hand (limit, epoch, used); returns whether its lease was held.
+local function release(member, outcome, ticketEpoch, slow)
+  local released = redis.call('ZREM', holders, member)
+  if redis.call('ZREM', queue, member) == 1 then redis.call('ZREM', qexp, member) end
 
-if released == 1 and (outcome == 'success' or outcome == 'dropped') then
-  if outcome == 'dropped' or slow then
-    if ticketEpoch == epoch then
-      limit = math.max(minLimit, math.min(maxLimit, math.floor(limit * ratio)))
-      epoch = epoch + 1
+  if released == 1 and (outcome == 'success' or outcome == 'dropped') then
+    if outcome == 'dropped' or slow then
+      if ticketEpoch == epoch then
+        limit = math.max(minLimit, math.min(maxLimit, math.floor(limit * ratio)))
+        epoch = epoch + 1
+      end
+    elseif used * 2 >= limit and limit < maxLimit then
+      limit = limit + 1
     end
-  elseif used * 2 >= limit and limit < maxLimit then
-    limit = limit + 1
+  end
+  if released == 1 then used = used - floodgate_cost(member) end
+  if used < 0 then used = 0 end
+  return released
+end
+
+local replies = nil
+local released = release(member, outcome, ticketEpoch, slow)
+if #ARGV > 13 and not classes then
+  replies = { {released, limit, epoch, used, {}} }
+  for i = 14, #ARGV, 4 do
+    member = ARGV[i]
+    replies[#replies + 1] = {release(member, ARGV[i + 1], tonumber(ARGV[i + 2]), ARGV[i + 3] == '1'), limit, epoch, used, {}}
   end
 end
-if released == 1 then used = used - floodgate_cost(member) end
-if used < 0 then used = 0 end
 redis.call('HSET', meta, 'used', used, 'limit', limit, 'epoch', epoch)
 if classes then
   classes.load(meta)
@@ -90,5 +109,10 @@ if redis.call('ZRANGE', queue, 0, 0)[1] then
       end
     end
   end
+end
+if replies then
+  local last = replies[#replies]
+  last[4], last[5] = used, grants
+  return replies
 end
 return {released, limit, epoch, used, grants}

@@ -151,13 +151,65 @@ local function join(member, z, e, seq)
 end
 
 -- Releases, refunds and settles: every step as alone; freed permits wake the permit line.
+-- Releases of one semaphore's leases, or of one AIMD limiter's (without classes), that differ
+-- only in their own arguments (the member, and an AIMD's outcome, epoch and slow flag) go in one
+-- run of the script, as it releases a turn's: `own` lists those arguments, `shared` the others.
+local RELEASES = {
+  ['semaphore-release'] = { n = 8, own = {2, 5}, shared = {3, 4, 6, 7, 8} },
+  ['aimd-release'] = { n = 13, own = {2, 4, 5, 9}, shared = {3, 6, 7, 8, 10, 11, 12, 13} },
+}
+
+-- Releases, refunds and settles: every step as alone (a semaphore's or AIMD limiter's releases
+-- together, above); freed permits wake the permit line.
 local function each(call)
+  local steps = call.steps
   local replies = {}
   local freed = false
-  for i = 1, #call.steps do
-    local s = call.steps[i]
-    replies[i] = STEPS[s.name](s.keys, s.args)
-    if (s.name == 'semaphore-release' or s.name == 'aimd-release') and replies[i][1] == 1 then freed = true end
+  local runs, order = {}, {}
+  -- (Only when some script comes twice: the releases of one give are of different stages.)
+  local seen, twice = {}, false
+  for i = 1, #steps do
+    twice = twice or seen[steps[i].name] == true
+    seen[steps[i].name] = true
+  end
+  for i = 1, #steps do
+    local s = steps[i]
+    local a = s.args
+    local kind = twice and RELEASES[s.name]
+    if kind and #a == kind.n and (s.name ~= 'semaphore-release' or a[5] == 'lease') and (s.name ~= 'aimd-release' or a[13] == '') then
+      local id = { s.name, table.concat(s.keys, '\n') }
+      for _, j in ipairs(kind.shared) do id[#id + 1] = a[j] end
+      id = table.concat(id, '\n')
+      local run = runs[id]
+      if run then
+        run.with[#run.with + 1] = i
+        for _, j in ipairs(kind.own) do run.args[#run.args + 1] = a[j] end
+      else
+        run = { step = s, with = { i }, args = {} }
+        for j = 1, #a do run.args[j] = a[j] end
+        runs[id] = run
+      end
+      order[#order + 1] = { run = run }
+    else
+      order[#order + 1] = { step = i }
+    end
+  end
+  for _, o in ipairs(order) do
+    if o.step then
+      local s = steps[o.step]
+      local r = STEPS[s.name](s.keys, s.args)
+      replies[o.step] = r
+      if RELEASES[s.name] and r[1] == 1 then freed = true end
+    elseif not o.run.done then
+      local run = o.run
+      run.done = true
+      local r = STEPS[run.step.name](run.step.keys, run.args)
+      if #run.with == 1 then r = { r } end
+      for x, i in ipairs(run.with) do
+        replies[i] = r[x]
+        if r[x][1] == 1 then freed = true end
+      end
+    end
   end
   if freed then wake(line, lexp) end
   return {1, -1, 0, woken, replies}
@@ -304,8 +356,176 @@ local function admit(call)
   return {0, waitMs, 2, woken, replies}
 end
 
+-- A turn's admissions together, while nobody waits in the gate's line or in the calls' lanes:
+-- each step runs once for the leading calls that have the same steps (a permit step on the same
+-- keys with the same arguments but the member and its "again"; a token bucket with the same
+-- settings; an interval gate's host spaced apart at most once), as its script decides a turn of
+-- callers, each in turn exactly as if alone. The permit steps first: from the first call one
+-- refuses, those calls are given back what they were granted and left out. Then the metering
+-- steps, each key's callers in one run: when one refuses a call, every metering key is put back
+-- as it was before the turn and the steps run again for the calls before it. Returns how many
+-- leading calls were admitted (their replies in `out`), each exactly as admit() would have
+-- admitted it alone; 0 when this way does not apply. The calls after them go admit()'s way.
+local MANY = { ['semaphore-acquire'] = true, ['token-bucket-take'] = true, ['interval-gate-take'] = true }
+local function many(out)
+  local n = #calls
+  local steps = calls[1].steps
+  for i = 1, #steps do
+    if not MANY[steps[i].name] or (PERMIT[steps[i].name] and #steps[i].args ~= 14) then return 0 end
+  end
+  -- The leading calls alike: the same steps, and no host spaced apart twice.
+  local spaced = {}
+  local m = 0
+  while m < n do
+    local call = calls[m + 1]
+    if #call.steps ~= #steps then break end
+    local alike = true
+    for i = 1, #steps do
+      local a, b = steps[i], call.steps[i]
+      if a.name ~= b.name then alike = false
+      elseif PERMIT[a.name] then
+        for j = 1, #a.keys do if a.keys[j] ~= b.keys[j] then alike = false end end
+        if #b.args ~= 14 then alike = false end
+        for j = 3, 14 do if j ~= 10 and a.args[j] ~= b.args[j] then alike = false end end
+      elseif a.name == 'token-bucket-take' then
+        for j = 2, 6 do if j ~= 5 and a.args[j] ~= b.args[j] then alike = false end end
+      elseif tonumber(b.args[2]) > 0 then
+        local host = i .. ':' .. b.keys[1]
+        if spaced[host] then alike = false end
+        spaced[host] = true
+      end
+      if not alike then break end
+    end
+    if not alike then break end
+    m = m + 1
+  end
+  if m < 2 then return 0 end
+  local busy = { line }
+  for c = 1, m do busy[c + 1] = calls[c].lane end
+  if redis.call('EXISTS', unpack(busy)) > 0 then return 0 end
+
+  -- Every metering key as it was before the turn.
+  local saved = {}
+  for i = 1, #steps do
+    if not PERMIT[steps[i].name] then
+      for c = 1, m do
+        local key = calls[c].steps[i].keys[1]
+        if not saved[key] then saved[key] = { redis.call('DUMP', key), redis.call('PTTL', key) } end
+      end
+    end
+  end
+
+  local replies = {}
+  for c = 1, m do replies[c] = {} end
+  -- Give calls `from`..`m` back the permits they were granted.
+  local function giveBack(from)
+    for c = from, m do
+      for i = 1, #steps do
+        local r = replies[c][i]
+        if PERMIT[steps[i].name] and r and r[1] == 1 then
+          local s = calls[c].steps[i]
+          local g = s.args
+          step_semaphore_release(s.keys, { nowArg, g[2], g[3], g[7], 'lease', g[13], g[12], g[14] })
+        end
+      end
+    end
+  end
+
+  for i = 1, #steps do
+    local s = steps[i]
+    if PERMIT[s.name] and m > 0 then
+      local args = {}
+      for j = 1, 14 do args[j] = s.args[j] end
+      for c = 2, m do
+        local g = calls[c].steps[i].args
+        args[#args + 1] = g[2]
+        args[#args + 1] = g[10]
+      end
+      local r = STEPS[s.name](s.keys, args)
+      if m == 1 then r = { r } end
+      local refused = m + 1
+      for c = 1, m do
+        replies[c][i] = r[c]
+        if r[c][1] ~= 1 and refused > m then refused = c end
+      end
+      giveBack(refused)
+      m = refused - 1
+    end
+  end
+
+  -- The metering steps for calls 1..m; returns the first call refused (m + 1 when none) and
+  -- the step that refused it.
+  local function meter()
+    for i = 1, #steps do
+      if not PERMIT[steps[i].name] then
+        local groups, order = {}, {}
+        for c = 1, m do
+          local key = calls[c].steps[i].keys[1]
+          if not groups[key] then
+            groups[key] = {}
+            order[#order + 1] = key
+          end
+          table.insert(groups[key], c)
+        end
+        local refused = m + 1
+        for _, key in ipairs(order) do
+          local group = groups[key]
+          if steps[i].name == 'token-bucket-take' then
+            local g = calls[group[1]].steps[i].args
+            local args = { g[1], g[2], g[3], g[4], g[6] }
+            for _, c in ipairs(group) do
+              local b = calls[c].steps[i].args
+              args[#args + 1] = b[5]
+              args[#args + 1] = b[7]
+              args[#args + 1] = b[8]
+            end
+            local r = step_token_bucket_take_many({ key }, args)
+            for x, c in ipairs(group) do
+              if r[3 * x - 2] == 1 then
+                replies[c][i] = {1, 0}
+              else
+                replies[c][i] = {r[3 * x - 2], r[3 * x - 1], r[3 * x]}
+                if c < refused then refused = c end
+              end
+            end
+          else
+            local args = { nowArg }
+            for _, c in ipairs(group) do args[#args + 1] = calls[c].steps[i].args[2] end
+            local r = step_interval_gate_take({ key }, args)
+            if #group == 1 then r = { r } end
+            for x, c in ipairs(group) do
+              replies[c][i] = r[x]
+              if r[x][1] ~= 1 and c < refused then refused = c end
+            end
+          end
+        end
+        if refused <= m then return refused end
+      end
+    end
+    return m + 1
+  end
+
+  while m > 0 do
+    local refused = meter()
+    if refused > m then break end
+    for key, copy in pairs(saved) do
+      if copy[1] then
+        redis.call('RESTORE', key, math.max(0, copy[2]), copy[1], 'REPLACE')
+      else
+        redis.call('DEL', key)
+      end
+    end
+    giveBack(refused)
+    m = refused - 1
+  end
+  for c = 1, m do out[c] = {1, -1, 0, {}, replies[c]} end
+  return m
+end
+
 local out = {}
-for c = 1, #calls do
+local from = 1
+if op == 'all' and #calls > 1 then from = many(out) + 1 end
+for c = from, #calls do
   woken = {}
   local call = calls[c]
   if op == 'each' then

@@ -43,8 +43,11 @@ export const GATE_STEPS = [
 /** A script a `gate` call can run as one of its steps. */
 export type GateStep = (typeof GATE_STEPS)[number];
 
+/** Scripts the gate script runs itself (a turn's admissions of one bucket key at once), never sent as steps. */
+const GATE_HELPERS = ["token-bucket-take-many"] as const satisfies readonly ScriptName[];
+
 /** The Lua function a step's body is wrapped in. */
-function stepFunction(name: GateStep): string {
+function stepFunction(name: GateStep | (typeof GATE_HELPERS)[number]): string {
   return `step_${name.replaceAll("-", "_")}`;
 }
 
@@ -158,7 +161,7 @@ export function scriptSource(name: ScriptName): string {
   let source = full.get(name);
   if (source === undefined && name === "gate") {
     // Each step's body, as a function of its own KEYS and ARGV; then the gate's own body.
-    const steps = GATE_STEPS.map(
+    const steps = [...GATE_STEPS, ...GATE_HELPERS].map(
       (step) => `local function ${stepFunction(step)}(KEYS, ARGV)\n${read(step)}\nend\n`,
     );
     const body = `${steps.join("\n")}\n${read("gate")}`;

@@ -480,12 +480,19 @@ describe("a fused Redis gate, step for step against its stages in turn", () => {
     };
   }
 
-  function stages(b: ReturnType<typeof redis>): Stage[] {
+  /** Tight: most bursts are cut short. Loose: most admit whole (a host may start twice at once). */
+  const SIZES = {
+    tight: { rpm: [6, 5], interval: 80, permits: 3 },
+    loose: { rpm: [20, 10], interval: 0, permits: 8 },
+  } as const;
+
+  function stages(b: ReturnType<typeof redis>, size: keyof typeof SIZES = "tight"): Stage[] {
+    const z = SIZES[size];
     return [
-      b.tokenBucket("rpm", { capacity: 6, refillPerSecond: 5 }),
-      b.intervalGate("hosts", { minIntervalMs: 80 }),
-      b.semaphore("inflight", { limit: 3 }),
-      b.aimd("adaptive", { initial: 3, max: 4, backoffRatio: 0.5 }),
+      b.tokenBucket("rpm", { capacity: z.rpm[0], refillPerSecond: z.rpm[1] }),
+      b.intervalGate("hosts", { minIntervalMs: z.interval }),
+      b.semaphore("inflight", { limit: z.permits }),
+      b.aimd("adaptive", { initial: z.permits, max: z.permits + 1, backoffRatio: 0.5 }),
       b.tokenBucket("tpm", { keyed: true, capacity: 50, refillPerSecond: 40 }),
     ];
   }
@@ -528,8 +535,20 @@ describe("a fused Redis gate, step for step against its stages in turn", () => {
     return held;
   }
 
-  for (const seed of [1, 2, 3, 4]) {
-    it(`agrees over a random sequence (seed ${seed})`, async () => {
+  // Bursts: up to four tries (or releases) at one instant, which the gate decides together in one
+  // call (the first alone, the rest as one turn), each as if it had come alone, in order.
+  for (const [seed, burst, size] of [
+    [1, 1, "tight"],
+    [2, 1, "tight"],
+    [3, 1, "tight"],
+    [4, 1, "tight"],
+    [5, 4, "tight"],
+    [6, 4, "tight"],
+    [7, 4, "loose"],
+    [8, 4, "loose"],
+    [9, 4, "loose"],
+  ] as const) {
+    it(`agrees over a random sequence (seed ${seed}${burst > 1 ? `, bursts of up to ${burst}, ${size} limits` : ""})`, async () => {
       const clock = new FakeClock(10_000);
       const rnd = random(seed);
       const fusedPrefix = randomPrefix("step-fused");
@@ -537,7 +556,7 @@ describe("a fused Redis gate, step for step against its stages in turn", () => {
       const turnClient = await connect();
       const turnPrefix = randomPrefix("step-turn");
       const turnB = redis(turnClient, { prefix: turnPrefix, clock, time: "clock" });
-      const rates: Record<string, [number, number]> = { rpm: [6, 5], tpm: [50, 40] };
+      const rates: Record<string, readonly [number, number]> = { rpm: SIZES[size].rpm, tpm: [50, 40] };
       /** The tokens a bucket key holds at `now` (capacity when it has no state). */
       const level = async (prefix: string, key: string, now: number) => {
         const [tokens, updatedAt] = await turnClient.hmget(key, "tokens", "updatedAt");
@@ -545,40 +564,50 @@ describe("a fused Redis gate, step for step against its stages in turn", () => {
         if (tokens === null) return capacity;
         return Math.min(capacity, Number(tokens) + (Math.max(0, now - Number(updatedAt)) * rate) / 1000);
       };
-      const gate = new Gate(stages(fusedB), { clock });
+      const gate = new Gate(stages(fusedB, size), { clock });
       expect(gate.fused).toBe(true);
-      const list = stages(turnB);
+      const list = stages(turnB, size);
       const open: [Ticket, Ticket[]][] = [];
       let admitted = 0;
       let refused = 0;
       for (let step = 0; step < 120; step++) {
         const r = rnd();
+        const many = 1 + Math.floor(rnd() * burst);
         if (r < 0.45) {
-          const costs = { rpm: 1 + Math.floor(rnd() * 2), tpm: Math.floor(rnd() * 30) };
-          const key = rnd() < 0.5 ? "a" : "b";
-          const host = rnd() < 0.5 ? "x" : "y";
-          const fused = await gate.tryAdmit({ costs, key, host });
-          const turn = await inTurn(turnClient, turnPrefix, list, costs, key, host);
-          expect(fused !== undefined, `step ${step}`).toBe(turn !== undefined);
-          if (fused && turn) {
-            open.push([fused, turn]);
-            admitted++;
-          } else refused++;
+          const tries = Array.from({ length: many }, () => ({
+            costs: { rpm: 1 + Math.floor(rnd() * 2), tpm: Math.floor(rnd() * 30) },
+            key: rnd() < 0.5 ? "a" : "b",
+            host: rnd() < 0.5 ? "x" : "y",
+          }));
+          const fusedAll = await Promise.all(tries.map((t) => gate.tryAdmit(t)));
+          for (let i = 0; i < tries.length; i++) {
+            const { costs, key, host } = tries[i]!;
+            const fused = fusedAll[i];
+            const turn = await inTurn(turnClient, turnPrefix, list, costs, key, host);
+            expect(fused !== undefined, `step ${step}, try ${i}`).toBe(turn !== undefined);
+            if (fused && turn) {
+              open.push([fused, turn]);
+              admitted++;
+            } else refused++;
+          }
         } else if (r < 0.75 && open.length > 0) {
-          const [fused, turn] = open.splice(Math.floor(rnd() * open.length), 1)[0]!;
-          const how = rnd();
-          if (how < 0.15) {
-            await fused.refund();
-            for (const t of [...turn].reverse()) await t.refund();
-          } else {
-            const outcome = how < 0.3 ? "dropped" : "success";
-            if (how > 0.8) {
-              const actual = Math.floor(rnd() * 40);
-              await fused.settle({ tpm: actual });
-              for (const t of turn) await t.settle({ tpm: actual });
-            }
-            await fused.release(outcome);
-            for (const t of [...turn].reverse()) await t.release(outcome);
+          const gives = open.splice(0, Math.min(many, open.length)).map(([fused, turn]) => {
+            const how = rnd();
+            return { fused, turn, how, actual: Math.floor(rnd() * 40) };
+          });
+          const outcomeOf = (how: number) => (how < 0.3 ? "dropped" : "success");
+          // Settles first (each alone), then the releases and refunds at once.
+          for (const { fused, turn, how, actual } of gives) {
+            if (how <= 0.8) continue;
+            await fused.settle({ tpm: actual });
+            for (const t of turn) await t.settle({ tpm: actual });
+          }
+          await Promise.all(
+            gives.map(({ fused, how }) => (how < 0.15 ? fused.refund() : fused.release(outcomeOf(how)))),
+          );
+          for (const { turn, how } of gives) {
+            if (how < 0.15) for (const t of [...turn].reverse()) await t.refund();
+            else for (const t of [...turn].reverse()) await t.release(outcomeOf(how));
           }
         } else {
           await clock.advance(Math.floor(rnd() * 300));

@@ -257,6 +257,97 @@ describe("Lua scripts on Redis", () => {
     }
   });
 
+  /** Call script `name` with `keys` and `args` through the command the backend defined. */
+  function call(
+    name: ScriptName,
+    keys: readonly string[],
+    args: readonly (string | number)[],
+  ): Promise<unknown> {
+    const client_ = client as unknown as Record<string, (...a: unknown[]) => Promise<unknown>>;
+    return client_[commandName(name)]!(...keys, ...args);
+  }
+
+  it("decides a turn of an interval gate's callers as if each had called alone, in turn", async () => {
+    const backend = redis(client, { prefix: randomPrefix("interval-many") });
+    let seed = 11;
+    const random = () => {
+      seed = (seed * 1103515245 + 12345) % 2 ** 31;
+      return seed / 2 ** 31;
+    };
+    const [together, alone] = [`${randomPrefix("interval-many")}h`, `${randomPrefix("interval-alone")}h`];
+    let now = 1_000_000;
+    try {
+      for (let step = 0; step < 300; step++) {
+        const where = `step ${step} at ${now}`;
+        // Spacings of 0 (callers that may start at once) and others, some fractional.
+        const spacings = Array.from({ length: 2 + Math.floor(random() * 4) }, () =>
+          random() < 0.4 ? 0 : Math.floor(random() * 400) + (random() < 0.3 ? 0.25 : 0),
+        );
+        const replies = (await call("interval-gate-take", [together], [now, ...spacings])) as unknown[];
+        const each: unknown[] = [];
+        for (const spacing of spacings) each.push(await call("interval-gate-take", [alone], [now, spacing]));
+        expect(replies, where).toEqual(each);
+        expect(await client.hget(together, "nextAt"), where).toBe(await client.hget(alone, "nextAt"));
+        const [a, b] = [await client.pttl(together), await client.pttl(alone)];
+        expect(Math.abs(a - b), `${where}: the same expiry`).toBeLessThan(100);
+        now += Math.floor(random() * 300);
+      }
+    } finally {
+      await backend.close();
+    }
+  });
+
+  it("releases a turn of an AIMD limiter's leases as if each had released alone, in turn", async () => {
+    const backend = redis(client, { prefix: randomPrefix("aimd-many") });
+    let seed = 5;
+    const random = () => {
+      seed = (seed * 1103515245 + 12345) % 2 ** 31;
+      return seed / 2 ** 31;
+    };
+    const keysOf = (prefix: string) =>
+      ["holders", "queue", "qexp", "meta", "procs"].map((k) => `${prefix}${k}`);
+    const together = keysOf(randomPrefix("aimd-many"));
+    const alone = keysOf(randomPrefix("aimd-alone"));
+    const OUTCOMES = ["success", "dropped", "ignored", "refund"];
+    try {
+      for (let step = 0; step < 150; step++) {
+        const where = `step ${step}`;
+        const limit = 1 + Math.floor(random() * 20);
+        const epoch = Math.floor(random() * 3);
+        const leases = Array.from({ length: 2 + Math.floor(random() * 5) }, (_, i) => ({
+          member: `l${step}.${i}:${1 + Math.floor(random() * 3)}`,
+          held: random() < 0.85,
+          outcome: OUTCOMES[Math.floor(random() * OUTCOMES.length)]!,
+          epoch: random() < 0.7 ? epoch : epoch - 1,
+          slow: random() < 0.2 ? "1" : "0",
+        }));
+        const used = leases.filter((l) => l.held).reduce((n, l) => n + Number(l.member.split(":")[1]), 0);
+        for (const keys of [together, alone]) {
+          await client.del(...keys);
+          await client.hset(keys[3]!, "limit", limit, "epoch", epoch, "used", used);
+          for (const l of leases) if (l.held) await client.zadd(keys[0]!, 10_000_000, l.member);
+        }
+        // now, member, channel, outcome, epoch, min, max, ratio, slow, claimMs, listeners, initial, classes
+        const args = (l: (typeof leases)[number]) =>
+          [1_000_000, l.member, "ch", l.outcome, l.epoch, 1, 20, 0.7, l.slow, 500, "1", limit, ""] as const;
+        const [first, ...rest] = leases;
+        const replies = (await call("aimd-release", together, [
+          ...args(first!),
+          ...rest.flatMap((l) => [l.member, l.outcome, l.epoch, l.slow]),
+        ])) as unknown[];
+        const each: unknown[] = [];
+        for (const l of leases) each.push(await call("aimd-release", alone, args(l)));
+        expect(replies, where).toEqual(each);
+        expect(await client.hmget(together[3]!, "limit", "epoch", "used"), where).toEqual(
+          await client.hmget(alone[3]!, "limit", "epoch", "used"),
+        );
+        expect(await client.zcard(together[0]!), where).toBe(0);
+      }
+    } finally {
+      await backend.close();
+    }
+  });
+
   it("sends the takes many callers make of one key at once in few script calls, granted in call order", async () => {
     const backend = redis(client, {
       prefix: randomPrefix("take-many"),
