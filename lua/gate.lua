@@ -19,8 +19,12 @@
 --                      none), its mode ("wait": a refused caller keeps or takes its place in line;
 --                      "try": never), its number of steps and, per step, its script name, its
 --                      number of keys, its number of arguments and the arguments (the first, its
---                      `now`, is replaced by this call's). Calls are decided in turn, exactly as if
---                      each had come alone.
+--                      `now`, is replaced by this call's). A step with the script and the keys of
+--                      an earlier step of this script call comes as "=", that step's number (steps
+--                      are numbered from 1 across the calls), the number of arguments that differ
+--                      and, for each, its place and its value: a turn's calls, and a turn's
+--                      releases, mostly differ in their members alone. Calls are decided in turn,
+--                      exactly as if each had come alone.
 --
 -- Returns one reply per call, {status, waitMs, inLine, woken, replies}:
 --   status  1: every step admitted (or, for "each", ran); 0: refused, nothing is held anywhere
@@ -75,6 +79,7 @@ local nowArg  = floodgate_num(now)
 
 -- The calls, each {member, mode, lane, laneExp, steps}; each step {name, keys, args}.
 local calls = {}
+local sent = {}
 local k = 4
 local a = 6
 for c = 1, tonumber(ARGV[5]) do
@@ -86,14 +91,25 @@ for c = 1, tonumber(ARGV[5]) do
     local name = ARGV[a]
     local nk = tonumber(ARGV[a + 1])
     local na = tonumber(ARGV[a + 2])
-    local keys = {}
-    for j = 1, nk do keys[j] = KEYS[k + j - 1] end
-    local args = { nowArg }
-    for j = 2, na do args[j] = ARGV[a + 1 + j] end
-    if not STEPS[name] then return redis.error_reply('gate: unknown step ' .. tostring(name)) end
-    call.steps[i] = { name = name, keys = keys, args = args }
-    k = k + nk
-    a = a + 2 + na
+    if name == '=' then
+      local base = sent[nk]
+      if not base then return redis.error_reply('gate: a step repeats none before it') end
+      local args = {}
+      for j = 1, #base.args do args[j] = base.args[j] end
+      for x = 1, na do args[tonumber(ARGV[a + 1 + 2 * x])] = ARGV[a + 2 + 2 * x] end
+      call.steps[i] = { name = base.name, keys = base.keys, args = args }
+      a = a + 3 + 2 * na
+    else
+      local keys = {}
+      for j = 1, nk do keys[j] = KEYS[k + j - 1] end
+      local args = { nowArg }
+      for j = 2, na do args[j] = ARGV[a + 1 + j] end
+      if not STEPS[name] then return redis.error_reply('gate: unknown step ' .. tostring(name)) end
+      call.steps[i] = { name = name, keys = keys, args = args }
+      k = k + nk
+      a = a + 2 + na
+    end
+    sent[#sent + 1] = call.steps[i]
   end
   calls[c] = call
 end

@@ -225,12 +225,35 @@ export class RedisLink {
     if (total === 0 && head.op !== "leave") return undefined;
     const keys = [...head.keys];
     const args: (string | number)[] = [this.now(), head.op, head.waiterTtlMs, head.channel, calls.length];
+    // Each script's steps sent so far, by their keys (a stage's own list, or a bucket's or host's
+    // one key): a step that repeats one is sent as the arguments that differ (lua/gate.lua).
+    const earlier = new Map<string, Map<unknown, number>>();
+    const all: Step[] = [];
     for (let c = 0; c < calls.length; c++) {
       const call = calls[c]!;
       const steps = stepsOf[c]!;
       keys.push(call.lane[0]!, call.lane[1]!);
       args.push(call.member, call.mode, steps.length);
       for (const step of steps) {
+        all.push(step);
+        let sameScript = earlier.get(step.script);
+        if (sameScript === undefined) {
+          sameScript = new Map();
+          earlier.set(step.script, sameScript);
+        }
+        const id = step.keys.length === 1 ? step.keys[0] : step.keys;
+        const at = sameScript.get(id);
+        sameScript.set(id, all.length);
+        const base = at === undefined ? undefined : all[at - 1];
+        if (base !== undefined && base.args.length === step.args.length) {
+          const n = args.length + 2;
+          args.push("=", at!, 0);
+          for (let i = 1; i < step.args.length; i++) {
+            if (String(step.args[i]) !== String(base.args[i])) args.push(i + 1, step.args[i]!);
+          }
+          args[n] = (args.length - n - 1) / 2;
+          continue;
+        }
         args.push(step.script, step.keys.length, step.args.length);
         for (const key of step.keys) keys.push(key);
         for (let i = 1; i < step.args.length; i++) args.push(step.args[i]!);
