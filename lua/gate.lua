@@ -37,12 +37,14 @@
 --           but with -2 for its first field (a refusal of its own is 0); a step not run (someone
 --           is ahead in line) answers false
 --
--- All or nothing: the permit steps run first (all of them), then the metering steps, up to the
--- first refusal (a permit refusal ends the try before the rates: the call then waits to be told
--- permits are free, whatever the rates say); if any refused, those that admitted are rolled back in
--- reverse, so nothing is held anywhere. A permit step rolls back through its release; a token
--- bucket or interval gate step is restored as it was (DUMP before, RESTORE after), so a refused
--- admission leaves their keys exactly as they were. The decision is the one the stages would
+-- All or nothing: the permit steps run first (all of them), then the metering steps (the interval
+-- gates, then the token buckets), up to the first refusal (a permit refusal ends the try before
+-- the rates: the call then waits to be told permits are free, whatever the rates say); if any
+-- refused, those that admitted are rolled back in reverse, so nothing is held anywhere. A permit
+-- step rolls back through its release; an interval gate's step puts back the slot it replaced
+-- (its reply names it); a token bucket step is restored as it was (DUMP before, RESTORE after;
+-- the last metering step needs no copy), so a refused admission leaves the buckets' keys exactly
+-- as they were and the hosts' slots as they were. The decision is the one the stages would
 -- make taken in turn at this instant with everything rolled back on the first refusal: they
 -- all admit, or not.
 --
@@ -71,11 +73,18 @@ local STEPS = {
 local line    = KEYS[1]
 local lexp    = KEYS[2]
 local gmeta   = KEYS[3]
-local now     = floodgate_now(ARGV[1])
 local op      = ARGV[2]
+-- Admissions decide at one instant, read here. Releases and leaves read the server's time only
+-- when they need it (`clock()`, someone waiting); each of their steps reads its own.
+local now     = (op == 'all' or ARGV[1] ~= '') and floodgate_now(ARGV[1]) or nil
 local ttl     = tonumber(ARGV[3])
 local channel = ARGV[4]
-local nowArg  = floodgate_num(now)
+local nowArg  = now and floodgate_num(now) or ''
+
+local function clock()
+  now = now or floodgate_now('')
+  return now
+end
 
 -- The calls, each {member, mode, lane, laneExp, steps}; each step {name, keys, args}.
 local calls = {}
@@ -123,7 +132,7 @@ local function prune(z, e)
   local first = redis.call('ZRANGE', z, 0, 0)[1]
   if not first then return nil end
   local until_ = tonumber(redis.call('ZSCORE', e, first))
-  if until_ and until_ > now then return first end
+  if until_ and until_ > clock() then return first end
   local gone = floodgate_expired(e, now)
   if #gone > 0 then redis.call('ZREM', z, unpack(gone)) end
   first = redis.call('ZRANGE', z, 0, 0)[1]
@@ -170,10 +179,14 @@ end
 -- Releases of one semaphore's leases, or of one AIMD limiter's (without classes), that differ
 -- only in their own arguments (the member, and an AIMD's outcome, epoch and slow flag) go in one
 -- run of the script, as it releases a turn's: `own` lists those arguments, `shared` the others.
-local RELEASES = {
-  ['semaphore-release'] = { n = 8, own = {2, 5}, shared = {3, 4, 6, 7, 8} },
-  ['aimd-release'] = { n = 13, own = {2, 4, 5, 9}, shared = {3, 6, 7, 8, 10, 11, 12, 13} },
-}
+-- (Built when a call has such releases to put together: a script call pays for every table it
+-- builds.)
+local function releases()
+  return {
+    ['semaphore-release'] = { n = 8, own = {2, 5}, shared = {3, 4, 6, 7, 8} },
+    ['aimd-release'] = { n = 13, own = {2, 4, 5, 9}, shared = {3, 6, 7, 8, 10, 11, 12, 13} },
+  }
+end
 
 -- Releases, refunds and settles: every step as alone (a semaphore's or AIMD limiter's releases
 -- together, above); freed permits wake the permit line.
@@ -188,10 +201,11 @@ local function each(call)
     twice = twice or seen[steps[i].name] == true
     seen[steps[i].name] = true
   end
+  local RELEASES = twice and releases() or {}
   for i = 1, #steps do
     local s = steps[i]
     local a = s.args
-    local kind = twice and RELEASES[s.name]
+    local kind = RELEASES[s.name]
     if kind and #a == kind.n and (s.name ~= 'semaphore-release' or a[5] == 'lease') and (s.name ~= 'aimd-release' or a[13] == '') then
       local id = { s.name, table.concat(s.keys, '\n') }
       for _, j in ipairs(kind.shared) do id[#id + 1] = a[j] end
@@ -215,7 +229,7 @@ local function each(call)
       local s = steps[o.step]
       local r = STEPS[s.name](s.keys, s.args)
       replies[o.step] = r
-      if RELEASES[s.name] and r[1] == 1 then freed = true end
+      if (s.name == 'semaphore-release' or s.name == 'aimd-release') and r[1] == 1 then freed = true end
     elseif not o.run.done then
       local run = o.run
       run.done = true
@@ -229,6 +243,13 @@ local function each(call)
   end
   if freed then wake(line, lexp) end
   return {1, -1, 0, woken, replies}
+end
+
+-- The pass a step runs in: the permit steps (1), the interval gates (2), the rest (3).
+local function passOf(name)
+  if PERMIT[name] then return 1 end
+  if name == 'interval-gate-take' then return 2 end
+  return 3
 end
 
 -- One admission, all or nothing (see above).
@@ -255,22 +276,25 @@ local function admit(call)
 
   -- The permit steps first, all of them: a refusal there ends the try once they have run (the
   -- rates are not looked at: the call waits to be told permits are free). Then the metering
-  -- steps, up to the first that refuses; each but the last is saved first, so it can be put back
-  -- as it was.
+  -- steps, up to the first that refuses: the interval gates, whose reply says how to put their
+  -- host's slot back, then the token buckets, each but the last saved first (DUMP), so it can be
+  -- put back as it was.
   local replies = {}
   local taken = {}
   local saved = {}
   local refusal = nil
   local waitMs = -1
   local last = 0
-  for i = 1, #steps do if not PERMIT[steps[i].name] then last = i end end
-  for pass = 1, 2 do
+  for pass = 2, 3 do
+    for i = 1, #steps do if passOf(steps[i].name) == pass then last = i end end
+  end
+  for pass = 1, 3 do
     for i = 1, #steps do
       local s = steps[i]
       -- Every permit step runs, even after one refused: each learns of a data loss (and starts
       -- its quarantine) at the same call, not one after the other.
-      if (pass == 1 or not refusal) and ((PERMIT[s.name] == true) == (pass == 1)) then
-        if pass == 2 and i ~= last then
+      if (pass == 1 or not refusal) and passOf(s.name) == pass then
+        if pass == 3 and i ~= last then
           saved[i] = { redis.call('DUMP', s.keys[1]), redis.call('PTTL', s.keys[1]) }
         end
         local reply = STEPS[s.name](s.keys, s.args)
@@ -320,9 +344,17 @@ local function admit(call)
       r[6] = undone[4]
     else
       local key = s.keys[1]
-      local dump, pttl = saved[i][1], saved[i][2]
-      if dump then
-        redis.call('RESTORE', key, math.max(0, pttl), dump, 'REPLACE')
+      if not saved[i] then
+        -- An interval gate's host: its slot back to the one the step replaced (none: the field
+        -- goes, and with it a key that held nothing else). Its expiry may stay later than it
+        -- was, which no decision reads: the slot it keeps has passed.
+        if r[2] == '' then
+          redis.call('HDEL', key, 'nextAt')
+        else
+          redis.call('HSET', key, 'nextAt', r[2])
+        end
+      elseif saved[i][1] then
+        redis.call('RESTORE', key, math.max(0, saved[i][2]), saved[i][1], 'REPLACE')
       else
         redis.call('DEL', key)
       end
@@ -382,8 +414,8 @@ end
 -- as it was before the turn and the steps run again for the calls before it. Returns how many
 -- leading calls were admitted (their replies in `out`), each exactly as admit() would have
 -- admitted it alone; 0 when this way does not apply. The calls after them go admit()'s way.
-local MANY = { ['semaphore-acquire'] = true, ['token-bucket-take'] = true, ['interval-gate-take'] = true }
 local function many(out)
+  local MANY = { ['semaphore-acquire'] = true, ['token-bucket-take'] = true, ['interval-gate-take'] = true }
   local n = #calls
   local steps = calls[1].steps
   for i = 1, #steps do

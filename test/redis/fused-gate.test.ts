@@ -174,6 +174,29 @@ describe("a fused Redis gate", () => {
     await first.release("success");
   });
 
+  it("leaves a host that had no slot without one when a later stage refuses: it starts at once, even below zero", async () => {
+    // A host's slot is put back from the interval gate's reply, not from a copy of its key.
+    const clock = new FakeClock(-5000);
+    const prefix = randomPrefix("fused-no-slot");
+    const { client, b } = await backend(prefix, clock);
+    const gate = new Gate(
+      [
+        b.intervalGate("hosts", { minIntervalMs: 100 }),
+        b.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 }),
+      ],
+      { clock },
+    );
+    const first = await gate.admit({ host: "a" });
+    expect(await gate.tryAdmit({ host: "z" })).toBe(undefined);
+    expect(await client.exists(`${prefix}{hosts}:h:z`)).toBe(0);
+    await clock.advance(1000);
+    // The clock still reads below zero: a slot of 0 would refuse the call; no slot admits it.
+    const second = await gate.tryAdmit({ host: "z" });
+    expect(second).toBeDefined();
+    await first.release("success");
+    await second!.release("success");
+  });
+
   it("holds no permit while a call waits for its token, whatever the order of the stages", async () => {
     const clock = new FakeClock(1000);
     const { b } = await backend(randomPrefix("fused-order"), clock);
@@ -537,19 +560,21 @@ describe("a fused Redis gate, step for step against its stages in turn", () => {
 
   // Bursts: up to four tries (or releases) at one instant, which the gate decides together in one
   // call (the first alone, the rest as one turn), each as if it had come alone, in order.
-  for (const [seed, burst, size] of [
-    [1, 1, "tight"],
-    [2, 1, "tight"],
-    [3, 1, "tight"],
-    [4, 1, "tight"],
-    [5, 4, "tight"],
-    [6, 4, "tight"],
-    [7, 4, "loose"],
-    [8, 4, "loose"],
-    [9, 4, "loose"],
+  // (A clock that reads below zero: a host with no slot starts at once, one whose slot is 0 not.)
+  for (const [seed, burst, size, from] of [
+    [1, 1, "tight", 10_000],
+    [2, 1, "tight", 10_000],
+    [3, 1, "tight", 10_000],
+    [4, 1, "tight", -5_000],
+    [5, 4, "tight", 10_000],
+    [6, 4, "tight", -5_000],
+    [7, 4, "loose", 10_000],
+    [8, 4, "loose", 10_000],
+    [9, 4, "loose", -5_000],
   ] as const) {
-    it(`agrees over a random sequence (seed ${seed}${burst > 1 ? `, bursts of up to ${burst}, ${size} limits` : ""})`, async () => {
-      const clock = new FakeClock(10_000);
+    const named = `seed ${seed}${burst > 1 ? `, bursts of up to ${burst}, ${size} limits` : ""}${from < 0 ? ", from below zero" : ""}`;
+    it(`agrees over a random sequence (${named})`, async () => {
+      const clock = new FakeClock(from);
       const rnd = random(seed);
       const fusedPrefix = randomPrefix("step-fused");
       const fusedB = redis(await connect(), { prefix: fusedPrefix, clock, time: "clock" });
