@@ -104,17 +104,27 @@ const GATES: [string, (b: RedisBackend) => Stage[]][] = [
   ],
 ];
 
-/** Per admission (admit and release) through `gate.run`, one caller: script calls, their time, the commands inside. */
-async function perAdmission(c: Redis, url: string, n: number): Promise<string[][]> {
+/**
+ * Per admission (admit and release) through `gate.run`, by `callers` callers at once (`about`
+ * admissions in all, rounded up to a multiple of `callers`): script calls, their time, the
+ * commands inside.
+ */
+async function perAdmission(c: Redis, url: string, about: number, callers: number): Promise<string[][]> {
   const rows: string[][] = [];
+  const each = Math.ceil(about / callers);
+  const n = each * callers;
   for (const [label, stages] of GATES) {
     const client = await connect(url);
     const backend = redis(client, { prefix: freshPrefix("cost") });
     const gate = new Gate(stages(backend));
     const task = () => undefined;
-    for (let i = 0; i < 50; i++) await gate.run(task, { host: "api.example" });
+    const run = async (times: number) => {
+      for (let i = 0; i < times; i++) await gate.run(task, { host: "api.example" });
+    };
+    const all = (times: number) => Promise.all(Array.from({ length: callers }, () => run(times)));
+    await all(Math.ceil(50 / callers));
     await c.config("RESETSTAT");
-    for (let i = 0; i < n; i++) await gate.run(task, { host: "api.example" });
+    await all(each);
     const stats = await commandStats(c);
     await gate.close();
     await backend.close();
@@ -168,15 +178,22 @@ export const scriptCost: Benchmark = {
             : "Redis Functions need Redis 7; this server has none.",
         ],
       );
-      const per = await perAdmission(c, url, args.quick ? 300 : 2000);
-      table(
-        `Per admission through gate.run (admit and release), one caller, ${args.quick ? 300 : 2000} admissions`,
-        ["gate", "script calls", "script µs", "commands inside", "commands inside, per admission"],
-        per,
-        [
-          "Inside a script, each command costs a few µs of its own (the table above): the fused gate's time follows its count of commands.",
-        ],
-      );
+      for (const callers of [1, 64]) {
+        const admissions = (args.quick ? 300 : 2000) * (callers === 1 ? 1 : 5);
+        const per = await perAdmission(c, url, admissions, callers);
+        table(
+          `Per admission through gate.run (admit and release), ${callers === 1 ? "one caller" : `${callers} callers`}, ${admissions} admissions`,
+          ["gate", "script calls", "script µs", "commands inside", "commands inside, per admission"],
+          per,
+          callers === 1
+            ? [
+                "Inside a script, each command costs a few µs of its own (the table above): the fused gate's time follows its count of commands.",
+              ]
+            : [
+                "Calls made while others are out go together at the end of the turn: one script call decides a turn's admissions (or releases), each stage's script running once for them while nobody waits in the gate's lines.",
+              ],
+        );
+      }
     } finally {
       c.disconnect();
     }

@@ -433,7 +433,8 @@ local function many(out)
       if a.name ~= b.name then alike = false
       elseif PERMIT[a.name] then
         for j = 1, #a.keys do if a.keys[j] ~= b.keys[j] then alike = false end end
-        if #b.args ~= 14 then alike = false end
+        -- (A call asking again for a grant it may hold goes alone: given back, it would lose it.)
+        if #b.args ~= 14 or b.args[10] == '1' then alike = false end
         for j = 3, 14 do if j ~= 10 and a.args[j] ~= b.args[j] then alike = false end end
       elseif a.name == 'token-bucket-take' then
         for j = 2, 6 do if j ~= 5 and a.args[j] ~= b.args[j] then alike = false end end

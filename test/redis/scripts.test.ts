@@ -174,11 +174,7 @@ describe("Lua scripts on Redis", () => {
         penalizedAt: Number(penalizedAt),
       };
     };
-    let seed = 7;
-    const random = () => {
-      seed = (seed * 1103515245 + 12345) % 2 ** 31;
-      return seed / 2 ** 31;
-    };
+    const random = seeded(7);
     let s: BucketState | undefined;
     let now = 1_000_000;
     /** How long a caller waits: not at all, as long as it takes (-1), or up to a few seconds. */
@@ -257,6 +253,15 @@ describe("Lua scripts on Redis", () => {
     }
   });
 
+  /** A seeded generator of numbers in [0, 1), so a failing sequence can be replayed. */
+  function seeded(start: number): () => number {
+    let seed = start;
+    return () => {
+      seed = (seed * 1103515245 + 12345) % 2 ** 31;
+      return seed / 2 ** 31;
+    };
+  }
+
   /** Call script `name` with `keys` and `args` through the command the backend defined. */
   function call(
     name: ScriptName,
@@ -269,11 +274,7 @@ describe("Lua scripts on Redis", () => {
 
   it("decides a turn of an interval gate's callers as if each had called alone, in turn", async () => {
     const backend = redis(client, { prefix: randomPrefix("interval-many") });
-    let seed = 11;
-    const random = () => {
-      seed = (seed * 1103515245 + 12345) % 2 ** 31;
-      return seed / 2 ** 31;
-    };
+    const random = seeded(11);
     const [together, alone] = [`${randomPrefix("interval-many")}h`, `${randomPrefix("interval-alone")}h`];
     let now = 1_000_000;
     try {
@@ -299,11 +300,7 @@ describe("Lua scripts on Redis", () => {
 
   it("releases a turn of an AIMD limiter's leases as if each had released alone, in turn", async () => {
     const backend = redis(client, { prefix: randomPrefix("aimd-many") });
-    let seed = 5;
-    const random = () => {
-      seed = (seed * 1103515245 + 12345) % 2 ** 31;
-      return seed / 2 ** 31;
-    };
+    const random = seeded(5);
     const keysOf = (prefix: string) =>
       ["holders", "queue", "qexp", "meta", "procs"].map((k) => `${prefix}${k}`);
     const together = keysOf(randomPrefix("aimd-many"));
