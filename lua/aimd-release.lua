@@ -28,12 +28,12 @@
 --                   classes.grant (floodgate_classes)
 -- ARGV[14] member2  without classes: more releases of this turn, each a member, its outcome
 --                   (ARGV[15]), its epoch (ARGV[16]) and its slow flag (ARGV[17]), and so on:
---                   each is done in turn, exactly as if each had called alone, with one read and
---                   one write of meta
+--                   each is done in turn, exactly as if each had called alone (while nobody
+--                   waits in the line, with one read and one write of meta)
 --
 -- Returns {released, limit, epoch, used, grants}: grants = the waiters granted the freed permits
 -- (floodgate_grant_heads), each as the message PUBLISHed on `channel`. With more than one
--- member, returns one such reply per member, in order; the grants go with the last.
+-- member, returns one such reply per member, in order.
 local holders     = KEYS[1]
 local queue       = KEYS[2]
 local qexp        = KEYS[3]
@@ -54,10 +54,12 @@ local limit = tonumber(state[1]) or tonumber(ARGV[12]) or maxLimit
 local epoch = tonumber(state[2]) or 0
 local used  = tonumber(state[3]) or 0
 
--- One release on the state in hand (limit, epoch, used); returns whether its lease was held.
-local function release(member, outcome, ticketEpoch, slow)
+-- One release on the state in hand (limit, epoch, used), as alone but for writing meta and
+-- granting; returns whether its lease was held. `lineEmpty`: nobody waits, so `member` is not in
+-- the line.
+local function release(member, outcome, ticketEpoch, slow, lineEmpty)
   local released = redis.call('ZREM', holders, member)
-  if redis.call('ZREM', queue, member) == 1 then redis.call('ZREM', qexp, member) end
+  if not lineEmpty and redis.call('ZREM', queue, member) == 1 then redis.call('ZREM', qexp, member) end
 
   if released == 1 and (outcome == 'success' or outcome == 'dropped') then
     if outcome == 'dropped' or slow then
@@ -74,45 +76,56 @@ local function release(member, outcome, ticketEpoch, slow)
   return released
 end
 
-local replies = nil
-local released = release(member, outcome, ticketEpoch, slow)
-if #ARGV > 13 and not classes then
-  replies = { {released, limit, epoch, used, {}} }
-  for i = 14, #ARGV, 4 do
-    member = ARGV[i]
-    replies[#replies + 1] = {release(member, ARGV[i + 1], tonumber(ARGV[i + 2]), ARGV[i + 3] == '1'), limit, epoch, used, {}}
-  end
-end
-redis.call('HSET', meta, 'used', used, 'limit', limit, 'epoch', epoch)
-if classes then
-  classes.load(meta)
-  if released == 1 then
-    classes.free(member)
-    floodgate_set_used(meta, used, classes)
-  end
-end
-
-local grants = {}
-if redis.call('ZRANGE', queue, 0, 0)[1] then
-  local now = floodgate_now(ARGV[1])
-  if (tonumber(state[4]) or 0) <= now then
-    if classes then
-      grants, used = classes.grant(used, limit, now, tonumber(ARGV[10]), epoch,
-        channel, ARGV[11] == '1', floodgate_token(member))
-      if #grants > 0 then floodgate_set_used(meta, used, classes) end
-    else
-      local head = floodgate_live_head(queue, qexp, procs, now)
-      if head and used < limit then
-        grants, used = floodgate_grant_heads(KEYS, head, used, limit, now, tonumber(ARGV[10]), epoch,
+-- The permits free now to the head of the line, for a release of `member`; returns the grants.
+local function grantFreed(member)
+  local grants = {}
+  if redis.call('ZRANGE', queue, 0, 0)[1] then
+    local now = floodgate_now(ARGV[1])
+    if (tonumber(state[4]) or 0) <= now then
+      if classes then
+        grants, used = classes.grant(used, limit, now, tonumber(ARGV[10]), epoch,
           channel, ARGV[11] == '1', floodgate_token(member))
-        redis.call('HSET', meta, 'used', used)
+        if #grants > 0 then floodgate_set_used(meta, used, classes) end
+      else
+        local head = floodgate_live_head(queue, qexp, procs, now)
+        if head and used < limit then
+          grants, used = floodgate_grant_heads(KEYS, head, used, limit, now, tonumber(ARGV[10]), epoch,
+            channel, ARGV[11] == '1', floodgate_token(member))
+          redis.call('HSET', meta, 'used', used)
+        end
       end
     end
   end
+  return grants
 end
-if replies then
-  local last = replies[#replies]
-  last[4], last[5] = used, grants
+
+-- One release exactly as if alone: its lease, meta written, the freed permits granted.
+local function alone(member, outcome, ticketEpoch, slow)
+  local released = release(member, outcome, ticketEpoch, slow, false)
+  redis.call('HSET', meta, 'used', used, 'limit', limit, 'epoch', epoch)
+  if classes then
+    classes.load(meta)
+    if released == 1 then
+      classes.free(member)
+      floodgate_set_used(meta, used, classes)
+    end
+  end
+  return {released, limit, epoch, used, grantFreed(member)}
+end
+
+if #ARGV <= 13 then return alone(member, outcome, ticketEpoch, slow) end
+if classes then return redis.error_reply('aimd-release: a turn of leases on a stage with classes') end
+
+-- A turn of leases. While nobody waits in the line, nothing is granted between them: each is
+-- given back on the state in hand, and meta is written once. Otherwise each goes as alone, in
+-- turn, its freed permits granted before the next.
+local turn = { {member, outcome, ticketEpoch, slow} }
+for i = 14, #ARGV, 4 do turn[#turn + 1] = {ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2]), ARGV[i + 3] == '1'} end
+local replies = {}
+if redis.call('ZRANGE', queue, 0, 0)[1] then
+  for i, t in ipairs(turn) do replies[i] = alone(t[1], t[2], t[3], t[4]) end
   return replies
 end
-return {released, limit, epoch, used, grants}
+for i, t in ipairs(turn) do replies[i] = {release(t[1], t[2], t[3], t[4], true), limit, epoch, used, {}} end
+redis.call('HSET', meta, 'used', used, 'limit', limit, 'epoch', epoch)
+return replies

@@ -449,9 +449,18 @@ local function many(out)
     m = m + 1
   end
   if m < 2 then return 0 end
-  local busy = { line }
-  for c = 1, m do busy[c + 1] = calls[c].lane end
-  if redis.call('EXISTS', unpack(busy)) > 0 then return 0 end
+  -- (Each lane once, in chunks that unpack can take: a turn may hold thousands of calls.)
+  local busy, seen = { line }, {}
+  for c = 1, m do
+    local lane = calls[c].lane
+    if not seen[lane] then
+      seen[lane] = true
+      busy[#busy + 1] = lane
+    end
+  end
+  for from = 1, #busy, 1000 do
+    if redis.call('EXISTS', unpack(busy, from, math.min(from + 999, #busy))) > 0 then return 0 end
+  end
 
   -- Every metering key as it was before the turn.
   local saved = {}
