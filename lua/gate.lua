@@ -86,6 +86,26 @@ local function clock()
   return now
 end
 
+-- Undo what permit step `s` granted (its lease) as a rollback; returns the release's reply.
+local function giveBackPermit(s)
+  local g = s.args
+  return step_semaphore_release(s.keys, { nowArg, g[2], g[3], g[7], 'lease', g[13], g[12], g[14] })
+end
+
+-- A copy of `key` for restore(): its dump (false when it does not exist) and its expiry.
+local function copyOf(key)
+  return { redis.call('DUMP', key), redis.call('PTTL', key) }
+end
+
+-- Put `key` back as `copy` (copyOf) saw it.
+local function restore(key, copy)
+  if copy[1] then
+    redis.call('RESTORE', key, math.max(0, copy[2]), copy[1], 'REPLACE')
+  else
+    redis.call('DEL', key)
+  end
+end
+
 -- The calls, each {member, mode, lane, laneExp, steps}; each step {name, keys, args}.
 local calls = {}
 local sent = {}
@@ -295,7 +315,7 @@ local function admit(call)
       -- its quarantine) at the same call, not one after the other.
       if (pass == 1 or not refusal) and passOf(s.name) == pass then
         if pass == 3 and i ~= last then
-          saved[i] = { redis.call('DUMP', s.keys[1]), redis.call('PTTL', s.keys[1]) }
+          saved[i] = copyOf(s.keys[1])
         end
         local reply = STEPS[s.name](s.keys, s.args)
         replies[i] = reply
@@ -336,8 +356,7 @@ local function admit(call)
     local s = steps[i]
     local r = replies[i]
     if PERMIT[s.name] then
-      local g = s.args
-      local undone = step_semaphore_release(s.keys, { nowArg, g[2], g[3], g[7], 'lease', g[13], g[12], g[14] })
+      local undone = giveBackPermit(s)
       r[1] = -2
       r[2] = -1
       r[3] = undone[3]
@@ -353,10 +372,8 @@ local function admit(call)
         else
           redis.call('HSET', key, 'nextAt', r[2])
         end
-      elseif saved[i][1] then
-        redis.call('RESTORE', key, math.max(0, saved[i][2]), saved[i][1], 'REPLACE')
       else
-        redis.call('DEL', key)
+        restore(key, saved[i])
       end
       r[1] = -2
       r[2] = 0
@@ -468,7 +485,7 @@ local function many(out)
     if not PERMIT[steps[i].name] then
       for c = 1, m do
         local key = calls[c].steps[i].keys[1]
-        if not saved[key] then saved[key] = { redis.call('DUMP', key), redis.call('PTTL', key) } end
+        if not saved[key] then saved[key] = copyOf(key) end
       end
     end
   end
@@ -480,11 +497,7 @@ local function many(out)
     for c = from, m do
       for i = 1, #steps do
         local r = replies[c][i]
-        if PERMIT[steps[i].name] and r and r[1] == 1 then
-          local s = calls[c].steps[i]
-          local g = s.args
-          step_semaphore_release(s.keys, { nowArg, g[2], g[3], g[7], 'lease', g[13], g[12], g[14] })
-        end
+        if PERMIT[steps[i].name] and r and r[1] == 1 then giveBackPermit(calls[c].steps[i]) end
       end
     end
   end
@@ -511,8 +524,7 @@ local function many(out)
     end
   end
 
-  -- The metering steps for calls 1..m; returns the first call refused (m + 1 when none) and
-  -- the step that refused it.
+  -- The metering steps for calls 1..m; returns the first call refused (m + 1 when none).
   local function meter()
     for i = 1, #steps do
       if not PERMIT[steps[i].name] then
@@ -566,13 +578,7 @@ local function many(out)
   while m > 0 do
     local refused = meter()
     if refused > m then break end
-    for key, copy in pairs(saved) do
-      if copy[1] then
-        redis.call('RESTORE', key, math.max(0, copy[2]), copy[1], 'REPLACE')
-      else
-        redis.call('DEL', key)
-      end
-    end
+    for key, copy in pairs(saved) do restore(key, copy) end
     giveBack(refused)
     m = refused - 1
   end
