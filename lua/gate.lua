@@ -6,7 +6,11 @@
 --                     refused, in arrival order across the fleet
 -- KEYS[2] lexp  ZSET  member -> expiry (ms): a waiter not heard from for waiterTtlMs is dropped
 -- KEYS[3] gmeta HASH  seq (arrivals, shared by the permit line and every lane)
--- KEYS[4…]            per call: its lane (ZSET member -> arrival sequence: the callers of the
+-- KEYS[4] held  HASH  "s:<member>" -> the steps of a waiter in the permit line (its latest try's,
+--                     sent "hold"), so that a release can admit it; "g:<member>" -> "<try>|<replies>"
+--                     once a release has (see grants, below)
+-- KEYS[5] hexp  ZSET  member -> expiry (ms) of its grant record: one not collected by then goes
+-- KEYS[6…]            per call: its lane (ZSET member -> arrival sequence: the callers of the
 --                     call's key and host that only token buckets or interval gates refused),
 --                     the lane's expiries (ZSET, as lexp), then its steps' own keys in order
 --
@@ -17,7 +21,10 @@
 -- ARGV[4] channel      base of the wake channels: a member is told "<member>" on channel:<token>
 -- ARGV[5] calls        the number of calls; then, per call, its member (its place in line, "" for
 --                      none), its mode ("wait": a refused caller keeps or takes its place in line;
---                      "try": never), its number of steps and, per step, its script name, its
+--                      "hold": so does it, and its steps are kept while it waits in the permit
+--                      line, for a release to run; "try": never), its try's number, the number of
+--                      its earlier try whose steps were kept ("" for none), its number of steps
+--                      and, per step, its script name, its
 --                      number of keys, its number of arguments and the arguments (the first, its
 --                      `now`, is replaced by this call's). A step with the script and the keys of
 --                      an earlier step of this script call comes as "=", that step's number (steps
@@ -26,16 +33,22 @@
 --                      releases, mostly differ in their members alone. Calls are decided in turn,
 --                      exactly as if each had come alone.
 --
--- Returns one reply per call, {status, waitMs, inLine, woken, replies}:
---   status  1: every step admitted (or, for "each", ran); 0: refused, nothing is held anywhere
+-- Returns one reply per call, {status, waitMs, inLine, woken, replies, held}:
+--   status  1: every step admitted (or, for "each", ran); 0: refused, nothing is held anywhere;
+--           2: its earlier try's kept steps were admitted by a release (`held` is their replies,
+--           as the grant message gave them) and this try's steps did not run
 --   waitMs  when a token bucket or interval gate refused a caller first in its lane, or first
 --           in the permit line (permits being there): ms until it could admit; else -1 (wait to
 --           be woken)
 --   inLine  1 when `member` waits in the permit line, 2 in its lane, 0 in neither
---   woken   the members told to ask again (their process may be this one)
+--   woken   the members told to ask again (their process may be this one), and the grant
+--           messages of the waiters a release admitted (see grants, below)
 --   replies each step's reply, as its script would answer; a step rolled back answers as refused
 --           but with -2 for its first field (a refusal of its own is 0); a step not run (someone
 --           is ahead in line) answers false
+--   held    1 when the call waits in the permit line with its steps kept (mode "hold"); else 0,
+--           or the replies of status 2
+--   now     (admissions) the time they decided at, server ms
 --
 -- All or nothing: the permit steps run first (all of them), then the metering steps (the interval
 -- gates, then the token buckets), up to the first refusal (a permit refusal ends the try before
@@ -59,6 +72,18 @@
 -- refuses joins the permit line whole, in its order; the first in the permit line that only a
 -- rate refuses keeps its place for a wait of up to a poll (`waiterTtlMs / 3`), and steps aside
 -- into its lane, keeping its arrival, for a longer one.
+--
+-- Grants: a waiter that asked with mode "hold" and waits in the permit line has its steps kept.
+-- When permits are freed through the gate (a release, a leave, an admission with room left), the
+-- first in the permit line whose steps are kept is decided there and then, at that instant,
+-- exactly as its own try would be: when every step admits, it is admitted (its steps' replies
+-- are recorded and PUBLISHed as "g|<member>|<try>|<replies as JSON>"), and the next is decided
+-- the same way; when a rate refuses it, it is told to ask again; when permits do not suffice, it
+-- stays first. The waiter's process builds its tickets from the message, without asking again.
+-- Its next try, if the message never came, collects the record (status 2); a waiter that gives up
+-- takes its grant back with its leave (permits freed, tokens refunded while the bucket's latest,
+-- the host's slot handed back while the host's latest). A record nobody collects ends with the
+-- waiter's expiry; its leases then end with their lease, as a holder's that stopped.
 local PERMIT = { ['semaphore-acquire'] = true }
 local STEPS = {
   ['semaphore-acquire'] = step_semaphore_acquire,
@@ -73,6 +98,8 @@ local STEPS = {
 local line    = KEYS[1]
 local lexp    = KEYS[2]
 local gmeta   = KEYS[3]
+local held    = KEYS[4]
+local hexp    = KEYS[5]
 local op      = ARGV[2]
 -- Admissions decide at one instant, read here. Releases and leaves read the server's time only
 -- when they need it (`clock()`, someone waiting); each of their steps reads its own.
@@ -109,13 +136,14 @@ end
 -- The calls, each {member, mode, lane, laneExp, steps}; each step {name, keys, args}.
 local calls = {}
 local sent = {}
-local k = 4
+local k = 6
 local a = 6
 for c = 1, tonumber(ARGV[5]) do
-  local call = { member = ARGV[a], mode = ARGV[a + 1], lane = KEYS[k], laneExp = KEYS[k + 1], steps = {} }
-  local n = tonumber(ARGV[a + 2])
+  local call = { member = ARGV[a], mode = ARGV[a + 1], try = ARGV[a + 2], held = ARGV[a + 3],
+    lane = KEYS[k], laneExp = KEYS[k + 1], steps = {} }
+  local n = tonumber(ARGV[a + 4])
   k = k + 2
-  a = a + 3
+  a = a + 5
   for i = 1, n do
     local name = ARGV[a]
     local nk = tonumber(ARGV[a + 1])
@@ -144,6 +172,15 @@ for c = 1, tonumber(ARGV[5]) do
 end
 
 local woken
+-- Decides the first waiters of the permit line whose steps are kept (see grants, above).
+local grantHeads
+
+-- Forget the kept steps of `members`, who no longer wait in the permit line.
+local function forgetSteps(members)
+  local fields = {}
+  for i = 1, #members do fields[i] = 's:' .. members[i] end
+  redis.call('HDEL', held, unpack(fields))
+end
 
 -- Take out of line `z` the waiters that stopped asking (their expiries in `e`), when its first
 -- has: a line whose first still asks is left as it is (the others are taken out when they come
@@ -154,11 +191,15 @@ local function prune(z, e)
   local until_ = tonumber(redis.call('ZSCORE', e, first))
   if until_ and until_ > clock() then return first end
   local gone = floodgate_expired(e, now)
-  if #gone > 0 then redis.call('ZREM', z, unpack(gone)) end
+  if #gone > 0 then
+    redis.call('ZREM', z, unpack(gone))
+    if z == line then forgetSteps(gone) end
+  end
   first = redis.call('ZRANGE', z, 0, 0)[1]
   -- A member with no expiry left is one whose expiry was lost: it goes too.
   if first and not redis.call('ZSCORE', e, first) then
     redis.call('ZREM', z, first)
+    if z == line then forgetSteps({ first }) end
     first = redis.call('ZRANGE', z, 0, 0)[1]
   end
   return first
@@ -179,7 +220,12 @@ local function leave(member, z, e, first)
   first = first or redis.call('ZRANGE', z, 0, 0)[1]
   if redis.call('ZREM', z, member) == 1 then
     redis.call('ZREM', e, member)
-    if first == member then wake(z, e) end
+    if z ~= line then
+      if first == member then wake(z, e) end
+    else
+      forgetSteps({ member })
+      if first == member then grantHeads() end
+    end
   end
 end
 
@@ -193,6 +239,61 @@ local function join(member, z, e, seq)
   redis.call('PEXPIRE', z, ttl)
   redis.call('PEXPIRE', e, ttl)
   redis.call('PEXPIRE', gmeta, ttl)
+end
+
+-- A step's reply as JSON, as Redis would have sent it: numbers as integers, true as 1, false
+-- as null, a list up to its first nil (numbers go whole: the JSON library rounds to 14 digits).
+local function encode(v)
+  local t = type(v)
+  if t == 'table' then
+    local parts = {}
+    local i = 1
+    while v[i] ~= nil do
+      parts[i] = encode(v[i])
+      i = i + 1
+    end
+    return '[' .. table.concat(parts, ',') .. ']'
+  elseif t == 'number' then
+    return string.format('%.0f', v >= 0 and math.floor(v) or math.ceil(v))
+  elseif t == 'string' then
+    return cjson.encode(v)
+  end
+  return v == true and '1' or 'null'
+end
+
+-- Keep `call`'s steps while it waits in the permit line, for a release to run.
+local function keepSteps(call)
+  local steps = {}
+  for i, s in ipairs(call.steps) do steps[i] = { s.name, s.keys, s.args } end
+  redis.call('HSET', held, 's:' .. call.member, cjson.encode({ call.try, call.lane, call.laneExp, steps }))
+  redis.call('PEXPIRE', held, ttl)
+end
+
+-- Take back the grant a release made to `member`, if it was not collected: permits freed (and
+-- granted on), tokens refunded while the bucket's latest grant, slots handed back while the
+-- host's latest. Returns the grant record ("<try>|<replies>") when there was one.
+local function giveBackGrant(member)
+  local record = redis.call('HGET', held, 'g:' .. member)
+  if not record then return nil end
+  local kept = redis.call('HGET', held, 's:' .. member)
+  redis.call('HDEL', held, 'g:' .. member, 's:' .. member)
+  redis.call('ZREM', hexp, member)
+  if not kept then return record end
+  local steps = cjson.decode(kept)[4]
+  local replies = cjson.decode(string.sub(record, string.find(record, '|', 1, true) + 1))
+  for i = #steps, 1, -1 do
+    local name, keys, args = steps[i][1], steps[i][2], steps[i][3]
+    if PERMIT[name] then
+      giveBackPermit({ keys = keys, args = args })
+    elseif name == 'token-bucket-take' then
+      step_token_bucket_refund(keys, { nowArg, args[2], args[3], args[4], args[5], args[6], args[7] })
+    elseif name == 'interval-gate-take' then
+      local r = replies[i]
+      step_interval_gate_refund(keys, { nowArg, r[3], r[2] })
+    end
+  end
+  grantHeads()
+  return record
 end
 
 -- Releases, refunds and settles: every step as alone; freed permits wake the permit line.
@@ -261,7 +362,7 @@ local function each(call)
       end
     end
   end
-  if freed then wake(line, lexp) end
+  if freed then grantHeads() end
   return {1, -1, 0, woken, replies}
 end
 
@@ -272,18 +373,46 @@ local function passOf(name)
   return 3
 end
 
--- One admission, all or nothing (see above).
-local function admit(call)
+-- One admission, all or nothing (see above). `granting`: a release decides a waiter whose steps
+-- were kept (it stays where it is when refused, and the caller goes on to the next).
+local function admit(call, granting)
   local member, mode, lane, laneExp, steps = call.member, call.mode, call.lane, call.laneExp, call.steps
+  local waits = mode ~= 'try'
+
+  -- Its earlier try's steps admitted by a release, and the message maybe lost: collected now.
+  -- (A record of another try, or of one given up, is taken back: see giveBackGrant.)
+  if call.held ~= '' then
+    local record = redis.call('HGET', held, 'g:' .. member)
+    local bar = record and string.find(record, '|', 1, true)
+    if record and string.sub(record, 1, bar - 1) == call.held then
+      redis.call('HDEL', held, 'g:' .. member, 's:' .. member)
+      redis.call('ZREM', hexp, member)
+      local replies = {}
+      for i = 1, #steps do replies[i] = false end
+      return {2, -1, 0, woken, replies, string.sub(record, bar + 1)}
+    end
+    if record then giveBackGrant(member) end
+  end
+
+  -- Its steps kept while it waits in the permit line (mode "hold"), else forgotten.
+  local function done(reply)
+    if mode == 'hold' and reply[3] == 1 then
+      keepSteps(call)
+      reply[6] = 1
+    elseif call.held ~= '' then
+      redis.call('HDEL', held, 's:' .. member)
+    end
+    return reply
+  end
 
   -- Someone ahead: nothing is looked at, and `member` waits behind (in line `z`, numbered `n`,
   -- with expiries `e`, when it waits).
   local function behind(z, e, n)
     local replies = {}
     for i = 1, #steps do replies[i] = false end
-    if mode ~= 'wait' then return {0, -1, 0, woken, replies} end
+    if not waits then return {0, -1, 0, woken, replies} end
     join(member, z, e)
-    return {0, -1, n, woken, replies}
+    return done({0, -1, n, woken, replies})
   end
 
   local head = prune(line, lexp)
@@ -344,10 +473,11 @@ local function admit(call)
         local r = replies[i]
         if PERMIT[steps[i].name] and tonumber(r[3]) >= tonumber(r[4]) then room = false end
       end
-      if room then wake(line, lexp) end
+      if room and not granting then grantHeads() end
     end
     if laneHead then leave(member, lane, laneExp, laneHead) end
-    return {1, -1, 0, woken, replies}
+    if granting then return {1, -1, 0, woken, replies} end
+    return done({1, -1, 0, woken, replies})
   end
 
   -- Refused: roll back what admitted, last first, so nothing is held anywhere.
@@ -392,33 +522,116 @@ local function admit(call)
           redis.call('ZADD', lexp, expires, m)
         end
       end
-      if mode == 'wait' then join(member, line, lexp, all[2]) end
+      if waits then join(member, line, lexp, all[2]) end
       redis.call('DEL', lane, laneExp)
       redis.call('PEXPIRE', line, ttl)
       redis.call('PEXPIRE', lexp, ttl)
-      return {0, -1, mode == 'wait' and 1 or 0, woken, replies}
+      return done({0, -1, waits and 1 or 0, woken, replies})
     end
     if laneHead then leave(member, lane, laneExp, laneHead) end
-    if mode ~= 'wait' then return {0, -1, 0, woken, replies} end
+    if not waits then return {0, -1, 0, woken, replies} end
     join(member, line, lexp)
-    return {0, -1, 1, woken, replies}
+    return done({0, -1, 1, woken, replies})
   end
   -- A rate refused: permits are there. First in the permit line, it keeps its place for a short
   -- wait (a poll's length at most: the next would mostly wait the same); for a longer one it
   -- steps aside into its lane, keeping its arrival, and the permit line goes on without it.
-  if mode ~= 'wait' then return {0, waitMs, 0, woken, replies} end
+  if not waits then return {0, waitMs, 0, woken, replies} end
   local seq = nil
   if head == member then
     if waitMs <= ttl / 3 then
       join(member, line, lexp)
-      return {0, waitMs, 1, woken, replies}
+      return done({0, waitMs, 1, woken, replies})
     end
     seq = redis.call('ZSCORE', line, member)
     leave(member, line, lexp, head)
   end
   join(member, lane, laneExp, seq)
   if redis.call('ZRANGE', lane, 0, 0)[1] ~= member then waitMs = -1 end
-  return {0, waitMs, 2, woken, replies}
+  return done({0, waitMs, 2, woken, replies})
+end
+
+-- Decide `head`, first in the permit line, by its kept steps (`kept`), as its own try would be
+-- decided now (see grants, above). Returns true when it was admitted or left the line: the next
+-- is decided then.
+local swept = false
+local function decide(head, kept)
+  local to = channel .. ':' .. floodgate_token(head)
+  -- A waiter keeps its steps only once its process listens for grants: when nobody listens on
+  -- its channel any more, its process died (its connections closed), and it leaves the line.
+  if redis.call('PUBSUB', 'NUMSUB', to)[2] == 0 then
+    redis.call('ZREM', line, head)
+    redis.call('ZREM', lexp, head)
+    forgetSteps({ head })
+    return true
+  end
+  local h = cjson.decode(kept)
+  local at = floodgate_num(clock())
+  local steps = {}
+  for i, s in ipairs(h[4]) do
+    local args = s[3]
+    args[1] = at
+    -- A permit's lease lasts its claim window (the acquire's claimMs) until the waiter's process
+    -- renews it: a waiter whose process died holds it no longer than that. (Its fence, the
+    -- acquire's lastFence, is left out: a data loss starts its quarantine, a lease long, at the
+    -- waiter's own next try.)
+    if PERMIT[s[1]] then
+      if tonumber(args[13]) < tonumber(args[4]) then args[4] = args[13] end
+      args[9] = '0'
+    end
+    steps[i] = { name = s[1], keys = s[2], args = args }
+  end
+  local r = admit({ member = head, mode = 'try', held = '', lane = h[2], laneExp = h[3], steps = steps }, true)
+  if r[1] ~= 1 then
+    -- A rate refused it: it asks again, and waits as its reply says. Too few permits: it stays first.
+    if tonumber(r[2]) >= 0 then
+      redis.call('PUBLISH', to, head)
+      woken[#woken + 1] = head
+    end
+    return false
+  end
+  if not swept then
+    swept = true
+    for _, m in ipairs(floodgate_expired(hexp, now)) do redis.call('HDEL', held, 'g:' .. m, 's:' .. m) end
+  end
+  -- A permit's reply says when its lease ends (server ms), and no time of its own: the waiter's
+  -- process judges the lease by what it knows of the server's clock, not by when it asked.
+  for i, s in ipairs(steps) do
+    local p = r[5][i]
+    if PERMIT[s.name] and p[1] == 1 then
+      p[8] = 'grant'
+      p[9] = p[9] or ''
+      p[10] = now + tonumber(s.args[4])
+    end
+  end
+  local record = h[1] .. '|' .. encode(r[5])
+  redis.call('HSET', held, 'g:' .. head, record)
+  redis.call('ZADD', hexp, now + ttl, head)
+  redis.call('PEXPIRE', held, ttl)
+  redis.call('PEXPIRE', hexp, ttl)
+  local message = 'g|' .. head .. '|' .. record
+  redis.call('PUBLISH', to, message)
+  woken[#woken + 1] = message
+  return true
+end
+
+-- Decide the first of the permit line with steps kept, and each after it while they are
+-- admitted; a first without kept steps is told to ask again.
+local deciding = false
+grantHeads = function()
+  if deciding then return end
+  deciding = true
+  for _ = 1, 1000 do
+    local head = prune(line, lexp)
+    if not head then break end
+    local kept = redis.call('HGET', held, 's:' .. head)
+    if not kept then
+      wake(line, lexp)
+      break
+    end
+    if not decide(head, kept) then break end
+  end
+  deciding = false
 end
 
 -- A turn's admissions together, while nobody waits in the gate's line or in the calls' lanes:
@@ -443,7 +656,7 @@ local function many(out)
   local m = 0
   while m < n do
     local call = calls[m + 1]
-    if #call.steps ~= #steps then break end
+    if #call.steps ~= #steps or call.held ~= '' then break end
     local alike = true
     for i = 1, #steps do
       local a, b = steps[i], call.steps[i]
@@ -595,11 +808,19 @@ for c = from, #calls do
   if op == 'each' then
     out[c] = each(call)
   elseif op == 'leave' then
+    giveBackGrant(call.member)
     leave(call.member, line, lexp)
     leave(call.member, call.lane, call.laneExp)
     out[c] = {1, -1, 0, woken, {}}
   else
     out[c] = admit(call)
+  end
+end
+-- (Every reply says when the admissions decided, for the caller's view of the server's clock.)
+if op == 'all' then
+  for c = 1, #out do
+    out[c][6] = out[c][6] or 0
+    out[c][7] = now
   end
 end
 return out

@@ -12,7 +12,14 @@ import { settleAll } from "../gate-ticket.js";
 import type { Stage, Ticket } from "../types.js";
 import { TurnQueue } from "./batch.js";
 import { stageKey } from "./keys.js";
-import { type GateCall, type GateHead, type GateReply, NOT_RUN, type RedisLink } from "./link.js";
+import {
+  type GateCall,
+  type GateHead,
+  type GateReply,
+  grantReplies,
+  NOT_RUN,
+  type RedisLink,
+} from "./link.js";
 
 /** What the fused gates of one Redis backend share. */
 export interface FusionSettings {
@@ -42,6 +49,21 @@ interface Attempt {
   reply: GateReply | undefined;
   /** Index of the stage a refused call waits for (see `#blame`), or -1. */
   blame: number;
+  /** The call waits in the permit line with this try's steps kept, for a release to admit. */
+  held?: Held;
+  /** The replies to the kept steps of the call's earlier try, which a release admitted. */
+  collected?: unknown[];
+}
+
+/** A try whose steps Redis keeps while its call waits in the permit line (lua/gate.lua, grants). */
+interface Held {
+  try: number;
+  /** Settle the try's steps: with a grant's replies, or with none (they did not run). Once. */
+  settle: (replies: unknown[] | undefined) => void;
+  /** What the try gives once settled. */
+  result: Promise<Attempt>;
+  /** A grant settled it. */
+  granted: boolean;
 }
 
 /** A try waiting to go with this turn's others. */
@@ -51,6 +73,9 @@ interface Try {
   /** The call's lane and its expiries (`#laneOf`). */
   lane: readonly string[];
   wait: boolean;
+  /** The try's number, and the number of the call's earlier try whose steps are kept (or ""). */
+  try: number;
+  held: number | "";
   resolve: (a: Attempt) => void;
   reject: (error: unknown) => void;
 }
@@ -74,7 +99,7 @@ class FusedGate implements FusedAdmission {
   /** Names this process's places in the gate's line, and its wake channel. */
   readonly #token = randomBytes(8).toString("hex");
   #members = 0;
-  /** The gate's keys: its permit line, the line's expiries, its sequence. */
+  /** The gate's keys: its permit line, the line's expiries, its sequence, kept steps, their expiries. */
   readonly #keys: readonly string[];
   /** The lane of a gate without keyed buckets or interval gates, and its expiries. */
   readonly #lane: readonly string[];
@@ -91,7 +116,7 @@ class FusedGate implements FusedAdmission {
     // Processes that build the same gate (its name and its stages) share its line.
     const id = `gate:${name}|${stages.map((s) => s.name).join("|")}`;
     this.#id = id;
-    this.#keys = ["line", "lexp", "gmeta"].map((part) => stageKey(settings.prefix, id, part));
+    this.#keys = ["line", "lexp", "gmeta", "held", "hexp"].map((part) => stageKey(settings.prefix, id, part));
     this.#lane = ["lane:", "lexp:"].map((part) => stageKey(settings.prefix, id, part));
     this.#channel = stageKey(settings.prefix, id, "gwake");
     this.#admits = this.#head("all");
@@ -135,39 +160,128 @@ class FusedGate implements FusedAdmission {
     let since = 0;
     // A call with no time left to wait (`timeoutMs: 0`) only tries: it never takes a place in line.
     const lines = wait && call.deadline > clock.now();
+    let tries = 0;
+    // The latest try whose steps Redis keeps while the call waits (a release may admit them).
+    let held: Held | undefined;
     try {
       for (;;) {
         const at = clock.now();
         this.#charge(blame, at - since);
-        const attempt = await this.#attempt(call, member, lane, lines);
+        const attempt = await this.#attempt(call, member, lane, lines, ++tries, held?.try ?? "");
+        if (held) {
+          // This try's reply says whether a release admitted the kept steps (collected), unless
+          // the grant's message said so first; else they are done with.
+          const before = held;
+          held = this.#unhold(member);
+          before.settle(attempt.collected);
+          const earlier = await before.result;
+          if (earlier.tickets) {
+            // (A try that collects runs none of its steps: it cannot have been admitted too.)
+            if (attempt.tickets) await this.together(() => settleAll(attempt.tickets!, undefined));
+            return earlier.tickets;
+          }
+        }
         if (attempt.tickets) return attempt.tickets;
         const reply = attempt.reply;
         blame = attempt.blame;
         since = at;
         inLine = reply?.inLine !== undefined;
         if (!wait) return undefined;
-        // Listen before sleeping in line, then ask once more: a wake sent meanwhile is not lost.
-        // (Without a subscription, it polls.)
-        if (inLine && this.#listening === undefined) {
-          const listening = await this.#listen().then(
-            () => true,
-            () => false,
-          );
-          if (listening) continue;
+        if (attempt.held) {
+          held = attempt.held;
+          this.#holds.set(member, held);
+          const early = this.#early.get(member);
+          this.#early.delete(member);
+          if (early?.try === held.try) this.#grant(held, early.replies);
         }
-        // Told to ask again while this try was out: ask at once.
-        if (this.#woken.delete(member)) continue;
-        // Whole ms, as Redis counts waits: a wake-up between two ms would find the wait not over.
-        const poll = Math.ceil(this.#s.pollMs * (0.5 + this.#s.random()));
-        const waitMs = reply?.waitMs ?? -1;
-        await this.#sleep(member, waitMs >= 0 ? Math.min(waitMs, poll) : poll, call);
+        for (;;) {
+          if (held?.granted) {
+            const granted = held;
+            held = this.#unhold(member);
+            const result = await granted.result;
+            if (result.tickets) return result.tickets;
+            break;
+          }
+          // Listen before sleeping in line, then ask once more: a wake sent meanwhile is not lost.
+          // (Without a subscription, it polls.)
+          if (inLine && this.#listening === undefined) {
+            const listening = await this.#listen().then(
+              () => true,
+              () => false,
+            );
+            // (A grant that came meanwhile is taken above.)
+            if (listening) {
+              if (held?.granted) continue;
+              break;
+            }
+          }
+          // Told to ask again while this try was out: ask at once.
+          if (this.#woken.delete(member)) break;
+          // Whole ms, as Redis counts waits: a wake-up between two ms would find the wait not over.
+          const poll = Math.ceil(this.#s.pollMs * (0.5 + this.#s.random()));
+          const waitMs = reply?.waitMs ?? -1;
+          await this.#sleep(member, waitMs >= 0 ? Math.min(waitMs, poll) : poll, call);
+          if (!held?.granted) break;
+        }
       }
     } catch (error) {
+      if (held) this.#drop(held);
       if (inLine) this.#leave(member, lane);
       throw error;
     } finally {
+      this.#holds.delete(member);
+      this.#early.delete(member);
       this.#trying.delete(member);
       this.#woken.delete(member);
+    }
+  }
+
+  /** Forget `member`'s kept try here; returns undefined, for its variable. */
+  #unhold(member: string): undefined {
+    this.#holds.delete(member);
+    return undefined;
+  }
+
+  /** A kept try given up: its steps are done with; tickets a grant gave it go back. */
+  #drop(held: Held): void {
+    held.settle(undefined);
+    held.result.then(
+      (r) => r.tickets && this.together(() => settleAll(r.tickets!, undefined)),
+      () => {},
+    );
+  }
+
+  /** The kept try of each member waiting here, by member. */
+  readonly #holds = new Map<string, Held>();
+  /** Grants that came before the reply that said their try was kept, by member. */
+  readonly #early = new Map<string, { try: number; replies: unknown[] }>();
+
+  #grant(held: Held, replies: unknown[]): void {
+    if (held.granted) return;
+    held.granted = true;
+    held.settle(replies);
+  }
+
+  /**
+   * A message on the wake channel, or in a reply: a member told to ask again, or a grant
+   * ("g|<member>|<try>|<replies>": a release admitted the member's kept steps).
+   */
+  #onWake(message: string): void {
+    if (!message.startsWith("g|")) {
+      this.#wakeLocal(message);
+      return;
+    }
+    const a = message.indexOf("|", 2);
+    const b = message.indexOf("|", a + 1);
+    if (a < 0 || b < 0) return;
+    const member = message.slice(2, a);
+    const tryNo = Number(message.slice(a + 1, b));
+    const held = this.#holds.get(member);
+    if (held?.try === tryNo) {
+      this.#grant(held, grantReplies(message.slice(b + 1)));
+      this.#wakeLocal(member);
+    } else if (held === undefined && this.#trying.has(member)) {
+      this.#early.set(member, { try: tryNo, replies: grantReplies(message.slice(b + 1)) });
     }
   }
 
@@ -179,9 +293,16 @@ class FusedGate implements FusedAdmission {
    * turn's other tries in one call (decided in turn, as if each had come alone). Each stage
    * runs its own `tryAdmit`, whose script call the link gathers as a step.
    */
-  #attempt(call: FusedCall, member: string, lane: readonly string[], wait: boolean): Promise<Attempt> {
+  #attempt(
+    call: FusedCall,
+    member: string,
+    lane: readonly string[],
+    wait: boolean,
+    tryNo: number,
+    held: number | "",
+  ): Promise<Attempt> {
     return new Promise<Attempt>((resolve, reject) => {
-      this.#tries.add({ call, member, lane, wait, resolve, reject });
+      this.#tries.add({ call, member, lane, wait, try: tryNo, held, resolve, reject });
     });
   }
 
@@ -192,7 +313,11 @@ class FusedGate implements FusedAdmission {
     const calls = tries.map(
       (t, c): GateCall => ({
         member: t.member,
-        mode: t.wait ? "wait" : "try",
+        // (Steps are kept only once this process listens for grants: a release passes over a
+        // waiter nobody listens for, as one whose process died.)
+        mode: t.wait ? (this.#heard ? "hold" : "wait") : "try",
+        try: t.try,
+        held: t.held,
         lane: t.lane,
         fn: (count) => {
           for (let i = 0; i < stages.length; i++) {
@@ -207,13 +332,37 @@ class FusedGate implements FusedAdmission {
     const sent = this.#link.gather(this.#name, this.#admits, calls);
     tries.forEach((t, c) => {
       const reply = sent?.then((replies) => replies[c]!);
-      this.#outcome(reply, pending[c]!, stepOf[c]!).then(t.resolve, t.reject);
+      this.#outcome(reply, pending[c]!, stepOf[c]!, t.try).then(t.resolve, t.reject);
     });
     return sent;
   }
 
-  /** What one try gave, from its reply and its stages' `tryAdmit` results. */
+  /**
+   * What one try gave, from its reply and its stages' `tryAdmit` results; for a try whose steps
+   * Redis keeps, at once, with what they give once settled (`held`).
+   */
   async #outcome(
+    sent: Promise<GateReply> | undefined,
+    pending: Promise<Ticket | undefined>[],
+    stepOf: readonly number[],
+    tryNo: number,
+  ): Promise<Attempt> {
+    const reply = await sent?.catch(() => undefined);
+    if (reply) this.#wakeAll(reply.woken);
+    const hold = reply?.hold;
+    if (hold) {
+      const result = this.#finish(sent, pending, stepOf);
+      result.catch(() => {});
+      const held: Held = { try: tryNo, settle: hold, result, granted: false };
+      return { tickets: undefined, reply, blame: this.#blame(reply!, stepOf), held };
+    }
+    const attempt = await this.#finish(sent, pending, stepOf);
+    if (reply?.collected) attempt.collected = reply.collected;
+    return attempt;
+  }
+
+  /** What one try gave once its steps are settled. */
+  async #finish(
     sent: Promise<GateReply> | undefined,
     pending: Promise<Ticket | undefined>[],
     stepOf: readonly number[],
@@ -232,7 +381,6 @@ class FusedGate implements FusedAdmission {
       else tickets.push(s.value);
     }
     const reply = head!.status === "fulfilled" ? head!.value : undefined;
-    if (reply) this.#wakeAll(reply.woken);
     if (!refused) return { tickets, reply, blame: -1 };
     // Not all admitted: give back what did (a stage that refused on its own, before Redis).
     if (tickets.length > 0) await this.together(() => settleAll(tickets, undefined));
@@ -301,6 +449,8 @@ class FusedGate implements FusedAdmission {
     const call: GateCall = {
       member: "",
       mode: "try",
+      try: "",
+      held: "",
       lane: this.#lane,
       fn: () => {
         for (const g of gives) g.fn().then(g.resolve, g.reject);
@@ -386,23 +536,31 @@ class FusedGate implements FusedAdmission {
   /** Members told to ask again while their try was out. */
   readonly #woken = new Set<string>();
 
-  #wakeAll(members: readonly string[]): void {
-    for (const m of members) this.#wakeLocal(m);
+  #wakeAll(messages: readonly string[]): void {
+    for (const m of messages) this.#onWake(m);
   }
+
+  /** Whether this process listens on its wake channel (then its waiters' steps are kept). */
+  #heard = false;
 
   #listen(): Promise<void> {
     this.#listening ??= this.#link
-      .listen(`${this.#channel}:${this.#token}`, (member) => this.#wakeLocal(member))
-      .catch((error: unknown) => {
-        this.#listening = undefined;
-        throw error;
-      });
+      .listen(`${this.#channel}:${this.#token}`, (message) => this.#onWake(message))
+      .then(
+        () => {
+          this.#heard = true;
+        },
+        (error: unknown) => {
+          this.#listening = undefined;
+          throw error;
+        },
+      );
     return this.#listening;
   }
 
   /** Take `member` out of the gate's lines in the background (it gave up). */
   #leave(member: string, lane: readonly string[]): void {
-    const call: GateCall = { member, mode: "try", lane, fn: () => {} };
+    const call: GateCall = { member, mode: "try", try: "", held: "", lane, fn: () => {} };
     this.#link.gather(this.#name, this.#leaves, [call])?.then(
       (replies) => this.#wakeAll(replies[0]!.woken),
       () => {},

@@ -67,11 +67,21 @@ export interface GateReply {
   woken: string[];
   /** The script's replies to the call's steps, in order (null for a step not run). */
   replies: unknown[];
+  /**
+   * Status 2: the replies to the steps of the call's earlier try that were kept, which a release
+   * admitted (this try's steps did not run).
+   */
+  collected?: unknown[];
+  /**
+   * The call waits in the permit line with its steps kept (mode "hold"): they are left unsettled
+   * until this settles them, with the replies of a grant, or with none (they did not run).
+   */
+  hold?: (replies: unknown[] | undefined) => void;
 }
 
 /** What every call of one `gate` script call shares: see lua/gate.lua. */
 export interface GateHead {
-  /** The gate's keys: its permit line, the line's expiries, its sequence. */
+  /** The gate's keys: its permit line, the line's expiries, its sequence, kept steps, their expiries. */
   keys: readonly string[];
   op: "all" | "each" | "leave";
   waiterTtlMs: number;
@@ -82,7 +92,11 @@ export interface GateHead {
 export interface GateCall {
   /** The caller's place in line ("" for none). */
   member: string;
-  mode: "wait" | "try";
+  mode: "hold" | "wait" | "try";
+  /** The try's number (for the grant of its kept steps), or "". */
+  try: number | "";
+  /** The number of the caller's earlier try whose steps were kept, or "". */
+  held: number | "";
   /** The call's lane and the lane's expiries. */
   lane: readonly string[];
   /** Makes the call's stage script calls, gathered as its steps; given the number gathered so far. */
@@ -233,7 +247,7 @@ export class RedisLink {
       const call = calls[c]!;
       const steps = stepsOf[c]!;
       keys.push(call.lane[0]!, call.lane[1]!);
-      args.push(call.member, call.mode, steps.length);
+      args.push(call.member, call.mode, call.try, call.held, steps.length);
       for (const step of steps) {
         all.push(step);
         let sameScript = earlier.get(step.script);
@@ -259,23 +273,31 @@ export class RedisLink {
         for (let i = 1; i < step.args.length; i++) args.push(step.args[i]!);
       }
     }
+    const sentAt = this.clock.now();
     return this.run(stage, "gate", keys, args).then(
-      (replies: [number, number, number, string[], unknown[]][]) =>
-        replies.map((reply, c) => {
+      (replies: [number, number, number, string[], unknown[], unknown, number?][]) =>
+        replies.map((reply, c): GateReply => {
+          if (reply[6] !== undefined) this.sawServerTime(Number(reply[6]), sentAt);
           const answers = reply[4];
           const steps = stepsOf[c]!;
-          for (let i = 0; i < steps.length; i++) {
-            const r = answers[i];
-            if (r === false || r === null || r === undefined) steps[i]!.reject(NOT_RUN);
-            else steps[i]!.resolve(r);
-          }
-          return {
-            status: Number(reply[0]),
+          const status = Number(reply[0]);
+          const out: GateReply = {
+            status,
             waitMs: Number(reply[1]),
             inLine: LINES[Number(reply[2])],
             woken: Array.isArray(reply[3]) ? reply[3] : [],
             replies: answers,
           };
+          if (status === 2) out.collected = grantReplies(String(reply[5]));
+          if (Number(reply[5]) === 1) {
+            let settled = false;
+            out.hold = (granted) => {
+              if (settled) return;
+              settled = true;
+              settleSteps(steps, granted ?? []);
+            };
+          } else settleSteps(steps, answers);
+          return out;
         }),
       (error: unknown) => {
         for (const steps of stepsOf) for (const step of steps) step.reject(error);
@@ -517,6 +539,25 @@ export class RedisLink {
     } catch {
       sub.connection.disconnect();
     }
+  }
+}
+
+/** Settle gathered steps with their replies: a step with none (or false, null) did not run. */
+function settleSteps(steps: readonly Step[], answers: readonly unknown[]): void {
+  for (let i = 0; i < steps.length; i++) {
+    const r = answers[i];
+    if (r === false || r === null || r === undefined) steps[i]!.reject(NOT_RUN);
+    else steps[i]!.resolve(r);
+  }
+}
+
+/** The steps' replies of a grant (lua/gate.lua sends them as JSON); [] when unreadable. */
+export function grantReplies(json: string): unknown[] {
+  try {
+    const replies: unknown = JSON.parse(json);
+    return Array.isArray(replies) ? replies : [];
+  } catch {
+    return [];
   }
 }
 

@@ -57,6 +57,8 @@ type AcquireReply = [
   now: number,
   /** On a stage with classes: the classes another process built it with, when they differ; else "". */
   elsewhere?: string,
+  /** Admitted by a release of a fused gate: when the lease ends (server ms) until renewed (`now` is then not a time). */
+  ends?: number,
 ];
 
 /** Settings that make a permit stage a semaphore, a bounded queue or an AIMD limiter. */
@@ -467,8 +469,21 @@ export abstract class RedisPermitStage extends BaseStage {
       this.#forget(id);
       throw this.closedSignal.reason;
     }
+    // Admitted by a release of its fused gate (lua/gate.lua, grants): the lease ends at `ends`
+    // (server ms) until renewed; judged as a grant message is, with what is known of the server's
+    // clock. One that ends too soon to renew is given back, and the gate asks again.
+    const ends = reply[9];
+    let validUntil = sentAt + this.settings.leaseMs;
+    if (ends !== undefined) {
+      const ahead = this.link.serverAhead;
+      validUntil = ahead === undefined ? Number.NaN : Number(ends) - ahead;
+      if (!(validUntil - this.clock.now() >= CLAIM_MARGIN_MS)) {
+        this.#forget(id);
+        return undefined;
+      }
+    }
     const ticket = this.issue(cost, this.#keyOf(cls), undefined, this.waitFor);
-    return this.#lease(ticket, Number(reply[1]), Number(reply[4]), id, sentAt + this.settings.leaseMs);
+    return this.#lease(ticket, Number(reply[1]), Number(reply[4]), id, validUntil);
   }
 
   protected tryAdmitChecked(o: AdmitOptions): Promise<Ticket | undefined> {

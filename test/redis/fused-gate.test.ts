@@ -409,6 +409,240 @@ describe("a fused Redis gate", () => {
     await ticket!.release("success");
   });
 
+  /**
+   * A second process of the fleet whose grant messages can be cut off (`deaf()`: another
+   * connection keeps listening on its channel, so Redis still takes it for alive) or which can
+   * look dead (`dead()`: nobody listens on its channel).
+   */
+  async function deafened(prefix: string, clock: FakeClock) {
+    const client = await connect();
+    const subscriber = await connect();
+    const spare = await connect();
+    const b = redis(client, { prefix, clock, time: "clock", claimMs: 500, pollMs: 200, subscriber });
+    const deaf = async (id: string) => {
+      const [member] = await client.zrange(`${id}:line`, 0, 0);
+      await spare.subscribe(`${id}:gwake:${member!.slice(0, member!.indexOf("-"))}`);
+      await subscriber.unsubscribe();
+    };
+    return { b, deaf, dead: () => subscriber.unsubscribe() };
+  }
+
+  /**
+   * Resolves once `n` waiters of the permit line have their steps kept, each from try `fromTry` or
+   * later (a process's first waiter tries again at once, once the process listens for grants).
+   */
+  async function kept(client: Redis, id: string, n: number, fromTry = 2): Promise<void> {
+    const settled = async () => {
+      let count = 0;
+      for (const m of await client.zrange(`${id}:line`, 0, -1)) {
+        const steps = await client.hget(`${id}:held`, `s:${m}`);
+        if (steps !== null && Number(JSON.parse(steps)[0]) >= fromTry) count++;
+      }
+      return count === n;
+    };
+    await until(settled, {
+      timeoutMs: 2000,
+      message: `${n} waiter(s) did not line up with their steps kept`,
+    });
+  }
+
+  it("admits the first waiter on a release, in that script call: its process does not ask again", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-grant");
+    const { client, b: one } = await backend(prefix, clock, { pollMs: 200 });
+    const { b: two } = await deafened(prefix, clock);
+    const stages = (b: ReturnType<typeof redis>) => [
+      b.semaphore("inflight", { limit: 1, leaseMs: 10_000 }),
+      b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
+    ];
+    const [a, bGate] = [new Gate(stages(one), { clock }), new Gate(stages(two), { clock })];
+    const id = `${prefix}{gate:gate|inflight|rate}`;
+    const holder = await a.admit();
+    let ticket: Ticket | undefined;
+    const waiting = bGate.admit().then((t) => {
+      ticket = t;
+    });
+    await kept(client, id, 1);
+    const counter = await countScripts(prefix);
+    try {
+      const before = counter.calls;
+      await holder.release("success");
+      // The fake clock stands still: no poll, no renewal. Only the grant message can admit it.
+      await within(waiting, 2000, "the waiter's grant");
+      await counter.shown();
+      expect(counter.calls - before).toBe(1);
+    } finally {
+      counter.stop();
+    }
+    // The grant's record (its steps and their replies), until it ends.
+    const [member] = await client.zrange(`${id}:hexp`, 0, -1);
+    expect((await client.hkeys(`${id}:held`)).sort()).toEqual([`g:${member}`, `s:${member}`]);
+    // The grant's lease lasts its claim window, until the waiter's process renews it.
+    const holders = `${prefix}{inflight}:holders`;
+    const [, ends] = await client.zrange(holders, 0, 0, "WITHSCORES");
+    expect(Number(ends)).toBe(1500);
+    await clock.advance(400);
+    await until(async () => Number((await client.zrange(holders, 0, 0, "WITHSCORES"))[1]) > 1500, {
+      timeoutMs: 2000,
+      message: "the grant was not renewed",
+    });
+    expect(Number((await client.zrange(holders, 0, 0, "WITHSCORES"))[1])).toBeGreaterThan(1000 + 10_000);
+    await clock.advance(600);
+    expect(await client.hlen(`${id}:held`)).toBe(2);
+    await ticket!.release("success");
+    expect(await client.zcard(holders)).toBe(0);
+    // A later grant clears the records that ended.
+    const next = await a.admit();
+    const third = bGate.admit();
+    await kept(client, id, 1, 1);
+    await next.release("success");
+    await (await within(third, 2000, "the second grant")).release("success");
+    expect((await client.hkeys(`${id}:held`)).sort()).toEqual(
+      (await client.zrange(`${id}:hexp`, 0, -1)).flatMap((m) => [`g:${m}`, `s:${m}`]).sort(),
+    );
+    expect(await client.zcard(`${id}:hexp`)).toBe(1);
+  });
+
+  it("collects a grant whose message never came with the waiter's next try", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-collect");
+    const { client, b: one } = await backend(prefix, clock);
+    const { b: two, deaf } = await deafened(prefix, clock);
+    const stages = (b: ReturnType<typeof redis>) => [
+      b.semaphore("inflight", { limit: 1 }),
+      b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
+    ];
+    const [a, bGate] = [new Gate(stages(one), { clock }), new Gate(stages(two), { clock })];
+    const id = `${prefix}{gate:gate|inflight|rate}`;
+    const holder = await a.admit();
+    let ticket: Ticket | undefined;
+    const waiting = bGate.admit().then((t) => {
+      ticket = t;
+    });
+    await kept(client, id, 1);
+    await deaf(id);
+    await holder.release("success");
+    expect((await client.hkeys(`${id}:held`)).filter((f) => f.startsWith("g:"))).toHaveLength(1);
+    await new Promise((resolve) => setTimeout(resolve, 50));
+    expect(ticket).toBe(undefined);
+    // Its poll (at most 1.5 × pollMs) collects the grant, and asks nothing else of the stages.
+    await clock.advance(300);
+    await within(waiting, 2000, "the collected grant");
+    expect(await client.hlen(`${id}:held`)).toBe(0);
+    expect(await client.zcard(`${prefix}{inflight}:holders`)).toBe(1);
+    expect(await client.hget(`${prefix}{inflight}:meta`, "used")).toBe("1");
+    await ticket!.release("success");
+    expect(await client.zcard(`${prefix}{inflight}:holders`)).toBe(0);
+  });
+
+  it("takes back a grant its waiter gave up on before it came: permits freed, tokens and slot handed back", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-giveup");
+    const { client, b: one } = await backend(prefix, clock);
+    const { b: two, deaf } = await deafened(prefix, clock);
+    const stages = (b: ReturnType<typeof redis>) => [
+      b.semaphore("inflight", { limit: 1 }),
+      b.tokenBucket("rate", { capacity: 5, refillPerSecond: 1 }),
+      b.intervalGate("hosts", { minIntervalMs: 1, defaultHost: "api" }),
+    ];
+    const [a, bGate] = [new Gate(stages(one), { clock }), new Gate(stages(two), { clock })];
+    const id = `${prefix}{gate:gate|inflight|rate|hosts}`;
+    const holder = await a.admit();
+    await clock.advance(10);
+    const waiting = bGate.admit({ timeoutMs: 100 }).catch((e: unknown) => e);
+    await kept(client, id, 1);
+    await deaf(id);
+    const bucket = (await client.keys(`${prefix}{rate}*`))[0]!;
+    const host = (await client.keys(`${prefix}{hosts}*`))[0]!;
+    const before = { tokens: await client.hget(bucket, "tokens"), slot: await client.hget(host, "nextAt") };
+    await holder.release("success");
+    // The release gave the permit, a token and the host's slot to the waiter that stopped listening.
+    expect(await client.zcard(`${prefix}{inflight}:holders`)).toBe(1);
+    expect(await client.hget(host, "nextAt")).not.toBe(before.slot);
+    await clock.advance(100);
+    expect(await waiting).toBeInstanceOf(AdmitTimeoutError);
+    await until(async () => (await client.zcard(`${prefix}{inflight}:holders`)) === 0, {
+      timeoutMs: 2000,
+      message: "the grant was not given back",
+    });
+    expect(await client.hget(`${prefix}{inflight}:meta`, "used")).toBe("0");
+    expect(await client.hlen(`${id}:held`)).toBe(0);
+    // The refund puts the token back as of then; no refill has been lost or gained since.
+    expect(Number(await client.hget(bucket, "tokens"))).toBeGreaterThanOrEqual(Number(before.tokens));
+    expect(await client.hget(host, "nextAt")).toBe(before.slot);
+    const next = await a.tryAdmit();
+    expect(next).toBeDefined();
+    await next!.release("success");
+  });
+
+  it("passes over a first waiter nobody listens for any more (its process died), and grants the next", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-grant-dead");
+    const { client, b: one } = await backend(prefix, clock, { pollMs: 200 });
+    const { b: two, dead } = await deafened(prefix, clock);
+    const stages = (b: ReturnType<typeof redis>) => [
+      b.semaphore("inflight", { limit: 1 }),
+      b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
+    ];
+    const [a, bGate] = [new Gate(stages(one), { clock }), new Gate(stages(two), { clock })];
+    const id = `${prefix}{gate:gate|inflight|rate}`;
+    const holder = await a.admit();
+    let late: Ticket | undefined;
+    const silent = bGate.admit().then((t) => {
+      late = t;
+    });
+    await kept(client, id, 1);
+    const next = a.admit();
+    await kept(client, id, 2);
+    await dead();
+    await holder.release("success");
+    // The release took the silent waiter out of the line and admitted the one behind it.
+    const ticket = await within(next, 2000, "the caller behind the silent one");
+    expect(await client.zrange(`${id}:line`, 0, -1)).toEqual([]);
+    expect(await client.zcard(`${prefix}{inflight}:holders`)).toBe(1);
+    await ticket.release("success");
+    // A process that was only deaf asks again at its poll, and is served.
+    await clock.advance(300);
+    await within(silent, 2000, "the silent waiter's next try");
+    expect(late).toBeDefined();
+    await late!.release("success");
+    expect(await client.zcard(`${prefix}{inflight}:holders`)).toBe(0);
+  });
+
+  it("tells the first waiter to ask again when a rate refuses it at the release, holding no permit meanwhile", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-grant-rate");
+    const { client, b: one } = await backend(prefix, clock);
+    const { b: two } = await deafened(prefix, clock);
+    const stages = (b: ReturnType<typeof redis>) => [
+      b.semaphore("inflight", { limit: 1 }),
+      b.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 }),
+    ];
+    const [a, bGate] = [new Gate(stages(one), { clock }), new Gate(stages(two), { clock })];
+    const id = `${prefix}{gate:gate|inflight|rate}`;
+    const holder = await a.admit();
+    let ticket: Ticket | undefined;
+    const waiting = bGate.admit().then((t) => {
+      ticket = t;
+    });
+    await kept(client, id, 1);
+    await holder.release("success");
+    // The bucket was empty at the release: the waiter is told, and waits for its token holding nothing.
+    await until(async () => (await client.hlen(`${id}:held`)) === 0, {
+      timeoutMs: 2000,
+      message: "the waiter did not ask again",
+    });
+    expect(await client.zcard(`${prefix}{inflight}:holders`)).toBe(0);
+    for (let ms = 0; ms < 900; ms += 100) {
+      await clock.advance(100);
+      expect(ticket).toBe(undefined);
+      expect(await client.zcard(`${prefix}{inflight}:holders`)).toBe(0);
+    }
+    await clock.advance(150);
+    await within(waiting, 2000, "the waiter's token");
+    await ticket!.release("success");
+  });
+
   it("holds the cap with a crowd in two processes", async () => {
     const prefix = randomPrefix("fused-crowd");
     const fleet = [];
