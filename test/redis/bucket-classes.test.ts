@@ -2,6 +2,7 @@ import fc from "fast-check";
 import { type Backend, memory, type Stage, type TokenBucketOptions } from "floodgate";
 import { redis } from "floodgate/redis";
 import { FakeClock } from "floodgate/testing";
+import type { Redis } from "ioredis";
 import { describe, expect, it } from "vitest";
 import { ownRedis, useClients } from "./clients.js";
 import { randomPrefix } from "./helpers.js";
@@ -25,7 +26,7 @@ interface Ask {
  * bucket, the rule's twin, given the same calls at the same times.
  */
 describe("a token bucket with classes across processes (Redis)", () => {
-  const { connect } = useClients(redisUrl);
+  const { clients, connect } = useClients(redisUrl);
 
   async function fleet(n: number, options: TokenBucketOptions, clock: FakeClock, pollMs = 1000) {
     const prefix = randomPrefix("bucket-classes");
@@ -56,10 +57,10 @@ describe("a token bucket with classes across processes (Redis)", () => {
         next++;
         // Each asks once the one before is in line, as the same calls in one process would.
         await clock.flush();
-        await settle(clock);
+        await settle(clock, clients);
       }
       await clock.advance(1);
-      await settle(clock);
+      await settle(clock, clients);
     }
     return { granted, calls };
   }
@@ -107,7 +108,7 @@ describe("a token bucket with classes across processes (Redis)", () => {
       for (const stage of stages) {
         calls.push(stage.admit({ class: "bulk" }));
         await clock.flush();
-        await settle(clock);
+        await settle(clock, clients);
       }
     }
     const monitor = await connect();
@@ -119,7 +120,7 @@ describe("a token bucket with classes across processes (Redis)", () => {
     });
     for (let t = 0; t < 700; t++) {
       await clock.advance(1);
-      await settle(clock);
+      await settle(clock, clients);
     }
     await Promise.all(calls);
     feed.disconnect();
@@ -166,9 +167,20 @@ describe("a token bucket with classes across processes (Redis)", () => {
 });
 
 /** Let replies and grant messages in flight arrive (real I/O), with the clock standing still. */
-async function settle(clock: FakeClock): Promise<void> {
-  await new Promise((resolve) => setImmediate(resolve));
-  await clock.flush();
-  await new Promise((resolve) => setTimeout(resolve, 1));
-  await clock.flush();
+/**
+ * Let every process finish what the last step started: loop until none of `clients` has had a
+ * command waiting for its reply for two rounds running (a grant heard on one process's
+ * subscriber makes it ask Redis again on its own connection). Real time only waits for Redis;
+ * the fake clock does not move.
+ */
+async function settle(clock: FakeClock, clients: readonly Redis[]): Promise<void> {
+  let calm = 0;
+  for (let round = 0; calm < 2; round++) {
+    if (round > 2_000) throw new Error("Redis did not answer the processes' calls within 2000 rounds");
+    await new Promise((resolve) => setImmediate(resolve));
+    await clock.flush();
+    await new Promise((resolve) => setTimeout(resolve, 1));
+    await clock.flush();
+    calm = clients.every((c) => c.commandQueue.length === 0) ? calm + 1 : 0;
+  }
 }

@@ -3,7 +3,7 @@ import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { ownRedis, useClients } from "./clients.js";
 import { scriptStage } from "./fixtures/permit-scripts.js";
-import { closeClient, connectedClient, evalCalls, randomPrefix, sleep, until } from "./helpers.js";
+import { closeClient, connectedClient, evalCalls, randomPrefix, until } from "./helpers.js";
 
 /** This file counts the script calls Redis runs: on a server of its own. */
 const redisUrl = ownRedis();
@@ -206,14 +206,15 @@ describe("grants made on release (stages)", () => {
     });
     await held.release("success");
     held = await waiting;
+    const lining = await evalCalls(clients[0]!);
     waiting = a.admit();
-    await until(async () => (await clients[0]!.zcard(`${prefix}{trips}:queue`)) === 1, {
+    // a lines up, subscribes, and asks once more now that it listens: two script calls.
+    const before = await until(async () => (await evalCalls(clients[0]!)) === lining + 2 && lining + 2, {
       timeoutMs: 5000,
-      message: "a did not line up",
+      message: "a did not line up and ask again once subscribed",
     });
-    await sleep(100); // the subscriptions' follow-up acquires land
+    expect(await clients[0]!.zcard(`${prefix}{trips}:queue`)).toBe(1);
     // 20 handoffs between the two, each one a wait.
-    const before = await evalCalls(clients[0]!);
     const rounds = 20;
     const sems = [a, b];
     for (let i = 0; i < rounds; i++) {
@@ -267,13 +268,14 @@ describe("grants made on release (stages)", () => {
     const prefix = randomPrefix("local");
     const sem = (await backend(prefix)).semaphore("local", { limit: 1 });
     const held = await sem.admit();
+    const lining = await evalCalls(clients[0]!);
     const waiting = sem.admit();
-    await until(async () => (await clients[0]!.zcard(`${prefix}{local}:queue`)) === 1, {
+    // The waiter lines up, subscribes, and asks once more now that it listens: two script calls.
+    const before = await until(async () => (await evalCalls(clients[0]!)) === lining + 2 && lining + 2, {
       timeoutMs: 5000,
-      message: "the waiter did not line up",
+      message: "the waiter did not line up and ask again once subscribed",
     });
-    await sleep(50); // the subscription's follow-up acquire lands
-    const before = await evalCalls(clients[0]!);
+    expect(await clients[0]!.zcard(`${prefix}{local}:queue`)).toBe(1);
     await held.release("success");
     const ticket = await waiting;
     expect(await evalCalls(clients[0]!)).toBe(before + 1);
