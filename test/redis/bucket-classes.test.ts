@@ -166,7 +166,6 @@ describe("a token bucket with classes across processes (Redis)", () => {
   }, 60_000);
 });
 
-/** Let replies and grant messages in flight arrive (real I/O), with the clock standing still. */
 /**
  * Let every process finish what the last step started: loop until none of `clients` has had a
  * command waiting for its reply for two rounds running (a grant heard on one process's

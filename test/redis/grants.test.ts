@@ -3,7 +3,7 @@ import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { ownRedis, useClients } from "./clients.js";
 import { scriptStage } from "./fixtures/permit-scripts.js";
-import { closeClient, connectedClient, evalCalls, randomPrefix, until } from "./helpers.js";
+import { closeClient, connectedClient, evalCalls, evalCallsReach, randomPrefix, until } from "./helpers.js";
 
 /** This file counts the script calls Redis runs: on a server of its own. */
 const redisUrl = ownRedis();
@@ -209,10 +209,11 @@ describe("grants made on release (stages)", () => {
     const lining = await evalCalls(clients[0]!);
     waiting = a.admit();
     // a lines up, subscribes, and asks once more now that it listens: two script calls.
-    const before = await until(async () => (await evalCalls(clients[0]!)) === lining + 2 && lining + 2, {
-      timeoutMs: 5000,
-      message: "a did not line up and ask again once subscribed",
-    });
+    const before = await evalCallsReach(
+      clients[0]!,
+      lining + 2,
+      "a did not line up and ask again once subscribed",
+    );
     expect(await clients[0]!.zcard(`${prefix}{trips}:queue`)).toBe(1);
     // 20 handoffs between the two, each one a wait.
     const rounds = 20;
@@ -271,10 +272,11 @@ describe("grants made on release (stages)", () => {
     const lining = await evalCalls(clients[0]!);
     const waiting = sem.admit();
     // The waiter lines up, subscribes, and asks once more now that it listens: two script calls.
-    const before = await until(async () => (await evalCalls(clients[0]!)) === lining + 2 && lining + 2, {
-      timeoutMs: 5000,
-      message: "the waiter did not line up and ask again once subscribed",
-    });
+    const before = await evalCallsReach(
+      clients[0]!,
+      lining + 2,
+      "the waiter did not line up and ask again once subscribed",
+    );
     expect(await clients[0]!.zcard(`${prefix}{local}:queue`)).toBe(1);
     await held.release("success");
     const ticket = await waiting;

@@ -242,3 +242,9 @@ export async function evalCalls(client: Redis): Promise<number> {
   for (const m of info.matchAll(/^cmdstat_(?:evalsha|eval):calls=(\d+)/gm)) calls += Number(m[1]);
   return calls;
 }
+
+/** Wait until `client`'s server has run `n` script calls in all (real time, 5 s at most); returns `n`. */
+export async function evalCallsReach(client: Redis, n: number, what: string): Promise<number> {
+  await until(async () => (await evalCalls(client)) === n, { timeoutMs: 5000, message: what });
+  return n;
+}
