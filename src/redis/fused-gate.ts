@@ -90,6 +90,9 @@ interface Give {
 /** Stages that hold a permit while a call runs: a call they refuse waits in the gate's line. */
 const PERMIT_KINDS: ReadonlySet<string> = new Set(["semaphore", "aimd"]);
 
+/** A rejection handler that does nothing: the rejection is looked at later. */
+const ignore = (): void => {};
+
 /** One gate's fused stages on one Redis backend, in this process. */
 class FusedGate implements FusedAdmission {
   readonly #name: string;
@@ -323,8 +326,15 @@ class FusedGate implements FusedAdmission {
           for (let i = 0; i < stages.length; i++) {
             const stage = stages[i]!;
             const before = count();
-            pending[c]![i] = stage.tryAdmit(t.call.optionsFor(stage));
-            stepOf[c]![i] = count() > before ? before : -1;
+            const admitted = stage.tryAdmit(t.call.optionsFor(stage));
+            pending[c]![i] = admitted;
+            if (count() > before) stepOf[c]![i] = before;
+            else {
+              // Settled here (a bad option, a refusal of its own), it is looked at only once the
+              // gate call is back: not an unhandled rejection meanwhile.
+              stepOf[c]![i] = -1;
+              admitted.catch(ignore);
+            }
           }
         },
       }),

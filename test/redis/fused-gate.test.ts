@@ -1,4 +1,12 @@
-import { AdmitTimeoutError, ClosedError, Gate, memory, type Stage, type Ticket } from "floodgate";
+import {
+  AdmitTimeoutError,
+  ClosedError,
+  Gate,
+  InvalidOptionsError,
+  memory,
+  type Stage,
+  type Ticket,
+} from "floodgate";
 import { redis } from "floodgate/redis";
 import { FakeClock } from "floodgate/testing";
 import type { Redis } from "ioredis";
@@ -172,6 +180,40 @@ describe("a fused Redis gate", () => {
     expect(await gate.tryAdmit()).toBe(undefined);
     expect(await state(client, prefix)).toEqual(before);
     await first.release("success");
+  });
+
+  it("rejects a call one stage refuses on its own (a keyed bucket given no key) with that stage's error, holding nothing", async () => {
+    // The bucket refuses before any script call; the gate call still goes with the other steps.
+    // Its rejection must wait for that call without being an unhandled rejection meanwhile.
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-bad-option");
+    const { client, b } = await backend(prefix, clock);
+    const sem = b.semaphore("inflight", { limit: 1 });
+    const gate = new Gate(
+      [
+        sem,
+        b.intervalGate("hosts", { minIntervalMs: 100, defaultHost: "api" }),
+        b.tokenBucket("rate", { keyed: true, capacity: 1, refillPerSecond: 1 }),
+      ],
+      { clock },
+    );
+    await (await gate.admit({ key: "k" })).release("success");
+    await clock.advance(100);
+    const before = await state(client, prefix);
+    for (const entry of ["admit", "tryAdmit"] as const) {
+      const error = await gate[entry]().then(
+        () => undefined,
+        (e: unknown) => e,
+      );
+      expect(error, entry).toBeInstanceOf(InvalidOptionsError);
+      expect((error as InvalidOptionsError).field, entry).toBe("key");
+      expect(sem.snapshot().inFlight, entry).toBe(0);
+      expect(await state(client, prefix), entry).toEqual(before);
+    }
+    // The host's spacing and the permit were given back: the next call goes at once.
+    const ticket = await gate.tryAdmit({ key: "j" });
+    expect(ticket).toBeDefined();
+    await ticket!.release("success");
   });
 
   it("leaves a host that had no slot without one when a later stage refuses: it starts at once, even below zero", async () => {
