@@ -70,7 +70,7 @@ export const clientLibraries: Benchmark = {
   redis: true,
   async run(args: BenchArgs) {
     const url = await args.redisUrl();
-    const count = args.rounds ?? (args.quick ? 2 : 5);
+    const count = args.rounds ?? (args.quick ? 1 : 5);
     const seconds = args.seconds ?? (args.quick ? 0.5 : 3);
     const h = args.handoffs ?? (args.quick ? 20 : 200);
     const prefix = freshPrefix("libraries");
