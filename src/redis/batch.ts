@@ -83,9 +83,10 @@ export class ScriptBatch {
  * Items of one kind, each going out at once when none is out, else gathered until the end of the
  * turn of the event loop and sent together: ScriptBatch's rule for items that are not script
  * arguments (a fused gate's tries and releases). `send` sends a list and returns its reply, or
- * undefined when it sent nothing.
+ * undefined when it sent nothing; should it throw, each of the items it was given is rejected
+ * with the error (their callers would otherwise never hear back).
  */
-export class TurnQueue<I> {
+export class TurnQueue<I extends { reject(error: unknown): void }> {
   #out = 0;
   #pending: I[] | undefined = undefined;
   readonly #done = () => {
@@ -108,7 +109,13 @@ export class TurnQueue<I> {
   }
 
   #go(items: I[]): void {
-    const reply = this.send(items);
+    let reply: Promise<unknown> | undefined;
+    try {
+      reply = this.send(items);
+    } catch (error) {
+      for (const item of items) item.reject(error);
+      return;
+    }
     if (reply === undefined) return;
     this.#out++;
     reply.then(this.#done, this.#done);

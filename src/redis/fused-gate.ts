@@ -326,7 +326,12 @@ class FusedGate implements FusedAdmission {
           for (let i = 0; i < stages.length; i++) {
             const stage = stages[i]!;
             const before = count();
-            const admitted = stage.tryAdmit(t.call.optionsFor(stage));
+            let admitted: Promise<Ticket | undefined>;
+            try {
+              admitted = stage.tryAdmit(t.call.optionsFor(stage));
+            } catch (error) {
+              admitted = Promise.reject(error);
+            }
             pending[c]![i] = admitted;
             if (count() > before) stepOf[c]![i] = before;
             else {

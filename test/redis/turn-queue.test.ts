@@ -1,0 +1,66 @@
+import { describe, expect, it } from "vitest";
+import { TurnQueue } from "../../src/redis/batch.js";
+
+/** An item of the queue: what it was rejected with, if it was. */
+interface Item {
+  name: string;
+  rejected?: unknown;
+  reject(error: unknown): void;
+}
+
+function item(name: string): Item {
+  const it: Item = {
+    name,
+    reject: (error) => {
+      it.rejected = error;
+    },
+  };
+  return it;
+}
+
+/**
+ * A fused gate's tries and releases go through a TurnQueue. A `send` that throws must reach every
+ * item it was given, whether it went alone at once or with its turn after a tick: an item nobody
+ * answers would leave its call waiting forever, and a throw in a tick would end the process.
+ */
+describe("TurnQueue", () => {
+  it("rejects every item of a send that throws, alone or gathered, and goes on sending", async () => {
+    const sent: string[][] = [];
+    let out: (() => void) | undefined;
+    let fail = false;
+    const queue = new TurnQueue<Item>((items) => {
+      sent.push(items.map((i) => i.name));
+      if (fail) throw new Error("send failed");
+      return new Promise<void>((resolve) => {
+        out = resolve;
+      });
+    });
+    // Alone: sent at once.
+    const first = item("first");
+    queue.add(first);
+    expect(sent).toEqual([["first"]]);
+    // While it is out, two are gathered for the end of the turn; their send throws.
+    fail = true;
+    const a = item("a");
+    const b = item("b");
+    queue.add(a);
+    queue.add(b);
+    await new Promise<void>((resolve) => process.nextTick(resolve));
+    expect(sent).toEqual([["first"], ["a", "b"]]);
+    expect((a.rejected as Error).message).toBe("send failed");
+    expect((b.rejected as Error).message).toBe("send failed");
+    expect(first.rejected).toBe(undefined);
+    // The first's reply comes back; a send that throws at once rejects its item too.
+    out!();
+    await Promise.resolve();
+    await Promise.resolve();
+    const alone = item("alone");
+    queue.add(alone);
+    expect(sent).toEqual([["first"], ["a", "b"], ["alone"]]);
+    expect((alone.rejected as Error).message).toBe("send failed");
+    // And a later send that works goes out at once: nothing counts as out.
+    fail = false;
+    queue.add(item("later"));
+    expect(sent.at(-1)).toEqual(["later"]);
+  });
+});
