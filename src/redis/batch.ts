@@ -80,11 +80,20 @@ export class ScriptBatch {
 }
 
 /**
+ * The most items of a turn one send takes: a larger turn goes as several sends, in order, one
+ * after another in the same tick. Redis decides them in that order, as it would one send, but
+ * it can decide the first while this process writes the next, and this process can take the
+ * first's replies while Redis decides the next. With 64 callers on a four-stage fused gate, 32
+ * admitted about 1.3 times the calls per second of one send per turn (bench/RESULTS.md).
+ */
+export const TURN_CHUNK = 32;
+
+/**
  * Items of one kind, each going out at once when none is out, else gathered until the end of the
- * turn of the event loop and sent together: ScriptBatch's rule for items that are not script
- * arguments (a fused gate's tries and releases). `send` sends a list and returns its reply, or
- * undefined when it sent nothing; should it throw, each of the items it was given is rejected
- * with the error (their callers would otherwise never hear back).
+ * turn of the event loop and sent together, TURN_CHUNK at a time: ScriptBatch's rule for items
+ * that are not script arguments (a fused gate's tries and releases). `send` sends a list and
+ * returns its reply, or undefined when it sent nothing; should it throw, each of the items it
+ * was given is rejected with the error (their callers would otherwise never hear back).
  */
 export class TurnQueue<I extends { reject(error: unknown): void }> {
   #out = 0;
@@ -124,6 +133,10 @@ export class TurnQueue<I extends { reject(error: unknown): void }> {
   readonly #flush = (): void => {
     const items = this.#pending!;
     this.#pending = undefined;
-    this.#go(items);
+    if (items.length <= TURN_CHUNK) {
+      this.#go(items);
+      return;
+    }
+    for (let i = 0; i < items.length; i += TURN_CHUNK) this.#go(items.slice(i, i + TURN_CHUNK));
   };
 }

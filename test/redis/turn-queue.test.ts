@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { TurnQueue } from "../../src/redis/batch.js";
+import { TURN_CHUNK, TurnQueue } from "../../src/redis/batch.js";
 
 /** An item of the queue: what it was rejected with, if it was. */
 interface Item {
@@ -62,5 +62,25 @@ describe("TurnQueue", () => {
     fail = false;
     queue.add(item("later"));
     expect(sent.at(-1)).toEqual(["later"]);
+  });
+
+  it("sends a turn of more than TURN_CHUNK items as several sends, in order, in the same tick", async () => {
+    const sent: number[][] = [];
+    const queue = new TurnQueue<Item & { n: number }>((items) => {
+      sent.push(items.map((i) => i.n));
+      return new Promise<void>(() => {});
+    });
+    const total = 2 * TURN_CHUNK + 5;
+    // The first goes at once; the rest are gathered while it is out.
+    for (let n = 0; n <= total; n++) queue.add({ ...item(String(n)), n });
+    expect(sent).toEqual([[0]]);
+    await new Promise<void>((resolve) => process.nextTick(resolve));
+    const numbers = (from: number, count: number) => Array.from({ length: count }, (_, i) => from + i);
+    expect(sent).toEqual([
+      [0],
+      numbers(1, TURN_CHUNK),
+      numbers(1 + TURN_CHUNK, TURN_CHUNK),
+      numbers(1 + 2 * TURN_CHUNK, 5),
+    ]);
   });
 });
