@@ -1,4 +1,5 @@
-// A Redis Gate whose first call is made while its client is still connecting.
+// A Redis Gate (fused: its two stages are decided in one script call) whose first call is made
+// while its client is still connecting.
 import { Gate } from "floodgate";
 import { redis } from "floodgate/redis";
 import { Redis } from "ioredis";
@@ -12,6 +13,8 @@ const gate = new Gate([
   backend.tokenBucket("rate", { capacity: 10, refillPerSecond: 100 }),
   backend.semaphore("inflight", { limit: 2, leaseMs: 5_000 }),
 ]);
+
+if (!gate.fused) throw new Error("a Gate of two stages of one Redis backend is not fused");
 
 // No wait for "ready": the first call waits for the client's first connection.
 const status = client.status;
@@ -33,4 +36,4 @@ await Promise.all(
 if (most > 2) throw new Error(`${most} calls ran at once under a limit of 2`);
 await backend.close();
 await client.quit();
-console.log(`first call made with the client "${status}", then 8 calls, at most ${most} at once`);
+console.log(`fused gate: first call made with the client "${status}", then 8 calls, at most ${most} at once`);
