@@ -1,11 +1,13 @@
 /**
  * The waiting side of the handoff benchmark, in a process of its own. On `wait` it starts waiting
- * (a floodgate admit, a redis-semaphore acquire, or a BLPOP), says `queued`, and on the grant
+ * (a floodgate semaphore's or fused gate's admit, a redis-semaphore acquire, or a BLPOP), says `queued`, and on the grant
  * reports the moment (monotonic clock, shared by every process of the machine) and lets go again.
  */
+import { Gate } from "floodgate";
 import { redis } from "floodgate/redis";
 import { Redis } from "ioredis";
 import { Semaphore } from "redis-semaphore";
+import { handoffGateStages } from "./handoff.js";
 
 type Message = { kind: "wait"; lib: string; key: string } | { kind: "exit" };
 
@@ -20,12 +22,13 @@ await Promise.all([
 ]);
 const backend = redis(client, { prefix });
 const floodgate = backend.semaphore("handoff", { limit: 1 });
+const gate = new Gate(handoffGateStages(backend), { name: "handoff-gate" });
 const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
 const send = (m: object) => process.send!(m);
 
 async function wait(lib: string, key: string): Promise<void> {
-  if (lib === "floodgate") {
-    const pending = floodgate.admit();
+  if (lib === "floodgate" || lib === "gate") {
+    const pending = lib === "gate" ? gate.admit() : floodgate.admit();
     send({ kind: "queued" });
     const ticket = await pending;
     const at = nowMs();

@@ -1,12 +1,13 @@
 /**
  * Handoff between processes at limit 1: this process holds the only permit, another process waits
  * for it; the figure is the time from the start of the release here to the grant there (on the
- * machine's monotonic clock, which both processes share). floodgate (pub/sub wake-up) against
- * redis-semaphore with its default 10 ms poll, and a BLPOP wake-up (LPUSH here) as the floor.
+ * machine's monotonic clock, which both processes share). floodgate's semaphore and a fused gate of
+ * the llm scenario's five stages (pub/sub wake-up, grant on release) against redis-semaphore with its default 10 ms poll, and a BLPOP wake-up (LPUSH here) as the floor.
  */
 import { type ChildProcess, fork } from "node:child_process";
 import { once } from "node:events";
-import { redis } from "floodgate/redis";
+import { Gate } from "floodgate";
+import { type RedisBackend, redis } from "floodgate/redis";
 import { Semaphore } from "redis-semaphore";
 import {
   type BenchArgs,
@@ -25,6 +26,20 @@ import {
 import { connect, freshPrefix } from "./redis-clients.js";
 
 export const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
+
+/**
+ * The llm scenario's five stages at limit 1, none binding but the semaphore and AIMD: a fused
+ * gate whose handoff is a release that admits the first waiter of the gate's permit line.
+ */
+export function handoffGateStages(backend: RedisBackend) {
+  return [
+    backend.tokenBucket("handoff-rpm", { capacity: 1_000_000, refillPerSecond: 1_000_000 }),
+    backend.tokenBucket("handoff-tpm", { capacity: 1_000_000, refillPerSecond: 1_000_000 }),
+    backend.semaphore("handoff-gate", { limit: 1 }),
+    backend.aimd("handoff-aimd", { initial: 1, min: 1, max: 1 }),
+    backend.intervalGate("handoff-hosts", { minIntervalMs: 0, defaultHost: "provider" }),
+  ];
+}
 export type Reply = { kind: string; at?: number; message?: string };
 
 /** Messages from the child `label` (errors name it), taken in order of kind. */
@@ -68,6 +83,7 @@ export const handoff: Benchmark = {
     const client = await connect(url);
     const backend = redis(client, { prefix });
     const sem = backend.semaphore("handoff", { limit: 1 });
+    const gate = new Gate(handoffGateStages(backend), { name: "handoff-gate" });
     let seed = 42;
     const jitter = () => {
       seed = (seed * 1103515245 + 12345) & 0x7fffffff;
@@ -120,6 +136,10 @@ export const handoff: Benchmark = {
         const t = await sem.admit();
         return () => t.release("success");
       }),
+      contender("floodgate fused gate (llm's 5 stages)", "gate", () => async () => {
+        const t = await gate.admit();
+        return () => t.release("success");
+      }),
       contender("redis-semaphore (10 ms poll)", "redis-semaphore", (key) => async () => {
         const s = new Semaphore(client, key, 1, { acquireTimeout: 60_000 });
         await s.acquire();
@@ -144,6 +164,7 @@ export const handoff: Benchmark = {
         [
           `Target p50 ≤ 1 ms: ${verdict(fp50 <= 1, ms(fp50))}; p99 ≤ 3 ms: ${verdict(fp99 <= 3, ms(fp99))}.`,
           "Each handoff releases 5–15 ms after the waiter queued. The time includes the release's own round trip.",
+          "The fused gate's release decides the waiter's five stages and sends it its grant in the same script call.",
         ],
       );
     } finally {
