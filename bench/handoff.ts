@@ -1,8 +1,9 @@
 /**
  * Handoff between processes at limit 1: this process holds the only permit, another process waits
  * for it; the figure is the time from the start of the release here to the grant there (on the
- * machine's monotonic clock, which both processes share). floodgate's semaphore and a fused gate of
- * the llm scenario's five stages (pub/sub wake-up, grant on release) against redis-semaphore with its default 10 ms poll, and a BLPOP wake-up (LPUSH here) as the floor.
+ * machine's monotonic clock, which both processes share). floodgate's semaphore and a fused gate
+ * of the llm scenario's five stages (pub/sub wake-up, grant on release) against redis-semaphore
+ * with its default 10 ms poll, and a BLPOP wake-up (LPUSH here) as the floor.
  */
 import { type ChildProcess, fork } from "node:child_process";
 import { once } from "node:events";
