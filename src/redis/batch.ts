@@ -8,11 +8,21 @@ interface Pending {
 }
 
 /**
+ * The most calls of a turn one script call takes (ScriptBatch, TurnQueue): a larger turn goes as
+ * several script calls, in order, written in the same tick. Redis decides them in that order, as
+ * it would one, but it can decide the first while this process writes the next, and this
+ * process can take the first's replies while Redis decides the next. At 64 callers, 32 admitted
+ * about 1.3 times the calls per second of one script call per turn on a four-stage fused gate,
+ * and about 1.8 times on a lone semaphore (bench/RESULTS.md).
+ */
+export const TURN_CHUNK = 32;
+
+/**
  * Calls of one script by one stage, gathered while another is out. The first call goes at
  * once; calls made while one is out wait for the end of the turn of the event loop and go
- * together in one script call that decides them in turn, as if each had called alone, and
- * answers one reply per call. A lone caller so waits for nothing, and a crowd costs Redis one
- * script run per turn instead of one per caller.
+ * together in script calls of up to TURN_CHUNK that decide them in turn, as if each had called
+ * alone, and answer one reply per call. A lone caller so waits for nothing, and a crowd costs
+ * Redis one script run per TURN_CHUNK callers of a turn instead of one per caller.
  *
  * `send` gets the per-call arguments, `width` of them per call (`[a1, b1, a2, b2, …]` for two,
  * `[a1, b1, c1, a2, …]` for three), and sends one script call; with one call's arguments its
@@ -52,8 +62,18 @@ export class ScriptBatch {
   }
 
   readonly #flush = (): void => {
-    const batch = this.#pending!;
+    const all = this.#pending!;
     this.#pending = undefined;
+    if (all.length <= TURN_CHUNK) {
+      this.#sendBatch(all);
+      return;
+    }
+    for (let i = 0; i < all.length; i += TURN_CHUNK) this.#sendBatch(all.slice(i, i + TURN_CHUNK));
+  };
+
+  /** Send one script call for `batch` (one call, or up to TURN_CHUNK of a turn). */
+
+  #sendBatch(batch: Pending[]): void {
     const width = this.width;
     if (batch.length === 1) {
       const p = batch[0]!;
@@ -76,17 +96,8 @@ export class ScriptBatch {
         for (const p of batch) p.reject(error);
       },
     );
-  };
+  }
 }
-
-/**
- * The most items of a turn one send takes: a larger turn goes as several sends, in order, one
- * after another in the same tick. Redis decides them in that order, as it would one send, but
- * it can decide the first while this process writes the next, and this process can take the
- * first's replies while Redis decides the next. With 64 callers on a four-stage fused gate, 32
- * admitted about 1.3 times the calls per second of one send per turn (bench/RESULTS.md).
- */
-export const TURN_CHUNK = 32;
 
 /**
  * Items of one kind, each going out at once when none is out, else gathered until the end of the

@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { TURN_CHUNK, TurnQueue } from "../../src/redis/batch.js";
+import { ScriptBatch, TURN_CHUNK, TurnQueue } from "../../src/redis/batch.js";
 
 /** An item of the queue: what it was rejected with, if it was. */
 interface Item {
@@ -82,5 +82,38 @@ describe("TurnQueue", () => {
       numbers(1 + TURN_CHUNK, TURN_CHUNK),
       numbers(1 + 2 * TURN_CHUNK, 5),
     ]);
+  });
+});
+
+/** A lone stage's calls of one turn go in script calls of up to TURN_CHUNK too, in order. */
+describe("ScriptBatch", () => {
+  it("sends a turn of more than TURN_CHUNK calls as several script calls, each call answered with its own reply", async () => {
+    const sent: string[][] = [];
+    let first: ((reply: unknown) => void) | undefined;
+    const batch = new ScriptBatch((args) => {
+      sent.push(args);
+      // The first goes alone and stays out; each batch answers its calls' first arguments back.
+      if (sent.length === 1) {
+        return new Promise((resolve) => {
+          first = resolve;
+        });
+      }
+      const replies: string[] = [];
+      for (let i = 0; i < args.length; i += 2) replies.push(`reply ${args[i]}`);
+      return Promise.resolve(replies.length === 1 ? replies[0] : replies);
+    });
+    const total = 2 * TURN_CHUNK + 5;
+    const answers = Array.from({ length: total + 1 }, (_, n) => batch.run(String(n), "x"));
+    expect(sent).toEqual([["0", "x"]]);
+    await new Promise<void>((resolve) => process.nextTick(resolve));
+    const argsOf = (from: number, count: number) =>
+      Array.from({ length: count }, (_, i) => [String(from + i), "x"]).flat();
+    expect(sent.slice(1)).toEqual([
+      argsOf(1, TURN_CHUNK),
+      argsOf(1 + TURN_CHUNK, TURN_CHUNK),
+      argsOf(1 + 2 * TURN_CHUNK, 5),
+    ]);
+    first!("reply 0");
+    expect(await Promise.all(answers)).toEqual(Array.from({ length: total + 1 }, (_, n) => `reply ${n}`));
   });
 });
