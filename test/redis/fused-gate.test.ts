@@ -471,6 +471,27 @@ describe("a fused Redis gate", () => {
   }
 
   /**
+   * Two processes of the fleet with the same gate of `stages` (its name "gate"): `a` an ordinary
+   * one, with `extra` for its backend; `bGate` one made by `deafened`, whose `deaf` and `dead`
+   * come with it; `id` the base of the gate's keys.
+   */
+  async function twoProcesses(
+    name: string,
+    clock: FakeClock,
+    stages: (b: ReturnType<typeof redis>) => Stage[],
+    extra: { pollMs?: number } = {},
+  ) {
+    const prefix = randomPrefix(name);
+    const { client, b: one } = await backend(prefix, clock, extra);
+    const second = await deafened(prefix, clock);
+    const list = stages(one);
+    const a = new Gate(list, { clock });
+    const bGate = new Gate(stages(second.b), { clock });
+    const id = `${prefix}{gate:gate|${list.map((stage) => stage.name).join("|")}}`;
+    return { client, prefix, a, bGate, id, deaf: second.deaf, dead: second.dead };
+  }
+
+  /**
    * Resolves once `n` waiters of the permit line have their steps kept, each from try `fromTry` or
    * later (a process's first waiter tries again at once, once the process listens for grants).
    */
@@ -491,15 +512,15 @@ describe("a fused Redis gate", () => {
 
   it("admits the first waiter on a release, in that script call: its process does not ask again", async () => {
     const clock = new FakeClock(1000);
-    const prefix = randomPrefix("fused-grant");
-    const { client, b: one } = await backend(prefix, clock, { pollMs: 200 });
-    const { b: two } = await deafened(prefix, clock);
-    const stages = (b: ReturnType<typeof redis>) => [
-      b.semaphore("inflight", { limit: 1, leaseMs: 10_000 }),
-      b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
-    ];
-    const [a, bGate] = [new Gate(stages(one), { clock }), new Gate(stages(two), { clock })];
-    const id = `${prefix}{gate:gate|inflight|rate}`;
+    const { client, prefix, a, bGate, id } = await twoProcesses(
+      "fused-grant",
+      clock,
+      (b) => [
+        b.semaphore("inflight", { limit: 1, leaseMs: 10_000 }),
+        b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
+      ],
+      { pollMs: 200 },
+    );
     const holder = await a.admit();
     let ticket: Ticket | undefined;
     const waiting = bGate.admit().then((t) => {
@@ -548,15 +569,10 @@ describe("a fused Redis gate", () => {
 
   it("collects a grant whose message never came with the waiter's next try", async () => {
     const clock = new FakeClock(1000);
-    const prefix = randomPrefix("fused-collect");
-    const { client, b: one } = await backend(prefix, clock);
-    const { b: two, deaf } = await deafened(prefix, clock);
-    const stages = (b: ReturnType<typeof redis>) => [
+    const { client, prefix, a, bGate, id, deaf } = await twoProcesses("fused-collect", clock, (b) => [
       b.semaphore("inflight", { limit: 1 }),
       b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
-    ];
-    const [a, bGate] = [new Gate(stages(one), { clock }), new Gate(stages(two), { clock })];
-    const id = `${prefix}{gate:gate|inflight|rate}`;
+    ]);
     const holder = await a.admit();
     let ticket: Ticket | undefined;
     const waiting = bGate.admit().then((t) => {
@@ -580,16 +596,11 @@ describe("a fused Redis gate", () => {
 
   it("takes back a grant its waiter gave up on before it came: permits freed, tokens and slot handed back", async () => {
     const clock = new FakeClock(1000);
-    const prefix = randomPrefix("fused-giveup");
-    const { client, b: one } = await backend(prefix, clock);
-    const { b: two, deaf } = await deafened(prefix, clock);
-    const stages = (b: ReturnType<typeof redis>) => [
+    const { client, prefix, a, bGate, id, deaf } = await twoProcesses("fused-giveup", clock, (b) => [
       b.semaphore("inflight", { limit: 1 }),
       b.tokenBucket("rate", { capacity: 5, refillPerSecond: 1 }),
       b.intervalGate("hosts", { minIntervalMs: 1, defaultHost: "api" }),
-    ];
-    const [a, bGate] = [new Gate(stages(one), { clock }), new Gate(stages(two), { clock })];
-    const id = `${prefix}{gate:gate|inflight|rate|hosts}`;
+    ]);
     const holder = await a.admit();
     await clock.advance(10);
     const waiting = bGate.admit({ timeoutMs: 100 }).catch((e: unknown) => e);
@@ -620,15 +631,15 @@ describe("a fused Redis gate", () => {
 
   it("passes over a first waiter nobody listens for any more (its process died), and grants the next", async () => {
     const clock = new FakeClock(1000);
-    const prefix = randomPrefix("fused-grant-dead");
-    const { client, b: one } = await backend(prefix, clock, { pollMs: 200 });
-    const { b: two, dead } = await deafened(prefix, clock);
-    const stages = (b: ReturnType<typeof redis>) => [
-      b.semaphore("inflight", { limit: 1 }),
-      b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
-    ];
-    const [a, bGate] = [new Gate(stages(one), { clock }), new Gate(stages(two), { clock })];
-    const id = `${prefix}{gate:gate|inflight|rate}`;
+    const { client, prefix, a, bGate, id, dead } = await twoProcesses(
+      "fused-grant-dead",
+      clock,
+      (b) => [
+        b.semaphore("inflight", { limit: 1 }),
+        b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
+      ],
+      { pollMs: 200 },
+    );
     const holder = await a.admit();
     let late: Ticket | undefined;
     const silent = bGate.admit().then((t) => {
@@ -654,15 +665,10 @@ describe("a fused Redis gate", () => {
 
   it("tells the first waiter to ask again when a rate refuses it at the release, holding no permit meanwhile", async () => {
     const clock = new FakeClock(1000);
-    const prefix = randomPrefix("fused-grant-rate");
-    const { client, b: one } = await backend(prefix, clock);
-    const { b: two } = await deafened(prefix, clock);
-    const stages = (b: ReturnType<typeof redis>) => [
+    const { client, prefix, a, bGate, id } = await twoProcesses("fused-grant-rate", clock, (b) => [
       b.semaphore("inflight", { limit: 1 }),
       b.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 }),
-    ];
-    const [a, bGate] = [new Gate(stages(one), { clock }), new Gate(stages(two), { clock })];
-    const id = `${prefix}{gate:gate|inflight|rate}`;
+    ]);
     const holder = await a.admit();
     let ticket: Ticket | undefined;
     const waiting = bGate.admit().then((t) => {
