@@ -13,7 +13,7 @@ interface Pending {
  * it would one, but it can decide the first while this process writes the next, and this
  * process can take the first's replies while Redis decides the next. At 64 callers, 32 admitted
  * about 1.3 times the calls per second of one script call per turn on a four-stage fused gate,
- * and about 1.8 times on a lone semaphore (bench/RESULTS.md).
+ * and 1.7 to 1.9 times on a lone semaphore (bench/RESULTS.md).
  */
 export const TURN_CHUNK = 32;
 
