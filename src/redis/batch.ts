@@ -72,7 +72,6 @@ export class ScriptBatch {
   };
 
   /** Send one script call for `batch` (one call, or up to TURN_CHUNK of a turn). */
-
   #sendBatch(batch: Pending[]): void {
     const width = this.width;
     if (batch.length === 1) {
