@@ -1,7 +1,8 @@
 /**
  * The waiting side of the handoff benchmark, in a process of its own. On `wait` it starts waiting
- * (a floodgate semaphore's or fused gate's admit, a redis-semaphore acquire, or a BLPOP), says `queued`, and on the grant
- * reports the moment (monotonic clock, shared by every process of the machine) and lets go again.
+ * (a floodgate semaphore's or fused gate's admit, a redis-semaphore acquire, or a BLPOP), says
+ * `queued`, and on the grant reports the moment (monotonic clock, shared by every process of the
+ * machine) and lets go again.
  */
 import { Gate } from "floodgate";
 import { redis } from "floodgate/redis";

@@ -17,6 +17,15 @@ interface Pending {
  */
 export const TURN_CHUNK = 32;
 
+/** Hand `send` the items in runs of up to TURN_CHUNK, in order (`items` itself when it is one run). */
+function inChunks<T>(items: T[], send: (chunk: T[]) => void): void {
+  if (items.length <= TURN_CHUNK) {
+    send(items);
+    return;
+  }
+  for (let i = 0; i < items.length; i += TURN_CHUNK) send(items.slice(i, i + TURN_CHUNK));
+}
+
 /**
  * Calls of one script by one stage, gathered while another is out. The first call goes at
  * once; calls made while one is out wait for the end of the turn of the event loop and go
@@ -64,15 +73,11 @@ export class ScriptBatch {
   readonly #flush = (): void => {
     const all = this.#pending!;
     this.#pending = undefined;
-    if (all.length <= TURN_CHUNK) {
-      this.#sendBatch(all);
-      return;
-    }
-    for (let i = 0; i < all.length; i += TURN_CHUNK) this.#sendBatch(all.slice(i, i + TURN_CHUNK));
+    inChunks(all, this.#sendBatch);
   };
 
   /** Send one script call for `batch` (one call, or up to TURN_CHUNK of a turn). */
-  #sendBatch(batch: Pending[]): void {
+  readonly #sendBatch = (batch: Pending[]): void => {
     const width = this.width;
     if (batch.length === 1) {
       const p = batch[0]!;
@@ -95,7 +100,7 @@ export class ScriptBatch {
         for (const p of batch) p.reject(error);
       },
     );
-  }
+  };
 }
 
 /**
@@ -127,7 +132,7 @@ export class TurnQueue<I extends { reject(error: unknown): void }> {
     this.#pending.push(item);
   }
 
-  #go(items: I[]): void {
+  readonly #go = (items: I[]): void => {
     let reply: Promise<unknown> | undefined;
     try {
       reply = this.send(items);
@@ -138,15 +143,11 @@ export class TurnQueue<I extends { reject(error: unknown): void }> {
     if (reply === undefined) return;
     this.#out++;
     reply.then(this.#done, this.#done);
-  }
+  };
 
   readonly #flush = (): void => {
     const items = this.#pending!;
     this.#pending = undefined;
-    if (items.length <= TURN_CHUNK) {
-      this.#go(items);
-      return;
-    }
-    for (let i = 0; i < items.length; i += TURN_CHUNK) this.#go(items.slice(i, i + TURN_CHUNK));
+    inChunks(items, this.#go);
   };
 }

@@ -52,8 +52,7 @@ describe("TurnQueue", () => {
     expect(first.rejected).toBe(undefined);
     // The first's reply comes back; a send that throws at once rejects its item too.
     out!();
-    await Promise.resolve();
-    await Promise.resolve();
+    await new Promise<void>((resolve) => setImmediate(resolve));
     const alone = item("alone");
     queue.add(alone);
     expect(sent).toEqual([["first"], ["a", "b"], ["alone"]]);
