@@ -42,7 +42,7 @@
 --           be woken)
 --   inLine  1 when `member` waits in the permit line, 2 in its lane, 0 in neither
 --   woken   the members told to ask again (their process may be this one), and the grant
---           messages of the waiters a release admitted (see grants, below)
+--           messages of the waiters a release admitted (see grants, below); 0 for none
 --   replies each step's reply, as its script would answer; a step rolled back answers as refused
 --           but with -2 for its first field (a refusal of its own is 0); a step not run (someone
 --           is ahead in line) answers false
@@ -151,16 +151,21 @@ for c = 1, tonumber(ARGV[5]) do
     if name == '=' then
       local base = sent[nk]
       if not base then return redis.error_reply('gate: a step repeats none before it') end
-      local args = {}
-      for j = 1, #base.args do args[j] = base.args[j] end
-      for x = 1, na do args[tonumber(ARGV[a + 1 + 2 * x])] = ARGV[a + 2 + 2 * x] end
-      call.steps[i] = { name = base.name, keys = base.keys, args = args }
+      -- (A table built whole is sized once: one built element by element grows step by step.)
+      local args = { unpack(base.args) }
+      -- The first step of the chain this one repeats, and the places that changed on the way
+      -- (bit j for argument j; -1 for all): many() compares no more than those.
+      local touched = base.touched or 0
+      for x = 1, na do
+        local j = tonumber(ARGV[a + 1 + 2 * x])
+        args[j] = ARGV[a + 2 + 2 * x]
+        touched = (j and j >= 1 and j <= 30) and bit.bor(touched, bit.lshift(1, j)) or -1
+      end
+      call.steps[i] = { name = base.name, keys = base.keys, args = args, root = base.root or base, touched = touched }
       a = a + 3 + 2 * na
     else
-      local keys = {}
-      for j = 1, nk do keys[j] = KEYS[k + j - 1] end
-      local args = { nowArg }
-      for j = 2, na do args[j] = ARGV[a + 1 + j] end
+      local keys = { unpack(KEYS, k, k + nk - 1) }
+      local args = { nowArg, unpack(ARGV, a + 3, a + 1 + na) }
       if not STEPS[name] then return redis.error_reply('gate: unknown step ' .. tostring(name)) end
       call.steps[i] = { name = name, keys = keys, args = args }
       k = k + nk
@@ -328,10 +333,22 @@ local function each(call)
     local a = s.args
     local kind = RELEASES[s.name]
     if kind and #a == kind.n and (s.name ~= 'semaphore-release' or a[5] == 'lease') and (s.name ~= 'aimd-release' or a[13] == '') then
-      local id = { s.name, table.concat(s.keys, '\n') }
-      for _, j in ipairs(kind.shared) do id[#id + 1] = a[j] end
-      id = table.concat(id, '\n')
+      -- The run of this script on these keys (a stage's), when its shared arguments are these.
+      -- (Keys by their first, the stage's holders; a repeated step shares its first's arguments.)
+      local id = s.name .. '\n' .. s.keys[1]
       local run = runs[id]
+      if run then
+        local f = run.step.args
+        for _, j in ipairs(kind.shared) do
+          if a[j] ~= f[j] then run = nil break end
+        end
+        if run then
+          for j = 2, #s.keys do
+            if s.keys[j] ~= run.step.keys[j] then run = nil break end
+          end
+        end
+        if not run then id = id .. '\n' .. i end
+      end
       if run then
         run.with[#run.with + 1] = i
         for _, j in ipairs(kind.own) do run.args[#run.args + 1] = a[j] end
@@ -644,6 +661,18 @@ end
 -- as it was before the turn and the steps run again for the calls before it. Returns how many
 -- leading calls were admitted (their replies in `out`), each exactly as admit() would have
 -- admitted it alone; 0 when this way does not apply. The calls after them go admit()'s way.
+-- The arguments calls of a turn share at a permit step (3 to 14 but 10) and at a token bucket's
+-- (2 to 6 but 5), as bits (see the parsing of "=" steps).
+local PERMIT_SHARED = 32760 - 1024
+local BUCKET_SHARED = 4 + 8 + 16 + 64
+
+-- Whether step `b` repeats step `a` (the same keys) with none of the arguments in `shared`
+-- changed: then they are alike there without comparing them one by one.
+local function repeats(a, b, shared)
+  return (a.root or a) == (b.root or b) and bit.band((a.touched or 0), shared) == 0
+    and bit.band((b.touched or 0), shared) == 0
+end
+
 local function many(out)
   local MANY = { ['semaphore-acquire'] = true, ['token-bucket-take'] = true, ['interval-gate-take'] = true }
   local n = #calls
@@ -662,12 +691,16 @@ local function many(out)
       local a, b = steps[i], call.steps[i]
       if a.name ~= b.name then alike = false
       elseif PERMIT[a.name] then
-        for j = 1, #a.keys do if a.keys[j] ~= b.keys[j] then alike = false end end
         -- (A call asking again for a grant it may hold goes alone: given back, it would lose it.)
-        if #b.args ~= 14 or b.args[10] == '1' then alike = false end
-        for j = 3, 14 do if j ~= 10 and a.args[j] ~= b.args[j] then alike = false end end
+        if #b.args ~= 14 or b.args[10] == '1' then alike = false
+        elseif not repeats(a, b, PERMIT_SHARED) then
+          for j = 1, #a.keys do if a.keys[j] ~= b.keys[j] then alike = false end end
+          for j = 3, 14 do if j ~= 10 and a.args[j] ~= b.args[j] then alike = false end end
+        end
       elseif a.name == 'token-bucket-take' then
-        for j = 2, 6 do if j ~= 5 and a.args[j] ~= b.args[j] then alike = false end end
+        if not repeats(a, b, BUCKET_SHARED) then
+          for j = 2, 6 do if j ~= 5 and a.args[j] ~= b.args[j] then alike = false end end
+        end
       elseif tonumber(b.args[2]) > 0 then
         local host = i .. ':' .. b.keys[1]
         if spaced[host] then alike = false end
@@ -795,7 +828,7 @@ local function many(out)
     giveBack(refused)
     m = refused - 1
   end
-  for c = 1, m do out[c] = {1, -1, 0, {}, replies[c]} end
+  for c = 1, m do out[c] = {1, -1, 0, 0, replies[c]} end
   return m
 end
 
@@ -815,6 +848,11 @@ for c = from, #calls do
   else
     out[c] = admit(call)
   end
+end
+-- (No one woken: 0, not an empty table, which costs the reply more.)
+for c = 1, #out do
+  local w = out[c][4]
+  if w ~= 0 and w[1] == nil then out[c][4] = 0 end
 end
 -- (Every reply says when the admissions decided, for the caller's view of the server's clock.)
 if op == 'all' then

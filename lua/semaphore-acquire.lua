@@ -42,7 +42,8 @@
 --                member, so a member is granted at most once
 --   now: the time the call decided at (server ms), by which the caller judges grant messages
 --   grants: the waiters this call granted at the head of the line (see floodgate_grant_heads),
---           each as the message PUBLISHed on `channel`; `member` itself may be among them
+--           each as the message PUBLISHed on `channel`; `member` itself may be among them; 0
+--           for none when granted at once (a table costs the reply more than a number)
 --   quarantineMs: > 0 while grants are held back because Redis lost this stage's data
 --   elsewhere: on a stage with classes only: the classes another process stored (meta field
 --              `cls`) when they differ from this caller's ARGV[14], else ""; this caller's are
@@ -230,7 +231,7 @@ local function decide(member, again)
     -- Nobody else in line: the count and the fencing sequence go in one write.
     local fence = (tonumber(state[4]) or 0) + 1
     floodgate_set_used(meta, used, classes, fence)
-    return {1, fence, used, limit, epoch, grants, 0, now}
+    return {1, fence, used, limit, epoch, #grants > 0 and grants or 0, 0, now}
   end
 
   if mode == 'wait' then
@@ -287,7 +288,7 @@ if not classes and limit and lastFence <= seq and (tonumber(state[5]) or 0) <= n
     if used + cost > limit then break end
     if redis.call('ZADD', holders, now + leaseMs, member) == 1 then used = used + cost end
     seq = seq + 1
-    replies[next] = {1, seq, used, limit, epoch, {}, 0, now}
+    replies[next] = {1, seq, used, limit, epoch, 0, 0, now}
     next = next + 1
   end
   if next > 1 then redis.call('HSET', meta, 'used', used, 'seq', seq) end

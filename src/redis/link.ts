@@ -64,7 +64,7 @@ export interface GateReply {
   /** Where the caller waits: in the gate's permit line, in its lane, or in neither. */
   inLine: "permits" | "lane" | undefined;
   /** The waiters told to ask again (in this process or another). */
-  woken: string[];
+  woken: readonly string[];
   /** The script's replies to the call's steps, in order (null for a step not run). */
   replies: unknown[];
   /**
@@ -104,6 +104,9 @@ export interface GateCall {
 }
 
 const LINES = [undefined, "permits", "lane"] as const;
+
+/** The `woken` of a reply that woke no one (lua/gate.lua sends 0). */
+const NO_ONE: readonly string[] = [];
 
 export const NOT_RUN = new Error("not run: another caller is ahead in the gate's line");
 
@@ -263,7 +266,10 @@ export class RedisLink {
           const n = args.length + 2;
           args.push("=", at!, 0);
           for (let i = 1; i < step.args.length; i++) {
-            if (String(step.args[i]) !== String(base.args[i])) args.push(i + 1, step.args[i]!);
+            const x = step.args[i]!;
+            const y = base.args[i]!;
+            // (Alike when equal, or when they differ as number and string only.)
+            if (x !== y && (typeof x === typeof y || String(x) !== String(y))) args.push(i + 1, x);
           }
           args[n] = (args.length - n - 1) / 2;
           continue;
@@ -285,7 +291,7 @@ export class RedisLink {
             status,
             waitMs: Number(reply[1]),
             inLine: LINES[Number(reply[2])],
-            woken: Array.isArray(reply[3]) ? reply[3] : [],
+            woken: Array.isArray(reply[3]) ? reply[3] : NO_ONE,
             replies: answers,
           };
           if (status === 2) out.collected = grantReplies(String(reply[5]));
