@@ -19,8 +19,9 @@
 --                      settles, each step run as it would alone; "leave": callers leave the lines
 -- ARGV[3] waiterTtlMs  how long a waiter stays in line without asking again, ms
 -- ARGV[4] channel      base of the wake channels: a member is told "<member>" on channel:<token>
--- ARGV[5] calls        the number of calls; then, per call, its member (its place in line, "" for
---                      none), its mode ("wait": a refused caller keeps or takes its place in line;
+-- ARGV[5] calls        the number of calls; then one argument per call, a JSON list of strings
+--                      (a client pays for each argument far more than for its length): its
+--                      member (its place in line, "" for none), its mode ("wait": a refused caller keeps or takes its place in line;
 --                      "hold": so does it, and its steps are kept while it waits in the permit
 --                      line, for a release to run; "try": never), its try's number, the number of
 --                      its earlier try whose steps were kept ("" for none), its number of steps
@@ -137,17 +138,18 @@ end
 local calls = {}
 local sent = {}
 local k = 6
-local a = 6
 for c = 1, tonumber(ARGV[5]) do
-  local call = { member = ARGV[a], mode = ARGV[a + 1], try = ARGV[a + 2], held = ARGV[a + 3],
+  local f = cjson.decode(ARGV[5 + c])
+  if type(f) ~= 'table' then return redis.error_reply('gate: a call is not a list') end
+  local call = { member = f[1], mode = f[2], try = f[3], held = f[4],
     lane = KEYS[k], laneExp = KEYS[k + 1], steps = {} }
-  local n = tonumber(ARGV[a + 4])
+  local n = tonumber(f[5])
   k = k + 2
-  a = a + 5
+  local a = 6
   for i = 1, n do
-    local name = ARGV[a]
-    local nk = tonumber(ARGV[a + 1])
-    local na = tonumber(ARGV[a + 2])
+    local name = f[a]
+    local nk = tonumber(f[a + 1])
+    local na = tonumber(f[a + 2])
     if name == '=' then
       local base = sent[nk]
       if not base then return redis.error_reply('gate: a step repeats none before it') end
@@ -157,15 +159,15 @@ for c = 1, tonumber(ARGV[5]) do
       -- (bit j for argument j; -1 for all): many() compares no more than those.
       local touched = base.touched or 0
       for x = 1, na do
-        local j = tonumber(ARGV[a + 1 + 2 * x])
-        args[j] = ARGV[a + 2 + 2 * x]
+        local j = tonumber(f[a + 1 + 2 * x])
+        args[j] = f[a + 2 + 2 * x]
         touched = (j and j >= 1 and j <= 30) and bit.bor(touched, bit.lshift(1, j)) or -1
       end
       call.steps[i] = { name = base.name, keys = base.keys, args = args, root = base.root or base, touched = touched }
       a = a + 3 + 2 * na
     else
       local keys = { unpack(KEYS, k, k + nk - 1) }
-      local args = { nowArg, unpack(ARGV, a + 3, a + 1 + na) }
+      local args = { nowArg, unpack(f, a + 3, a + 1 + na) }
       if not STEPS[name] then return redis.error_reply('gate: unknown step ' .. tostring(name)) end
       call.steps[i] = { name = name, keys = keys, args = args }
       k = k + nk

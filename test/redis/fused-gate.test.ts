@@ -298,6 +298,31 @@ describe("a fused Redis gate", () => {
     expect(await client.zcard(`${prefix}{inflight}:holders`)).toBe(0);
   });
 
+  it("admits and releases with stage names that hold lone surrogates, reaching the stage's own waiters as their calls do", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-surrogate");
+    const { b, client } = await backend(prefix, clock);
+    const { b: other } = await backend(prefix, clock);
+    // (On the wire a lone surrogate goes as U+FFFD, the replacement character, in keys and arguments.)
+    const name = "in\ud800flight\udc00";
+    const sem = b.semaphore(name, { limit: 1 });
+    const gate = new Gate([sem, b.tokenBucket("rate\udbff", { capacity: 5, refillPerSecond: 1 })], { clock });
+    expect(gate.fused).toBe(true);
+    const held = await gate.admit();
+    expect(await client.zcard(`${prefix}{in\ufffdflight\ufffd}:holders`)).toBe(1);
+    // A caller of the semaphore itself, in another process, waits in its line and hears its
+    // grant on the channel the gate's release names.
+    const direct = other.semaphore(name, { limit: 1 }).admit();
+    await until(async () => (await client.zcard(`${prefix}{in\ufffdflight\ufffd}:queue`)) === 1, {
+      timeoutMs: 5000,
+      message: "the direct caller did not line up",
+    });
+    await held.release("success");
+    const granted = await within(direct, 5000, "the direct caller's admission");
+    await granted.release("success");
+    expect(await client.zcard(`${prefix}{in\ufffdflight\ufffd}:holders`)).toBe(0);
+  });
+
   it("lets a lane go while another waits for its own tokens (keyed buckets do not hold each other up)", async () => {
     const clock = new FakeClock(1000);
     const { b } = await backend(randomPrefix("fused-lanes"), clock);
