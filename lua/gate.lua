@@ -19,20 +19,20 @@
 --                      settles, each step run as it would alone; "leave": callers leave the lines
 -- ARGV[3] waiterTtlMs  how long a waiter stays in line without asking again, ms
 -- ARGV[4] channel      base of the wake channels: a member is told "<member>" on channel:<token>
--- ARGV[5] calls        the number of calls; then one argument per call, a JSON list of strings
---                      (a client pays for each argument far more than for its length): its
---                      member (its place in line, "" for none), its mode ("wait": a refused caller keeps or takes its place in line;
---                      "hold": so does it, and its steps are kept while it waits in the permit
---                      line, for a release to run; "try": never), its try's number, the number of
---                      its earlier try whose steps were kept ("" for none), its number of steps
---                      and, per step, its script name, its
---                      number of keys, its number of arguments and the arguments (the first, its
---                      `now`, is replaced by this call's). A step with the script and the keys of
---                      an earlier step of this script call comes as "=", that step's number (steps
---                      are numbered from 1 across the calls), the number of arguments that differ
---                      and, for each, its place and its value: a turn's calls, and a turn's
---                      releases, mostly differ in their members alone. Calls are decided in turn,
---                      exactly as if each had come alone.
+-- ARGV[5] calls        the number of calls; then one argument per call, a JSON list of strings (a
+--                      client pays for each argument far more than for its length): its member (its
+--                      place in line, "" for none), its mode ("wait": a refused caller keeps or
+--                      takes its place in line; "hold": so does it, and its steps are kept while it
+--                      waits in the permit line, for a release to run; "try": never), its try's
+--                      number, the number of its earlier try whose steps were kept ("" for none),
+--                      its number of steps and, per step, its script name, its number of keys, its
+--                      number of arguments and the arguments (the first, its `now`, is replaced by
+--                      this call's). A step with the script and the keys of an earlier step of this
+--                      script call comes as "=", that step's number (steps are numbered from 1
+--                      across the calls), the number of arguments that differ and, for each, its
+--                      place and its value: a turn's calls, and a turn's releases, mostly differ in
+--                      their members alone. Calls are decided in turn, exactly as if each had come
+--                      alone.
 --
 -- Returns one reply per call, {status, waitMs, inLine, woken, replies, held}:
 --   status  1: every step admitted (or, for "each", ran); 0: refused, nothing is held anywhere;
@@ -653,16 +653,6 @@ grantHeads = function()
   deciding = false
 end
 
--- A turn's admissions together, while nobody waits in the gate's line or in the calls' lanes:
--- each step runs once for the leading calls that have the same steps (a permit step on the same
--- keys with the same arguments but the member and its "again"; a token bucket with the same
--- settings; an interval gate's host spaced apart at most once), as its script decides a turn of
--- callers, each in turn exactly as if alone. The permit steps first: from the first call one
--- refuses, those calls are given back what they were granted and left out. Then the metering
--- steps, each key's callers in one run: when one refuses a call, every metering key is put back
--- as it was before the turn and the steps run again for the calls before it. Returns how many
--- leading calls were admitted (their replies in `out`), each exactly as admit() would have
--- admitted it alone; 0 when this way does not apply. The calls after them go admit()'s way.
 -- The arguments calls of a turn share at a permit step (3 to 14 but 10) and at a token bucket's
 -- (2 to 6 but 5), as bits (see the parsing of "=" steps).
 local PERMIT_SHARED = 32760 - 1024
@@ -675,6 +665,16 @@ local function repeats(a, b, shared)
     and bit.band((b.touched or 0), shared) == 0
 end
 
+-- A turn's admissions together, while nobody waits in the gate's line or in the calls' lanes:
+-- each step runs once for the leading calls that have the same steps (a permit step on the same
+-- keys with the same arguments but the member and its "again"; a token bucket with the same
+-- settings; an interval gate's host spaced apart at most once), as its script decides a turn of
+-- callers, each in turn exactly as if alone. The permit steps first: from the first call one
+-- refuses, those calls are given back what they were granted and left out. Then the metering
+-- steps, each key's callers in one run: when one refuses a call, every metering key is put back
+-- as it was before the turn and the steps run again for the calls before it. Returns how many
+-- leading calls were admitted (their replies in `out`), each exactly as admit() would have
+-- admitted it alone; 0 when this way does not apply. The calls after them go admit()'s way.
 local function many(out)
   local MANY = { ['semaphore-acquire'] = true, ['token-bucket-take'] = true, ['interval-gate-take'] = true }
   local n = #calls
