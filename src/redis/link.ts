@@ -472,8 +472,10 @@ export class RedisLink {
     }
   }
 
-  /** Call `handler` with every message on `channel`; resolves once subscribed. */
-  async listen(channel: string, handler: WakeHandler): Promise<void> {
+  /** Call `handler` with every message on channel `name`; resolves once subscribed. */
+  async listen(name: string, handler: WakeHandler): Promise<void> {
+    // Messages come named as Redis has the channel: a lone surrogate in a stage's name is U+FFFD.
+    const channel = onWire(name);
     if (!this.#subscriber) {
       const connection = this.subscriberConnection ?? this.client.duplicate();
       let sub = subscribers.get(connection.client);
@@ -564,8 +566,12 @@ export class RedisLink {
  */
 function callJson(fields: string[]): string {
   const json = JSON.stringify(fields);
-  if (!json.includes("\\ud")) return json;
-  return JSON.stringify(fields.map((f) => Buffer.from(f, "utf8").toString("utf8")));
+  return json.includes("\\ud") ? JSON.stringify(fields.map(onWire)) : json;
+}
+
+/** `text` as Redis gets it (UTF-8): each lone surrogate as U+FFFD. */
+function onWire(text: string): string {
+  return Buffer.from(text, "utf8").toString("utf8");
 }
 
 /** Settle gathered steps with their replies: a step with none (or false, null) did not run. */

@@ -311,8 +311,15 @@ describe("a fused Redis gate", () => {
     const held = await gate.admit();
     expect(await client.zcard(`${prefix}{in\ufffdflight\ufffd}:holders`)).toBe(1);
     // A caller of the semaphore itself, in another process, waits in its line and hears its
-    // grant on the channel the gate's release names.
+    // grant on the channel the gate's release names (once it listens: a release passes over a
+    // waiter nobody listens for).
+    const channels = () => client.pubsub("CHANNELS", `${prefix}{in\ufffdflight\ufffd}:wake:*`);
+    const listening = (await channels()).length;
     const direct = other.semaphore(name, { limit: 1 }).admit();
+    await until(async () => (await channels()).length > listening, {
+      timeoutMs: 5000,
+      message: "the direct caller did not listen for its grant",
+    });
     await until(async () => (await client.zcard(`${prefix}{in\ufffdflight\ufffd}:queue`)) === 1, {
       timeoutMs: 5000,
       message: "the direct caller did not line up",
