@@ -305,29 +305,30 @@ describe("a fused Redis gate", () => {
     const { b: other } = await backend(prefix, clock);
     // (On the wire a lone surrogate goes as U+FFFD, the replacement character, in keys and arguments.)
     const name = "in\ud800flight\udc00";
+    const key = (part: string) => `${prefix}{in\ufffdflight\ufffd}:${part}`;
     const sem = b.semaphore(name, { limit: 1 });
     const gate = new Gate([sem, b.tokenBucket("rate\udbff", { capacity: 5, refillPerSecond: 1 })], { clock });
     expect(gate.fused).toBe(true);
     const held = await gate.admit();
-    expect(await client.zcard(`${prefix}{in\ufffdflight\ufffd}:holders`)).toBe(1);
+    expect(await client.zcard(key("holders"))).toBe(1);
     // A caller of the semaphore itself, in another process, waits in its line and hears its
     // grant on the channel the gate's release names (once it listens: a release passes over a
     // waiter nobody listens for).
-    const channels = () => client.pubsub("CHANNELS", `${prefix}{in\ufffdflight\ufffd}:wake:*`);
+    const channels = () => client.pubsub("CHANNELS", key("wake:*"));
     const listening = (await channels()).length;
     const direct = other.semaphore(name, { limit: 1 }).admit();
     await until(async () => (await channels()).length > listening, {
       timeoutMs: 5000,
       message: "the direct caller did not listen for its grant",
     });
-    await until(async () => (await client.zcard(`${prefix}{in\ufffdflight\ufffd}:queue`)) === 1, {
+    await until(async () => (await client.zcard(key("queue"))) === 1, {
       timeoutMs: 5000,
       message: "the direct caller did not line up",
     });
     await held.release("success");
     const granted = await within(direct, 5000, "the direct caller's admission");
     await granted.release("success");
-    expect(await client.zcard(`${prefix}{in\ufffdflight\ufffd}:holders`)).toBe(0);
+    expect(await client.zcard(key("holders"))).toBe(0);
   });
 
   it("lets a lane go while another waits for its own tokens (keyed buckets do not hold each other up)", async () => {
