@@ -10,6 +10,7 @@ import { type RedisBackend, redis } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { RateLimiterRedis } from "rate-limiter-flexible";
 import { Semaphore } from "redis-semaphore";
+import { floorGate } from "./gate-floor.js";
 import {
   type BenchArgs,
   type Benchmark,
@@ -313,6 +314,9 @@ const GATES: Record<string, (b: RedisBackend) => Stage[]> = {
   ],
 };
 
+/** The floors' names in the table (bench/gate-floor.ts). */
+const FLOOR = { 1: "floor: semaphore, hand-written", 4: "floor: 4 stages, hand-written" } as const;
+
 export const redisGate: Benchmark = {
   name: "redis-gate",
   title: "a Gate of 1 to 5 Redis stages, 1 and 64 callers",
@@ -341,25 +345,42 @@ export const redisGate: Benchmark = {
               ),
             ),
         ),
+        // What no fused gate can beat here (bench/gate-floor.ts): only the commands, one flat reply.
+        ...([1, 4] as const).map((n) =>
+          timed(FLOOR[n], s, callers, c.ping, () => floorGate(c.floodgate, freshPrefix("floor"), n)),
+        ),
       ];
       const figures = await rounds(list, count);
       const ratio = (name: string) => pairedRatio(figures.get(name)!, figures.get("semaphore alone")!);
       const p50 = (name: string) => median(list.find((x) => x.name === name)!.p50);
       const calls = list
         .filter((x) => x.name !== "ioredis PING (floor)")
-        .map((x) => `${x.name.split(":")[0]} ${median(x.scriptCalls).toFixed(2)}`)
+        .map(
+          (x) =>
+            `${x.name.startsWith("floor") ? x.name.split(",")[0] : x.name.split(":")[0]} ${median(x.scriptCalls).toFixed(2)}`,
+        )
         .join(", ");
       const four = "4: + AIMD";
+      const floorNote =
+        "Floors (bench/gate-floor.ts): one hand-written script per turn of admissions and one per turn of " +
+        "releases doing only the commands an uncontended admission of those stages needs (no lines, reaping, " +
+        "fencing checks, quarantine, lanes, grants or renewal), one flat reply, one promise per call: what no " +
+        `fused gate can beat on this machine. The 4-stage floor against the semaphore alone: ` +
+        (callers === 1
+          ? `p50 ${(p50(FLOOR[4]) / p50("semaphore alone")).toFixed(2)}×.`
+          : `${times(ratio(FLOOR[4]))} the calls per second.`);
       const notes =
         callers === 1
           ? [
               `Target (#14) at 1 caller: p50 of a 4-stage gate ≤ 1.3× the semaphore alone's: ` +
                 `${verdict(p50(four) <= 1.3 * p50("semaphore alone"), `${(p50(four) / p50("semaphore alone")).toFixed(2)}×`)}.`,
+              floorNote,
               `Script calls per admission (admit and release): ${calls}.`,
             ]
           : [
               `Target (#14) at 64 callers: a 4-stage gate ≥ 0.8× the calls per second of the semaphore alone: ` +
                 `${verdict(ratio(four) >= 0.8, times(ratio(four)))}.`,
+              floorNote,
               `Script calls per admission (admit and release): ${calls}.`,
             ];
       report(

@@ -50,6 +50,8 @@
 --   held    1 when the call waits in the permit line with its steps kept (mode "hold"); else 0,
 --           or the replies of status 2
 --   now     (admissions) the time they decided at, server ms
+-- but for the leading admissions decided in one pass (see fast(), below): each answers 1, and one
+-- more element follows the last call's reply: their steps' replies, flat, then that time.
 --
 -- All or nothing: the permit steps run first (all of them), then the metering steps (the interval
 -- gates, then the token buckets), up to the first refusal (a permit refusal ends the try before
@@ -675,8 +677,12 @@ end
 -- as it was before the turn and the steps run again for the calls before it. Returns how many
 -- leading calls were admitted (their replies in `out`), each exactly as admit() would have
 -- admitted it alone; 0 when this way does not apply. The calls after them go admit()'s way.
-local function many(out)
+local function many(out, from)
   local MANY = { ['semaphore-acquire'] = true, ['token-bucket-take'] = true, ['interval-gate-take'] = true }
+  -- (The calls from `from` on, as 1, 2, …)
+  local all = calls
+  local calls = {}
+  for c = from, #all do calls[c - from + 1] = all[c] end
   local n = #calls
   local steps = calls[1].steps
   for i = 1, #steps do
@@ -834,9 +840,140 @@ local function many(out)
   return m
 end
 
+-- The leading calls of a turn of admissions that nothing stands in the way of, decided in one
+-- pass: nobody waits in the gate's line or in their lanes, and every step admits at once the
+-- way its script would when nothing is in its way (a permit stage without classes, quarantine or
+-- anyone in its own line, with room: its uncontended grant; a token bucket with the tokens now;
+-- an interval gate whose host's slot has come), the calls decided in turn exactly as if each
+-- came alone. Each call is looked at whole before anything of it is written, so a call that
+-- would be refused anywhere stops the pass before it: it, and every call after it, goes the
+-- general way (many(), admit()), which then reads what this pass wrote. Each state is read once
+-- and written once for the turn, as the stages' scripts do for a turn of their own callers.
+-- Returns how many leading calls were admitted; their replies go in `flat`, one after another,
+-- per step: a permit's fence, used, limit and epoch; nothing for a token bucket; an interval
+-- gate's replaced slot and claimed slot (the rest of each step's reply is known: see link.ts).
+local FAST = { ['semaphore-acquire'] = true, ['token-bucket-take'] = true, ['interval-gate-take'] = true }
+local function fast(flat)
+  if redis.call('EXISTS', line) == 1 then return 0 end
+  -- Per key, its state as this turn has left it so far (false: not for this pass).
+  local lanes, permits, buckets, hosts = {}, {}, {}, {}
+  local took = 0
+  for c = 1, #calls do
+    local call = calls[c]
+    local steps = call.steps
+    if call.held ~= '' then break end
+    local lane = call.lane
+    if lanes[lane] == nil then lanes[lane] = redis.call('EXISTS', lane) == 0 end
+    if not lanes[lane] then break end
+    -- Look at the whole call first.
+    local ok = true
+    local seen = {}
+    for i = 1, #steps do
+      local st = steps[i]
+      local a, key = st.args, st.keys[1]
+      if not FAST[st.name] or seen[key] then ok = false break end
+      seen[key] = true
+      if st.name == 'semaphore-acquire' then
+        local p = permits[key]
+        if p == nil then
+          p = false
+          if #a == 14 and a[14] == '' and not redis.call('ZRANGE', st.keys[2], 0, 0)[1] then
+            local v = redis.call('HMGET', st.keys[4], 'used', 'limit', 'epoch', 'seq', 'quarantine')
+            local limit = tonumber(a[3]) or tonumber(v[2])
+            if limit and (tonumber(v[5]) or 0) <= now then
+              p = { used = tonumber(v[1]) or 0, limit = limit, seq = tonumber(v[4]) or 0,
+                epoch = a[3] == '' and (tonumber(v[3]) or 0) or 0 }
+            end
+          end
+          permits[key] = p
+        end
+        if not p or #a ~= 14 or a[14] ~= '' or a[10] == '1' or (tonumber(a[9]) or 0) > p.seq
+            or p.used + floodgate_cost(a[2]) > p.limit then
+          ok = false break
+        end
+      elseif st.name == 'token-bucket-take' then
+        local b = buckets[key]
+        if b == nil then
+          b = { s = floodgate_bucket(key, tonumber(a[6]), now) }
+          buckets[key] = b
+        end
+        local s = b.s
+        if math.max(now, s.updatedAt) ~= now
+            or floodgate_tokens_at(s, tonumber(a[2]), tonumber(a[3]), tonumber(a[4]), now) + 1e-9 < tonumber(a[5]) then
+          ok = false break
+        end
+      else
+        local h = hosts[key]
+        if h == nil then
+          h = { previous = redis.call('HGET', key, 'nextAt') or '' }
+          hosts[key] = h
+        end
+        local nextAt = tonumber(h.previous)
+        if nextAt and nextAt > now then ok = false break end
+      end
+    end
+    if not ok then break end
+    -- Then take it.
+    for i = 1, #steps do
+      local st = steps[i]
+      local a, key = st.args, st.keys[1]
+      local n = #flat
+      if st.name == 'semaphore-acquire' then
+        local p = permits[key]
+        if redis.call('ZADD', st.keys[1], now + tonumber(a[4]), a[2]) == 1 then
+          p.used = p.used + floodgate_cost(a[2])
+        end
+        p.seq = p.seq + 1
+        p.meta = st.keys[4]
+        flat[n + 1], flat[n + 2], flat[n + 3], flat[n + 4] = p.seq, p.used, p.limit, p.epoch
+      elseif st.name == 'token-bucket-take' then
+        local b = buckets[key]
+        local s = b.s
+        s.tokens = math.max(0, floodgate_tokens_at(s, tonumber(a[2]), tonumber(a[3]), tonumber(a[4]), now) - tonumber(a[5]))
+        s.updatedAt = now
+        b.args, b.grant = a, a[7]
+      else
+        local h = hosts[key]
+        local claimed = floodgate_num(now + tonumber(a[2]))
+        flat[n + 1], flat[n + 2] = h.previous, claimed
+        h.previous, h.spacing = claimed, tonumber(a[2])
+      end
+    end
+    took = c
+  end
+  -- Each state written once.
+  for _, p in pairs(permits) do
+    if p and p.meta then floodgate_set_used(p.meta, p.used, nil, p.seq) end
+  end
+  for key, b in pairs(buckets) do
+    if b.grant then
+      local a = b.args
+      floodgate_save_bucket(key, b.s, tonumber(a[2]), tonumber(a[3]), tonumber(a[4]), b.grant, now)
+    end
+  end
+  for key, h in pairs(hosts) do
+    if h.spacing then
+      redis.call('HSET', key, 'nextAt', h.previous)
+      redis.call('PEXPIRE', key, floodgate_num(math.min(math.ceil(h.spacing) + 1000, 9007199254740991)))
+    end
+  end
+  return took
+end
+
 local out = {}
 local from = 1
-if op == 'all' and #calls > 1 then from = many(out) + 1 end
+local flat = nil
+if op == 'all' then
+  flat = {}
+  from = fast(flat) + 1
+  for c = 1, from - 1 do out[c] = 1 end
+end
+if op == 'all' and #calls - from >= 1 then
+  local part = {}
+  local m = many(part, from)
+  for c = 1, m do out[from + c - 1] = part[c] end
+  from = from + m
+end
 for c = from, #calls do
   woken = {}
   local call = calls[c]
@@ -853,14 +990,22 @@ for c = from, #calls do
 end
 -- (No one woken: 0, not an empty table, which costs the reply more.)
 for c = 1, #out do
-  local w = out[c][4]
-  if w ~= 0 and w[1] == nil then out[c][4] = 0 end
+  local w = out[c] ~= 1 and out[c][4]
+  if w and w ~= 0 and w[1] == nil then out[c][4] = 0 end
 end
 -- (Every reply says when the admissions decided, for the caller's view of the server's clock.)
 if op == 'all' then
   for c = 1, #out do
-    out[c][6] = out[c][6] or 0
-    out[c][7] = now
+    if out[c] ~= 1 then
+      out[c][6] = out[c][6] or 0
+      out[c][7] = now
+    end
+  end
+  -- The calls admitted in one pass (fast()) answer 1; their replies follow the last call's, with
+  -- the time they decided at.
+  if out[1] == 1 then
+    flat[#flat + 1] = now
+    out[#calls + 1] = flat
   end
 end
 return out

@@ -291,35 +291,51 @@ export class RedisLink {
     }
     const sentAt = this.clock.now();
     return this.run(stage, "gate", keys, args).then(
-      (replies: [number, number, number, string[], unknown[], unknown, number?][]) =>
-        replies.map((reply, c): GateReply => {
-          if (reply[6] !== undefined) this.sawServerTime(Number(reply[6]), sentAt);
-          const answers = reply[4];
-          const steps = stepsOf[c]!;
-          const status = Number(reply[0]);
-          const out: GateReply = {
-            status,
-            waitMs: Number(reply[1]),
-            inLine: LINES[Number(reply[2])],
-            woken: Array.isArray(reply[3]) ? reply[3] : NO_ONE,
-            replies: answers,
-          };
-          if (status === 2) out.collected = grantReplies(String(reply[5]));
-          if (Number(reply[5]) === 1) {
-            let settled = false;
-            out.hold = (granted) => {
-              if (settled) return;
-              settled = true;
-              settleSteps(steps, granted ?? []);
-            };
-          } else settleSteps(steps, answers);
-          return out;
-        }),
+      (replies: (GateCallReply | 1 | unknown[])[]) => {
+        // Calls admitted in one pass answer 1; their steps' replies follow the last call's reply.
+        const flat = replies.length > calls.length ? (replies[calls.length] as unknown[]) : undefined;
+        let at = 0;
+        if (flat) this.sawServerTime(Number(flat[flat.length - 1]), sentAt);
+        return stepsOf.map((steps, c): GateReply => {
+          const reply = replies[c]!;
+          if (reply === 1) {
+            const answers = new Array<unknown>(steps.length);
+            at = admittedAtOnce(steps, flat!, at, answers);
+            settleSteps(steps, answers);
+            return { status: 1, waitMs: -1, inLine: undefined, woken: NO_ONE, replies: answers };
+          }
+          return this.#gateReply(reply as GateCallReply, steps, sentAt);
+        });
+      },
       (error: unknown) => {
         for (const steps of stepsOf) for (const step of steps) step.reject(error);
         throw error;
       },
     );
+  }
+
+  /** A call's reply to a `gate` call, but for one admitted in one pass (see `gather`). */
+  #gateReply(reply: GateCallReply, steps: readonly Step[], sentAt: number): GateReply {
+    if (reply[6] !== undefined) this.sawServerTime(Number(reply[6]), sentAt);
+    const answers = reply[4];
+    const status = Number(reply[0]);
+    const out: GateReply = {
+      status,
+      waitMs: Number(reply[1]),
+      inLine: LINES[Number(reply[2])],
+      woken: Array.isArray(reply[3]) ? reply[3] : NO_ONE,
+      replies: answers,
+    };
+    if (status === 2) out.collected = grantReplies(String(reply[5]));
+    if (Number(reply[5]) === 1) {
+      let settled = false;
+      out.hold = (granted) => {
+        if (settled) return;
+        settled = true;
+        settleSteps(steps, granted ?? []);
+      };
+    } else settleSteps(steps, answers);
+    return out;
   }
 
   #run(
@@ -575,6 +591,33 @@ function onWire(text: string): string {
 }
 
 /** Settle gathered steps with their replies: a step with none (or false, null) did not run. */
+/** The reply of a `gate` call to one call: {status, waitMs, inLine, woken, replies, held, now}. */
+type GateCallReply = [number, number, number, string[], unknown[], unknown, number?];
+
+/**
+ * The replies of `steps`, admitted in one pass, from `flat` at `at` (lua/gate.lua, fast()): each
+ * as its script answers an admission at once. Returns where the next call's begin.
+ */
+function admittedAtOnce(
+  steps: readonly Step[],
+  flat: readonly unknown[],
+  at: number,
+  answers: unknown[],
+): number {
+  const now = flat[flat.length - 1];
+  for (let i = 0; i < steps.length; i++) {
+    const script = steps[i]!.script;
+    if (script === "semaphore-acquire") {
+      answers[i] = [1, flat[at], flat[at + 1], flat[at + 2], flat[at + 3], 0, 0, now];
+      at += 4;
+    } else if (script === "interval-gate-take") {
+      answers[i] = [1, flat[at], flat[at + 1]];
+      at += 2;
+    } else answers[i] = [1, 0];
+  }
+  return at;
+}
+
 function settleSteps(steps: readonly Step[], answers: readonly unknown[]): void {
   for (let i = 0; i < steps.length; i++) {
     const r = answers[i];
