@@ -305,6 +305,13 @@ local function giveBackGrant(member)
   return record
 end
 
+-- Whether step `b` repeats step `a` (the same keys) with none of the arguments in `shared`
+-- changed: then they are alike there without comparing them one by one.
+local function repeats(a, b, shared)
+  return (a.root or a) == (b.root or b) and bit.band((a.touched or 0), shared) == 0
+    and bit.band((b.touched or 0), shared) == 0
+end
+
 -- Releases, refunds and settles: every step as alone; freed permits wake the permit line.
 -- Releases of one semaphore's leases, or of one AIMD limiter's (without classes), that differ
 -- only in their own arguments (the member, and an AIMD's outcome, epoch and slow flag) go in one
@@ -313,8 +320,8 @@ end
 -- builds.)
 local function releases()
   return {
-    ['semaphore-release'] = { n = 8, own = {2, 5}, shared = {3, 4, 6, 7, 8} },
-    ['aimd-release'] = { n = 13, own = {2, 4, 5, 9}, shared = {3, 6, 7, 8, 10, 11, 12, 13} },
+    ['semaphore-release'] = { n = 8, own = {2, 5}, shared = {3, 4, 6, 7, 8}, bits = 472 },
+    ['aimd-release'] = { n = 13, own = {2, 4, 5, 9}, shared = {3, 6, 7, 8, 10, 11, 12, 13}, bits = 15816 },
   }
 end
 
@@ -338,10 +345,16 @@ local function each(call)
     local kind = RELEASES[s.name]
     if kind and #a == kind.n and (s.name ~= 'semaphore-release' or a[5] == 'lease') and (s.name ~= 'aimd-release' or a[13] == '') then
       -- The run of this script on these keys (a stage's), when its shared arguments are these.
-      -- (Keys by their first, the stage's holders; a repeated step shares its first's arguments.)
-      local id = s.name .. '\n' .. s.keys[1]
-      local run = runs[id]
-      if run then
+      -- (Keys by their first, the stage's holders; a repeated step shares its first's arguments:
+      -- one that repeats the run's first step with none of them changed needs no comparing.)
+      local byKey = runs[s.name]
+      if not byKey then
+        byKey = {}
+        runs[s.name] = byKey
+      end
+      local id = s.keys[1]
+      local run = byKey[id]
+      if run and not repeats(run.step, s, kind.bits) then
         local f = run.step.args
         for _, j in ipairs(kind.shared) do
           if a[j] ~= f[j] then run = nil break end
@@ -357,9 +370,8 @@ local function each(call)
         run.with[#run.with + 1] = i
         for _, j in ipairs(kind.own) do run.args[#run.args + 1] = a[j] end
       else
-        run = { step = s, with = { i }, args = {} }
-        for j = 1, #a do run.args[j] = a[j] end
-        runs[id] = run
+        run = { step = s, with = { i }, args = { unpack(a) } }
+        byKey[id] = run
       end
       order[#order + 1] = { run = run }
     else
@@ -660,13 +672,6 @@ end
 local PERMIT_SHARED = 32760 - 1024
 local BUCKET_SHARED = 4 + 8 + 16 + 64
 
--- Whether step `b` repeats step `a` (the same keys) with none of the arguments in `shared`
--- changed: then they are alike there without comparing them one by one.
-local function repeats(a, b, shared)
-  return (a.root or a) == (b.root or b) and bit.band((a.touched or 0), shared) == 0
-    and bit.band((b.touched or 0), shared) == 0
-end
-
 -- A turn's admissions together, while nobody waits in the gate's line or in the calls' lanes:
 -- each step runs once for the leading calls that have the same steps (a permit step on the same
 -- keys with the same arguments but the member and its "again"; a token bucket with the same
@@ -854,30 +859,49 @@ end
 -- gate's replaced slot and claimed slot (the rest of each step's reply is known: see link.ts).
 local FAST = { ['semaphore-acquire'] = true, ['token-bucket-take'] = true, ['interval-gate-take'] = true }
 local function fast(flat)
-  if redis.call('EXISTS', line) == 1 then return 0 end
-  -- Per key, its state as this turn has left it so far (false: not for this pass).
-  local lanes, permits, buckets, hosts = {}, {}, {}, {}
+  -- Per key, its state as this turn has left it so far (false: not for this pass); per lane and
+  -- per permit stage's own line, whether it is empty.
+  local permits, buckets, hosts, empty = {}, {}, {}, {}
+  -- The gate's line, the first call's lane and its permit stages' lines, looked at in one command.
+  local first = calls[1]
+  if not first then return 0 end
+  local probe = { line, first.lane }
+  for i = 1, #first.steps do
+    if first.steps[i].name == 'semaphore-acquire' then probe[#probe + 1] = first.steps[i].keys[2] end
+  end
+  if redis.call('EXISTS', unpack(probe)) == 0 then
+    for i = 2, #probe do empty[probe[i]] = true end
+  elseif redis.call('EXISTS', line) == 1 then
+    return 0
+  end
   local took = 0
+  local want = {}
   for c = 1, #calls do
     local call = calls[c]
     local steps = call.steps
     if call.held ~= '' then break end
     local lane = call.lane
-    if lanes[lane] == nil then lanes[lane] = redis.call('EXISTS', lane) == 0 end
-    if not lanes[lane] then break end
-    -- Look at the whole call first.
+    if empty[lane] == nil then empty[lane] = redis.call('EXISTS', lane) == 0 end
+    if not empty[lane] then break end
+    -- Look at the whole call first, keeping what taking it needs (`want`: a permit's cost, a
+    -- bucket's tokens left once taken).
     local ok = true
-    local seen = {}
     for i = 1, #steps do
       local st = steps[i]
       local a, key = st.args, st.keys[1]
-      if not FAST[st.name] or seen[key] then ok = false break end
-      seen[key] = true
+      if not FAST[st.name] then ok = false break end
+      -- (Two steps on one key would each see the state before the other.)
+      for j = 1, i - 1 do
+        if steps[j].keys[1] == key then ok = false end
+      end
+      if not ok then break end
       if st.name == 'semaphore-acquire' then
         local p = permits[key]
         if p == nil then
           p = false
-          if #a == 14 and a[14] == '' and not redis.call('ZRANGE', st.keys[2], 0, 0)[1] then
+          local queue = st.keys[2]
+          if empty[queue] == nil then empty[queue] = redis.call('EXISTS', queue) == 0 end
+          if #a == 14 and a[14] == '' and empty[queue] then
             local v = redis.call('HMGET', st.keys[4], 'used', 'limit', 'epoch', 'seq', 'quarantine')
             local limit = tonumber(a[3]) or tonumber(v[2])
             if limit and (tonumber(v[5]) or 0) <= now then
@@ -887,10 +911,12 @@ local function fast(flat)
           end
           permits[key] = p
         end
-        if not p or #a ~= 14 or a[14] ~= '' or a[10] == '1' or (tonumber(a[9]) or 0) > p.seq
-            or p.used + floodgate_cost(a[2]) > p.limit then
+        if not p or #a ~= 14 or a[14] ~= '' or a[10] == '1' or (tonumber(a[9]) or 0) > p.seq then
           ok = false break
         end
+        local cost = floodgate_cost(a[2])
+        if p.used + cost > p.limit then ok = false break end
+        want[i] = cost
       elseif st.name == 'token-bucket-take' then
         local b = buckets[key]
         if b == nil then
@@ -898,10 +924,10 @@ local function fast(flat)
           buckets[key] = b
         end
         local s = b.s
-        if math.max(now, s.updatedAt) ~= now
-            or floodgate_tokens_at(s, tonumber(a[2]), tonumber(a[3]), tonumber(a[4]), now) + 1e-9 < tonumber(a[5]) then
-          ok = false break
-        end
+        if s.updatedAt > now then ok = false break end
+        local tokens, cost = floodgate_tokens_at(s, tonumber(a[2]), tonumber(a[3]), tonumber(a[4]), now), tonumber(a[5])
+        if tokens + 1e-9 < cost then ok = false break end
+        want[i] = tokens - cost
       else
         local h = hosts[key]
         if h == nil then
@@ -920,17 +946,14 @@ local function fast(flat)
       local n = #flat
       if st.name == 'semaphore-acquire' then
         local p = permits[key]
-        if redis.call('ZADD', st.keys[1], now + tonumber(a[4]), a[2]) == 1 then
-          p.used = p.used + floodgate_cost(a[2])
-        end
+        if redis.call('ZADD', st.keys[1], now + tonumber(a[4]), a[2]) == 1 then p.used = p.used + want[i] end
         p.seq = p.seq + 1
         p.meta = st.keys[4]
         flat[n + 1], flat[n + 2], flat[n + 3], flat[n + 4] = p.seq, p.used, p.limit, p.epoch
       elseif st.name == 'token-bucket-take' then
         local b = buckets[key]
-        local s = b.s
-        s.tokens = math.max(0, floodgate_tokens_at(s, tonumber(a[2]), tonumber(a[3]), tonumber(a[4]), now) - tonumber(a[5]))
-        s.updatedAt = now
+        b.s.tokens = math.max(0, want[i])
+        b.s.updatedAt = now
         b.args, b.grant = a, a[7]
       else
         local h = hosts[key]
