@@ -298,6 +298,79 @@ describe("a fused Redis gate", () => {
     expect(await client.zcard(`${prefix}{inflight}:holders`)).toBe(0);
   });
 
+  it("admits a turn at once up to the first call a stage refuses, in order, and decides the rest as alone", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-pass");
+    const { b, client } = await backend(prefix, clock);
+    const gate = new Gate(
+      [b.semaphore("inflight", { limit: 3 }), b.tokenBucket("rate", { capacity: 5, refillPerSecond: 1 })],
+      {
+        clock,
+      },
+    );
+    const held = await gate.admit();
+    // Five at one instant: with one held, two fit; each later one is refused, holding nothing.
+    const turn = await Promise.all(Array.from({ length: 5 }, () => gate.tryAdmit()));
+    expect(turn.map((t) => t !== undefined)).toEqual([true, true, false, false, false]);
+    expect(await client.zcard(`${prefix}{inflight}:holders`)).toBe(3);
+    expect(await client.hget(`${prefix}{inflight}:meta`, "used")).toBe("3");
+    expect(Number(await client.hget(`${prefix}{rate}:b:default`, "tokens"))).toBeCloseTo(2, 6);
+    for (const t of [held, ...turn]) await t?.release("success");
+    expect(await client.hget(`${prefix}{inflight}:meta`, "used")).toBe("0");
+  });
+
+  it("lets nobody past a caller waiting in a permit stage's own line, even with room for a smaller one", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-ahead");
+    const { b, client } = await backend(prefix, clock);
+    const { b: other } = await backend(prefix, clock);
+    const gate = new Gate(
+      [b.semaphore("inflight", { limit: 2 }), b.tokenBucket("rate", { capacity: 5, refillPerSecond: 1 })],
+      {
+        clock,
+      },
+    );
+    const direct = other.semaphore("inflight", { limit: 2 });
+    const holder = await direct.admit();
+    // Two permits wanted, one free: it waits first in the stage's line.
+    const big = direct.admit({ cost: 2 });
+    await until(async () => (await client.zcard(`${prefix}{inflight}:queue`)) === 1, {
+      timeoutMs: 5000,
+      message: "the caller of two permits did not line up",
+    });
+    // One permit is free, but the gate's call of one would pass the caller ahead of it.
+    expect(await gate.tryAdmit()).toBeUndefined();
+    expect(await client.hget(`${prefix}{inflight}:meta`, "used")).toBe("1");
+    await holder.release("success");
+    await (await big).release("success");
+    const after = await gate.tryAdmit();
+    expect(after).toBeDefined();
+    await after!.release("success");
+  });
+
+  it("grants nothing during a quarantine, whether Redis lost the stage's data or keeps its mark", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-quarantine");
+    const { b, client } = await backend(prefix, clock);
+    const sem = b.semaphore("inflight", { limit: 4, leaseMs: 5000 });
+    const gate = new Gate([sem, b.tokenBucket("rate", { capacity: 50, refillPerSecond: 1 })], { clock });
+    await (await gate.admit()).release("success");
+    await (await gate.admit()).release("success");
+    // The stage's data gone (a restart without persistence): this process has seen fences the
+    // store no longer has, so the next admission starts a quarantine of a lease instead.
+    await client.del(`${prefix}{inflight}:meta`);
+    expect(await gate.tryAdmit()).toBeUndefined();
+    expect(Number(await client.hget(`${prefix}{inflight}:meta`, "quarantine"))).toBe(clock.now() + 5000);
+    await clock.advance(4999);
+    expect(await gate.tryAdmit()).toBeUndefined();
+    await clock.advance(1);
+    const after = await gate.tryAdmit();
+    expect(after).toBeDefined();
+    // The fencing sequence goes on from the highest this process had seen.
+    expect(Number(await client.hget(`${prefix}{inflight}:meta`, "seq"))).toBeGreaterThan(2);
+    await after!.release("success");
+  });
+
   it("admits and releases with stage names that hold lone surrogates, reaching the stage's own waiters as their calls do", async () => {
     const clock = new FakeClock(1000);
     const prefix = randomPrefix("fused-surrogate");
