@@ -181,6 +181,8 @@ for c = 1, tonumber(ARGV[5]) do
 end
 
 local woken
+-- Decides calls in one pass when nothing stands in their way (see below).
+local fast
 -- Decides the first waiters of the permit line whose steps are kept (see grants, above).
 local grantHeads
 
@@ -614,7 +616,33 @@ local function decide(head, kept)
     end
     steps[i] = { name = s[1], keys = s[2], args = args }
   end
-  local r = admit({ member = head, mode = 'try', held = '', lane = h[2], laneExp = h[3], steps = steps }, true)
+  local call = { member = head, mode = 'try', held = '', lane = h[2], laneExp = h[3], steps = steps }
+  -- Nothing in its way at its stages: decided in one pass, as admit() would decide it (it leaves
+  -- the permit line, and its lane, admitted).
+  local flat = {}
+  local r
+  if fast({ call }, flat, true) == 1 then
+    redis.call('ZREM', line, head)
+    redis.call('ZREM', lexp, head)
+    local laneHead = prune(call.lane, call.laneExp)
+    if laneHead then leave(head, call.lane, call.laneExp, laneHead) end
+    local replies, at = {}, 1
+    for i = 1, #steps do
+      local name = steps[i].name
+      if PERMIT[name] then
+        replies[i] = { 1, flat[at], flat[at + 1], flat[at + 2], flat[at + 3], 0, 0, now }
+        at = at + 4
+      elseif name == 'interval-gate-take' then
+        replies[i] = { 1, flat[at], flat[at + 1] }
+        at = at + 2
+      else
+        replies[i] = { 1, 0 }
+      end
+    end
+    r = { 1, -1, 0, woken, replies }
+  else
+    r = admit(call, true)
+  end
   if r[1] ~= 1 then
     -- A rate refused it: it asks again, and waits as its reply says. Too few permits: it stays first.
     if tonumber(r[2]) >= 0 then
@@ -854,35 +882,42 @@ end
 -- would be refused anywhere stops the pass before it: it, and every call after it, goes the
 -- general way (many(), admit()), which then reads what this pass wrote. Each state is read once
 -- and written once for the turn, as the stages' scripts do for a turn of their own callers.
+-- A release decides the first of the permit line whose steps are kept this way too (`granting`:
+-- the gate's line and its lane are not looked at, since nobody is ahead of it; see decide()).
 -- Returns how many leading calls were admitted; their replies go in `flat`, one after another,
 -- per step: a permit's fence, used, limit and epoch; nothing for a token bucket; an interval
 -- gate's replaced slot and claimed slot (the rest of each step's reply is known: see link.ts).
 local FAST = { ['semaphore-acquire'] = true, ['token-bucket-take'] = true, ['interval-gate-take'] = true }
-local function fast(flat)
+fast = function(list, flat, granting)
   -- Per key, its state as this turn has left it so far (false: not for this pass); per lane and
   -- per permit stage's own line, whether it is empty.
   local permits, buckets, hosts, empty = {}, {}, {}, {}
-  -- The gate's line, the first call's lane and its permit stages' lines, looked at in one command.
-  local first = calls[1]
+  local first = list[1]
   if not first then return 0 end
-  local probe = { line, first.lane }
-  for i = 1, #first.steps do
-    if first.steps[i].name == 'semaphore-acquire' then probe[#probe + 1] = first.steps[i].keys[2] end
-  end
-  if redis.call('EXISTS', unpack(probe)) == 0 then
-    for i = 2, #probe do empty[probe[i]] = true end
-  elseif redis.call('EXISTS', line) == 1 then
-    return 0
+  -- The gate's line, the first call's lane and its permit stages' lines, looked at in one
+  -- command. (`granting`: the first of the permit line, decided on a release: nobody is ahead.)
+  if not granting then
+    local probe = { line, first.lane }
+    for i = 1, #first.steps do
+      if first.steps[i].name == 'semaphore-acquire' then probe[#probe + 1] = first.steps[i].keys[2] end
+    end
+    if redis.call('EXISTS', unpack(probe)) == 0 then
+      for i = 2, #probe do empty[probe[i]] = true end
+    elseif redis.call('EXISTS', line) == 1 then
+      return 0
+    end
   end
   local took = 0
   local want = {}
-  for c = 1, #calls do
-    local call = calls[c]
+  for c = 1, #list do
+    local call = list[c]
     local steps = call.steps
     if call.held ~= '' then break end
     local lane = call.lane
-    if empty[lane] == nil then empty[lane] = redis.call('EXISTS', lane) == 0 end
-    if not empty[lane] then break end
+    if not granting then
+      if empty[lane] == nil then empty[lane] = redis.call('EXISTS', lane) == 0 end
+      if not empty[lane] then break end
+    end
     -- Look at the whole call first, keeping what taking it needs (`want`: a permit's cost, a
     -- bucket's tokens left once taken).
     local ok = true
@@ -988,7 +1023,7 @@ local from = 1
 local flat = nil
 if op == 'all' then
   flat = {}
-  from = fast(flat) + 1
+  from = fast(calls, flat) + 1
   for c = 1, from - 1 do out[c] = 1 end
 end
 if op == 'all' and #calls - from >= 1 then
