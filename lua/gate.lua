@@ -321,10 +321,16 @@ end
 -- (Built when a call has such releases to put together: a script call pays for every table it
 -- builds.)
 local function releases()
-  return {
-    ['semaphore-release'] = { n = 8, own = {2, 5}, shared = {3, 4, 6, 7, 8}, bits = 472 },
-    ['aimd-release'] = { n = 13, own = {2, 4, 5, 9}, shared = {3, 6, 7, 8, 10, 11, 12, 13}, bits = 15816 },
+  local kinds = {
+    ['semaphore-release'] = { n = 8, own = {2, 5}, shared = {3, 4, 6, 7, 8} },
+    ['aimd-release'] = { n = 13, own = {2, 4, 5, 9}, shared = {3, 6, 7, 8, 10, 11, 12, 13} },
   }
+  -- (`shared` as bits, for repeats().)
+  for _, kind in pairs(kinds) do
+    kind.bits = 0
+    for _, j in ipairs(kind.shared) do kind.bits = bit.bor(kind.bits, bit.lshift(1, j)) end
+  end
+  return kinds
 end
 
 -- Releases, refunds and settles: every step as alone (a semaphore's or AIMD limiter's releases
@@ -695,6 +701,9 @@ grantHeads = function()
   deciding = false
 end
 
+-- The scripts whose steps a turn's admissions can take together (many(), fast()).
+local TOGETHER = { ['semaphore-acquire'] = true, ['token-bucket-take'] = true, ['interval-gate-take'] = true }
+
 -- The arguments calls of a turn share at a permit step (3 to 14 but 10) and at a token bucket's
 -- (2 to 6 but 5), as bits (see the parsing of "=" steps).
 local PERMIT_SHARED = 32760 - 1024
@@ -711,15 +720,17 @@ local BUCKET_SHARED = 4 + 8 + 16 + 64
 -- leading calls were admitted (their replies in `out`), each exactly as admit() would have
 -- admitted it alone; 0 when this way does not apply. The calls after them go admit()'s way.
 local function many(out, from)
-  local MANY = { ['semaphore-acquire'] = true, ['token-bucket-take'] = true, ['interval-gate-take'] = true }
   -- (The calls from `from` on, as 1, 2, …)
-  local all = calls
-  local calls = {}
-  for c = from, #all do calls[c - from + 1] = all[c] end
+  local calls = calls
+  if from > 1 then
+    local all = calls
+    calls = {}
+    for c = from, #all do calls[c - from + 1] = all[c] end
+  end
   local n = #calls
   local steps = calls[1].steps
   for i = 1, #steps do
-    if not MANY[steps[i].name] or (PERMIT[steps[i].name] and #steps[i].args ~= 14) then return 0 end
+    if not TOGETHER[steps[i].name] or (PERMIT[steps[i].name] and #steps[i].args ~= 14) then return 0 end
   end
   -- The leading calls alike: the same steps, and no host spaced apart twice.
   local spaced = {}
@@ -887,7 +898,6 @@ end
 -- Returns how many leading calls were admitted; their replies go in `flat`, one after another,
 -- per step: a permit's fence, used, limit and epoch; nothing for a token bucket; an interval
 -- gate's replaced slot and claimed slot (the rest of each step's reply is known: see link.ts).
-local FAST = { ['semaphore-acquire'] = true, ['token-bucket-take'] = true, ['interval-gate-take'] = true }
 fast = function(list, flat, granting)
   -- Per key, its state as this turn has left it so far (false: not for this pass); per lane and
   -- per permit stage's own line, whether it is empty.
@@ -924,7 +934,7 @@ fast = function(list, flat, granting)
     for i = 1, #steps do
       local st = steps[i]
       local a, key = st.args, st.keys[1]
-      if not FAST[st.name] then ok = false break end
+      if not TOGETHER[st.name] then ok = false break end
       -- (Two steps on one key would each see the state before the other.)
       for j = 1, i - 1 do
         if steps[j].keys[1] == key then ok = false end
@@ -937,12 +947,8 @@ fast = function(list, flat, granting)
           local queue = st.keys[2]
           if empty[queue] == nil then empty[queue] = redis.call('EXISTS', queue) == 0 end
           if #a == 14 and a[14] == '' and empty[queue] then
-            local v = redis.call('HMGET', st.keys[4], 'used', 'limit', 'epoch', 'seq', 'quarantine')
-            local limit = tonumber(a[3]) or tonumber(v[2])
-            if limit and (tonumber(v[5]) or 0) <= now then
-              p = { used = tonumber(v[1]) or 0, limit = limit, seq = tonumber(v[4]) or 0,
-                epoch = a[3] == '' and (tonumber(v[3]) or 0) or 0 }
-            end
+            p = floodgate_open(st.keys[4], a[3], now) or false
+            if p then p.meta = st.keys[4] end
           end
           permits[key] = p
         end
@@ -983,7 +989,7 @@ fast = function(list, flat, granting)
         local p = permits[key]
         if redis.call('ZADD', st.keys[1], now + tonumber(a[4]), a[2]) == 1 then p.used = p.used + want[i] end
         p.seq = p.seq + 1
-        p.meta = st.keys[4]
+        p.took = true
         flat[n + 1], flat[n + 2], flat[n + 3], flat[n + 4] = p.seq, p.used, p.limit, p.epoch
       elseif st.name == 'token-bucket-take' then
         local b = buckets[key]
@@ -1001,7 +1007,7 @@ fast = function(list, flat, granting)
   end
   -- Each state written once.
   for _, p in pairs(permits) do
-    if p and p.meta then floodgate_set_used(p.meta, p.used, nil, p.seq) end
+    if p and p.took then floodgate_set_used(p.meta, p.used, nil, p.seq) end
   end
   for key, b in pairs(buckets) do
     if b.grant then

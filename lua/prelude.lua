@@ -307,6 +307,18 @@ local function floodgate_unclass_all(meta)
   end
 end
 
+-- A permit stage's state when it may grant at once, as far as `meta` says: its limit known (the
+-- stage's `limitArg`, or meta's when that is "", as for an AIMD limiter) and no quarantine on at
+-- `now`. Returns {used, limit, seq, epoch} (epoch 0 unless the limit is meta's), or nil. Its own
+-- line, classes and the caller's fence are the caller's to look at.
+local function floodgate_open(meta, limitArg, now)
+  local v = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'seq', 'quarantine')
+  local limit = tonumber(limitArg) or tonumber(v[2])
+  if not limit or (tonumber(v[5]) or 0) > now then return nil end
+  return { used = tonumber(v[1]) or 0, limit = limit, seq = tonumber(v[4]) or 0,
+    epoch = limitArg == '' and (tonumber(v[3]) or 0) or 0 }
+end
+
 -- Write `used` (all permits held) to `meta` in one HSET, with what each class of `c` holds when
 -- `c` is given, and the fencing sequence when `seq` is.
 local function floodgate_set_used(meta, used, c, seq)

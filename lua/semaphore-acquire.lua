@@ -273,15 +273,10 @@ for i = 15, #ARGV, 2 do
   agains[#agains + 1] = ARGV[i + 1]
 end
 local replies = {}
-local state = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'seq', 'quarantine')
-local limit = tonumber(ARGV[3]) or tonumber(state[2])
-local seq = tonumber(state[4]) or 0
+local open = not classes and floodgate_open(meta, ARGV[3], now)
 local next = 1
-if not classes and limit and lastFence <= seq and (tonumber(state[5]) or 0) <= now
-    and not redis.call('ZRANGE', queue, 0, 0)[1] then
-  local used = tonumber(state[1]) or 0
-  local epoch = 0
-  if ARGV[3] == '' then epoch = tonumber(state[3]) or 0 end
+if open and lastFence <= open.seq and not redis.call('ZRANGE', queue, 0, 0)[1] then
+  local used, limit, seq, epoch = open.used, open.limit, open.seq, open.epoch
   while next <= #members and agains[next] ~= '1' do
     local member = members[next]
     local cost = floodgate_cost(member)

@@ -314,7 +314,7 @@ export class RedisLink {
     );
   }
 
-  /** A call's reply to a `gate` call, but for one admitted in one pass (see `gather`). */
+  /** A call's reply to a `gate` call, for any call but one admitted in one pass (see `gather`). */
   #gateReply(reply: GateCallReply, steps: readonly Step[], sentAt: number): GateReply {
     if (reply[6] !== undefined) this.sawServerTime(Number(reply[6]), sentAt);
     const answers = reply[4];
@@ -590,13 +590,12 @@ function onWire(text: string): string {
   return Buffer.from(text, "utf8").toString("utf8");
 }
 
-/** Settle gathered steps with their replies: a step with none (or false, null) did not run. */
 /** The reply of a `gate` call to one call: {status, waitMs, inLine, woken, replies, held, now}. */
 type GateCallReply = [number, number, number, string[], unknown[], unknown, number?];
 
 /**
  * The replies of `steps`, admitted in one pass, from `flat` at `at` (lua/gate.lua, fast()): each
- * as its script answers an admission at once. Returns where the next call's begin.
+ * as its script answers an admission at once. Returns where the next call's replies begin.
  */
 function admittedAtOnce(
   steps: readonly Step[],
@@ -618,6 +617,7 @@ function admittedAtOnce(
   return at;
 }
 
+/** Settle gathered steps with their replies: a step with none (or false, null) did not run. */
 function settleSteps(steps: readonly Step[], answers: readonly unknown[]): void {
   for (let i = 0; i < steps.length; i++) {
     const r = answers[i];

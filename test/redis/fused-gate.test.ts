@@ -62,6 +62,11 @@ describe("a fused Redis gate", () => {
     return counter;
   }
 
+  /** Wait until the line at `key` holds `n` callers: 5 s bounds a failure, and proves no timing. */
+  function lined(client: Redis, key: string, n: number, message: string): Promise<unknown> {
+    return until(async () => (await client.zcard(key)) === n, { timeoutMs: 5000, message });
+  }
+
   /** The llm scenario's five stages: rpm and tpm buckets, a semaphore, AIMD, an interval gate. */
   function llm(b: ReturnType<typeof redis>) {
     return [
@@ -278,10 +283,7 @@ describe("a fused Redis gate", () => {
     const held = await gate.admit();
     // Callers of the semaphore itself, in this process and in another, wait in its own line.
     const queued = (n: number) =>
-      until(async () => (await client.zcard(`${prefix}{inflight}:queue`)) === n, {
-        timeoutMs: 5000,
-        message: "the direct callers did not line up",
-      });
+      lined(client, `${prefix}{inflight}:queue`, n, "the direct callers did not line up");
     const direct = other.semaphore("inflight", { limit: 1 }).admit();
     await queued(1);
     const local = sem.admit();
@@ -334,10 +336,7 @@ describe("a fused Redis gate", () => {
     const holder = await direct.admit();
     // Two permits wanted, one free: it waits first in the stage's line.
     const big = direct.admit({ cost: 2 });
-    await until(async () => (await client.zcard(`${prefix}{inflight}:queue`)) === 1, {
-      timeoutMs: 5000,
-      message: "the caller of two permits did not line up",
-    });
+    await lined(client, `${prefix}{inflight}:queue`, 1, "the caller of two permits did not line up");
     // One permit is free, but the gate's call of one would pass the caller ahead of it.
     expect(await gate.tryAdmit()).toBeUndefined();
     expect(await client.hget(`${prefix}{inflight}:meta`, "used")).toBe("1");
@@ -394,10 +393,7 @@ describe("a fused Redis gate", () => {
       timeoutMs: 5000,
       message: "the direct caller did not listen for its grant",
     });
-    await until(async () => (await client.zcard(key("queue"))) === 1, {
-      timeoutMs: 5000,
-      message: "the direct caller did not line up",
-    });
+    await lined(client, key("queue"), 1, "the direct caller did not line up");
     await held.release("success");
     const granted = await within(direct, 5000, "the direct caller's admission");
     await granted.release("success");
