@@ -68,9 +68,11 @@ export async function startPersistentRedis(): Promise<{ server: RedisProcess; re
 
 /**
  * Stop redis-server (SIGTERM lets it finish its append-only file; SIGKILL is a crash) and start
- * it again on the same port `downMs` later.
+ * it again on the same port `downMs` later. Returns how long it was away: from the stop to ready
+ * again, ms.
  */
-export async function restartRedis(server: RedisProcess, graceful: boolean, downMs: number): Promise<void> {
+export async function restartRedis(server: RedisProcess, graceful: boolean, downMs: number): Promise<number> {
+  const from = epochNow();
   const child = server.child;
   if (graceful && child && child.exitCode === null && child.signalCode === null) {
     const gone = once(child, "exit");
@@ -80,6 +82,7 @@ export async function restartRedis(server: RedisProcess, graceful: boolean, down
   await server.stop();
   await sleep(downMs);
   await server.start();
+  return epochNow() - from;
 }
 
 /** Milliseconds since the epoch, with a fraction; comparable between processes of one machine. */
