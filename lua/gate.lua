@@ -16,7 +16,9 @@
 --
 -- ARGV[1] now          ms, or "" for the server's TIME
 -- ARGV[2] op           "all": admissions, each all or nothing; "each": releases, refunds and
---                      settles, each step run as it would alone; "leave": callers leave the lines
+--                      settles, each step run as it would alone; "leave": callers leave the lines;
+--                      "grant": permits were freed outside the gate (a stage's own caller, another
+--                      gate): the permit line's first is decided as on a release (one call, no steps)
 -- ARGV[3] waiterTtlMs  how long a waiter stays in line without asking again, ms
 -- ARGV[4] channel      base of the wake channels: a member is told "<member>" on channel:<token>
 -- ARGV[5] calls        the number of calls; then one argument per call, a JSON list of strings (a
@@ -1047,6 +1049,9 @@ for c = from, #calls do
     giveBackGrant(call.member)
     leave(call.member, line, lexp)
     leave(call.member, call.lane, call.laneExp)
+    out[c] = {1, -1, 0, woken, {}}
+  elseif op == 'grant' then
+    grantHeads()
     out[c] = {1, -1, 0, woken, {}}
   else
     out[c] = admit(call)

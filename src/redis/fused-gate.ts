@@ -20,6 +20,7 @@ import {
   NOT_RUN,
   type RedisLink,
 } from "./link.js";
+import type { RedisPermitStage } from "./permit-stage.js";
 
 /** What the fused gates of one Redis backend share. */
 export interface FusionSettings {
@@ -125,7 +126,18 @@ class FusedGate implements FusedAdmission {
     this.#admits = this.#head("all");
     this.#releases = this.#head("each");
     this.#leaves = this.#head("leave");
+    this.#grants = this.#head("grant");
+    // Permits freed here outside this gate (a stage's own caller, another gate) are told to it.
+    for (const stage of stages) {
+      const permits = stage as Partial<Pick<RedisPermitStage, "onFreed">>;
+      if (PERMIT_KINDS.has(stage.kind) && permits.onFreed) {
+        this.#unhook.push(permits.onFreed((by) => this.#freedElsewhere(by)));
+      }
+    }
   }
+
+  /** Stop being told of permits freed outside the gate, one per permit stage. */
+  readonly #unhook: (() => void)[] = [];
 
   /**
    * The keys of a call's lane (and its expiries): its key at stages keyed by key, its host at
@@ -151,6 +163,7 @@ class FusedGate implements FusedAdmission {
   readonly #admits: GateHead;
   readonly #releases: GateHead;
   readonly #leaves: GateHead;
+  readonly #grants: GateHead;
 
   async admit(call: FusedCall, wait: boolean): Promise<Ticket[] | undefined> {
     const member = `${this.#token}-${++this.#members}`;
@@ -189,6 +202,8 @@ class FusedGate implements FusedAdmission {
         blame = attempt.blame;
         since = at;
         inLine = reply?.inLine !== undefined;
+        if (reply?.inLine === "permits") this.#forPermits.add(member);
+        else this.#forPermits.delete(member);
         if (!wait) return undefined;
         if (attempt.held) {
           held = attempt.held;
@@ -232,6 +247,7 @@ class FusedGate implements FusedAdmission {
       if (inLine) this.#leave(member, lane);
       throw error;
     } finally {
+      this.#forPermits.delete(member);
       this.#holds.delete(member);
       this.#early.delete(member);
       this.#trying.delete(member);
@@ -525,6 +541,7 @@ class FusedGate implements FusedAdmission {
 
   close(reason: unknown): void {
     this.#closedBy = reason;
+    for (const stop of this.#unhook.splice(0)) stop();
     for (const end of [...this.#wakes.values()]) end(reason);
   }
 
@@ -571,6 +588,39 @@ class FusedGate implements FusedAdmission {
         },
       );
     return this.#listening;
+  }
+
+  /** Members of this process waiting in the gate's permit line. */
+  readonly #forPermits = new Set<string>();
+  /** A `grant` call is out; another is due once it is back. */
+  #granting = false;
+  #grantAgain = false;
+
+  /**
+   * Permits freed in this process at one of the gate's permit stages, by a release that went
+   * through the gate of `by` (undefined: through none). One through this gate decided its line
+   * already. Otherwise, while a caller of this process waits in the permit line, a `grant` call
+   * decides the line's first there and then, as a release through the gate would: without it,
+   * the line would wait for its next poll.
+   */
+  #freedElsewhere(by: GateHead | undefined): void {
+    if (by === this.#releases || this.#forPermits.size === 0 || this.#closedBy !== undefined) return;
+    if (this.#granting) {
+      this.#grantAgain = true;
+      return;
+    }
+    this.#granting = true;
+    const done = () => {
+      this.#granting = false;
+      if (!this.#grantAgain) return;
+      this.#grantAgain = false;
+      this.#freedElsewhere(undefined);
+    };
+    const call: GateCall = { member: "", mode: "try", try: "", held: "", lane: this.#lane, fn: () => {} };
+    this.#link.gather(this.#name, this.#grants, [call])!.then((replies) => {
+      this.#wakeAll(replies[0]!.woken);
+      done();
+    }, done);
   }
 
   /** Take `member` out of the gate's lines in the background (it gave up). */

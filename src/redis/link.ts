@@ -83,7 +83,7 @@ export interface GateReply {
 export interface GateHead {
   /** The gate's keys: its permit line, the line's expiries, its sequence, kept steps, their expiries. */
   keys: readonly string[];
-  op: "all" | "each" | "leave";
+  op: "all" | "each" | "leave" | "grant";
   waiterTtlMs: number;
   channel: string;
 }
@@ -213,17 +213,28 @@ export class RedisLink {
 
   /** Script calls made while `gather` runs its function; undefined otherwise. */
   #gathering: Step[] | undefined = undefined;
+  /** The head of the `gate` call being gathered, while `gather` runs its function. */
+  #gatheringFor: GateHead | undefined = undefined;
+
+  /**
+   * The head of the `gate` call that script calls made now go in (see `gather`): a stage tells
+   * by it whether a release of its own goes through a fused gate, and which. Undefined otherwise.
+   */
+  get gatheringFor(): GateHead | undefined {
+    return this.#gatheringFor;
+  }
 
   /**
    * Run each call's `fn`, gathering the stage script calls it makes (synchronously) as that
    * call's steps, and send them all as one `gate` call (lua/gate.lua); each stage script call
    * settles with its step's reply. Resolves with one reply per call, or is undefined when no
-   * call made a script call (and the op is no "leave").
+   * call made a script call (and the op is neither "leave" nor "grant", which need none).
    */
   gather(stage: string, head: GateHead, calls: readonly GateCall[]): Promise<GateReply[]> | undefined {
     const stepsOf: Step[][] = [];
     let total = 0;
     ScriptBatch.direct = true;
+    this.#gatheringFor = head;
     try {
       for (const call of calls) {
         const steps: Step[] = [];
@@ -238,8 +249,9 @@ export class RedisLink {
       }
     } finally {
       ScriptBatch.direct = false;
+      this.#gatheringFor = undefined;
     }
-    if (total === 0 && head.op !== "leave") return undefined;
+    if (total === 0 && head.op !== "leave" && head.op !== "grant") return undefined;
     const keys = [...head.keys];
     const args: (string | number)[] = [this.now(), head.op, head.waiterTtlMs, head.channel, calls.length];
     // Each script's steps sent so far, by their keys (a stage's own list, or a bucket's or host's

@@ -23,7 +23,7 @@ import { ScriptBatch } from "./batch.js";
 import type { RedisContext } from "./context.js";
 import { stageKey } from "./keys.js";
 import { LeaseKeeper, LeaseTicket } from "./lease.js";
-import { maybeSent, type RedisLink } from "./link.js";
+import { type GateHead, maybeSent, type RedisLink } from "./link.js";
 
 /**
  * A grant message whose grant ends sooner than this (as judged here) is not taken on its word:
@@ -314,6 +314,7 @@ export abstract class RedisPermitStage extends BaseStage {
   /** Give back lease or waiter `id` in the background (a lost reply, an abandoned wait). */
   #forget(id: string, waitedMs = 0): void {
     const sentAt = this.clock.now();
+    const by = this.link.gatheringFor;
     this.link
       .run(this.name, "semaphore-release", this.keys, [
         this.link.now(),
@@ -329,6 +330,7 @@ export abstract class RedisPermitStage extends BaseStage {
         (reply) => {
           this.sawUsed(reply[2], sentAt);
           this.granted(reply[3], sentAt);
+          if (Number(reply[0]) === 1 || Number(reply[1]) === 1) this.#freed(by);
         },
         (error) => {
           // Redis is away (a dropped connection, a pause): ask again shortly, for as long as the
@@ -643,8 +645,10 @@ export abstract class RedisPermitStage extends BaseStage {
     this.#signalled.delete(t);
     this.book?.giveBack(t.key, t.cost);
     if (t.cost === 0 || t.leaseId === "") return undefined;
+    const by = this.link.gatheringFor;
     return this.giveBack(t, outcome, refund).then(
       (released) => {
+        if (released) this.#freed(by);
         if (!released && !refund) this.log.warn({ lease: t.leaseId }, "lease had run out before release");
       },
       (error: unknown) => {
@@ -652,6 +656,25 @@ export abstract class RedisPermitStage extends BaseStage {
         if (isFloodgateError(error, "BACKEND_UNAVAILABLE")) this.#forget(t.leaseId);
       },
     );
+  }
+
+  /** Told when this process frees permits here (see `onFreed`). */
+  readonly #freedListeners = new Set<(by: GateHead | undefined) => void>();
+
+  /**
+   * Call `listener` whenever this process frees permits here (a release, or a lease or place in
+   * line given back), with the head of the fused gate's script call the release went in, or
+   * undefined for one outside any gate. A fused gate's callers wait in the gate's permit line,
+   * which only a release through that gate looks at: one outside it tells the gate this way.
+   * Returns the way to stop. @internal
+   */
+  onFreed(listener: (by: GateHead | undefined) => void): () => void {
+    this.#freedListeners.add(listener);
+    return () => this.#freedListeners.delete(listener);
+  }
+
+  #freed(by: GateHead | undefined): void {
+    for (const listener of this.#freedListeners) listener(by);
   }
 
   /** Run the release script; resolves true when the lease was still held. */

@@ -400,6 +400,34 @@ describe("a fused Redis gate", () => {
     expect(await client.zcard(key("holders"))).toBe(0);
   });
 
+  it("decides its permit line when a permit is freed outside it, in this process: by a caller of the stage, or another gate", async () => {
+    // The fake clock never moves: a waiter's poll never comes, so only being told admits it.
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-freed");
+    const { client, b } = await backend(prefix, clock);
+    const sem = b.semaphore("inflight", { limit: 1 });
+    const gate = new Gate([sem, b.tokenBucket("rate", { capacity: 100, refillPerSecond: 1 })], { clock });
+    const other = new Gate([sem, b.intervalGate("hosts", { minIntervalMs: 0, defaultHost: "api" })], {
+      name: "other",
+      clock,
+    });
+    expect([gate.fused, other.fused]).toEqual([true, true]);
+    const line = `${prefix}{gate:gate|inflight|rate}:line`;
+    // First through the gate itself: from then on its process listens for grants, so a waiter of
+    // the gate sleeps once in line (before, it asks once more after it starts listening).
+    for (const holder of [() => gate.admit(), () => sem.admit(), () => other.admit()]) {
+      const held = await holder();
+      const waiting = gate.admit();
+      await lined(client, line, 1, "the gate's call did not line up for the permit");
+      await held.release("success");
+      const admitted = await within(waiting, 5000, "the gate's call, once the permit was freed");
+      expect(await client.zcard(line)).toBe(0);
+      await admitted.release("success");
+    }
+    expect(await client.zcard(`${prefix}{inflight}:holders`)).toBe(0);
+    await Promise.all([gate.close(), other.close()]);
+  });
+
   it("lets a lane go while another waits for its own tokens (keyed buckets do not hold each other up)", async () => {
     const clock = new FakeClock(1000);
     const { b } = await backend(randomPrefix("fused-lanes"), clock);
