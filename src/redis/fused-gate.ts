@@ -50,6 +50,11 @@ interface Attempt {
   reply: GateReply | undefined;
   /** Index of the stage a refused call waits for (see `#blame`), or -1. */
   blame: number;
+  /**
+   * Refused permits with its steps run (first in the permit line): ms until a permit stage that
+   * refused it could have room by itself (its nearest lease ends, or its quarantine), or -1.
+   */
+  soonest?: number;
   /** The call waits in the permit line with this try's steps kept, for a release to admit. */
   held?: Held;
   /** The replies to the kept steps of the call's earlier try, which a release admitted. */
@@ -174,6 +179,8 @@ class FusedGate implements FusedAdmission {
     // The stage the call waited for since its previous try, and when that try went out.
     let blame = -1;
     let since = 0;
+    // Refused permits, first in line: ms until a permit could free by itself (see `#soonest`).
+    let soonest = -1;
     // A call with no time left to wait (`timeoutMs: 0`) only tries: it never takes a place in line.
     const lines = wait && call.deadline > clock.now();
     let tries = 0;
@@ -200,6 +207,7 @@ class FusedGate implements FusedAdmission {
         if (attempt.tickets) return attempt.tickets;
         const reply = attempt.reply;
         blame = attempt.blame;
+        soonest = attempt.soonest ?? -1;
         since = at;
         inLine = reply?.inLine !== undefined;
         if (reply?.inLine === "permits") this.#forPermits.add(member);
@@ -238,7 +246,8 @@ class FusedGate implements FusedAdmission {
           // Whole ms, as Redis counts waits: a wake-up between two ms would find the wait not over.
           const poll = Math.ceil(this.#s.pollMs * (0.5 + this.#s.random()));
           const waitMs = reply?.waitMs ?? -1;
-          await this.#sleep(member, waitMs >= 0 ? Math.min(waitMs, poll) : poll, call);
+          const until = waitMs >= 0 ? waitMs : soonest >= 0 ? soonest + 1 : -1;
+          await this.#sleep(member, until >= 0 ? Math.min(until, poll) : poll, call);
           if (!held?.granted) break;
         }
       }
@@ -385,7 +394,13 @@ class FusedGate implements FusedAdmission {
       const result = this.#finish(sent, pending, stepOf);
       result.catch(() => {});
       const held: Held = { try: tryNo, settle: hold, result, granted: false };
-      return { tickets: undefined, reply, blame: this.#blame(reply!, stepOf), held };
+      return {
+        tickets: undefined,
+        reply,
+        blame: this.#blame(reply!, stepOf),
+        soonest: this.#soonest(reply!, stepOf),
+        held,
+      };
     }
     const attempt = await this.#finish(sent, pending, stepOf);
     if (reply?.collected) attempt.collected = reply.collected;
@@ -426,7 +441,13 @@ class FusedGate implements FusedAdmission {
       const again = { ...reply, status: 0, waitMs: Math.min(5, this.#s.pollMs) };
       return { tickets: undefined, reply: again, blame: -1 };
     }
-    return { tickets: undefined, reply, blame: reply ? this.#blame(reply, stepOf) : -1 };
+    if (!reply) return { tickets: undefined, reply, blame: -1 };
+    return {
+      tickets: undefined,
+      reply,
+      blame: this.#blame(reply, stepOf),
+      soonest: this.#soonest(reply, stepOf),
+    };
   }
 
   /**
@@ -453,6 +474,26 @@ class FusedGate implements FusedAdmission {
       }
     }
     return best;
+  }
+
+  /**
+   * For a call refused permits whose steps ran: ms until the first of the permit stages that
+   * refused it could have room without a release (the soonest of their nearest lease ends and
+   * quarantines, as each acquire's reply says), so that it asks again then, as a stage's own
+   * waiter does, rather than at its next poll: a holder that died frees nothing until its lease
+   * runs out, and tells nobody. -1 when none says.
+   */
+  #soonest(reply: GateReply, stepOf: readonly number[]): number {
+    if (reply.inLine !== "permits" || reply.waitMs >= 0) return -1;
+    let soonest = -1;
+    for (let i = 0; i < this.#stages.length; i++) {
+      if (!PERMIT_KINDS.has(this.#stages[i]!.kind) || stepOf[i]! < 0) continue;
+      const r = reply.replies[stepOf[i]!];
+      if (!Array.isArray(r) || Number(r[0]) !== 0) continue;
+      const ms = Number(r[1]);
+      if (ms >= 0 && (soonest < 0 || ms < soonest)) soonest = ms;
+    }
+    return soonest;
   }
 
   /** Count `ms` of waiting as the wait of stage `i` (see `#blame`). */

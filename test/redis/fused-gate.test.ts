@@ -428,6 +428,34 @@ describe("a fused Redis gate", () => {
     await Promise.all([gate.close(), other.close()]);
   });
 
+  it("asks again when the lease that keeps its permit runs out (a holder that died), not at its next poll", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-lease-end");
+    // Polls 30 to 90 s apart: within the second this test moves the clock, only the lease's end
+    // can make the call ask again.
+    const { client, b } = await backend(prefix, clock, { pollMs: 60_000 });
+    const gate = new Gate(
+      [b.semaphore("inflight", { limit: 1 }), b.tokenBucket("rate", { capacity: 100, refillPerSecond: 1 })],
+      { clock },
+    );
+    // A holder whose process died: its lease ends at 1500 ms, and nobody will release it.
+    await client.zadd(`${prefix}{inflight}:holders`, 1500, "dead-1:1");
+    await client.hset(`${prefix}{inflight}:meta`, "used", 1);
+    let admitted: Ticket | undefined;
+    const waiting = gate.admit().then((t) => {
+      admitted = t;
+      return t;
+    });
+    await lined(client, `${prefix}{gate:gate|inflight|rate}:line`, 1, "the call did not line up");
+    await clock.advance(499);
+    expect(admitted).toBe(undefined);
+    await clock.advance(2);
+    const ticket = await within(waiting, 5000, "the call, once the dead holder's lease ran out");
+    expect(await client.zrange(`${prefix}{inflight}:holders`, 0, -1)).not.toContain("dead-1:1");
+    await ticket.release("success");
+    await gate.close();
+  });
+
   it("lets a lane go while another waits for its own tokens (keyed buckets do not hold each other up)", async () => {
     const clock = new FakeClock(1000);
     const { b } = await backend(randomPrefix("fused-lanes"), clock);
