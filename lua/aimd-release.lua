@@ -33,7 +33,8 @@
 --
 -- Returns {released, limit, epoch, used, grants}: grants = the waiters granted the freed permits
 -- (floodgate_grant_heads), each as the message PUBLISHed on `channel`. With more than one
--- member, returns one such reply per member, in order.
+-- member, returns one such reply per member, in order. Run alone (not as a fused gate's step), a
+-- call that freed permits says so on `channel`:freed (floodgate_freed).
 local holders     = KEYS[1]
 local queue       = KEYS[2]
 local qexp        = KEYS[3]
@@ -110,7 +111,9 @@ local function alone(member, outcome, ticketEpoch, slow)
       floodgate_set_used(meta, used, classes)
     end
   end
-  return {released, limit, epoch, used, grantFreed(member)}
+  local grants = grantFreed(member)
+  if released == 1 then floodgate_freed(channel) end
+  return {released, limit, epoch, used, grants}
 end
 
 if #ARGV <= 13 then return alone(member, outcome, ticketEpoch, slow) end
@@ -126,6 +129,11 @@ if redis.call('ZRANGE', queue, 0, 0)[1] then
   for i, t in ipairs(turn) do replies[i] = alone(t[1], t[2], t[3], t[4]) end
   return replies
 end
-for i, t in ipairs(turn) do replies[i] = {release(t[1], t[2], t[3], t[4], true), limit, epoch, used, {}} end
+local freed = false
+for i, t in ipairs(turn) do
+  replies[i] = {release(t[1], t[2], t[3], t[4], true), limit, epoch, used, {}}
+  freed = freed or replies[i][1] == 1
+end
 redis.call('HSET', meta, 'used', used, 'limit', limit, 'epoch', epoch)
+if freed then floodgate_freed(channel) end
 return replies

@@ -111,6 +111,8 @@ local op      = ARGV[2]
 local now     = (op == 'all' or ARGV[1] ~= '') and floodgate_now(ARGV[1]) or nil
 local ttl     = tonumber(ARGV[3])
 local channel = ARGV[4]
+-- (Its steps' releases decide this gate's line here, and tell no one else: floodgate_freed.)
+floodgate_by  = channel
 local nowArg  = now and floodgate_num(now) or ''
 
 local function clock()

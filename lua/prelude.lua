@@ -633,3 +633,15 @@ local function floodgate_classes(keys, spec)
 
   return c
 end
+
+-- The wake channel of the fused gate whose script runs a stage's script as its step (lua/gate.lua
+-- sets it), or '' when the stage's script runs alone.
+local floodgate_by = ''
+
+-- Permits were freed at the stage whose grants go on `channel`, by its own script run alone (a
+-- caller of the stage itself, a lease or place in line given back): say so on `channel`:freed,
+-- where the process of a fused gate's first waiter listens, since only a release through a gate
+-- decides that gate's permit line. (A release through a gate decides its own line.)
+local function floodgate_freed(channel)
+  if floodgate_by == '' then redis.call('PUBLISH', channel .. ':freed', '') end
+end

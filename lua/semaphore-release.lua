@@ -25,7 +25,8 @@
 -- Returns {released, dequeued, used, grants}: released = 1 when the lease was held and is now
 -- freed, dequeued = 1 when the member was in line and is no longer, grants = the waiters granted
 -- here, each as the message PUBLISHed on `channel`. With more than one member, returns one such
--- reply per member, in order.
+-- reply per member, in order. Run alone (not as a fused gate's step), a call that freed permits
+-- says so on `channel`:freed (floodgate_freed).
 local holders = KEYS[1]
 local queue   = KEYS[2]
 local qexp    = KEYS[3]
@@ -93,6 +94,7 @@ local function release(member, what)
   end
   local grants
   grants, used = grantFreed(used)
+  if released == 1 or dequeued == 1 then floodgate_freed(channel) end
   return {released, dequeued, used, grants}
 end
 
@@ -119,7 +121,10 @@ end
 free(ARGV[2])
 for i = 9, #ARGV, 2 do free(ARGV[i]) end
 local used
-if freed > 0 then used = lower(freed) end
+if freed > 0 then
+  used = lower(freed)
+  floodgate_freed(channel)
+end
 local last = replies[#replies]
 last[4], used = grantFreed(used)
 for i = 1, #replies do replies[i][3] = used end

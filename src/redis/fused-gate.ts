@@ -55,6 +55,8 @@ interface Attempt {
    * refused it could have room by itself (its nearest lease ends, or its quarantine), or -1.
    */
   soonest?: number;
+  /** It is the first in the permit line (its permit steps ran, and it waits there). */
+  first?: boolean;
   /** The call waits in the permit line with this try's steps kept, for a release to admit. */
   held?: Held;
   /** The replies to the kept steps of the call's earlier try, which a release admitted. */
@@ -212,6 +214,10 @@ class FusedGate implements FusedAdmission {
         inLine = reply?.inLine !== undefined;
         if (reply?.inLine === "permits") this.#forPermits.add(member);
         else this.#forPermits.delete(member);
+        if (attempt.first) {
+          this.#firsts.add(member);
+          this.#hearFreed();
+        } else this.#firsts.delete(member);
         if (!wait) return undefined;
         if (attempt.held) {
           held = attempt.held;
@@ -257,6 +263,7 @@ class FusedGate implements FusedAdmission {
       throw error;
     } finally {
       this.#forPermits.delete(member);
+      this.#firsts.delete(member);
       this.#holds.delete(member);
       this.#early.delete(member);
       this.#trying.delete(member);
@@ -399,6 +406,7 @@ class FusedGate implements FusedAdmission {
         reply,
         blame: this.#blame(reply!, stepOf),
         soonest: this.#soonest(reply!, stepOf),
+        first: this.#first(reply!, stepOf),
         held,
       };
     }
@@ -447,6 +455,7 @@ class FusedGate implements FusedAdmission {
       reply,
       blame: this.#blame(reply, stepOf),
       soonest: this.#soonest(reply, stepOf),
+      first: this.#first(reply, stepOf),
     };
   }
 
@@ -494,6 +503,20 @@ class FusedGate implements FusedAdmission {
       if (ms >= 0 && (soonest < 0 || ms < soonest)) soonest = ms;
     }
     return soonest;
+  }
+
+  /** Whether a refused call is the first in the permit line: it waits there, and its permit steps ran. */
+  #first(reply: GateReply, stepOf: readonly number[]): boolean {
+    if (reply.inLine !== "permits") return false;
+    for (let i = 0; i < this.#stages.length; i++) {
+      if (
+        PERMIT_KINDS.has(this.#stages[i]!.kind) &&
+        stepOf[i]! >= 0 &&
+        Array.isArray(reply.replies[stepOf[i]!])
+      )
+        return true;
+    }
+    return false;
   }
 
   /** Count `ms` of waiting as the wait of stage `i` (see `#blame`). */
@@ -633,6 +656,33 @@ class FusedGate implements FusedAdmission {
 
   /** Members of this process waiting in the gate's permit line. */
   readonly #forPermits = new Set<string>();
+  /** Members of this process first in the gate's permit line (see `#hearFreed`). */
+  readonly #firsts = new Set<string>();
+  /** Whether this process listens for permits freed at the gate's permit stages by any process. */
+  #hearing = false;
+
+  /**
+   * Listen, from the first time a caller of this process is first in the permit line, for permits
+   * freed at the gate's permit stages by their own scripts in any process (lua/prelude.lua,
+   * floodgate_freed): while a caller of this process is first, each such message sends one
+   * `grant` call. (Without a subscription, the first finds them at its next poll.)
+   */
+  #hearFreed(): void {
+    if (this.#hearing) return;
+    this.#hearing = true;
+    for (const stage of this.#stages) {
+      const channel = (stage as Partial<Pick<RedisPermitStage, "freedChannel">>).freedChannel;
+      if (!PERMIT_KINDS.has(stage.kind) || channel === undefined) continue;
+      this.#link
+        .listen(channel, () => {
+          if (this.#firsts.size > 0) this.#freedElsewhere(undefined);
+        })
+        .catch(() => {
+          this.#hearing = false;
+        });
+    }
+  }
+
   /** A `grant` call is out; another is due once it is back. */
   #granting = false;
   #grantAgain = false;

@@ -673,6 +673,14 @@ export abstract class RedisPermitStage extends BaseStage {
     return () => this.#freedListeners.delete(listener);
   }
 
+  /**
+   * The channel this stage's scripts, run alone, say on that they freed permits (in any process):
+   * a fused gate's first waiter listens there (see `onFreed`). @internal
+   */
+  get freedChannel(): string {
+    return `${this.channel}:freed`;
+  }
+
   #freed(by: GateHead | undefined): void {
     for (const listener of this.#freedListeners) listener(by);
   }

@@ -400,7 +400,7 @@ describe("a fused Redis gate", () => {
     expect(await client.zcard(key("holders"))).toBe(0);
   });
 
-  it("decides its permit line when a permit is freed outside it, in this process: by a caller of the stage, or another gate", async () => {
+  it("decides its permit line when a permit is freed outside it: by a caller of the stage, here or in another process, or by another gate", async () => {
     // The fake clock never moves: a waiter's poll never comes, so only being told admits it.
     const clock = new FakeClock(1000);
     const prefix = randomPrefix("fused-freed");
@@ -413,18 +413,35 @@ describe("a fused Redis gate", () => {
     });
     expect([gate.fused, other.fused]).toEqual([true, true]);
     const line = `${prefix}{gate:gate|inflight|rate}:line`;
+    // A caller of the stage in another process.
+    const remote = (await backend(prefix, clock)).b.semaphore("inflight", { limit: 1 });
+    const freed = `${prefix}{inflight}:wake:freed`;
+    const heard = async () => ((await client.pubsub("NUMSUB", freed)) as [string, number])[1] > 0;
+    // What is said there, seen through a pattern (which NUMSUB does not count).
+    const said: string[] = [];
+    const tap = await connect();
+    tap.on("pmessage", (_pattern: string, _channel: string, message: string) => said.push(message));
+    await tap.psubscribe(freed);
     // First through the gate itself: from then on its process listens for grants, so a waiter of
     // the gate sleeps once in line (before, it asks once more after it starts listening).
-    for (const holder of [() => gate.admit(), () => sem.admit(), () => other.admit()]) {
+    const holders = [() => gate.admit(), () => sem.admit(), () => other.admit(), () => remote.admit()];
+    for (const holder of holders) {
       const held = await holder();
       const waiting = gate.admit();
       await lined(client, line, 1, "the gate's call did not line up for the permit");
+      // (Its process listens for permits freed elsewhere once one of its calls was first in line.)
+      await until(heard, { timeoutMs: 5000, message: "nobody listened for freed permits" });
       await held.release("success");
       const admitted = await within(waiting, 5000, "the gate's call, once the permit was freed");
       expect(await client.zcard(line)).toBe(0);
       await admitted.release("success");
     }
     expect(await client.zcard(`${prefix}{inflight}:holders`)).toBe(0);
+    // Said by the two releases of the stage's own callers only: a release through a gate decides
+    // that gate's line itself. (The mark comes after anything said before it.)
+    await client.publish(freed, "mark");
+    await until(() => said.includes("mark"), { timeoutMs: 5000, message: "the mark did not come" });
+    expect(said).toEqual(["", "", "mark"]);
     await Promise.all([gate.close(), other.close()]);
   });
 
