@@ -111,9 +111,10 @@ local function alone(member, outcome, ticketEpoch, slow)
       floodgate_set_used(meta, used, classes)
     end
   end
-  local grants = grantFreed(member)
-  if released == 1 then floodgate_freed(channel) end
-  return {released, limit, epoch, used, grants}
+  -- (`used` as before the grants, as the reply has always said.)
+  local reply = {released, limit, epoch, used, grantFreed(member)}
+  if released == 1 then floodgate_freed(channel, ARGV[11]) end
+  return reply
 end
 
 if #ARGV <= 13 then return alone(member, outcome, ticketEpoch, slow) end
@@ -135,5 +136,5 @@ for i, t in ipairs(turn) do
   freed = freed or replies[i][1] == 1
 end
 redis.call('HSET', meta, 'used', used, 'limit', limit, 'epoch', epoch)
-if freed then floodgate_freed(channel) end
+if freed then floodgate_freed(channel, ARGV[11]) end
 return replies

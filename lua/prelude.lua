@@ -641,7 +641,8 @@ local floodgate_by = ''
 -- Permits were freed at the stage whose grants go on `channel`, by its own script run alone (a
 -- caller of the stage itself, a lease or place in line given back): say so on `channel`:freed,
 -- where the process of a fused gate's first waiter listens, since only a release through a gate
--- decides that gate's permit line. (A release through a gate decides its own line.)
-local function floodgate_freed(channel)
-  if floodgate_by == '' then redis.call('PUBLISH', channel .. ':freed', '') end
+-- decides that gate's permit line. (A release through a gate decides its own line.) Not on a
+-- cluster (`listeners` ""), where no gate is fused and a message would go to every node.
+local function floodgate_freed(channel, listeners)
+  if floodgate_by == '' and listeners == '1' then redis.call('PUBLISH', channel .. ':freed', '') end
 end

@@ -94,7 +94,7 @@ local function release(member, what)
   end
   local grants
   grants, used = grantFreed(used)
-  if released == 1 or dequeued == 1 then floodgate_freed(channel) end
+  if released == 1 or dequeued == 1 then floodgate_freed(channel, ARGV[7]) end
   return {released, dequeued, used, grants}
 end
 
@@ -123,7 +123,7 @@ for i = 9, #ARGV, 2 do free(ARGV[i]) end
 local used
 if freed > 0 then
   used = lower(freed)
-  floodgate_freed(channel)
+  floodgate_freed(channel, ARGV[7])
 end
 local last = replies[#replies]
 last[4], used = grantFreed(used)
