@@ -460,7 +460,17 @@ class ChaosRun {
       const backend = redis(client, { prefix: this.prefix });
       const sem = backend.semaphore("provider", { limit: this.s.limit, leaseMs: this.s.leaseMs });
       const ticket = await sem.tryAdmit({ cost: this.s.limit });
-      if (!ticket) this.problems.push("the sweeping call found the limit still held");
+      if (!ticket) {
+        // What Redis holds, for whoever looks into it: the count, the leases, the line.
+        const key = (part: string) => stageKey(this.prefix, "provider", part);
+        const meta = await client.hgetall(key("meta"));
+        const holders = await client.zrange(key("holders"), 0, -1, "WITHSCORES");
+        const queue = await client.zrange(key("queue"), 0, -1, "WITHSCORES");
+        this.problems.push(
+          `the sweeping call found the limit still held (meta ${JSON.stringify(meta)}, ` +
+            `holders [${holders.join(" ")}], line [${queue.join(" ")}])`,
+        );
+      }
       await ticket?.release("ignored");
       await backend.close();
     } finally {
