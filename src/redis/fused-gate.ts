@@ -134,11 +134,16 @@ class FusedGate implements FusedAdmission {
     this.#releases = this.#head("each");
     this.#leaves = this.#head("leave");
     this.#grants = this.#head("grant");
-    // Permits freed here outside this gate (a stage's own caller, another gate) are told to it.
+    // Permits another gate frees here are told to it. (A stage's script run alone says so on its
+    // `wake:freed` channel, heard in every process: see `#hearFreed`.)
     for (const stage of stages) {
       const permits = stage as Partial<Pick<RedisPermitStage, "onFreed">>;
       if (PERMIT_KINDS.has(stage.kind) && permits.onFreed) {
-        this.#unhook.push(permits.onFreed((by) => this.#freedElsewhere(by)));
+        this.#unhook.push(
+          permits.onFreed((by) => {
+            if (by !== undefined) this.#freedElsewhere(by);
+          }),
+        );
       }
     }
   }
@@ -688,8 +693,9 @@ class FusedGate implements FusedAdmission {
   #grantAgain = false;
 
   /**
-   * Permits freed in this process at one of the gate's permit stages, by a release that went
-   * through the gate of `by` (undefined: through none). One through this gate decided its line
+   * Permits freed at one of the gate's permit stages outside the gate: in this process by a
+   * release through the gate of `by`, or (undefined) by a stage's script run alone, in any
+   * process, as its `wake:freed` message says. A release through this gate decided its line
    * already. Otherwise, while a caller of this process waits in the permit line, a `grant` call
    * decides the line's first there and then, as a release through the gate would: without it,
    * the line would wait for its next poll.
