@@ -451,6 +451,11 @@ class ChaosRun {
     return "unexplained";
   }
 
+  /** The name of the fleet's semaphore's key `part` in Redis. */
+  key(part: string): string {
+    return stageKey(this.prefix, "provider", part);
+  }
+
   /** One admission of the whole limit, at once or never, and its release. */
   async sweep(): Promise<void> {
     const client = new Redis(this.s.server.url, { maxRetriesPerRequest: 0, enableOfflineQueue: false });
@@ -462,10 +467,9 @@ class ChaosRun {
       const ticket = await sem.tryAdmit({ cost: this.s.limit });
       if (!ticket) {
         // What Redis holds, for whoever looks into it: the count, the leases, the line.
-        const key = (part: string) => stageKey(this.prefix, "provider", part);
-        const meta = await client.hgetall(key("meta"));
-        const holders = await client.zrange(key("holders"), 0, -1, "WITHSCORES");
-        const queue = await client.zrange(key("queue"), 0, -1, "WITHSCORES");
+        const meta = await client.hgetall(this.key("meta"));
+        const holders = await client.zrange(this.key("holders"), 0, -1, "WITHSCORES");
+        const queue = await client.zrange(this.key("queue"), 0, -1, "WITHSCORES");
         this.problems.push(
           `the sweeping call found the limit still held (meta ${JSON.stringify(meta)}, ` +
             `holders [${holders.join(" ")}], line [${queue.join(" ")}])`,
@@ -480,11 +484,10 @@ class ChaosRun {
 
   async leftovers(): Promise<Leftovers> {
     const a = this.admin;
-    const key = (part: string) => stageKey(this.prefix, "provider", part);
     const keys: string[] = [];
     for await (const batch of a.scanStream({ match: `${this.prefix}*`, count: 200 })) {
       for (const k of batch as string[]) {
-        if (k === key("meta")) continue;
+        if (k === this.key("meta")) continue;
         const [type, ttl] = await Promise.all([a.type(k), a.pttl(k)]);
         const size = type === "zset" ? await a.zcard(k) : type === "hash" ? await a.hlen(k) : "?";
         const expiry = ttl < 0 ? "no expiry" : `expires in ${ttl} ms`;
@@ -495,11 +498,11 @@ class ChaosRun {
     const now = Number(seconds) * 1000 + Math.floor(Number(micros) / 1000);
     return {
       keys: keys.sort(),
-      liveLeases: await a.zcount(key("holders"), `(${now}`, "+inf"),
-      expiredLeases: await a.zcount(key("holders"), "-inf", now),
-      waiters: await a.zcard(key("queue")),
-      used: Number((await a.hget(key("meta"), "used")) ?? 0),
-      classesUsed: (await a.hmget(key("meta"), "u0", "u1")).reduce((sum, v) => sum + Number(v ?? 0), 0),
+      liveLeases: await a.zcount(this.key("holders"), `(${now}`, "+inf"),
+      expiredLeases: await a.zcount(this.key("holders"), "-inf", now),
+      waiters: await a.zcard(this.key("queue")),
+      used: Number((await a.hget(this.key("meta"), "used")) ?? 0),
+      classesUsed: (await a.hmget(this.key("meta"), "u0", "u1")).reduce((sum, v) => sum + Number(v ?? 0), 0),
     };
   }
 

@@ -139,11 +139,7 @@ class FusedGate implements FusedAdmission {
     for (const stage of stages) {
       const permits = stage as Partial<Pick<RedisPermitStage, "onFreed">>;
       if (PERMIT_KINDS.has(stage.kind) && permits.onFreed) {
-        this.#unhook.push(
-          permits.onFreed((by) => {
-            if (by !== undefined) this.#freedElsewhere(by);
-          }),
-        );
+        this.#unhook.push(permits.onFreed((by) => this.#freedElsewhere(by)));
       }
     }
   }
@@ -186,7 +182,7 @@ class FusedGate implements FusedAdmission {
     // The stage the call waited for since its previous try, and when that try went out.
     let blame = -1;
     let since = 0;
-    // Refused permits, first in line: ms until a permit could free by itself (see `#soonest`).
+    // Refused permits, first in line: ms until a permit could free by itself (see `#refused`).
     let soonest = -1;
     // A call with no time left to wait (`timeoutMs: 0`) only tries: it never takes a place in line.
     const lines = wait && call.deadline > clock.now();
@@ -406,14 +402,9 @@ class FusedGate implements FusedAdmission {
       const result = this.#finish(sent, pending, stepOf);
       result.catch(() => {});
       const held: Held = { try: tryNo, settle: hold, result, granted: false };
-      return {
-        tickets: undefined,
-        reply,
-        blame: this.#blame(reply!, stepOf),
-        soonest: this.#soonest(reply!, stepOf),
-        first: this.#first(reply!, stepOf),
-        held,
-      };
+      const attempt = this.#refused(reply!, stepOf);
+      attempt.held = held;
+      return attempt;
     }
     const attempt = await this.#finish(sent, pending, stepOf);
     if (reply?.collected) attempt.collected = reply.collected;
@@ -454,14 +445,7 @@ class FusedGate implements FusedAdmission {
       const again = { ...reply, status: 0, waitMs: Math.min(5, this.#s.pollMs) };
       return { tickets: undefined, reply: again, blame: -1 };
     }
-    if (!reply) return { tickets: undefined, reply, blame: -1 };
-    return {
-      tickets: undefined,
-      reply,
-      blame: this.#blame(reply, stepOf),
-      soonest: this.#soonest(reply, stepOf),
-      first: this.#first(reply, stepOf),
-    };
+    return reply ? this.#refused(reply, stepOf) : { tickets: undefined, reply, blame: -1 };
   }
 
   /**
@@ -491,37 +475,28 @@ class FusedGate implements FusedAdmission {
   }
 
   /**
-   * For a call refused permits whose steps ran: ms until the first of the permit stages that
-   * refused it could have room without a release (the soonest of their nearest lease ends and
-   * quarantines, as each acquire's reply says), so that it asks again then, as a stage's own
+   * A refused try: the stage it waits for (`#blame`); whether it is the first in the permit line
+   * (it waits there, and its permit steps ran); and then, ms until the first of the permit stages
+   * that refused it could have room without a release (the soonest of their nearest lease ends
+   * and quarantines, as each acquire's reply says), so that it asks again then, as a stage's own
    * waiter does, rather than at its next poll: a holder that died frees nothing until its lease
-   * runs out, and tells nobody. -1 when none says.
+   * runs out, and tells nobody (-1 when none says, or a rate is what it waits for).
    */
-  #soonest(reply: GateReply, stepOf: readonly number[]): number {
-    if (reply.inLine !== "permits" || reply.waitMs >= 0) return -1;
+  #refused(reply: GateReply, stepOf: readonly number[]): Attempt {
+    let first = false;
     let soonest = -1;
-    for (let i = 0; i < this.#stages.length; i++) {
-      if (!PERMIT_KINDS.has(this.#stages[i]!.kind) || stepOf[i]! < 0) continue;
-      const r = reply.replies[stepOf[i]!];
-      if (!Array.isArray(r) || Number(r[0]) !== 0) continue;
-      const ms = Number(r[1]);
-      if (ms >= 0 && (soonest < 0 || ms < soonest)) soonest = ms;
+    if (reply.inLine === "permits") {
+      for (let i = 0; i < this.#stages.length; i++) {
+        const step = stepOf[i]!;
+        if (!PERMIT_KINDS.has(this.#stages[i]!.kind) || step < 0) continue;
+        const r = reply.replies[step];
+        if (!Array.isArray(r)) continue;
+        first = true;
+        const ms = Number(r[1]);
+        if (reply.waitMs < 0 && Number(r[0]) === 0 && ms >= 0 && (soonest < 0 || ms < soonest)) soonest = ms;
+      }
     }
-    return soonest;
-  }
-
-  /** Whether a refused call is the first in the permit line: it waits there, and its permit steps ran. */
-  #first(reply: GateReply, stepOf: readonly number[]): boolean {
-    if (reply.inLine !== "permits") return false;
-    for (let i = 0; i < this.#stages.length; i++) {
-      if (
-        PERMIT_KINDS.has(this.#stages[i]!.kind) &&
-        stepOf[i]! >= 0 &&
-        Array.isArray(reply.replies[stepOf[i]!])
-      )
-        return true;
-    }
-    return false;
+    return { tickets: undefined, reply, blame: this.#blame(reply, stepOf), soonest, first };
   }
 
   /** Count `ms` of waiting as the wait of stage `i` (see `#blame`). */

@@ -314,7 +314,6 @@ export abstract class RedisPermitStage extends BaseStage {
   /** Give back lease or waiter `id` in the background (a lost reply, an abandoned wait). */
   #forget(id: string, waitedMs = 0): void {
     const sentAt = this.clock.now();
-    const by = this.link.gatheringFor;
     this.link
       .run(this.name, "semaphore-release", this.keys, [
         this.link.now(),
@@ -330,7 +329,6 @@ export abstract class RedisPermitStage extends BaseStage {
         (reply) => {
           this.sawUsed(reply[2], sentAt);
           this.granted(reply[3], sentAt);
-          if (Number(reply[0]) === 1 || Number(reply[1]) === 1) this.#freed(by);
         },
         (error) => {
           // Redis is away (a dropped connection, a pause): ask again shortly, for as long as the
@@ -648,7 +646,7 @@ export abstract class RedisPermitStage extends BaseStage {
     const by = this.link.gatheringFor;
     return this.giveBack(t, outcome, refund).then(
       (released) => {
-        if (released) this.#freed(by);
+        if (released && by !== undefined) this.#freed(by);
         if (!released && !refund) this.log.warn({ lease: t.leaseId }, "lease had run out before release");
       },
       (error: unknown) => {
@@ -658,17 +656,17 @@ export abstract class RedisPermitStage extends BaseStage {
     );
   }
 
-  /** Told when this process frees permits here (see `onFreed`). */
-  readonly #freedListeners = new Set<(by: GateHead | undefined) => void>();
+  /** Told when a release through a fused gate frees permits here (see `onFreed`). */
+  readonly #freedListeners = new Set<(by: GateHead) => void>();
 
   /**
-   * Call `listener` whenever this process frees permits here (a release, or a lease or place in
-   * line given back), with the head of the fused gate's script call the release went in, or
-   * undefined for one outside any gate. A fused gate's callers wait in the gate's permit line,
-   * which only a release through that gate looks at: one outside it tells the gate this way.
+   * Call `listener` whenever a release of this process through a fused gate frees permits here,
+   * with the head of that gate's script call. A fused gate's callers wait in its permit line,
+   * which only a release through that gate looks at: another gate sharing the stage is told this
+   * way. (This stage's scripts run alone say so on `freedChannel`, heard in every process.)
    * Returns the way to stop. @internal
    */
-  onFreed(listener: (by: GateHead | undefined) => void): () => void {
+  onFreed(listener: (by: GateHead) => void): () => void {
     this.#freedListeners.add(listener);
     return () => this.#freedListeners.delete(listener);
   }
@@ -681,7 +679,7 @@ export abstract class RedisPermitStage extends BaseStage {
     return `${this.channel}:freed`;
   }
 
-  #freed(by: GateHead | undefined): void {
+  #freed(by: GateHead): void {
     for (const listener of this.#freedListeners) listener(by);
   }
 
