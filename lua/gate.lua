@@ -33,8 +33,11 @@
 --                      script call comes as "=", that step's number (steps are numbered from 1
 --                      across the calls), the number of arguments that differ and, for each, its
 --                      place and its value: a turn's calls, and a turn's releases, mostly differ in
---                      their members alone. Calls are decided in turn, exactly as if each had come
---                      alone.
+--                      their members alone. A call whose steps are those of the call before it
+--                      (the same scripts and keys, and the same arguments but its own: see OWN)
+--                      comes as "*" for its number of steps, then its own arguments alone (its
+--                      steps are not numbered). Calls are decided in turn, exactly as if each had
+--                      come alone.
 --
 -- Returns one reply per call, {status, waitMs, inLine, woken, replies, held}:
 --   status  1: every step admitted (or, for "each", ran); 0: refused, nothing is held anywhere;
@@ -140,6 +143,46 @@ local function restore(key, copy)
   end
 end
 
+-- A call that repeats the one before it (its number of steps "*", see ARGV[5]) comes as its
+-- own arguments alone: per step, the values at its script's places in OWN, in that order.
+local OWN = {
+  ['semaphore-acquire'] = { 2, 9, 10 },
+  ['token-bucket-take'] = { 5, 7, 8 },
+  ['interval-gate-take'] = { 2 },
+}
+
+-- The steps of `call`, a repeat (above), built whole: each as its run's first call's step (the
+-- run: the calls that repeat one another) with the call's own arguments in their places.
+local function stepsOf(call)
+  local run, vals = call.run, call.vals
+  local steps, at = {}, 6
+  for i, base in ipairs(run.steps) do
+    local args = { unpack(base.args) }
+    local touched = base.touched or 0
+    for _, j in ipairs(OWN[base.name]) do
+      local v = vals[at]
+      if v ~= args[j] then
+        args[j] = v
+        touched = bit.bor(touched, bit.lshift(1, j))
+      end
+      at = at + 1
+    end
+    steps[i] = { name = base.name, keys = base.keys, args = args, root = base.root or base, touched = touched }
+  end
+  return steps
+end
+
+-- A repeat's steps are built when first asked for: the one-pass way (fast()) reads its own
+-- arguments where they came (`vals`) and builds none.
+local REPEAT = {
+  __index = function(call, field)
+    if field ~= 'steps' then return nil end
+    local steps = stepsOf(call)
+    rawset(call, 'steps', steps)
+    return steps
+  end,
+}
+
 -- The calls, each {member, mode, lane, laneExp, steps}; each step {name, keys, args}.
 local calls = {}
 local sent = {}
@@ -147,41 +190,60 @@ local k = 6
 for c = 1, tonumber(ARGV[5]) do
   local f = cjson.decode(ARGV[5 + c])
   if type(f) ~= 'table' then return redis.error_reply('gate: a call is not a list') end
-  local call = { member = f[1], mode = f[2], try = f[3], held = f[4],
-    lane = KEYS[k], laneExp = KEYS[k + 1], steps = {} }
-  local n = tonumber(f[5])
+  local lane, laneExp = KEYS[k], KEYS[k + 1]
   k = k + 2
-  local a = 6
-  for i = 1, n do
-    local name = f[a]
-    local nk = tonumber(f[a + 1])
-    local na = tonumber(f[a + 2])
-    if name == '=' then
-      local base = sent[nk]
-      if not base then return redis.error_reply('gate: a step repeats none before it') end
-      -- (A table built whole is sized once: one built element by element grows step by step.)
-      local args = { unpack(base.args) }
-      -- The first step of the chain this one repeats, and the places that changed on the way
-      -- (bit j for argument j; -1 for all): many() compares no more than those.
-      local touched = base.touched or 0
-      for x = 1, na do
-        local j = tonumber(f[a + 1 + 2 * x])
-        args[j] = f[a + 2 + 2 * x]
-        touched = (j and j >= 1 and j <= 30) and bit.bor(touched, bit.lshift(1, j)) or -1
+  if f[5] == '*' then
+    local before = calls[c - 1]
+    if not before then return redis.error_reply('gate: the first call repeats none before it') end
+    local run = before.run or before
+    local want = run.want
+    if not want then
+      want = 5
+      for _, s in ipairs(run.steps) do
+        if not OWN[s.name] then return redis.error_reply('gate: a call repeats a step of ' .. s.name) end
+        want = want + #OWN[s.name]
       end
-      call.steps[i] = { name = base.name, keys = base.keys, args = args, root = base.root or base, touched = touched }
-      a = a + 3 + 2 * na
-    else
-      local keys = { unpack(KEYS, k, k + nk - 1) }
-      local args = { nowArg, unpack(f, a + 3, a + 1 + na) }
-      if not STEPS[name] then return redis.error_reply('gate: unknown step ' .. tostring(name)) end
-      call.steps[i] = { name = name, keys = keys, args = args }
-      k = k + nk
-      a = a + 2 + na
+      run.want = want
     end
-    sent[#sent + 1] = call.steps[i]
+    if #f ~= want then return redis.error_reply('gate: a repeating call has the wrong number of arguments') end
+    calls[c] = setmetatable({ member = f[1], mode = f[2], try = f[3], held = f[4],
+      lane = lane, laneExp = laneExp, run = run, vals = f }, REPEAT)
+  else
+    local call = { member = f[1], mode = f[2], try = f[3], held = f[4],
+      lane = lane, laneExp = laneExp, steps = {} }
+    local n = tonumber(f[5])
+    local a = 6
+    for i = 1, n do
+      local name = f[a]
+      local nk = tonumber(f[a + 1])
+      local na = tonumber(f[a + 2])
+      if name == '=' then
+        local base = sent[nk]
+        if not base then return redis.error_reply('gate: a step repeats none before it') end
+        -- (A table built whole is sized once: one built element by element grows step by step.)
+        local args = { unpack(base.args) }
+        -- The first step of the chain this one repeats, and the places that changed on the way
+        -- (bit j for argument j; -1 for all): many() compares no more than those.
+        local touched = base.touched or 0
+        for x = 1, na do
+          local j = tonumber(f[a + 1 + 2 * x])
+          args[j] = f[a + 2 + 2 * x]
+          touched = (j and j >= 1 and j <= 30) and bit.bor(touched, bit.lshift(1, j)) or -1
+        end
+        call.steps[i] = { name = base.name, keys = base.keys, args = args, root = base.root or base, touched = touched }
+        a = a + 3 + 2 * na
+      else
+        local keys = { unpack(KEYS, k, k + nk - 1) }
+        local args = { nowArg, unpack(f, a + 3, a + 1 + na) }
+        if not STEPS[name] then return redis.error_reply('gate: unknown step ' .. tostring(name)) end
+        call.steps[i] = { name = name, keys = keys, args = args }
+        k = k + nk
+        a = a + 2 + na
+      end
+      sent[#sent + 1] = call.steps[i]
+    end
+    calls[c] = call
   end
-  calls[c] = call
 end
 
 local woken
@@ -902,12 +964,16 @@ end
 -- Returns how many leading calls were admitted; their replies go in `flat`, one after another,
 -- per step: a permit's fence, used, limit and epoch; nothing for a token bucket; an interval
 -- gate's replaced slot and claimed slot (the rest of each step's reply is known: see link.ts).
-fast = function(list, flat, granting)
+fast = function(list, flat, granting, careful)
   -- Per key, its state as this turn has left it so far (false: not for this pass); per lane and
   -- per permit stage's own line, whether it is empty.
   local permits, buckets, hosts, empty = {}, {}, {}, {}
   local first = list[1]
   if not first then return 0 end
+  -- The leases go in with one command per permit stage, once every member is known to be new
+  -- (ZMSCORE, Redis 6.2; older servers take them one by one, `careful`, as when one is not).
+  local batch = not careful and (redis.REDIS_VERSION_NUM or 0) >= 0x060200
+  local nflat = #flat
   -- The gate's line, the first call's lane and its permit stages' lines, looked at in one
   -- command. (`granting`: the first of the permit line, decided on a release: nobody is ahead.)
   if not granting then
@@ -922,10 +988,18 @@ fast = function(list, flat, granting)
     end
   end
   local took = 0
-  local want = {}
+  -- Per step of the call at hand: what taking it needs (a permit's cost, a bucket's tokens left
+  -- once taken), and its own arguments (see OWN): a permit's member, a bucket's grant, a host's
+  -- spacing.
+  local want, own = {}, {}
+  local from = nflat
   for c = 1, #list do
     local call = list[c]
-    local steps = call.steps
+    -- A repeat (see OWN) is read where it came: its run's first call's steps, its own values.
+    local run = rawget(call, 'run')
+    local steps = run and run.steps or call.steps
+    local vals = run and call.vals
+    local at = 6
     if call.held ~= '' then break end
     local lane = call.lane
     if not granting then
@@ -937,14 +1011,31 @@ fast = function(list, flat, granting)
     local ok = true
     for i = 1, #steps do
       local st = steps[i]
-      local a, key = st.args, st.keys[1]
-      if not TOGETHER[st.name] then ok = false break end
-      -- (Two steps on one key would each see the state before the other.)
-      for j = 1, i - 1 do
-        if steps[j].keys[1] == key then ok = false end
+      local a, key, name = st.args, st.keys[1], st.name
+      if not TOGETHER[name] then ok = false break end
+      -- (Two steps on one key would each see the state before the other. A repeat's keys are
+      -- its run's first call's, looked at already: calls go in order, and stop at a refusal.)
+      if not vals then
+        for j = 1, i - 1 do
+          if steps[j].keys[1] == key then ok = false end
+        end
+        if not ok then break end
       end
-      if not ok then break end
-      if st.name == 'semaphore-acquire' then
+      -- Its own arguments: a permit's member, fence and "again"; a bucket's cost and grant; a
+      -- host's spacing.
+      local v1, v2, v3
+      if vals then
+        v1, v2, v3 = vals[at], vals[at + 1], vals[at + 2]
+        at = at + #OWN[name]
+      elseif name == 'semaphore-acquire' then
+        v1, v2, v3 = a[2], a[9], a[10]
+      elseif name == 'token-bucket-take' then
+        v1, v2 = a[5], a[7]
+      else
+        v1 = a[2]
+      end
+      own[i] = name == 'token-bucket-take' and v2 or v1
+      if name == 'semaphore-acquire' then
         local p = permits[key]
         if p == nil then
           p = false
@@ -952,17 +1043,17 @@ fast = function(list, flat, granting)
           if empty[queue] == nil then empty[queue] = redis.call('EXISTS', queue) == 0 end
           if #a == 14 and a[14] == '' and empty[queue] then
             p = floodgate_open(st.keys[4], a[3], now) or false
-            if p then p.meta = st.keys[4] end
+            if p then p.meta, p.adds, p.na = st.keys[4], {}, 0 end
           end
           permits[key] = p
         end
-        if not p or #a ~= 14 or a[14] ~= '' or a[10] == '1' or (tonumber(a[9]) or 0) > p.seq then
+        if not p or #a ~= 14 or a[14] ~= '' or v3 == '1' or (tonumber(v2) or 0) > p.seq then
           ok = false break
         end
-        local cost = floodgate_cost(a[2])
+        local cost = floodgate_cost(v1)
         if p.used + cost > p.limit then ok = false break end
         want[i] = cost
-      elseif st.name == 'token-bucket-take' then
+      elseif name == 'token-bucket-take' then
         local b = buckets[key]
         if b == nil then
           b = { s = floodgate_bucket(key, tonumber(a[6]), now) }
@@ -970,16 +1061,20 @@ fast = function(list, flat, granting)
         end
         local s = b.s
         if s.updatedAt > now then ok = false break end
-        local tokens, cost = floodgate_tokens_at(s, tonumber(a[2]), tonumber(a[3]), tonumber(a[4]), now), tonumber(a[5])
+        -- (Taken from already at this instant: no refill since.)
+        local tokens = s.updatedAt == now and s.tokens
+          or floodgate_tokens_at(s, tonumber(a[2]), tonumber(a[3]), tonumber(a[4]), now)
+        local cost = tonumber(v1)
         if tokens + 1e-9 < cost then ok = false break end
         want[i] = tokens - cost
       else
         local h = hosts[key]
         if h == nil then
           h = { previous = redis.call('HGET', key, 'nextAt') or '' }
+          h.nextAt = tonumber(h.previous)
           hosts[key] = h
         end
-        local nextAt = tonumber(h.previous)
+        local nextAt = h.nextAt
         if nextAt and nextAt > now then ok = false break end
       end
     end
@@ -988,26 +1083,76 @@ fast = function(list, flat, granting)
     for i = 1, #steps do
       local st = steps[i]
       local a, key = st.args, st.keys[1]
-      local n = #flat
+      local n = nflat
       if st.name == 'semaphore-acquire' then
         local p = permits[key]
-        if redis.call('ZADD', st.keys[1], now + tonumber(a[4]), a[2]) == 1 then p.used = p.used + want[i] end
+        if batch then
+          -- (A repeat's lease is its run's first call's: its expiry is worked out once.)
+          if p.leaseOf ~= a then p.leaseOf, p.expiry = a, now + tonumber(a[4]) end
+          local adds, na = p.adds, p.na
+          adds[na + 1], adds[na + 2] = p.expiry, own[i]
+          p.na = na + 2
+          p.used = p.used + want[i]
+        elseif redis.call('ZADD', st.keys[1], now + tonumber(a[4]), own[i]) == 1 then
+          p.used = p.used + want[i]
+        end
         p.seq = p.seq + 1
         p.took = true
         flat[n + 1], flat[n + 2], flat[n + 3], flat[n + 4] = p.seq, p.used, p.limit, p.epoch
+        nflat = n + 4
       elseif st.name == 'token-bucket-take' then
         local b = buckets[key]
         b.s.tokens = math.max(0, want[i])
         b.s.updatedAt = now
-        b.args, b.grant = a, a[7]
+        b.args, b.grant = a, own[i]
       else
         local h = hosts[key]
-        local claimed = floodgate_num(now + tonumber(a[2]))
+        -- (Calls spaced alike claim alike slots: each one's written once.)
+        local spacing, claimed = own[i], nil
+        if spacing == h.spaced then
+          claimed = h.claims
+        else
+          claimed = floodgate_num(now + tonumber(spacing))
+          h.spaced, h.claims, h.claimsAt = spacing, claimed, tonumber(claimed)
+        end
         flat[n + 1], flat[n + 2] = h.previous, claimed
-        h.previous, h.spacing = claimed, tonumber(a[2])
+        nflat = n + 2
+        h.previous, h.nextAt, h.spacing = claimed, h.claimsAt, spacing
       end
     end
     took = c
+  end
+  -- The leases, each stage's in one command, when none of their members is there already (nor
+  -- twice): else nothing is written, and the pass starts again taking them one by one (a member
+  -- already there is not counted again, as its stage's script would not).
+  if batch then
+    local ok = true
+    for key, p in pairs(permits) do
+      if p and p.na > 0 then
+        local members = {}
+        for x = 2, p.na, 2 do members[x / 2] = p.adds[x] end
+        local seen = {}
+        for x = 1, #members do
+          if seen[members[x]] then ok = false end
+          seen[members[x]] = true
+        end
+        for from = 1, #members, 1000 do
+          local had = redis.call('ZMSCORE', key, unpack(members, from, math.min(from + 999, #members)))
+          for x = 1, #had do if had[x] then ok = false end end
+        end
+      end
+    end
+    if not ok then
+      for x = nflat, from + 1, -1 do flat[x] = nil end
+      return fast(list, flat, granting, true)
+    end
+    for key, p in pairs(permits) do
+      if p and p.na > 0 then
+        for from = 1, p.na, 2000 do
+          redis.call('ZADD', key, unpack(p.adds, from, math.min(from + 1999, p.na)))
+        end
+      end
+    end
   end
   -- Each state written once.
   for _, p in pairs(permits) do
@@ -1022,7 +1167,7 @@ fast = function(list, flat, granting)
   for key, h in pairs(hosts) do
     if h.spacing then
       redis.call('HSET', key, 'nextAt', h.previous)
-      redis.call('PEXPIRE', key, floodgate_num(math.min(math.ceil(h.spacing) + 1000, 9007199254740991)))
+      redis.call('PEXPIRE', key, floodgate_num(math.min(math.ceil(tonumber(h.spacing)) + 1000, 9007199254740991)))
     end
   end
   return took

@@ -264,13 +264,15 @@ export class RedisLink {
       keys.push(call.lane[0]!, call.lane[1]!);
       // A call's fields go as one argument, a JSON list of strings: a client pays for each
       // argument of a command far more than for its length (bench/RESULTS.md).
-      const fields: string[] = [
-        call.member,
-        call.mode,
-        String(call.try),
-        String(call.held),
-        String(steps.length),
-      ];
+      const fields: string[] = [call.member, call.mode, String(call.try), String(call.held)];
+      // A call whose steps repeat the call before it but for their own arguments goes as those.
+      if (c > 0 && repeats(steps, stepsOf[c - 1]!)) {
+        fields.push("*");
+        for (const step of steps) for (const i of OWN[step.script]!) fields.push(String(step.args[i]!));
+        args.push(callJson(fields));
+        continue;
+      }
+      fields.push(String(steps.length));
       for (const step of steps) {
         all.push(step);
         let sameScript = earlier.get(step.script);
@@ -600,6 +602,42 @@ function callJson(fields: string[]): string {
 /** `text` as Redis gets it (UTF-8): each lone surrogate as U+FFFD. */
 function onWire(text: string): string {
   return Buffer.from(text, "utf8").toString("utf8");
+}
+
+/**
+ * The places (from 0: the script's ARGV[2] is 1) of each admission step's own arguments, which
+ * may differ between calls sent as repeats of one another (lua/gate.lua, OWN): a permit's member,
+ * fence and "again" flag; a bucket's cost, grant and longest wait; a host's spacing.
+ */
+const OWN: Partial<Record<GateStep, readonly number[]>> = {
+  "semaphore-acquire": [1, 8, 9],
+  "token-bucket-take": [4, 6, 7],
+  "interval-gate-take": [1],
+};
+
+/**
+ * Whether `steps` repeat `before` but for their own arguments (`OWN`): the same scripts, each
+ * with one, on the same keys, with the same other arguments.
+ */
+function repeats(steps: readonly Step[], before: readonly Step[]): boolean {
+  if (steps.length === 0 || steps.length !== before.length) return false;
+  for (let s = 0; s < steps.length; s++) {
+    const a = steps[s]!;
+    const b = before[s]!;
+    const own = OWN[a.script];
+    if (own === undefined || a.script !== b.script || a.args.length !== b.args.length) return false;
+    if (own[own.length - 1]! >= a.args.length) return false;
+    if (a.keys !== b.keys) {
+      if (a.keys.length !== b.keys.length) return false;
+      for (let k = 0; k < a.keys.length; k++) if (a.keys[k] !== b.keys[k]) return false;
+    }
+    for (let i = 1; i < a.args.length; i++) {
+      const x = a.args[i]!;
+      const y = b.args[i]!;
+      if (x !== y && (typeof x === typeof y || String(x) !== String(y)) && !own.includes(i)) return false;
+    }
+  }
+  return true;
 }
 
 /** The reply of a `gate` call to one call: {status, waitMs, inLine, woken, replies, held, now}. */

@@ -321,6 +321,31 @@ describe("a fused Redis gate", () => {
     expect(await client.hget(`${prefix}{inflight}:meta`, "used")).toBe("0");
   });
 
+  it("counts a lease already in Redis once, as the stage's script would, when a turn's leases go in together", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-lease-there");
+    const { b, client } = await backend(prefix, clock);
+    const gate = new Gate(
+      [b.semaphore("inflight", { limit: 2 }), b.tokenBucket("rate", { capacity: 5, refillPerSecond: 1 })],
+      { clock },
+    );
+    const holders = `${prefix}{inflight}:holders`;
+    const held = await gate.admit();
+    // The next two leases' members ("<token>-<n>:<cost>", n counting up) are there already, as a
+    // client that sent a call twice would leave them: the script adds them again uncounted.
+    const [member] = await client.zrange(holders, 0, 0);
+    const [, token, n] = /^(.+)-(\d+):1$/.exec(member!)!;
+    await client.zadd(holders, 2000, `${token}-${Number(n) + 1}:1`, 2000, `${token}-${Number(n) + 2}:1`);
+    const turn = await Promise.all([gate.tryAdmit(), gate.tryAdmit()]);
+    expect(turn.map((t) => t !== undefined)).toEqual([true, true]);
+    expect(await client.hget(`${prefix}{inflight}:meta`, "used")).toBe("1");
+    expect(await client.zcard(holders)).toBe(3);
+    // Their leases were written again: they end with the call's lease, not at 2000 ms.
+    expect(Number(await client.zscore(holders, `${token}-${Number(n) + 1}:1`))).toBeGreaterThan(2000);
+    await held.release("success");
+    await gate.close();
+  });
+
   it("lets nobody past a caller waiting in a permit stage's own line, even with room for a smaller one", async () => {
     const clock = new FakeClock(1000);
     const prefix = randomPrefix("fused-ahead");
