@@ -12,7 +12,8 @@
 -- KEYS[5] hexp  ZSET  member -> expiry (ms) of its grant record: one not collected by then goes
 -- KEYS[6…]            per call: its lane (ZSET member -> arrival sequence: the callers of the
 --                     call's key and host that only token buckets or interval gates refused),
---                     the lane's expiries (ZSET, as lexp), then its steps' own keys in order
+--                     the lane's expiries (ZSET, as lexp), then its steps' own keys in order;
+--                     none for a call that repeats the one before it (see ARGV[5])
 --
 -- ARGV[1] now          ms, or "" for the server's TIME
 -- ARGV[2] op           "all": admissions, each all or nothing; "each": releases, refunds and
@@ -34,9 +35,9 @@
 --                      across the calls), the number of arguments that differ and, for each, its
 --                      place and its value: a turn's calls, and a turn's releases, mostly differ in
 --                      their members alone. A call whose steps are those of the call before it
---                      (the same scripts and keys, and the same arguments but its own: see OWN)
---                      comes as "*" for its number of steps, then its own arguments alone (its
---                      steps are not numbered). Calls are decided in turn, exactly as if each had
+--                      (the same scripts and keys, and the same arguments but its own: see OWN),
+--                      in the same lane, comes as "*" for its number of steps, then its own
+--                      arguments alone, and without its lane's keys (its steps are not numbered). Calls are decided in turn, exactly as if each had
 --                      come alone.
 --
 -- Returns one reply per call, {status, waitMs, inLine, woken, replies, held}:
@@ -145,43 +146,46 @@ end
 
 -- A call that repeats the one before it (its number of steps "*", see ARGV[5]) comes as its
 -- own arguments alone: per step, the values at its script's places in OWN, in that order.
-local OWN = {
-  ['semaphore-acquire'] = { 2, 9, 10 },
-  ['token-bucket-take'] = { 5, 7, 8 },
-  ['interval-gate-take'] = { 2 },
-}
+-- (Both made on the first repeat: a script call pays for every table and function it makes.)
+local OWN, REPEAT
 
--- The steps of `call`, a repeat (above), built whole: each as its run's first call's step (the
--- run: the calls that repeat one another) with the call's own arguments in their places.
-local function stepsOf(call)
-  local run, vals = call.run, call.vals
-  local steps, at = {}, 6
-  for i, base in ipairs(run.steps) do
-    local args = { unpack(base.args) }
-    local touched = base.touched or 0
-    for _, j in ipairs(OWN[base.name]) do
-      local v = vals[at]
-      if v ~= args[j] then
-        args[j] = v
-        touched = bit.bor(touched, bit.lshift(1, j))
+local function repeating()
+  OWN = {
+    ['semaphore-acquire'] = { 2, 9, 10 },
+    ['token-bucket-take'] = { 5, 7, 8 },
+    ['interval-gate-take'] = { 2 },
+  }
+  -- The steps of `call`, a repeat, built whole: each as its run's first call's step (the run:
+  -- the calls that repeat one another) with the call's own arguments in their places.
+  local function stepsOf(call)
+    local run, vals = call.run, call.vals
+    local steps, at = {}, 6
+    for i, base in ipairs(run.steps) do
+      local args = { unpack(base.args) }
+      local touched = base.touched or 0
+      for _, j in ipairs(OWN[base.name]) do
+        local v = vals[at]
+        if v ~= args[j] then
+          args[j] = v
+          touched = bit.bor(touched, bit.lshift(1, j))
+        end
+        at = at + 1
       end
-      at = at + 1
+      steps[i] = { name = base.name, keys = base.keys, args = args, root = base.root or base, touched = touched }
     end
-    steps[i] = { name = base.name, keys = base.keys, args = args, root = base.root or base, touched = touched }
-  end
-  return steps
-end
-
--- A repeat's steps are built when first asked for: the one-pass way (fast()) reads its own
--- arguments where they came (`vals`) and builds none.
-local REPEAT = {
-  __index = function(call, field)
-    if field ~= 'steps' then return nil end
-    local steps = stepsOf(call)
-    rawset(call, 'steps', steps)
     return steps
-  end,
-}
+  end
+  -- A repeat's steps are built when first asked for: the one-pass way (fast()) reads its own
+  -- arguments where they came (`vals`) and builds none.
+  REPEAT = {
+    __index = function(call, field)
+      if field ~= 'steps' then return nil end
+      local steps = stepsOf(call)
+      rawset(call, 'steps', steps)
+      return steps
+    end,
+  }
+end
 
 -- The calls, each {member, mode, lane, laneExp, steps}; each step {name, keys, args}.
 local calls = {}
@@ -190,9 +194,8 @@ local k = 6
 for c = 1, tonumber(ARGV[5]) do
   local f = cjson.decode(ARGV[5 + c])
   if type(f) ~= 'table' then return redis.error_reply('gate: a call is not a list') end
-  local lane, laneExp = KEYS[k], KEYS[k + 1]
-  k = k + 2
   if f[5] == '*' then
+    if not REPEAT then repeating() end
     local before = calls[c - 1]
     if not before then return redis.error_reply('gate: the first call repeats none before it') end
     local run = before.run or before
@@ -207,8 +210,10 @@ for c = 1, tonumber(ARGV[5]) do
     end
     if #f ~= want then return redis.error_reply('gate: a repeating call has the wrong number of arguments') end
     calls[c] = setmetatable({ member = f[1], mode = f[2], try = f[3], held = f[4],
-      lane = lane, laneExp = laneExp, run = run, vals = f }, REPEAT)
+      lane = before.lane, laneExp = before.laneExp, run = run, vals = f }, REPEAT)
   else
+    local lane, laneExp = KEYS[k], KEYS[k + 1]
+    k = k + 2
     local call = { member = f[1], mode = f[2], try = f[3], held = f[4],
       lane = lane, laneExp = laneExp, steps = {} }
     local n = tonumber(f[5])
@@ -970,9 +975,10 @@ fast = function(list, flat, granting, careful)
   local permits, buckets, hosts, empty = {}, {}, {}, {}
   local first = list[1]
   if not first then return 0 end
-  -- The leases go in with one command per permit stage, once every member is known to be new
-  -- (ZMSCORE, Redis 6.2; older servers take them one by one, `careful`, as when one is not).
-  local batch = not careful and (redis.REDIS_VERSION_NUM or 0) >= 0x060200
+  -- The leases of two calls or more go in with one command per permit stage, once every member
+  -- is known to be new (ZMSCORE, Redis 6.2; older servers take them one by one, `careful`, as
+  -- when one is not).
+  local batch = not careful and list[2] ~= nil and (redis.REDIS_VERSION_NUM or 0) >= 0x060200
   local nflat = #flat
   -- The gate's line, the first call's lane and its permit stages' lines, looked at in one
   -- command. (`granting`: the first of the permit line, decided on a release: nobody is ahead.)
@@ -1043,7 +1049,10 @@ fast = function(list, flat, granting, careful)
           if empty[queue] == nil then empty[queue] = redis.call('EXISTS', queue) == 0 end
           if #a == 14 and a[14] == '' and empty[queue] then
             p = floodgate_open(st.keys[4], a[3], now) or false
-            if p then p.meta, p.adds, p.na = st.keys[4], {}, 0 end
+            if p then
+              p.meta = st.keys[4]
+              if batch then p.adds, p.na = {}, 0 end
+            end
           end
           permits[key] = p
         end
@@ -1128,7 +1137,7 @@ fast = function(list, flat, granting, careful)
   if batch then
     local ok = true
     for key, p in pairs(permits) do
-      if p and p.na > 0 then
+      if p and p.na > 2 then
         local members = {}
         for x = 2, p.na, 2 do members[x / 2] = p.adds[x] end
         local seen = {}
@@ -1142,12 +1151,24 @@ fast = function(list, flat, granting, careful)
         end
       end
     end
+    -- (A stage's one lease goes in at once: one that was there already sends the pass back too,
+    -- those put in before it taken out again.)
+    local added = {}
+    if ok then
+      for key, p in pairs(permits) do
+        if p and p.na == 2 then
+          if redis.call('ZADD', key, p.adds[1], p.adds[2]) == 0 then ok = false break end
+          added[#added + 1] = { key, p.adds[2] }
+        end
+      end
+    end
     if not ok then
+      for _, x in ipairs(added) do redis.call('ZREM', x[1], x[2]) end
       for x = nflat, from + 1, -1 do flat[x] = nil end
       return fast(list, flat, granting, true)
     end
     for key, p in pairs(permits) do
-      if p and p.na > 0 then
+      if p and p.na > 2 then
         for from = 1, p.na, 2000 do
           redis.call('ZADD', key, unpack(p.adds, from, math.min(from + 1999, p.na)))
         end

@@ -261,17 +261,18 @@ export class RedisLink {
     for (let c = 0; c < calls.length; c++) {
       const call = calls[c]!;
       const steps = stepsOf[c]!;
-      keys.push(call.lane[0]!, call.lane[1]!);
       // A call's fields go as one argument, a JSON list of strings: a client pays for each
       // argument of a command far more than for its length (bench/RESULTS.md).
       const fields: string[] = [call.member, call.mode, String(call.try), String(call.held)];
-      // A call whose steps repeat the call before it but for their own arguments goes as those.
-      if (c > 0 && repeats(steps, stepsOf[c - 1]!)) {
+      // A call of the lane of the call before it, whose steps repeat that call's but for their
+      // own arguments, goes as those alone.
+      if (c > 0 && sameLane(call.lane, calls[c - 1]!.lane) && repeats(steps, stepsOf[c - 1]!)) {
         fields.push("*");
         for (const step of steps) for (const i of OWN[step.script]!) fields.push(String(step.args[i]!));
         args.push(callJson(fields));
         continue;
       }
+      keys.push(call.lane[0]!, call.lane[1]!);
       fields.push(String(steps.length));
       for (const step of steps) {
         all.push(step);
@@ -614,6 +615,11 @@ const OWN: Partial<Record<GateStep, readonly number[]>> = {
   "token-bucket-take": [4, 6, 7],
   "interval-gate-take": [1],
 };
+
+/** Whether two calls' lanes (see `GateCall`) are one. */
+function sameLane(a: readonly string[], b: readonly string[]): boolean {
+  return a === b || (a[0] === b[0] && a[1] === b[1]);
+}
 
 /**
  * Whether `steps` repeat `before` but for their own arguments (`OWN`): the same scripts, each

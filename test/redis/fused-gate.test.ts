@@ -326,22 +326,31 @@ describe("a fused Redis gate", () => {
     const prefix = randomPrefix("fused-lease-there");
     const { b, client } = await backend(prefix, clock);
     const gate = new Gate(
-      [b.semaphore("inflight", { limit: 2 }), b.tokenBucket("rate", { capacity: 5, refillPerSecond: 1 })],
+      [b.semaphore("inflight", { limit: 4 }), b.tokenBucket("rate", { capacity: 9, refillPerSecond: 1 })],
       { clock },
     );
     const holders = `${prefix}{inflight}:holders`;
+    const used = async () => await client.hget(`${prefix}{inflight}:meta`, "used");
     const held = await gate.admit();
-    // The next two leases' members ("<token>-<n>:<cost>", n counting up) are there already, as a
-    // client that sent a call twice would leave them: the script adds them again uncounted.
+    // Leases' members are "<token>-<n>:<cost>", n counting up. Some are there already, as a
+    // client that sent a call twice would leave them: the script writes them again uncounted.
     const [member] = await client.zrange(holders, 0, 0);
     const [, token, n] = /^(.+)-(\d+):1$/.exec(member!)!;
-    await client.zadd(holders, 2000, `${token}-${Number(n) + 1}:1`, 2000, `${token}-${Number(n) + 2}:1`);
-    const turn = await Promise.all([gate.tryAdmit(), gate.tryAdmit()]);
-    expect(turn.map((t) => t !== undefined)).toEqual([true, true]);
-    expect(await client.hget(`${prefix}{inflight}:meta`, "used")).toBe("1");
-    expect(await client.zcard(holders)).toBe(3);
+    const next = (k: number) => `${token}-${Number(n) + k}:1`;
+    await client.zadd(holders, 2000, next(2), 2000, next(3));
+    // Three at one instant: the first goes alone (new), the other two in one call (both there;
+    // counted as new, the two would fill the limit).
+    const turn = await Promise.all([gate.tryAdmit(), gate.tryAdmit(), gate.tryAdmit()]);
+    expect(turn.map((t) => t !== undefined)).toEqual([true, true, true]);
+    expect(await used()).toBe("2");
+    expect(await client.zcard(holders)).toBe(4);
     // Their leases were written again: they end with the call's lease, not at 2000 ms.
-    expect(Number(await client.zscore(holders, `${token}-${Number(n) + 1}:1`))).toBeGreaterThan(2000);
+    expect(Number(await client.zscore(holders, next(2)))).toBeGreaterThan(2000);
+    // A call alone, the same way.
+    await client.zadd(holders, 2000, next(4));
+    expect(await gate.tryAdmit()).toBeDefined();
+    expect(await used()).toBe("2");
+    expect(Number(await client.zscore(holders, next(4)))).toBeGreaterThan(2000);
     await held.release("success");
     await gate.close();
   });
