@@ -145,15 +145,19 @@ local function restore(key, copy)
 end
 
 -- A call that repeats the one before it (its number of steps "*", see ARGV[5]) comes as its
--- own arguments alone: per step, the values at its script's places in OWN, in that order.
--- (Both made on the first repeat: a script call pays for every table and function it makes.)
-local OWN, REPEAT
+-- own arguments alone: per step, the values at its script's places in OWN, in that order; a
+-- step that repeats an earlier one of its script on its keys ("~"), as that step's number and its
+-- own arguments. (Made on the first repeat: a script call pays for every table and function it
+-- makes.)
+local OWN, REPEAT, REPEAT_STEP
 
 local function repeating()
   OWN = {
     ['semaphore-acquire'] = { 2, 9, 10 },
     ['token-bucket-take'] = { 5, 7, 8 },
     ['interval-gate-take'] = { 2 },
+    ['semaphore-release'] = { 2, 5 },
+    ['aimd-release'] = { 2, 4, 5, 9 },
   }
   -- The steps of `call`, a repeat, built whole: each as its run's first call's step (the run:
   -- the calls that repeat one another) with the call's own arguments in their places.
@@ -183,6 +187,18 @@ local function repeating()
       local steps = stepsOf(call)
       rawset(call, 'steps', steps)
       return steps
+    end,
+  }
+  -- A repeating step's arguments, built when first asked for: its earlier step's, with its own
+  -- in their places. (each() reads a release's own arguments where they came, and builds none.)
+  REPEAT_STEP = {
+    __index = function(step, field)
+      if field ~= 'args' then return nil end
+      local args = { unpack(step.base.args) }
+      local vals, at = step.vals, step.at
+      for x, j in ipairs(OWN[step.name]) do args[j] = vals[at + x - 1] end
+      rawset(step, 'args', args)
+      return args
     end,
   }
 end
@@ -222,7 +238,17 @@ for c = 1, tonumber(ARGV[5]) do
       local name = f[a]
       local nk = tonumber(f[a + 1])
       local na = tonumber(f[a + 2])
-      if name == '=' then
+      if name == '~' then
+        if not REPEAT then repeating() end
+        local base = sent[tonumber(f[a + 1])]
+        local own = base and OWN[base.name]
+        if not own then return redis.error_reply('gate: a step repeats none before it') end
+        local touched = base.touched or 0
+        for _, j in ipairs(own) do touched = bit.bor(touched, bit.lshift(1, j)) end
+        call.steps[i] = setmetatable({ name = base.name, keys = base.keys, base = base, vals = f, at = a + 2,
+          root = base.root or base, touched = touched }, REPEAT_STEP)
+        a = a + 2 + #own
+      elseif name == '=' then
         local base = sent[nk]
         if not base then return redis.error_reply('gate: a step repeats none before it') end
         -- (A table built whole is sized once: one built element by element grows step by step.)
@@ -245,7 +271,7 @@ for c = 1, tonumber(ARGV[5]) do
         k = k + nk
         a = a + 2 + na
       end
-      sent[#sent + 1] = call.steps[i]
+      if name ~= '~' then sent[#sent + 1] = call.steps[i] end
     end
     calls[c] = call
   end
@@ -392,9 +418,10 @@ end
 -- (Built when a call has such releases to put together: a script call pays for every table it
 -- builds.)
 local function releases()
+  if not OWN then repeating() end
   local kinds = {
-    ['semaphore-release'] = { n = 8, own = {2, 5}, shared = {3, 4, 6, 7, 8} },
-    ['aimd-release'] = { n = 13, own = {2, 4, 5, 9}, shared = {3, 6, 7, 8, 10, 11, 12, 13} },
+    ['semaphore-release'] = { n = 8, own = OWN['semaphore-release'], shared = {3, 4, 6, 7, 8} },
+    ['aimd-release'] = { n = 13, own = OWN['aimd-release'], shared = {3, 6, 7, 8, 10, 11, 12, 13} },
   }
   -- (`shared` as bits, for repeats().)
   for _, kind in pairs(kinds) do
@@ -420,9 +447,13 @@ local function each(call)
   local RELEASES = twice and releases() or {}
   for i = 1, #steps do
     local s = steps[i]
-    local a = s.args
+    -- (A repeating step, "~": its own arguments where they came, the others its earlier step's.)
+    local vals = rawget(s, 'vals')
+    local at = vals and s.at
+    local a = vals and s.base.args or s.args
     local kind = RELEASES[s.name]
-    if kind and #a == kind.n and (s.name ~= 'semaphore-release' or a[5] == 'lease') and (s.name ~= 'aimd-release' or a[13] == '') then
+    local mode = s.name == 'semaphore-release' and (vals and vals[at + 1] or a[5])
+    if kind and #a == kind.n and (s.name ~= 'semaphore-release' or mode == 'lease') and (s.name ~= 'aimd-release' or a[13] == '') then
       -- The run of this script on these keys (a stage's), when its shared arguments are these.
       -- (Keys by their first, the stage's holders; a repeated step shares its first's arguments:
       -- one that repeats the run's first step with none of them changed needs no comparing.)
@@ -447,9 +478,14 @@ local function each(call)
       end
       if run then
         run.with[#run.with + 1] = i
-        for _, j in ipairs(kind.own) do run.args[#run.args + 1] = a[j] end
+        local args = run.args
+        if vals then
+          for x = 1, #kind.own do args[#args + 1] = vals[at + x - 1] end
+        else
+          for _, j in ipairs(kind.own) do args[#args + 1] = a[j] end
+        end
       else
-        run = { step = s, with = { i }, args = { unpack(a) } }
+        run = { step = s, with = { i }, args = { unpack(s.args) } }
         byKey[id] = run
       end
       order[#order + 1] = { run = run }

@@ -275,7 +275,6 @@ export class RedisLink {
       keys.push(call.lane[0]!, call.lane[1]!);
       fields.push(String(steps.length));
       for (const step of steps) {
-        all.push(step);
         let sameScript = earlier.get(step.script);
         if (sameScript === undefined) {
           sameScript = new Map();
@@ -283,8 +282,16 @@ export class RedisLink {
         }
         const id = step.keys.length === 1 ? step.keys[0] : step.keys;
         const at = sameScript.get(id);
-        sameScript.set(id, all.length);
         const base = at === undefined ? undefined : all[at - 1];
+        // A release that differs from the earlier one only in its own arguments goes as those
+        // (it is not numbered: a later step repeats the earlier one).
+        if (base !== undefined && REPEATING.has(step.script) && ownOnly(step, base)) {
+          fields.push("~", String(at));
+          for (const i of OWN[step.script]!) fields.push(String(step.args[i]!));
+          continue;
+        }
+        all.push(step);
+        sameScript.set(id, all.length);
         if (base !== undefined && base.args.length === step.args.length) {
           const n = fields.length + 2;
           fields.push("=", String(at), "");
@@ -614,7 +621,25 @@ const OWN: Partial<Record<GateStep, readonly number[]>> = {
   "semaphore-acquire": [1, 8, 9],
   "token-bucket-take": [4, 6, 7],
   "interval-gate-take": [1],
+  "semaphore-release": [1, 4],
+  "aimd-release": [1, 3, 4, 8],
 };
+
+/** The scripts whose steps may go as repeats of an earlier step ("~"): the releases. */
+const REPEATING: ReadonlySet<GateStep> = new Set(["semaphore-release", "aimd-release"]);
+
+/** Whether step `a` differs from `b`, of its script, only in its own arguments (`OWN`). */
+function ownOnly(a: Step, b: Step): boolean {
+  const own = OWN[a.script];
+  if (own === undefined || a.args.length !== b.args.length || own[own.length - 1]! >= a.args.length)
+    return false;
+  for (let i = 1; i < a.args.length; i++) {
+    const x = a.args[i]!;
+    const y = b.args[i]!;
+    if (x !== y && (typeof x === typeof y || String(x) !== String(y)) && !own.includes(i)) return false;
+  }
+  return true;
+}
 
 /** Whether two calls' lanes (see `GateCall`) are one. */
 function sameLane(a: readonly string[], b: readonly string[]): boolean {
@@ -630,17 +655,10 @@ function repeats(steps: readonly Step[], before: readonly Step[]): boolean {
   for (let s = 0; s < steps.length; s++) {
     const a = steps[s]!;
     const b = before[s]!;
-    const own = OWN[a.script];
-    if (own === undefined || a.script !== b.script || a.args.length !== b.args.length) return false;
-    if (own[own.length - 1]! >= a.args.length) return false;
+    if (a.script !== b.script || !ownOnly(a, b)) return false;
     if (a.keys !== b.keys) {
       if (a.keys.length !== b.keys.length) return false;
       for (let k = 0; k < a.keys.length; k++) if (a.keys[k] !== b.keys[k]) return false;
-    }
-    for (let i = 1; i < a.args.length; i++) {
-      const x = a.args[i]!;
-      const y = b.args[i]!;
-      if (x !== y && (typeof x === typeof y || String(x) !== String(y)) && !own.includes(i)) return false;
     }
   }
   return true;

@@ -97,6 +97,54 @@ describe("calls of one turn in one script call", () => {
     expect(await dump(many)).toEqual(await dump(one));
   });
 
+  it('releases a gate\'s repeating release step ("~") as a whole step where it is not released with others', async () => {
+    const prefix = randomPrefix("repeat-step");
+    const sem = keysOf(prefix);
+    for (const m of ["a:1", "b:1"])
+      await client.eval(scriptSource("semaphore-acquire"), 5, ...sem, ...acquireArgs(1000, m));
+    const gate = ["line", "lexp", "gmeta", "held", "hexp", "lane:", "lexp:"].map(
+      (part) => `${prefix}{g}:${part}`,
+    );
+    // One call: a's release ("any": it runs alone), then b's as a repeat of it with its own
+    // member and "what" ("lease": it starts a run of releases of its own, so it is built whole).
+    const call = JSON.stringify([
+      "",
+      "try",
+      "",
+      "",
+      "2",
+      "semaphore-release",
+      "5",
+      "8",
+      "a:1",
+      "3",
+      "ch",
+      "any",
+      "30000",
+      "1",
+      "",
+      "~",
+      "1",
+      "b:1",
+      "lease",
+    ]);
+    const [reply] = (await client.eval(
+      scriptSource("gate"),
+      gate.length + sem.length,
+      ...gate,
+      ...sem,
+      1100,
+      "each",
+      3000,
+      "gch",
+      1,
+      call,
+    )) as [[number, number, number, unknown, [number][]]];
+    expect(reply[4].map((r) => r[0])).toEqual([1, 1]);
+    expect(await client.zcard(sem[0]!)).toBe(0);
+    expect(await client.hget(sem[3]!, "used")).toBe("0");
+  });
+
   it.each([
     [
       "someone already in line",
