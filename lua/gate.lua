@@ -37,7 +37,10 @@
 --                      their members alone. A call whose steps are those of the call before it
 --                      (the same scripts and keys, and the same arguments but its own: see OWN),
 --                      in the same lane, comes as "*" for its number of steps, then its own
---                      arguments alone, and without its lane's keys (its steps are not numbered). Calls are decided in turn, exactly as if each had
+--                      arguments alone, and without its lane's keys (its steps are not numbered).
+--                      A step that differs from the earlier step it would repeat only in its own
+--                      arguments may come as "~", that step's number and its own arguments (it is
+--                      not numbered either): the client sends releases so. Calls are decided in turn, exactly as if each had
 --                      come alone.
 --
 -- Returns one reply per call, {status, waitMs, inLine, woken, replies, held}:

@@ -613,9 +613,11 @@ function onWire(text: string): string {
 }
 
 /**
- * The places (from 0: the script's ARGV[2] is 1) of each admission step's own arguments, which
- * may differ between calls sent as repeats of one another (lua/gate.lua, OWN): a permit's member,
- * fence and "again" flag; a bucket's cost, grant and longest wait; a host's spacing.
+ * The places (from 0: the script's ARGV[2] is 1) of each step's own arguments, which may differ
+ * between steps sent as repeats of one another (lua/gate.lua, OWN): a permit's member, fence and
+ * "again" flag; a bucket's cost, grant and longest wait; a host's spacing; a release's member and
+ * what it releases (a semaphore's), or its member, outcome, epoch and slow flag (an AIMD
+ * limiter's).
  */
 const OWN: Partial<Record<GateStep, readonly number[]>> = {
   "semaphore-acquire": [1, 8, 9],
