@@ -48,6 +48,12 @@ describe("waiting across processes", () => {
       timeoutMs: 5000,
       message: "c did not line up",
     });
+    // Both processes listen for their grants: a waiter whose process does not listen yet keeps
+    // its place but is passed over by a release (a permit never goes where no one can take it).
+    await until(async () => (await clients[0]!.pubsub("CHANNELS", `${prefix}{line}:wake:*`)).length === 2, {
+      timeoutMs: 5000,
+      message: "b's and c's processes did not subscribe",
+    });
     // A newcomer in the releasing process asks while b and c wait: it must not overtake them.
     expect(await semA.tryAdmit()).toBeUndefined();
     await held.release("success");
