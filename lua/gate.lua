@@ -162,23 +162,28 @@ local function repeating()
     ['semaphore-release'] = { 2, 5 },
     ['aimd-release'] = { 2, 4, 5, 9 },
   }
+  -- The arguments of a step that repeats `base` with its own arguments (OWN) as they came, from
+  -- `vals[at]` on; and `touched` (see the parsing of "=" steps) with the places that changed.
+  local function withOwn(base, vals, at)
+    local args = { unpack(base.args) }
+    local touched = base.touched or 0
+    for x, j in ipairs(OWN[base.name]) do
+      local v = vals[at + x - 1]
+      if v ~= args[j] then
+        args[j] = v
+        touched = bit.bor(touched, bit.lshift(1, j))
+      end
+    end
+    return args, touched
+  end
   -- The steps of `call`, a repeat, built whole: each as its run's first call's step (the run:
   -- the calls that repeat one another) with the call's own arguments in their places.
   local function stepsOf(call)
-    local run, vals = call.run, call.vals
     local steps, at = {}, 6
-    for i, base in ipairs(run.steps) do
-      local args = { unpack(base.args) }
-      local touched = base.touched or 0
-      for _, j in ipairs(OWN[base.name]) do
-        local v = vals[at]
-        if v ~= args[j] then
-          args[j] = v
-          touched = bit.bor(touched, bit.lshift(1, j))
-        end
-        at = at + 1
-      end
+    for i, base in ipairs(call.run.steps) do
+      local args, touched = withOwn(base, call.vals, at)
       steps[i] = { name = base.name, keys = base.keys, args = args, root = base.root or base, touched = touched }
+      at = at + #OWN[base.name]
     end
     return steps
   end
@@ -197,9 +202,7 @@ local function repeating()
   REPEAT_STEP = {
     __index = function(step, field)
       if field ~= 'args' then return nil end
-      local args = { unpack(step.base.args) }
-      local vals, at = step.vals, step.at
-      for x, j in ipairs(OWN[step.name]) do args[j] = vals[at + x - 1] end
+      local args = withOwn(step.base, step.vals, step.at)
       rawset(step, 'args', args)
       return args
     end,
@@ -243,7 +246,7 @@ for c = 1, tonumber(ARGV[5]) do
       local na = tonumber(f[a + 2])
       if name == '~' then
         if not REPEAT then repeating() end
-        local base = sent[tonumber(f[a + 1])]
+        local base = sent[nk]
         local own = base and OWN[base.name]
         if not own then return redis.error_reply('gate: a step repeats none before it') end
         local touched = base.touched or 0
@@ -1098,9 +1101,7 @@ fast = function(list, flat, granting, careful)
         if not p or #a ~= 14 or a[14] ~= '' or v3 == '1' or (tonumber(v2) or 0) > p.seq then
           ok = false break
         end
-        -- (A one-digit cost, as most are, read without a pattern: floodgate_cost's reading.)
-        local cost = string.byte(v1, -2) == 58 and string.byte(v1, -1) - 48
-        if not cost or cost < 0 or cost > 9 then cost = floodgate_cost(v1) end
+        local cost = floodgate_cost(v1)
         if p.used + cost > p.limit then ok = false break end
         want[i] = cost
       elseif name == 'token-bucket-take' then

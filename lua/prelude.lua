@@ -143,8 +143,13 @@ local function floodgate_save_bucket(key, s, capacity, refillPerSecond, recovery
   redis.call('PEXPIRE', key, ttl)
 end
 
--- A lease or waiter member is "<id>:<cost>": its cost travels with it, so no side table.
+-- A lease or waiter member is "<id>:<cost>": its cost travels with it, so no side table. (A
+-- one-digit cost, as most are, is read without a pattern.)
 local function floodgate_cost(member)
+  if string.byte(member, -2) == 58 then
+    local digit = string.byte(member, -1) - 48
+    if digit >= 0 and digit <= 9 then return digit end
+  end
   return tonumber(string.match(member, ':(%d+)$')) or 1
 end
 
