@@ -118,8 +118,6 @@ local op      = ARGV[2]
 local now     = (op == 'all' or ARGV[1] ~= '') and floodgate_now(ARGV[1]) or nil
 local ttl     = tonumber(ARGV[3])
 local channel = ARGV[4]
--- (Its steps' releases decide this gate's line here, and tell no one else: floodgate_freed.)
-floodgate_by  = channel
 local nowArg  = now and floodgate_num(now) or ''
 
 local function clock()
@@ -283,6 +281,15 @@ for c = 1, tonumber(ARGV[5]) do
   end
 end
 
+-- Its steps' releases decide this gate's line here, and tell only other gates waiting at their
+-- stages, naming this gate and the process that sent the call (the first call's member's token;
+-- a release's member is its token): floodgate_freed.
+do
+  local first = calls[1] and calls[1].member or ''
+  floodgate_by = channel .. '|' .. (floodgate_token(first) or string.match(first, '^%x*$') or '')
+  floodgate_clock = clock
+end
+
 local woken
 -- Decides calls in one pass when nothing stands in their way (see below).
 local fast
@@ -344,15 +351,27 @@ local function leave(member, z, e, first)
 end
 
 -- Keep (or take) `member`'s place in line `z` (with expiries `e`).
--- `seq`, when given, is its place (arrival sequence) from the line it comes from.
-local function join(member, z, e, seq)
+-- `seq`, when given, is its place (arrival sequence) from the line it comes from. `steps`, for
+-- the permit line: the call's steps, at whose permit stages this gate then has a caller waiting
+-- (`<stage's wake channel>:gates`, this gate's wake channel -> until when, ms): a release through
+-- another gate that frees permits there says so (floodgate_freed), for this gate to decide its line.
+local function join(member, z, e, seq, steps)
   if not redis.call('ZSCORE', z, member) then
     redis.call('ZADD', z, seq or redis.call('HINCRBY', gmeta, 'seq', 1), member)
   end
-  redis.call('ZADD', e, now + ttl, member)
+  redis.call('ZADD', e, clock() + ttl, member)
   redis.call('PEXPIRE', z, ttl)
   redis.call('PEXPIRE', e, ttl)
   redis.call('PEXPIRE', gmeta, ttl)
+  if not steps then return end
+  for i = 1, #steps do
+    local s = steps[i]
+    if PERMIT[s.name] then
+      local gates = s.args[7] .. ':gates'
+      redis.call('ZADD', gates, clock() + ttl, channel)
+      redis.call('PEXPIRE', gates, ttl)
+    end
+  end
 end
 
 -- A step's reply as JSON, as Redis would have sent it: numbers as integers, true as 1, false
@@ -565,7 +584,7 @@ local function admit(call, granting)
     local replies = {}
     for i = 1, #steps do replies[i] = false end
     if not waits then return {0, -1, 0, woken, replies} end
-    join(member, z, e)
+    join(member, z, e, nil, z == line and steps)
     return done({0, -1, n, woken, replies})
   end
 
@@ -676,7 +695,7 @@ local function admit(call, granting)
           redis.call('ZADD', lexp, expires, m)
         end
       end
-      if waits then join(member, line, lexp, all[2]) end
+      if waits then join(member, line, lexp, all[2], steps) end
       redis.call('DEL', lane, laneExp)
       redis.call('PEXPIRE', line, ttl)
       redis.call('PEXPIRE', lexp, ttl)
@@ -684,7 +703,7 @@ local function admit(call, granting)
     end
     if laneHead then leave(member, lane, laneExp, laneHead) end
     if not waits then return {0, -1, 0, woken, replies} end
-    join(member, line, lexp)
+    join(member, line, lexp, nil, steps)
     return done({0, -1, 1, woken, replies})
   end
   -- A rate refused: permits are there. First in the permit line, it keeps its place for a short
@@ -694,7 +713,7 @@ local function admit(call, granting)
   local seq = nil
   if head == member then
     if waitMs <= ttl / 3 then
-      join(member, line, lexp)
+      join(member, line, lexp, nil, steps)
       return done({0, waitMs, 1, woken, replies})
     end
     seq = redis.call('ZSCORE', line, member)

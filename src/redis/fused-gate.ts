@@ -18,6 +18,7 @@ import {
   type GateReply,
   grantReplies,
   NOT_RUN,
+  onWire,
   type RedisLink,
 } from "./link.js";
 import type { RedisPermitStage } from "./permit-stage.js";
@@ -116,6 +117,10 @@ class FusedGate implements FusedAdmission {
   readonly #lane: readonly string[];
   readonly #id: string;
   readonly #channel: string;
+  /** The wake channel as Redis names it (a lone surrogate as U+FFFD). */
+  readonly #onWire: string;
+  /** This gate in this process, as lua/gate.lua names a gate that frees permits (floodgate_freed). */
+  readonly #from: string;
   readonly #wakes = new Map<string, Wake>();
   #listening: Promise<void> | undefined;
 
@@ -130,16 +135,19 @@ class FusedGate implements FusedAdmission {
     this.#keys = ["line", "lexp", "gmeta", "held", "hexp"].map((part) => stageKey(settings.prefix, id, part));
     this.#lane = ["lane:", "lexp:"].map((part) => stageKey(settings.prefix, id, part));
     this.#channel = stageKey(settings.prefix, id, "gwake");
+    this.#onWire = onWire(this.#channel);
+    this.#from = `${this.#onWire}|${this.#token}`;
     this.#admits = this.#head("all");
     this.#releases = this.#head("each");
     this.#leaves = this.#head("leave");
     this.#grants = this.#head("grant");
-    // Permits another gate frees here are told to it. (A stage's script run alone says so on its
-    // `wake:freed` channel, heard in every process: see `#hearFreed`.)
+    // Permits another gate of this process frees here are told to it. (In any process, a stage's
+    // script run alone, or another gate, says so on the stage's `wake:freed` channel: see
+    // `#hearFreed`.)
     for (const stage of stages) {
       const permits = stage as Partial<Pick<RedisPermitStage, "onFreed">>;
       if (PERMIT_KINDS.has(stage.kind) && permits.onFreed) {
-        this.#unhook.push(permits.onFreed((by) => this.#freedElsewhere(by)));
+        this.#unhook.push(permits.onFreed((by) => this.#freedElsewhere(by), this.#from));
       }
     }
   }
@@ -521,8 +529,9 @@ class FusedGate implements FusedAdmission {
 
   /** Run the `fn` of each of `gives` with their script calls gathered into one `gate` call. */
   #give(gives: Give[]): Promise<unknown> | undefined {
+    // (A release's member is this gate's token: who freed permits, as another gate is told.)
     const call: GateCall = {
-      member: "",
+      member: this.#token,
       mode: "try",
       try: "",
       held: "",
@@ -643,24 +652,37 @@ class FusedGate implements FusedAdmission {
 
   /**
    * Listen, from the first time a caller of this process is first in the permit line, for permits
-   * freed at the gate's permit stages by their own scripts in any process (lua/prelude.lua,
-   * floodgate_freed): while a caller of this process is first, each such message sends one
-   * `grant` call. (Without a subscription, the first finds them at its next poll.)
+   * freed at the gate's permit stages in any process, by their own scripts or by another gate
+   * (lua/prelude.lua, floodgate_freed): while a caller of this process is first, each such message
+   * sends one `grant` call, unless it was dealt with already (`#toldAlready`). (Without a
+   * subscription, the first finds them at its next poll.)
    */
   #hearFreed(): void {
     if (this.#hearing) return;
     this.#hearing = true;
     for (const stage of this.#stages) {
-      const channel = (stage as Partial<Pick<RedisPermitStage, "freedChannel">>).freedChannel;
+      const permits = stage as Partial<Pick<RedisPermitStage, "freedChannel" | "toldHere">>;
+      const channel = permits.freedChannel;
       if (!PERMIT_KINDS.has(stage.kind) || channel === undefined) continue;
       this.#link
-        .listen(channel, () => {
-          if (this.#firsts.size > 0) this.#freedElsewhere(undefined);
+        .listen(channel, (by) => {
+          if (this.#firsts.size === 0 || (by !== "" && this.#toldAlready(by, permits))) return;
+          this.#freedElsewhere(undefined);
         })
         .catch(() => {
           this.#hearing = false;
         });
     }
+  }
+
+  /**
+   * Whether permits a gate freed (`by`: "<its wake channel>|<token>", lua/gate.lua) were dealt
+   * with already: by this gate's own release, in any process, which decided its line itself; or
+   * by another gate of this process that shares the stage, which told this one (`onFreed`).
+   */
+  #toldAlready(by: string, stage: Partial<Pick<RedisPermitStage, "toldHere">>): boolean {
+    const bar = by.lastIndexOf("|");
+    return by.slice(0, bar) === this.#onWire || stage.toldHere?.(by) === true;
   }
 
   /** A `grant` call is out; another is due once it is back. */
@@ -669,9 +691,9 @@ class FusedGate implements FusedAdmission {
 
   /**
    * Permits freed at one of the gate's permit stages outside the gate: in this process by a
-   * release through the gate of `by`, or (undefined) by a stage's script run alone, in any
-   * process, as its `wake:freed` message says. A release through this gate decided its line
-   * already. Otherwise, while a caller of this process waits in the permit line, a `grant` call
+   * release through the gate of `by`, or (undefined) as the stage's `wake:freed` channel says, by
+   * its script run alone or by another gate, in any process. A release through this gate decided
+   * its line already. Otherwise, while a caller of this process waits in the permit line, a `grant` call
    * decides the line's first there and then, as a release through the gate would: without it,
    * the line would wait for its next poll.
    */
@@ -688,7 +710,14 @@ class FusedGate implements FusedAdmission {
       this.#grantAgain = false;
       this.#freedElsewhere(undefined);
     };
-    const call: GateCall = { member: "", mode: "try", try: "", held: "", lane: this.#lane, fn: () => {} };
+    const call: GateCall = {
+      member: this.#token,
+      mode: "try",
+      try: "",
+      held: "",
+      lane: this.#lane,
+      fn: () => {},
+    };
     this.#link.gather(this.#name, this.#grants, [call])!.then((replies) => {
       this.#wakeAll(replies[0]!.woken);
       done();

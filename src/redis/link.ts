@@ -608,7 +608,7 @@ function callJson(fields: string[]): string {
 }
 
 /** `text` as Redis gets it (UTF-8): each lone surrogate as U+FFFD. */
-function onWire(text: string): string {
+export function onWire(text: string): string {
   return Buffer.from(text, "utf8").toString("utf8");
 }
 

@@ -656,19 +656,29 @@ export abstract class RedisPermitStage extends BaseStage {
     );
   }
 
-  /** Told when a release through a fused gate frees permits here (see `onFreed`). */
-  readonly #freedListeners = new Set<(by: GateHead) => void>();
+  /** Told when a release through a fused gate frees permits here (see `onFreed`), with who they are. */
+  readonly #freedListeners = new Map<(by: GateHead) => void, string>();
 
   /**
    * Call `listener` whenever a release of this process through a fused gate frees permits here,
    * with the head of that gate's script call. A fused gate's callers wait in its permit line,
    * which only a release through that gate looks at: another gate sharing the stage is told this
-   * way. (This stage's scripts run alone say so on `freedChannel`, heard in every process.)
+   * way in this process, and on `freedChannel` in the others. `from` names the listening gate as
+   * lua/gate.lua names a gate that frees permits ("<wake channel>|<token>", as on the wire).
    * Returns the way to stop. @internal
    */
-  onFreed(listener: (by: GateHead) => void): () => void {
-    this.#freedListeners.add(listener);
+  onFreed(listener: (by: GateHead) => void, from: string): () => void {
+    this.#freedListeners.set(listener, from);
     return () => this.#freedListeners.delete(listener);
+  }
+
+  /**
+   * Whether the gate named `from` (see `onFreed`) tells this process's gates of the permits it
+   * frees here itself: then what `freedChannel` says of them was told already. @internal
+   */
+  toldHere(from: string): boolean {
+    for (const f of this.#freedListeners.values()) if (f === from) return true;
+    return false;
   }
 
   /**
@@ -680,7 +690,7 @@ export abstract class RedisPermitStage extends BaseStage {
   }
 
   #freed(by: GateHead): void {
-    for (const listener of this.#freedListeners) listener(by);
+    for (const listener of this.#freedListeners.keys()) listener(by);
   }
 
   /** Run the release script; resolves true when the lease was still held. */

@@ -434,7 +434,7 @@ describe("a fused Redis gate", () => {
     expect(await client.zcard(key("holders"))).toBe(0);
   });
 
-  it("decides its permit line when a permit is freed outside it: by a caller of the stage, here or in another process, or by another gate", async () => {
+  it("decides its permit line when a permit is freed outside it: by a caller of the stage, or by another gate, here or in another process", async () => {
     // The fake clock never moves: a waiter's poll never comes, so only being told admits it.
     const clock = new FakeClock(1000);
     const prefix = randomPrefix("fused-freed");
@@ -447,8 +447,13 @@ describe("a fused Redis gate", () => {
     });
     expect([gate.fused, other.fused]).toEqual([true, true]);
     const line = `${prefix}{gate:gate|inflight|rate}:line`;
-    // A caller of the stage in another process.
-    const remote = (await backend(prefix, clock)).b.semaphore("inflight", { limit: 1 });
+    // A caller of the stage in another process, and the other gate there.
+    const { b: remoteBackend } = await backend(prefix, clock);
+    const remote = remoteBackend.semaphore("inflight", { limit: 1 });
+    const remoteOther = new Gate(
+      [remote, remoteBackend.intervalGate("hosts", { minIntervalMs: 0, defaultHost: "api" })],
+      { name: "other", clock },
+    );
     const freed = `${prefix}{inflight}:wake:freed`;
     const heard = async () => ((await client.pubsub("NUMSUB", freed)) as [string, number])[1] > 0;
     // What is said there, seen through a pattern (which NUMSUB does not count).
@@ -458,7 +463,13 @@ describe("a fused Redis gate", () => {
     await tap.psubscribe(freed);
     // First through the gate itself: from then on its process listens for grants, so a waiter of
     // the gate sleeps once in line (before, it asks once more after it starts listening).
-    const holders = [() => gate.admit(), () => sem.admit(), () => other.admit(), () => remote.admit()];
+    const holders = [
+      () => gate.admit(),
+      () => sem.admit(),
+      () => other.admit(),
+      () => remote.admit(),
+      () => remoteOther.admit(),
+    ];
     for (const holder of holders) {
       const held = await holder();
       const waiting = gate.admit();
@@ -471,12 +482,148 @@ describe("a fused Redis gate", () => {
       await admitted.release("success");
     }
     expect(await client.zcard(`${prefix}{inflight}:holders`)).toBe(0);
-    // Said by the two releases of the stage's own callers only: a release through a gate decides
-    // that gate's line itself. (The mark comes after anything said before it.)
+    // Said by the releases of the stage's own callers (""), and by those through the other gate,
+    // in each process, as "<that gate's wake channel>|<its token there>": not by the gate's own,
+    // which decides its line itself. (The mark comes after anything said before it.)
     await client.publish(freed, "mark");
     await until(() => said.includes("mark"), { timeoutMs: 5000, message: "the mark did not come" });
-    expect(said).toEqual(["", "", "mark"]);
+    const otherChannel = `${prefix}{gate:other|inflight|hosts}:gwake`;
+    expect(said.map((m) => m.replace(/\|[0-9a-f]{16}$/, "|<token>"))).toEqual([
+      "",
+      `${otherChannel}|<token>`,
+      "",
+      `${otherChannel}|<token>`,
+      "mark",
+    ]);
+    expect(said[1]).not.toBe(said[3]);
+    await Promise.all([gate.close(), other.close(), remoteOther.close()]);
+  });
+
+  it("tells another gate of permits its releases free only while that gate's callers wait for them", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-freed-gates");
+    // Waiters stay in line (and their gate stays known as waiting) 3 s without asking again.
+    const { client, b } = await backend(prefix, clock, { pollMs: 1000 });
+    const sem = b.semaphore("inflight", { limit: 1 });
+    const gate = new Gate([sem, b.tokenBucket("rate", { capacity: 100, refillPerSecond: 1 })], { clock });
+    const other = new Gate([sem, b.intervalGate("hosts", { minIntervalMs: 0, defaultHost: "api" })], {
+      name: "other",
+      clock,
+    });
+    const freed = `${prefix}{inflight}:wake:freed`;
+    const gates = `${prefix}{inflight}:wake:gates`;
+    const said: string[] = [];
+    const tap = await connect();
+    tap.on("pmessage", (_pattern: string, _channel: string, message: string) => said.push(message));
+    await tap.psubscribe(freed);
+    const mark = async (text: string) => {
+      await client.publish(freed, text);
+      await until(() => said.includes(text), { timeoutMs: 5000, message: `${text} did not come` });
+    };
+
+    // Nobody waits: a release through the other gate says nothing.
+    await (await other.admit()).release("success");
+    await mark("nobody waits");
+    expect(said).toEqual(["nobody waits"]);
+
+    // The gate's call waits for the permit: the gate is known as waiting there until its wait
+    // would end (3 s), and the other gate's release says so.
+    const held = await other.admit();
+    const waiting = gate.admit();
+    await lined(client, `${prefix}{gate:gate|inflight|rate}:line`, 1, "the gate's call did not line up");
+    expect(await client.zrange(gates, 0, -1, "WITHSCORES")).toEqual([
+      `${prefix}{gate:gate|inflight|rate}:gwake`,
+      "4000",
+    ]);
+    await held.release("success");
+    const admitted = await within(waiting, 5000, "the gate's call, once the permit was freed");
+    await mark("one waits");
+    expect(said.slice(1)).toEqual([
+      expect.stringMatching(/\{gate:other\|inflight\|hosts\}:gwake\|[0-9a-f]{16}$/),
+      "one waits",
+    ]);
+    // (Its own release decides its own line: nothing said.)
+    await admitted.release("success");
+
+    // Once that wait is over, the other gate's release says nothing, and forgets the gate there.
+    await clock.advance(3000);
+    await (await other.admit()).release("success");
+    await mark("no longer");
+    expect(said.slice(3)).toEqual(["no longer"]);
+    expect(await client.zcard(gates)).toBe(0);
     await Promise.all([gate.close(), other.close()]);
+  });
+
+  it("asks Redis once, not again, for what a release through a gate frees while another gate waits", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-freed-once");
+    // Two processes, each on a pub/sub connection of this test's, to see when a message has been
+    // handled (the backend's own listener came first).
+    const process1 = await connect();
+    const sub1 = await connect();
+    const process2 = await connect();
+    const sub2 = await connect();
+    const options = { prefix, clock, time: "clock" as const, claimMs: 30_000 };
+    const b1 = redis(process1, { ...options, subscriber: sub1 });
+    const b2 = redis(process2, { ...options, subscriber: sub2 });
+    const sem1 = b1.semaphore("inflight", { limit: 1 });
+    const gate1 = new Gate([sem1, b1.tokenBucket("rate", { capacity: 100, refillPerSecond: 1 })], { clock });
+    const other1 = new Gate([sem1, b1.intervalGate("hosts", { minIntervalMs: 0, defaultHost: "api" })], {
+      name: "other",
+      clock,
+    });
+    const sem2 = b2.semaphore("inflight", { limit: 1 });
+    const gate2 = new Gate([sem2, b2.tokenBucket("rate", { capacity: 100, refillPerSecond: 1 })], { clock });
+    const client = process1;
+    const freed = `${prefix}{inflight}:wake:freed`;
+    const listeners = async () => ((await client.pubsub("NUMSUB", freed)) as [string, number])[1];
+    const held = await gate1.admit();
+    // Waiting, each first in its gate's line, its process listening for permits freed at the
+    // stage: a call of the other gate in process 1, and a call of the gate in process 2 (its steps
+    // kept, for a release to decide it).
+    const waitingOther = other1.admit();
+    await lined(
+      client,
+      `${prefix}{gate:other|inflight|hosts}:line`,
+      1,
+      "the other gate's call did not line up",
+    );
+    const waiting = gate2.admit();
+    await lined(client, `${prefix}{gate:gate|inflight|rate}:line`, 1, "the gate's call did not line up");
+    await until(async () => (await client.hlen(`${prefix}{gate:gate|inflight|rate}:held`)) === 1, {
+      timeoutMs: 5000,
+      message: "the gate's waiting call's steps were not kept",
+    });
+    await until(async () => (await listeners()) === 2, {
+      timeoutMs: 5000,
+      message: "the two processes did not listen for freed permits",
+    });
+    const seen: string[][] = [[], []];
+    for (const [i, sub] of [sub1, sub2].entries()) {
+      sub.on("message", (channel: string, message: string) => {
+        if (channel === freed) seen[i]!.push(message);
+      });
+    }
+    const counter = await countScripts(prefix);
+    try {
+      // The gate's release in process 1 admits its waiting call in process 2 and, since the other
+      // gate's caller waits at the stage, says so on the stage's channel, heard in both. The other
+      // gate, of the releasing process, was told directly, and asks once (a grant call); the gate
+      // decided its own line. Neither acts on what the channel says: two script calls in all.
+      await held.release("success");
+      const admitted = await within(waiting, 5000, "the gate's call, once the permit was freed");
+      await until(() => seen[0]!.length === 1 && seen[1]!.length === 1, {
+        timeoutMs: 5000,
+        message: "the release said nothing",
+      });
+      await counter.shown();
+      expect(counter.calls).toBe(2);
+      await admitted.release("success");
+      await (await within(waitingOther, 5000, "the other gate's call")).release("success");
+    } finally {
+      counter.stop();
+    }
+    await Promise.all([gate1.close(), other1.close(), gate2.close()]);
   });
 
   it("asks again when the lease that keeps its permit runs out (a holder that died), not at its next poll", async () => {
