@@ -654,6 +654,33 @@ describe("a fused Redis gate", () => {
     await gate.close();
   });
 
+  it("keeps a call in its own lane in a turn where its steps repeat the call before it's", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-lane-repeat");
+    const { client, b } = await backend(prefix, clock);
+    const gate = new Gate(
+      [
+        b.semaphore("inflight", { limit: 10 }),
+        b.intervalGate("hosts", { minIntervalMs: 60_000, defaultHost: "api" }),
+      ],
+      { clock },
+    );
+    const lane = (name: string) => `${prefix}{gate:gate|inflight|hosts}:lane:${name}`;
+    // The first call goes alone; the next two, made while it is out, go together in one turn.
+    // They take the same host's slot (the default, named or not), so their steps differ only in
+    // their own arguments; their lanes differ (the host as the call gives it).
+    const first = gate.admit({ host: "other" });
+    const named = gate.admit({ host: "api" });
+    const unnamed = gate.admit();
+    const tickets = await Promise.all([first, named]);
+    await lined(client, lane("|"), 1, "the call without a host did not wait in its own lane");
+    expect(await client.exists(lane("api|"))).toBe(0);
+    const closed = gate.close();
+    await expect(unnamed).rejects.toThrow();
+    for (const t of tickets) await t.release("success");
+    await closed;
+  });
+
   it("lets a lane go while another waits for its own tokens (keyed buckets do not hold each other up)", async () => {
     const clock = new FakeClock(1000);
     const { b } = await backend(randomPrefix("fused-lanes"), clock);
