@@ -529,17 +529,9 @@ class FusedGate implements FusedAdmission {
 
   /** Run the `fn` of each of `gives` with their script calls gathered into one `gate` call. */
   #give(gives: Give[]): Promise<unknown> | undefined {
-    // (A release's member is this gate's token: who freed permits, as another gate is told.)
-    const call: GateCall = {
-      member: this.#token,
-      mode: "try",
-      try: "",
-      held: "",
-      lane: this.#lane,
-      fn: () => {
-        for (const g of gives) g.fn().then(g.resolve, g.reject);
-      },
-    };
+    const call = this.#ownCall(() => {
+      for (const g of gives) g.fn().then(g.resolve, g.reject);
+    });
     const sent = this.#link.gather(this.#name, this.#releases, [call]);
     sent?.then(
       (replies) => this.#wakeAll(replies[0]!.woken),
@@ -710,18 +702,18 @@ class FusedGate implements FusedAdmission {
       this.#grantAgain = false;
       this.#freedElsewhere(undefined);
     };
-    const call: GateCall = {
-      member: this.#token,
-      mode: "try",
-      try: "",
-      held: "",
-      lane: this.#lane,
-      fn: () => {},
-    };
-    this.#link.gather(this.#name, this.#grants, [call])!.then((replies) => {
+    this.#link.gather(this.#name, this.#grants, [this.#ownCall(() => {})])!.then((replies) => {
       this.#wakeAll(replies[0]!.woken);
       done();
     }, done);
+  }
+
+  /**
+   * A call of the gate's own, for its releases or a `grant`: no place in line, its member this
+   * gate's token (lua/gate.lua names who freed permits by it, as another gate is told).
+   */
+  #ownCall(fn: GateCall["fn"]): GateCall {
+    return { member: this.#token, mode: "try", try: "", held: "", lane: this.#lane, fn };
   }
 
   /** Take `member` out of the gate's lines in the background (it gave up). */
