@@ -685,9 +685,9 @@ class FusedGate implements FusedAdmission {
    * Permits freed at one of the gate's permit stages outside the gate: in this process by a
    * release through the gate of `by`, or (undefined) as the stage's `wake:freed` channel says, by
    * its script run alone or by another gate, in any process. A release through this gate decided
-   * its line already. Otherwise, while a caller of this process waits in the permit line, a `grant` call
-   * decides the line's first there and then, as a release through the gate would: without it,
-   * the line would wait for its next poll.
+   * its line already. Otherwise, while a caller of this process waits in the permit line, a
+   * `grant` call decides the line's first there and then, as a release through the gate would:
+   * without it, the line would wait for its next poll.
    */
   #freedElsewhere(by: GateHead | undefined): void {
     if (by === this.#releases || this.#forPermits.size === 0 || this.#closedBy !== undefined) return;

@@ -656,7 +656,7 @@ export abstract class RedisPermitStage extends BaseStage {
     );
   }
 
-  /** Told when a release through a fused gate frees permits here (see `onFreed`), with who they are. */
+  /** Told when a release through a fused gate frees permits here (see `onFreed`): who each is. */
   readonly #freedListeners = new Map<(by: GateHead) => void, string>();
 
   /**
@@ -682,8 +682,10 @@ export abstract class RedisPermitStage extends BaseStage {
   }
 
   /**
-   * The channel this stage's scripts, run alone, say on that they freed permits (in any process):
-   * a fused gate's first waiter listens there (see `onFreed`). @internal
+   * The channel where permits freed here are said (in any process): by this stage's scripts run
+   * alone, and by a release through a fused gate while another gate's callers wait here
+   * (lua/prelude.lua, floodgate_freed). A fused gate's first waiter listens there (see
+   * `onFreed`). @internal
    */
   get freedChannel(): string {
     return `${this.channel}:freed`;
