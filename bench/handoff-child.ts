@@ -8,7 +8,7 @@ import { Gate } from "floodgate";
 import { redis } from "floodgate/redis";
 import { Redis } from "ioredis";
 import { Semaphore } from "redis-semaphore";
-import { handoffGateStages } from "./handoff.js";
+import { handoffGateStages, handoffOtherGateStages } from "./handoff.js";
 
 type Message = { kind: "wait"; lib: string; key: string } | { kind: "exit" };
 
@@ -24,12 +24,13 @@ await Promise.all([
 const backend = redis(client, { prefix });
 const floodgate = backend.semaphore("handoff", { limit: 1 });
 const gate = new Gate(handoffGateStages(backend), { name: "handoff-gate" });
+const other = new Gate(handoffOtherGateStages(backend), { name: "handoff-other" });
 const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
 const send = (m: object) => process.send!(m);
 
 async function wait(lib: string, key: string): Promise<void> {
-  if (lib === "floodgate" || lib === "gate") {
-    const pending = lib === "gate" ? gate.admit() : floodgate.admit();
+  if (lib === "floodgate" || lib === "gate" || lib === "gate-other") {
+    const pending = lib === "gate" ? gate.admit() : lib === "gate-other" ? other.admit() : floodgate.admit();
     send({ kind: "queued" });
     const ticket = await pending;
     const at = nowMs();

@@ -1,9 +1,10 @@
 /**
  * Handoff between processes at limit 1: this process holds the only permit, another process waits
  * for it; the figure is the time from the start of the release here to the grant there (on the
- * machine's monotonic clock, which both processes share). floodgate's semaphore and a fused gate
- * of the llm scenario's five stages (pub/sub wake-up, grant on release) against redis-semaphore
- * with its default 10 ms poll, and a BLPOP wake-up (LPUSH here) as the floor.
+ * machine's monotonic clock, which both processes share). floodgate's semaphore, a fused gate of
+ * the llm scenario's five stages (pub/sub wake-up, grant on release), and another fused gate
+ * sharing its semaphore (told on the semaphore's channel, then one grant call), against
+ * redis-semaphore with its default 10 ms poll, and a BLPOP wake-up (LPUSH here) as the floor.
  */
 import { type ChildProcess, fork } from "node:child_process";
 import { once } from "node:events";
@@ -39,6 +40,17 @@ export function handoffGateStages(backend: RedisBackend) {
     backend.semaphore("handoff-gate", { limit: 1 }),
     backend.aimd("handoff-aimd", { initial: 1, min: 1, max: 1 }),
     backend.intervalGate("handoff-hosts", { minIntervalMs: 0, defaultHost: "provider" }),
+  ];
+}
+/**
+ * Another fused gate sharing the llm gate's semaphore (and nothing else that binds): its waiter is
+ * told of a permit the llm gate's release frees in another process on the semaphore's
+ * `wake:freed` channel, and a `grant` call of its own admits it.
+ */
+export function handoffOtherGateStages(backend: RedisBackend) {
+  return [
+    backend.semaphore("handoff-gate", { limit: 1 }),
+    backend.intervalGate("handoff-other-hosts", { minIntervalMs: 0, defaultHost: "provider" }),
   ];
 }
 export type Reply = { kind: string; at?: number; message?: string };
@@ -141,6 +153,10 @@ export const handoff: Benchmark = {
         const t = await gate.admit();
         return () => t.release("success");
       }),
+      contender("another fused gate sharing the semaphore", "gate-other", () => async () => {
+        const t = await gate.admit();
+        return () => t.release("success");
+      }),
       contender("redis-semaphore (10 ms poll)", "redis-semaphore", (key) => async () => {
         const s = new Semaphore(client, key, 1, { acquireTimeout: 60_000 });
         await s.acquire();
@@ -166,6 +182,7 @@ export const handoff: Benchmark = {
           `Target p50 ≤ 1 ms: ${verdict(fp50 <= 1, ms(fp50))}; p99 ≤ 3 ms: ${verdict(fp99 <= 3, ms(fp99))}.`,
           "Each handoff releases 5–15 ms after the waiter queued. The time includes the release's own round trip.",
           "The fused gate's release decides the waiter's five stages and sends it its grant in the same script call.",
+          "Another fused gate sharing the semaphore: the waiter waits through a gate of its own (the semaphore and an interval gate); the llm gate's release says the permit is freed on the semaphore's channel, and the waiter's process sends one grant call for its gate's line.",
         ],
       );
     } finally {
