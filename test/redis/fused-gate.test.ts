@@ -502,8 +502,8 @@ describe("a fused Redis gate", () => {
   it("tells another gate of permits its releases free only while that gate's callers wait for them", async () => {
     const clock = new FakeClock(1000);
     const prefix = randomPrefix("fused-freed-gates");
-    // Waiters stay in line (and their gate stays known as waiting) 3 s without asking again.
-    const { client, b } = await backend(prefix, clock, { pollMs: 1000 });
+    // Waiters stay in line (and their gate stays known as waiting) 30 s without asking again.
+    const { client, b } = await backend(prefix, clock, { pollMs: 10_000 });
     const sem = b.semaphore("inflight", { limit: 1 });
     const gate = new Gate([sem, b.tokenBucket("rate", { capacity: 100, refillPerSecond: 1 })], { clock });
     const other = new Gate([sem, b.intervalGate("hosts", { minIntervalMs: 0, defaultHost: "api" })], {
@@ -527,13 +527,13 @@ describe("a fused Redis gate", () => {
     expect(said).toEqual(["nobody waits"]);
 
     // The gate's call waits for the permit: the gate is known as waiting there until its wait
-    // would end (3 s), and the other gate's release says so.
+    // would end (30 s), and the other gate's release says so.
     const held = await other.admit();
     const waiting = gate.admit();
     await lined(client, `${prefix}{gate:gate|inflight|rate}:line`, 1, "the gate's call did not line up");
     expect(await client.zrange(gates, 0, -1, "WITHSCORES")).toEqual([
       `${prefix}{gate:gate|inflight|rate}:gwake`,
-      "4000",
+      "31000",
     ]);
     await held.release("success");
     const admitted = await within(waiting, 5000, "the gate's call, once the permit was freed");
@@ -546,7 +546,7 @@ describe("a fused Redis gate", () => {
     await admitted.release("success");
 
     // Once that wait is over, the other gate's release says nothing, and forgets the gate there.
-    await clock.advance(3000);
+    await clock.advance(30_000);
     await (await other.admit()).release("success");
     await mark("no longer");
     expect(said.slice(3)).toEqual(["no longer"]);
