@@ -4,7 +4,7 @@
  * `queued`, and on the grant reports the moment (monotonic clock, shared by every process of the
  * machine) and lets go again.
  */
-import { Gate } from "floodgate";
+import { Gate, type Ticket } from "floodgate";
 import { redis } from "floodgate/redis";
 import { Redis } from "ioredis";
 import { Semaphore } from "redis-semaphore";
@@ -25,12 +25,19 @@ const backend = redis(client, { prefix });
 const floodgate = backend.semaphore("handoff", { limit: 1 });
 const gate = new Gate(handoffGateStages(backend), { name: "handoff-gate" });
 const other = new Gate(handoffOtherGateStages(backend), { name: "handoff-other" });
+/** floodgate's waits, by the `lib` the parent names. */
+const floodgateAdmits: Record<string, () => Promise<Ticket>> = {
+  floodgate: () => floodgate.admit(),
+  gate: () => gate.admit(),
+  "gate-other": () => other.admit(),
+};
 const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
 const send = (m: object) => process.send!(m);
 
 async function wait(lib: string, key: string): Promise<void> {
-  if (lib === "floodgate" || lib === "gate" || lib === "gate-other") {
-    const pending = lib === "gate" ? gate.admit() : lib === "gate-other" ? other.admit() : floodgate.admit();
+  const admit = floodgateAdmits[lib];
+  if (admit) {
+    const pending = admit();
     send({ kind: "queued" });
     const ticket = await pending;
     const at = nowMs();

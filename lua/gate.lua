@@ -118,6 +118,9 @@ local op      = ARGV[2]
 local now     = (op == 'all' or ARGV[1] ~= '') and floodgate_now(ARGV[1]) or nil
 local ttl     = tonumber(ARGV[3])
 local channel = ARGV[4]
+-- (Its steps' releases decide this gate's line here, and tell only other gates waiting at their
+-- stages: floodgate_freed.)
+floodgate_by  = channel
 local nowArg  = now and floodgate_num(now) or ''
 
 local function clock()
@@ -281,12 +284,12 @@ for c = 1, tonumber(ARGV[5]) do
   end
 end
 
--- Its steps' releases decide this gate's line here, and tell only other gates waiting at their
--- stages, naming this gate and the process that sent the call (the first call's member's token;
--- a release's member is its token): floodgate_freed.
+-- What its steps' releases say to other gates waiting at their stages (floodgate_freed): this
+-- gate, and the process that sent the call (the first call's member's token; a release's or a
+-- grant call's member is its token).
 do
   local first = calls[1] and calls[1].member or ''
-  floodgate_by = channel .. '|' .. (floodgate_token(first) or string.match(first, '^%x*$') or '')
+  floodgate_said = channel .. '|' .. (floodgate_token(first) or string.match(first, '^%x*$') or '')
   floodgate_clock = clock
 end
 
@@ -359,7 +362,8 @@ local function join(member, z, e, seq, steps)
   if not redis.call('ZSCORE', z, member) then
     redis.call('ZADD', z, seq or redis.call('HINCRBY', gmeta, 'seq', 1), member)
   end
-  redis.call('ZADD', e, clock() + ttl, member)
+  local until_ = clock() + ttl
+  redis.call('ZADD', e, until_, member)
   redis.call('PEXPIRE', z, ttl)
   redis.call('PEXPIRE', e, ttl)
   redis.call('PEXPIRE', gmeta, ttl)
@@ -368,7 +372,7 @@ local function join(member, z, e, seq, steps)
     local s = steps[i]
     if PERMIT[s.name] then
       local gates = s.args[7] .. ':gates'
-      redis.call('ZADD', gates, clock() + ttl, channel)
+      redis.call('ZADD', gates, until_, channel)
       redis.call('PEXPIRE', gates, ttl)
     end
   end

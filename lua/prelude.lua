@@ -639,19 +639,25 @@ local function floodgate_classes(keys, spec)
   return c
 end
 
--- Who runs a stage's script as its step: "<wake channel>|<token>" of the fused gate (lua/gate.lua
--- sets it; the token names the gate in the process that sent the call, or is empty), or '' when
--- the stage's script runs alone.
+-- The wake channel of the fused gate whose script runs a stage's script as its step (lua/gate.lua
+-- sets it), or '' when the stage's script runs alone.
 local floodgate_by = ''
 
--- The time a fused gate decides by (lua/gate.lua sets it, with floodgate_by), ms.
+-- What a release through that gate says when it frees permits another gate waits for: "<wake
+-- channel>|<token>", the token naming the gate in the process that sent the call (lua/gate.lua).
+local floodgate_said = ''
+
+-- The time that gate decides by (lua/gate.lua sets it), ms.
 local floodgate_clock = nil
+
+-- The stages whose freed permits this script call has dealt with already, by wake channel.
+local floodgate_told = nil
 
 -- Permits were freed at the stage whose grants go on `channel`: say so on `channel`:freed, where
 -- the process of a fused gate's first waiter listens, since only a release through a gate decides
 -- that gate's permit line. Said by the stage's own script run alone (a caller of the stage itself,
 -- a lease or place in line given back), as ''; and by a release through a gate, as who it was
--- (floodgate_by), only while another gate has callers waiting for this stage's permits (its wake
+-- (floodgate_said), only while another gate has callers waiting for this stage's permits (its wake
 -- channel in `channel`:gates, put there by lua/gate.lua): a release through a gate decides its own
 -- line. Not on a cluster (`listeners` ""), where no gate is fused and a message would go to every
 -- node.
@@ -661,15 +667,18 @@ local function floodgate_freed(channel, listeners)
     redis.call('PUBLISH', channel .. ':freed', '')
     return
   end
-  local mine = string.match(floodgate_by, '^(.*)|')
+  -- (Once per stage and script call: what the set says does not change within it.)
+  floodgate_told = floodgate_told or {}
+  if floodgate_told[channel] then return end
+  floodgate_told[channel] = true
   local gates = channel .. ':gates'
   local waiting = redis.call('ZRANGE', gates, 0, -1, 'WITHSCORES')
   for i = 1, #waiting, 2 do
     local gate = waiting[i]
-    if gate ~= mine then
+    if gate ~= floodgate_by then
       -- (One whose callers stopped waiting goes.)
       if tonumber(waiting[i + 1]) > floodgate_clock() then
-        redis.call('PUBLISH', channel .. ':freed', floodgate_by)
+        redis.call('PUBLISH', channel .. ':freed', floodgate_said)
         return
       end
       redis.call('ZREM', gates, gate)

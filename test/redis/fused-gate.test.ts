@@ -7,7 +7,7 @@ import {
   type Stage,
   type Ticket,
 } from "floodgate";
-import { redis } from "floodgate/redis";
+import { type RedisBackend, redis } from "floodgate/redis";
 import { FakeClock } from "floodgate/testing";
 import type { Redis } from "ioredis";
 import { describe, expect, it } from "vitest";
@@ -29,6 +29,20 @@ describe("a fused Redis gate", () => {
   async function backend(prefix: string, clock: FakeClock, extra: { pollMs?: number } = {}) {
     const client = await connect();
     return { client, b: redis(client, { prefix, clock, time: "clock", claimMs: 30_000, ...extra }) };
+  }
+
+  /**
+   * Two gates on `b` sharing its semaphore "inflight" (limit 1): "gate", with a bucket, and
+   * "other", with an interval gate; neither of those binds.
+   */
+  function sharingGates(b: RedisBackend, clock: FakeClock) {
+    const sem = b.semaphore("inflight", { limit: 1 });
+    const gate = new Gate([sem, b.tokenBucket("rate", { capacity: 100, refillPerSecond: 1 })], { clock });
+    const other = new Gate([sem, b.intervalGate("hosts", { minIntervalMs: 0, defaultHost: "api" })], {
+      name: "other",
+      clock,
+    });
+    return { sem, gate, other };
   }
 
   /**
@@ -439,12 +453,7 @@ describe("a fused Redis gate", () => {
     const clock = new FakeClock(1000);
     const prefix = randomPrefix("fused-freed");
     const { client, b } = await backend(prefix, clock);
-    const sem = b.semaphore("inflight", { limit: 1 });
-    const gate = new Gate([sem, b.tokenBucket("rate", { capacity: 100, refillPerSecond: 1 })], { clock });
-    const other = new Gate([sem, b.intervalGate("hosts", { minIntervalMs: 0, defaultHost: "api" })], {
-      name: "other",
-      clock,
-    });
+    const { sem, gate, other } = sharingGates(b, clock);
     expect([gate.fused, other.fused]).toEqual([true, true]);
     const line = `${prefix}{gate:gate|inflight|rate}:line`;
     // A caller of the stage in another process, and the other gate there.
@@ -504,12 +513,7 @@ describe("a fused Redis gate", () => {
     const prefix = randomPrefix("fused-freed-gates");
     // Waiters stay in line (and their gate stays known as waiting) 30 s without asking again.
     const { client, b } = await backend(prefix, clock, { pollMs: 10_000 });
-    const sem = b.semaphore("inflight", { limit: 1 });
-    const gate = new Gate([sem, b.tokenBucket("rate", { capacity: 100, refillPerSecond: 1 })], { clock });
-    const other = new Gate([sem, b.intervalGate("hosts", { minIntervalMs: 0, defaultHost: "api" })], {
-      name: "other",
-      clock,
-    });
+    const { gate, other } = sharingGates(b, clock);
     const freed = `${prefix}{inflight}:wake:freed`;
     const gates = `${prefix}{inflight}:wake:gates`;
     const said: string[] = [];
@@ -566,12 +570,7 @@ describe("a fused Redis gate", () => {
     const options = { prefix, clock, time: "clock" as const, claimMs: 30_000 };
     const b1 = redis(process1, { ...options, subscriber: sub1 });
     const b2 = redis(process2, { ...options, subscriber: sub2 });
-    const sem1 = b1.semaphore("inflight", { limit: 1 });
-    const gate1 = new Gate([sem1, b1.tokenBucket("rate", { capacity: 100, refillPerSecond: 1 })], { clock });
-    const other1 = new Gate([sem1, b1.intervalGate("hosts", { minIntervalMs: 0, defaultHost: "api" })], {
-      name: "other",
-      clock,
-    });
+    const { gate: gate1, other: other1 } = sharingGates(b1, clock);
     const sem2 = b2.semaphore("inflight", { limit: 1 });
     const gate2 = new Gate([sem2, b2.tokenBucket("rate", { capacity: 100, refillPerSecond: 1 })], { clock });
     const client = process1;
