@@ -41,6 +41,9 @@ import { WaitEntry, Waiter, type WaiterOwner, type WaitList } from "./wait-list.
 /** A wait list of any kind of entry. */
 type AnyList = WaitList<WaitEntry>;
 
+/** How `tryStep` answers: the ticket, or undefined when refused; or, with `error`, why it failed. @internal */
+export type StepDone = (ticket: Ticket | undefined, error?: unknown) => void;
+
 /** What a wait is for, which decides the snapshot counter it adds to. */
 export type WaitFor = "token" | "permit" | "queue";
 
@@ -239,6 +242,40 @@ export abstract class BaseStage implements Stage, WaiterOwner {
 
   /** The stage's own `tryAdmit`, for options `check` has passed; it may throw (then it rejects). */
   protected abstract tryAdmitChecked(o: AdmitOptions): Promise<Ticket | undefined>;
+
+  /**
+   * `tryAdmit` for a fused Redis gate, told to `done` rather than by a promise: at once when the
+   * stage decides by itself (bad options, a cost of 0, callers of its own ahead), else when the
+   * step it gathers into the gate's call is answered. `done` is called once. @internal
+   */
+  tryStep(options: TryAdmitOptions | undefined, done: StepDone): void {
+    let o: AdmitOptions;
+    try {
+      o = this.check(options, "tryAdmit");
+    } catch (error) {
+      done(undefined, error);
+      return;
+    }
+    this.tryStepChecked(o, done);
+  }
+
+  /**
+   * The stage's own `tryStep`, for options `check` has passed; it must not throw. By default its
+   * `tryAdmit`, whose promise tells `done`; a Redis stage gathers its step with no promise made.
+   */
+  protected tryStepChecked(o: AdmitOptions, done: StepDone): void {
+    let admitted: Promise<Ticket | undefined>;
+    try {
+      admitted = this.tryAdmitChecked(o);
+    } catch (error) {
+      done(undefined, error);
+      return;
+    }
+    admitted.then(
+      (ticket) => done(ticket),
+      (error: unknown) => done(undefined, error),
+    );
+  }
   abstract snapshot(): Snapshot;
 
   /**

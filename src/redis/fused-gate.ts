@@ -4,7 +4,7 @@
  * call too. A call a permit stage refuses waits in the gate's line in Redis, holding nothing.
  */
 import { randomBytes } from "node:crypto";
-import type { BaseStage } from "../base/stage.js";
+import type { BaseStage, StepDone } from "../base/stage.js";
 import type { Clock, ClockTimer } from "../clock.js";
 import { AdmitTimeoutError } from "../errors.js";
 import { badSignal, type FusedAdmission, type FusedCall, type FusionHost } from "../fuse.js";
@@ -99,8 +99,59 @@ interface Give {
 /** Stages that hold a permit while a call runs: a call they refuse waits in the gate's line. */
 const PERMIT_KINDS: ReadonlySet<string> = new Set(["semaphore", "aimd"]);
 
-/** A rejection handler that does nothing: the rejection is looked at later. */
-const ignore = (): void => {};
+/** A stage of a fused gate: it admits by gathering its step into the gate's call (`tryStep`). */
+type DirectStage = Stage & Pick<BaseStage, "tryStep">;
+
+/** What the stages of one try answer (`tryStep`), as they do. */
+class Answers {
+  /** Each stage's ticket, in order, once it has answered (undefined: refused, or failed). */
+  readonly tickets: (Ticket | undefined)[];
+  /** Each stage's step in the try's `gate` call (-1: it made no script call). */
+  readonly stepOf: number[];
+  /** Stages yet to answer. */
+  #left: number;
+  readonly #answered: boolean[];
+  /** A stage refused, failed, or did not run. */
+  refused = false;
+  /** The first failure a stage answered with, but for not having run (`NOT_RUN`). */
+  failure: unknown = undefined;
+  /** A stage's step did not run. */
+  notRun = false;
+  #whenAll: (() => void) | undefined = undefined;
+
+  constructor(n: number) {
+    this.tickets = new Array<Ticket | undefined>(n);
+    this.stepOf = new Array<number>(n);
+    this.#answered = new Array<boolean>(n).fill(false);
+    this.#left = n;
+  }
+
+  /** Stage `i` answered (`StepDone`); once only. */
+  answer(i: number, ticket: Ticket | undefined, error: unknown): void {
+    if (this.#answered[i]) return;
+    this.#answered[i] = true;
+    if (error !== undefined) {
+      if (error === NOT_RUN) this.notRun = true;
+      else this.failure ??= error;
+      this.refused = true;
+    } else if (ticket === undefined) this.refused = true;
+    else this.tickets[i] = ticket;
+    if (--this.#left === 0 && this.#whenAll) this.#whenAll();
+  }
+
+  /** Call `fn` once every stage has answered (at once if all have). */
+  whenAll(fn: () => void): void {
+    if (this.#left === 0) fn();
+    else this.#whenAll = fn;
+  }
+
+  /** The tickets of the stages that admitted, in order. */
+  admitted(): Ticket[] {
+    const out: Ticket[] = [];
+    for (const t of this.tickets) if (t !== undefined) out.push(t);
+    return out;
+  }
+}
 
 /** One gate's fused stages on one Redis backend, in this process. */
 class FusedGate implements FusedAdmission {
@@ -351,9 +402,8 @@ class FusedGate implements FusedAdmission {
   }
 
   #send(tries: Try[]): Promise<unknown> | undefined {
-    const stages = this.#stages;
-    const pending = tries.map(() => new Array<Promise<Ticket | undefined>>(stages.length));
-    const stepOf = tries.map(() => new Array<number>(stages.length));
+    const stages = this.#stages as readonly DirectStage[];
+    const answers = tries.map(() => new Answers(stages.length));
     const calls = tries.map(
       (t, c): GateCall => ({
         member: t.member,
@@ -364,96 +414,118 @@ class FusedGate implements FusedAdmission {
         held: t.held,
         lane: t.lane,
         fn: (count) => {
+          const a = answers[c]!;
           for (let i = 0; i < stages.length; i++) {
             const stage = stages[i]!;
             const before = count();
-            let admitted: Promise<Ticket | undefined>;
+            const done: StepDone = (ticket, error) => a.answer(i, ticket, error);
             try {
-              admitted = stage.tryAdmit(t.call.optionsFor(stage));
+              stage.tryStep(t.call.optionsFor(stage), done);
             } catch (error) {
-              admitted = Promise.reject(error);
+              done(undefined, error);
             }
-            pending[c]![i] = admitted;
-            if (count() > before) stepOf[c]![i] = before;
-            else {
-              // Settled here (a bad option, a refusal of its own), it is looked at only once the
-              // gate call is back: not an unhandled rejection meanwhile.
-              stepOf[c]![i] = -1;
-              admitted.catch(ignore);
-            }
+            a.stepOf[i] = count() > before ? before : -1;
           }
         },
       }),
     );
     const sent = this.#link.gather(this.#name, this.#admits, calls);
-    tries.forEach((t, c) => {
-      const reply = sent?.then((replies) => replies[c]!);
-      this.#outcome(reply, pending[c]!, stepOf[c]!, t.try).then(t.resolve, t.reject);
-    });
+    const each = (reply: (c: number) => GateReply | undefined, failed: boolean, error: unknown) => {
+      for (let c = 0; c < tries.length; c++) {
+        const t = tries[c]!;
+        try {
+          this.#answered(reply(c), failed, error, answers[c]!, t);
+        } catch (e) {
+          t.reject(e);
+        }
+      }
+    };
+    if (sent === undefined) each(() => undefined, false, undefined);
+    else {
+      sent.then(
+        (replies) => each((c) => replies[c], false, undefined),
+        (error: unknown) => each(() => undefined, true, error),
+      );
+    }
     return sent;
   }
 
   /**
-   * What one try gave, from its reply and its stages' `tryAdmit` results; for a try whose steps
-   * Redis keeps, at once, with what they give once settled (`held`).
+   * A try's `gate` call is back (with `reply`, or `failed` with `error`, or undefined: not sent,
+   * no stage made a step): tell `t` what it gave, once its stages have answered; for a try whose
+   * steps Redis keeps, at once, with what they give once settled (`held`).
    */
-  async #outcome(
-    sent: Promise<GateReply> | undefined,
-    pending: Promise<Ticket | undefined>[],
-    stepOf: readonly number[],
-    tryNo: number,
-  ): Promise<Attempt> {
-    const reply = await sent?.catch(() => undefined);
+  #answered(reply: GateReply | undefined, failed: boolean, error: unknown, answers: Answers, t: Try): void {
     if (reply) this.#wakeAll(reply.woken);
     const hold = reply?.hold;
     if (hold) {
-      const result = this.#finish(sent, pending, stepOf);
+      const result = new Promise<Attempt>((resolve, reject) => {
+        answers.whenAll(() => {
+          try {
+            resolve(this.#settled(reply, failed, error, answers));
+          } catch (e) {
+            reject(e);
+          }
+        });
+      });
       result.catch(() => {});
-      const held: Held = { try: tryNo, settle: hold, result, granted: false };
-      const attempt = this.#refused(reply!, stepOf);
+      const held: Held = { try: t.try, settle: hold, result, granted: false };
+      const attempt = this.#refused(reply!, answers.stepOf);
       attempt.held = held;
-      return attempt;
+      t.resolve(attempt);
+      return;
     }
-    const attempt = await this.#finish(sent, pending, stepOf);
-    if (reply?.collected) attempt.collected = reply.collected;
-    return attempt;
+    answers.whenAll(() => {
+      let attempt: Attempt | Promise<Attempt>;
+      try {
+        attempt = this.#settled(reply, failed, error, answers);
+      } catch (e) {
+        t.reject(e);
+        return;
+      }
+      const collected = reply?.collected;
+      if (attempt instanceof Promise) {
+        attempt.then((a) => {
+          if (collected) a.collected = collected;
+          t.resolve(a);
+        }, t.reject);
+        return;
+      }
+      if (collected) attempt.collected = collected;
+      t.resolve(attempt);
+    });
   }
 
-  /** What one try gave once its steps are settled. */
-  async #finish(
-    sent: Promise<GateReply> | undefined,
-    pending: Promise<Ticket | undefined>[],
-    stepOf: readonly number[],
-  ): Promise<Attempt> {
-    const [head, ...settled] = await Promise.allSettled([sent, ...pending]);
-    const tickets: Ticket[] = [];
-    let failure: unknown;
-    let refused = false;
-    let notRun = false;
-    for (const s of settled) {
-      if (s.status === "rejected") {
-        if (s.reason !== NOT_RUN) failure ??= s.reason;
-        else notRun = true;
-        refused = true;
-      } else if (s.value === undefined) refused = true;
-      else tickets.push(s.value);
-    }
-    const reply = head!.status === "fulfilled" ? head!.value : undefined;
-    if (!refused) return { tickets, reply, blame: -1 };
+  /**
+   * What one try gave once its stages have answered: all their tickets, or the reply and the
+   * stage it waits for; a promise when tickets that did admit go back first. Throws a stage's
+   * failure, or the `gate` call's.
+   */
+  #settled(
+    reply: GateReply | undefined,
+    failed: boolean,
+    error: unknown,
+    answers: Answers,
+  ): Attempt | Promise<Attempt> {
+    if (!answers.refused) return { tickets: answers.tickets as Ticket[], reply, blame: -1 };
+    const rest = (): Attempt => {
+      if (answers.failure !== undefined) throw answers.failure;
+      if (failed) throw error;
+      if (reply && reply.status === 1 && answers.notRun) {
+        throw new Error(`gate "${this.#name}": the gate script admitted a call without running every step`);
+      }
+      if (reply && reply.status === 1) {
+        // Redis admitted them all but a stage refused here (its own callers wait ahead in this
+        // process): ask again shortly.
+        const again = { ...reply, status: 0, waitMs: Math.min(5, this.#s.pollMs) };
+        return { tickets: undefined, reply: again, blame: -1 };
+      }
+      return reply ? this.#refused(reply, answers.stepOf) : { tickets: undefined, reply, blame: -1 };
+    };
     // Not all admitted: give back what did (a stage that refused on its own, before Redis).
-    if (tickets.length > 0) await this.together(() => settleAll(tickets, undefined));
-    if (failure !== undefined) throw failure;
-    if (head!.status === "rejected") throw head!.reason;
-    if (reply && reply.status === 1 && notRun) {
-      throw new Error(`gate "${this.#name}": the gate script admitted a call without running every step`);
-    }
-    if (reply && reply.status === 1) {
-      // Redis admitted them all but a stage refused here (its own callers wait ahead in this
-      // process): ask again shortly.
-      const again = { ...reply, status: 0, waitMs: Math.min(5, this.#s.pollMs) };
-      return { tickets: undefined, reply: again, blame: -1 };
-    }
-    return reply ? this.#refused(reply, stepOf) : { tickets: undefined, reply, blame: -1 };
+    const admitted = answers.admitted();
+    if (admitted.length > 0) return this.together(() => settleAll(admitted, undefined)).then(rest);
+    return rest();
   }
 
   /**

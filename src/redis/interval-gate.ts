@@ -1,6 +1,6 @@
 import { LONGEST_MS, pauseError } from "../admit.js";
 import { spacingMs } from "../algorithms/interval.js";
-import { BaseTicket } from "../base/stage.js";
+import { BaseTicket, type StepDone } from "../base/stage.js";
 import type { Waiter } from "../base/wait-list.js";
 import { hostRule } from "../call-rule.js";
 import { pauseChannel } from "../channels.js";
@@ -64,13 +64,21 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
   }
 
   #take(line: HostLine): Promise<TakeReply> {
-    line.spacing ??= Math.min(spacingMs(this.#minIntervalMs, this.#jitterMs, draw(this.#random)), LONGEST_MS);
     return this.#link
-      .run(this.name, "interval-gate-take", [line.redisKey], [this.#link.now(), line.spacing])
-      .then((reply: TakeReply) => {
-        if (Number(reply[0]) === 1) line.spacing = undefined;
-        return reply;
-      });
+      .run(this.name, "interval-gate-take", line.keys, this.#takeArgs(line))
+      .then((reply: TakeReply) => this.#took(line, reply));
+  }
+
+  /** ARGV of `interval-gate-take` for `line`'s next grant (its spacing drawn once, until granted). */
+  #takeArgs(line: HostLine): (string | number)[] {
+    line.spacing ??= Math.min(spacingMs(this.#minIntervalMs, this.#jitterMs, draw(this.#random)), LONGEST_MS);
+    return [this.#link.now(), line.spacing];
+  }
+
+  /** Note what a take of `line` said: a grant uses up the spacing drawn for it. */
+  #took(line: HostLine, reply: TakeReply): TakeReply {
+    if (Number(reply[0]) === 1) line.spacing = undefined;
+    return reply;
   }
 
   protected override newTicket(cost: number, key: string, now: number): BaseTicket {
@@ -99,15 +107,43 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
     const host = (o.host ?? this.#defaultHost)!;
     const line = this.line(host);
     if (line.size > 0) return Promise.resolve(undefined);
-    return this.#take(line).then((reply) => {
-      if (Number(reply[0]) !== 1) return undefined;
-      const ticket = this.#mark(this.issue(o.cost ?? 1, host, undefined, "token"), reply);
-      if (this.closed) {
-        void this.#refund(ticket);
-        throw this.closedSignal.reason;
-      }
-      return ticket;
-    });
+    return this.#take(line).then((reply) => this.#tried(reply, o, host));
+  }
+
+  /** The ticket a try's take for `host` gave (undefined: refused); throws once the gate is closed. */
+  #tried(reply: TakeReply, o: AdmitOptions, host: string): Ticket | undefined {
+    if (Number(reply[0]) !== 1) return undefined;
+    const ticket = this.#mark(this.issue(o.cost ?? 1, host, undefined, "token"), reply);
+    if (this.closed) {
+      void this.#refund(ticket);
+      throw this.closedSignal.reason;
+    }
+    return ticket;
+  }
+
+  protected override tryStepChecked(o: AdmitOptions, done: StepDone): void {
+    const host = (o.host ?? this.#defaultHost)!;
+    const line = this.line(host);
+    if (line.size > 0 || !this.#link.gatheringFor) {
+      super.tryStepChecked(o, done);
+      return;
+    }
+    this.#link.step(
+      "interval-gate-take",
+      line.keys,
+      this.#takeArgs(line),
+      (reply: TakeReply) => {
+        let ticket: Ticket | undefined;
+        try {
+          ticket = this.#tried(this.#took(line, reply), o, host);
+        } catch (error) {
+          done(undefined, error);
+          return;
+        }
+        done(ticket);
+      },
+      (error) => done(undefined, error),
+    );
   }
 
   /**

@@ -7,8 +7,11 @@ import type { RedisContext } from "./semaphore.js";
 export class RedisLine extends TimedLine {
   busy: Promise<void> | undefined = undefined;
   again = false;
+  /** KEYS of the line's scripts. */
+  readonly keys: readonly string[];
   constructor(readonly redisKey: string) {
     super();
+    this.keys = [redisKey];
   }
 }
 

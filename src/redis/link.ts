@@ -211,6 +211,25 @@ export class RedisLink {
     return promise;
   }
 
+  /**
+   * Gather a script call as a step of the `gate` call being gathered (see `gather`), settled by
+   * `resolve` with its reply or by `reject` (with `NOT_RUN` when the script did not run it, or
+   * with the gate call's error), with no promise made: a fused gate's stages admit this way.
+   * False, with nothing gathered, when no `gate` call is being gathered.
+   */
+  step(
+    script: GateStep,
+    keys: readonly string[],
+    args: readonly (string | number)[],
+    resolve: (reply: any) => void,
+    reject: (error: unknown) => void,
+  ): boolean {
+    const gathering = this.#gathering;
+    if (gathering === undefined) return false;
+    gathering.push({ script, keys, args, resolve, reject });
+    return true;
+  }
+
   /** Script calls made while `gather` runs its function; undefined otherwise. */
   #gathering: Step[] | undefined = undefined;
   /** The head of the `gate` call being gathered, while `gather` runs its function. */

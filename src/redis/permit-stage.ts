@@ -6,7 +6,7 @@
  */
 import { randomBytes } from "node:crypto";
 import { type ClassBook, classRule, classSpec } from "../base/classes.js";
-import { BaseStage, type BaseTicket, type WaitFor } from "../base/stage.js";
+import { BaseStage, type BaseTicket, type StepDone, type WaitFor } from "../base/stage.js";
 import { Waiter, WaitList } from "../base/wait-list.js";
 import { leaseLostChannel, shedChannel } from "../channels.js";
 import { type ClockTimer, unrefTimer } from "../clock.js";
@@ -249,26 +249,31 @@ export abstract class RedisPermitStage extends BaseStage {
 
   /** Acquires of one mode; a crowd of callers goes in one script call per turn. */
   #acquireBatch(mode: "wait" | "try"): ScriptBatch {
-    return new ScriptBatch((pairs) => {
-      const args: (string | number)[] = [
-        this.link.now(),
-        pairs[0]!,
-        this.#limitArg(),
-        this.settings.leaseMs,
-        mode,
-        this.#ctx.pollMs * 3,
-        this.channel,
-        this.settings.limit === undefined ? this.settings.initial : "",
-        this.#lastFence,
-        pairs[1]!,
-        this.#ctx.livenessMs,
-        this.link.listeners,
-        this.claimMs,
-        this.classSpec,
-      ];
-      for (let i = 2; i < pairs.length; i++) args.push(pairs[i]!);
-      return this.link.run(this.name, "semaphore-acquire", this.keys, args);
-    });
+    return new ScriptBatch((pairs) =>
+      this.link.run(this.name, "semaphore-acquire", this.keys, this.#acquireArgs(mode, pairs)),
+    );
+  }
+
+  /** ARGV of `semaphore-acquire` for members and their "again" flags, `[id1, again1, id2, …]`. */
+  #acquireArgs(mode: "wait" | "try", pairs: readonly string[]): (string | number)[] {
+    const args: (string | number)[] = [
+      this.link.now(),
+      pairs[0]!,
+      this.#limitArg(),
+      this.settings.leaseMs,
+      mode,
+      this.#ctx.pollMs * 3,
+      this.channel,
+      this.settings.limit === undefined ? this.settings.initial : "",
+      this.#lastFence,
+      pairs[1]!,
+      this.#ctx.livenessMs,
+      this.link.listeners,
+      this.claimMs,
+      this.classSpec,
+    ];
+    for (let i = 2; i < pairs.length; i++) args.push(pairs[i]!);
+    return args;
   }
 
   /** Releases of leases; a crowd of them goes in one script call per turn. */
@@ -459,9 +464,19 @@ export abstract class RedisPermitStage extends BaseStage {
     try {
       reply = await this.#acquire(id, "try", false);
     } catch (error) {
-      if (isFloodgateError(error, "BACKEND_UNAVAILABLE") && maybeSent(error)) this.#forget(id);
+      this.#tryFailed(id, error);
       throw error;
     }
+    return this.#tried(reply, id, cost, cls, sentAt);
+  }
+
+  /** A try's acquire of `id` failed: one that may have run gives back what it took. */
+  #tryFailed(id: string, error: unknown): void {
+    if (isFloodgateError(error, "BACKEND_UNAVAILABLE") && maybeSent(error)) this.#forget(id);
+  }
+
+  /** The ticket a try's acquire of `id`, sent at `sentAt`, gave (undefined: refused); may throw. */
+  #tried(reply: AcquireReply, id: string, cost: number, cls: number, sentAt: number): Ticket | undefined {
     this.#saw(reply, sentAt);
     this.granted(reply[5], sentAt);
     if (Number(reply[0]) !== 1) return undefined;
@@ -491,6 +506,36 @@ export abstract class RedisPermitStage extends BaseStage {
     const cls = this.#classOf(o, cost);
     if (cost === 0) return Promise.resolve(this.#free(cls));
     return this.#tryOnce(cost, cls);
+  }
+
+  protected override tryStepChecked(o: AdmitOptions, done: StepDone): void {
+    const cost = o.cost ?? 1;
+    if (cost === 0 || !this.link.gatheringFor) {
+      super.tryStepChecked(o, done);
+      return;
+    }
+    const cls = this.#classOf(o, cost);
+    const id = this.#memberId(cost, cls);
+    const sentAt = this.clock.now();
+    this.link.step(
+      "semaphore-acquire",
+      this.keys,
+      this.#acquireArgs("try", [id, ""]),
+      (reply: AcquireReply) => {
+        let ticket: Ticket | undefined;
+        try {
+          ticket = this.#tried(reply, id, cost, cls, sentAt);
+        } catch (error) {
+          done(undefined, error);
+          return;
+        }
+        done(ticket);
+      },
+      (error) => {
+        this.#tryFailed(id, error);
+        done(undefined, error);
+      },
+    );
   }
 
   /** Ask Redis for `w`'s permits; on refusal, sleep until woken, the nearest expiry, or the poll. */

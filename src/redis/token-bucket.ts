@@ -1,6 +1,6 @@
 import { randomBytes } from "node:crypto";
 import { KeyedLineStage, TimedLine } from "../base/line-stage.js";
-import { BaseTicket } from "../base/stage.js";
+import { BaseTicket, type StepDone } from "../base/stage.js";
 import { type WaitEntry, Waiter, type WaitList } from "../base/wait-list.js";
 import { bucketRule, UNKEYED } from "../call-rule.js";
 import { DEFAULTS } from "../defaults.js";
@@ -15,11 +15,15 @@ import type { RedisContext } from "./semaphore.js";
 
 /** A key's reserved waiters, and its takes: those made while another is out go together. */
 class BucketLine extends TimedLine {
+  /** KEYS of the key's scripts. */
+  readonly keys: readonly string[];
+
   constructor(
     readonly redisKey: string,
     readonly takes: ScriptBatch,
   ) {
     super();
+    this.keys = [redisKey];
   }
 }
 
@@ -156,11 +160,17 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
    */
   #take(line: BucketLine, cost: number, grant: string, maxWaitMs: string): Promise<TakeReply> {
     return line.takes.run(String(cost), grant, maxWaitMs).catch((error: unknown) => {
-      // The take may still run once Redis answers; the refund then undoes it (and does
-      // nothing if it never ran, or if another grant came after it).
-      if (maybeSent(error)) void this.#refundAt(line.redisKey, cost, grant);
+      this.#takeFailed(line, cost, grant, error);
       throw error;
     });
+  }
+
+  /**
+   * A take failed: it may still run once Redis answers; the refund then undoes it (and does
+   * nothing if it never ran, or if another grant came after it).
+   */
+  #takeFailed(line: BucketLine, cost: number, grant: string, error: unknown): void {
+    if (maybeSent(error)) void this.#refundAt(line.redisKey, cost, grant);
   }
 
   /** Send takes of `redisKey` (cost, grant, maxWaitMs each): one alone as a plain take, more in one call. */
@@ -338,6 +348,38 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
     const grant = this.#grantId();
     return this.#take(this.#line(key), cost, grant, "0").then(([taken]) =>
       Number(taken) === 1 ? this.#granted(cost, key, grant) : undefined,
+    );
+  }
+
+  protected override tryStepChecked(o: AdmitOptions, done: StepDone): void {
+    const cost = o.cost ?? 1;
+    if (cost === 0 || !this.#link.gatheringFor) {
+      super.tryStepChecked(o, done);
+      return;
+    }
+    const key = this.#keyed ? o.key! : UNKEYED;
+    const grant = this.#grantId();
+    const line = this.#line(key);
+    const args = this.#args(cost, grant);
+    args.push("0");
+    this.#link.step(
+      "token-bucket-take",
+      line.keys,
+      args,
+      (reply: TakeReply) => {
+        let ticket: Ticket | undefined;
+        try {
+          ticket = Number(reply[0]) === 1 ? this.#granted(cost, key, grant) : undefined;
+        } catch (error) {
+          done(undefined, error);
+          return;
+        }
+        done(ticket);
+      },
+      (error) => {
+        this.#takeFailed(line, cost, grant, error);
+        done(undefined, error);
+      },
     );
   }
 
