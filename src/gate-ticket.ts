@@ -12,10 +12,10 @@ export interface TicketGate {
   ticketDone(ticket: GateTicket, counted: boolean): boolean;
   /** Aborts when the gate closes. */
   readonly closedSignal: AbortSignal;
-  /** Whether the gate's stages are released together (`together`), in one backend call. */
-  readonly fused: boolean;
   /** Run `fn`, which releases, refunds or settles the stages' tickets, as one backend call. */
   together(fn: () => Promise<void>): Promise<void>;
+  /** Release (with `outcome`) or refund the stages' `tickets`, last to first: `together` when fused. */
+  settleTogether(tickets: readonly Ticket[], outcome: Outcome | undefined): Promise<void>;
 }
 
 /** The tickets a gate holds for one call, released together in reverse order. */
@@ -51,8 +51,7 @@ export class GateTicket extends HeldTicket {
 
   protected giveBack(outcome: Outcome | undefined): Promise<void> {
     if (!this.gate.ticketDone(this, outcome !== undefined)) return RESOLVED;
-    if (!this.gate.fused) return settleAll(this.held, outcome);
-    return this.gate.together(() => settleAll(this.held, outcome));
+    return this.gate.settleTogether(this.held, outcome);
   }
 
   /**

@@ -24,6 +24,7 @@ import type {
   GateSnapshot,
   IntervalGateStage,
   Logger,
+  Outcome,
   RunOptions,
   Snapshot,
   Stage,
@@ -250,6 +251,18 @@ export class Gate implements Stage {
     return this.#fused ? this.#fused.together(fn) : fn();
   }
 
+  /**
+   * Release (with `outcome`) or refund `tickets` of this gate's stages, last to first: as one
+   * backend call when the gate is fused.
+   * @internal
+   */
+  settleTogether(tickets: readonly Ticket[], outcome: Outcome | undefined): Promise<void> {
+    const fused = this.#fused;
+    if (fused === undefined) return settleAll(tickets, outcome);
+    if (fused.settle) return fused.settle(tickets, outcome);
+    return fused.together(() => settleAll(tickets, outcome));
+  }
+
   /** What the fused admission of one call needs. */
   #fusedCall(o: AdmitOptions, deadline: number): FusedCall {
     return {
@@ -450,9 +463,7 @@ export class Gate implements Stage {
       if (o.signal?.aborted && error === o.signal.reason) this.#aborted++;
       else if ((error as { code?: unknown })?.code === "ADMIT_TIMEOUT") this.#timedOut++;
       const taken = held.splice(0);
-      await this.together(() => settleAll(taken, undefined)).catch((e) =>
-        this.#log.warn({ err: e }, "refund failed"),
-      );
+      await this.settleTogether(taken, undefined).catch((e) => this.#log.warn({ err: e }, "refund failed"));
       throw error;
     } finally {
       this.#waiting--;
@@ -584,9 +595,7 @@ export class Gate implements Stage {
     if (o.signal?.aborted && error === o.signal.reason) this.#aborted++;
     else if ((error as { code?: unknown })?.code === "ADMIT_TIMEOUT") this.#timedOut++;
     const taken = held.splice(0);
-    const refunded = this.#fused
-      ? this.together(() => settleAll(taken, undefined))
-      : settleAll(taken, undefined);
+    const refunded = this.settleTogether(taken, undefined);
     if (refunded === RESOLVED) throw error;
     return refunded
       .catch((e) => this.#log.warn({ err: e }, "refund failed"))

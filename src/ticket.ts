@@ -79,6 +79,27 @@ export abstract class HeldTicket implements Ticket {
     return this.giveBack(undefined);
   }
 
+  /**
+   * `release(outcome)`, or with no outcome `refund()`, for a fused Redis gate's release, told to
+   * `done` (with an error when it failed) rather than by a promise: once what the ticket holds is
+   * given back, which a Redis stage gathers as a step of the gate's call. @internal
+   */
+  releaseStep(outcome: Outcome | undefined, done: (error?: unknown) => void): void {
+    if (this.released) {
+      done();
+      return;
+    }
+    this.released = true;
+    this.giveBackStep(outcome, done);
+  }
+
+  /** `giveBack`, told to `done`; by default its promise tells it. */
+  protected giveBackStep(outcome: Outcome | undefined, done: (error?: unknown) => void): void {
+    const given = this.giveBack(outcome);
+    if (given === RESOLVED) done();
+    else given.then(() => done(), done);
+  }
+
   settle(actual: number | Readonly<Record<string, number>>): Promise<void> {
     let value: number | Readonly<Record<string, number>>;
     try {

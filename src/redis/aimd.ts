@@ -10,6 +10,16 @@ import { type RedisContext, RedisPermitStage } from "./semaphore.js";
  * `redis(...).aimd(name, options)`: a fleet-wide semaphore whose limit is kept in Redis and moved
  * by every process's outcomes (`lua/aimd-release.lua`).
  */
+/** One release of an AIMD lease: its script's arguments, and what its reply is judged by. */
+interface AimdRelease {
+  args: (string | number)[];
+  outcome: Outcome;
+  slow: boolean;
+  /** The limit when it was sent. */
+  before: number;
+  sentAt: number;
+}
+
 export class RedisAimd extends RedisPermitStage {
   readonly kind: StageKind = "aimd";
   readonly #min: number;
@@ -44,10 +54,32 @@ export class RedisAimd extends RedisPermitStage {
   }
 
   protected override async giveBack(t: LeaseTicket, outcome: Outcome, refund: boolean): Promise<boolean> {
+    const release = this.#release(t, outcome, refund);
+    return this.#released(await this.link.run(this.name, "aimd-release", this.keys, release.args), release);
+  }
+
+  protected override giveBackStep(
+    t: LeaseTicket,
+    outcome: Outcome,
+    refund: boolean,
+    released: (held: boolean) => void,
+    failed: (error: unknown) => void,
+  ): void {
+    const release = this.#release(t, outcome, refund);
+    this.link.step(
+      this.name,
+      "aimd-release",
+      this.keys,
+      release.args,
+      (reply: unknown[]) => released(this.#released(reply, release)),
+      failed,
+    );
+  }
+
+  /** A release of `t`'s lease: its script's arguments, and what its reply is judged by. */
+  #release(t: LeaseTicket, outcome: Outcome, refund: boolean): AimdRelease {
     const slow = this.clock.now() - t.admittedAt > this.#slowCallMs;
-    const before = this.limit;
-    const sentAt = this.clock.now();
-    const reply = await this.link.run(this.name, "aimd-release", this.keys, [
+    const args = [
       this.link.now(),
       t.leaseId,
       this.channel,
@@ -61,13 +93,22 @@ export class RedisAimd extends RedisPermitStage {
       this.link.listeners,
       this.#initial,
       this.classSpec,
-    ]);
+    ];
+    return { args, outcome, slow, before: this.limit, sentAt: this.clock.now() };
+  }
+
+  /** What the reply to `release` says: the new limit (logged when it moved); true when the lease was still held. */
+  #released(reply: unknown[], release: AimdRelease): boolean {
+    const before = release.before;
     this.limit = Number(reply[1]);
-    this.sawUsed(reply[3], sentAt);
-    this.granted(reply[4], sentAt);
+    this.sawUsed(reply[3], release.sentAt);
+    this.granted(reply[4], release.sentAt);
     if (this.limit !== before) {
       const level = this.limit < before ? "warn" : "debug";
-      this.log[level]({ from: before, to: this.limit, outcome, slow }, "limit changed");
+      this.log[level](
+        { from: before, to: this.limit, outcome: release.outcome, slow: release.slow },
+        "limit changed",
+      );
     }
     return Number(reply[0]) === 1;
   }

@@ -9,7 +9,8 @@ import type { Clock, ClockTimer } from "../clock.js";
 import { AdmitTimeoutError } from "../errors.js";
 import { badSignal, type FusedAdmission, type FusedCall, type FusionHost } from "../fuse.js";
 import { settleAll } from "../gate-ticket.js";
-import type { Stage, Ticket } from "../types.js";
+import { HeldTicket } from "../ticket.js";
+import type { Outcome, Stage, Ticket } from "../types.js";
 import { TurnQueue } from "./batch.js";
 import { stageKey } from "./keys.js";
 import {
@@ -89,11 +90,46 @@ interface Try {
   reject: (error: unknown) => void;
 }
 
-/** Releases waiting to go with this turn's others. */
+/**
+ * Releases waiting to go with this turn's others: a function that makes them (`together`), or
+ * tickets to release with an outcome or refund without (`settle`).
+ */
 interface Give {
-  fn: () => Promise<void>;
+  fn: (() => Promise<void>) | undefined;
+  tickets: readonly Ticket[];
+  outcome: Outcome | undefined;
   resolve: () => void;
   reject: (error: unknown) => void;
+}
+
+const NO_TICKETS: readonly Ticket[] = [];
+
+/**
+ * `settleAll` with no promise per ticket: release (with `outcome`) or refund `tickets` last to
+ * first, each stage's step gathered into the `gate` call being made; `resolve` once all are
+ * done, or `reject` with the first failure.
+ */
+function settleSteps(
+  tickets: readonly Ticket[],
+  outcome: Outcome | undefined,
+  resolve: () => void,
+  reject: (error: unknown) => void,
+): void {
+  let left = tickets.length + 1;
+  let failed = false;
+  const done = (error?: unknown) => {
+    if (error !== undefined && !failed) {
+      failed = true;
+      reject(error);
+    }
+    if (--left === 0 && !failed) resolve();
+  };
+  for (let i = tickets.length - 1; i >= 0; i--) {
+    const t = tickets[i]!;
+    if (t instanceof HeldTicket) t.releaseStep(outcome, done);
+    else (outcome ? t.release(outcome) : t.refund()).then(() => done(), done);
+  }
+  done();
 }
 
 /** Stages that hold a permit while a call runs: a call they refuse waits in the gate's line. */
@@ -595,14 +631,23 @@ class FusedGate implements FusedAdmission {
    */
   together(fn: () => Promise<void>): Promise<void> {
     return new Promise<void>((resolve, reject) => {
-      this.#gives.add({ fn, resolve, reject });
+      this.#gives.add({ fn, tickets: NO_TICKETS, outcome: undefined, resolve, reject });
+    });
+  }
+
+  settle(tickets: readonly Ticket[], outcome: Outcome | undefined): Promise<void> {
+    return new Promise<void>((resolve, reject) => {
+      this.#gives.add({ fn: undefined, tickets, outcome, resolve, reject });
     });
   }
 
   /** Run the `fn` of each of `gives` with their script calls gathered into one `gate` call. */
   #give(gives: Give[]): Promise<unknown> | undefined {
     const call = this.#ownCall(() => {
-      for (const g of gives) g.fn().then(g.resolve, g.reject);
+      for (const g of gives) {
+        if (g.fn) g.fn().then(g.resolve, g.reject);
+        else settleSteps(g.tickets, g.outcome, g.resolve, g.reject);
+      }
     });
     const sent = this.#link.gather(this.#name, this.#releases, [call]);
     sent?.then(

@@ -124,11 +124,12 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
   protected override tryStepChecked(o: AdmitOptions, done: StepDone): void {
     const host = (o.host ?? this.#defaultHost)!;
     const line = this.line(host);
-    if (line.size > 0 || !this.#link.gatheringFor) {
+    if (line.size > 0) {
       super.tryStepChecked(o, done);
       return;
     }
     this.#link.step(
+      this.name,
       "interval-gate-take",
       line.keys,
       this.#takeArgs(line),

@@ -212,22 +212,21 @@ export class RedisLink {
   }
 
   /**
-   * Gather a script call as a step of the `gate` call being gathered (see `gather`), settled by
-   * `resolve` with its reply or by `reject` (with `NOT_RUN` when the script did not run it, or
-   * with the gate call's error), with no promise made: a fused gate's stages admit this way.
-   * False, with nothing gathered, when no `gate` call is being gathered.
+   * Run a script that a fused gate can gather, told to `resolve` with its reply or `reject` rather
+   * than by a promise: while a `gate` call is gathered (see `gather`), as one of its steps, with
+   * no promise made (rejected with `NOT_RUN` when the script did not run it); else as `run`.
    */
   step(
+    stage: string,
     script: GateStep,
     keys: readonly string[],
     args: readonly (string | number)[],
     resolve: (reply: any) => void,
     reject: (error: unknown) => void,
-  ): boolean {
+  ): void {
     const gathering = this.#gathering;
-    if (gathering === undefined) return false;
-    gathering.push({ script, keys, args, resolve, reject });
-    return true;
+    if (gathering !== undefined) gathering.push({ script, keys, args, resolve, reject });
+    else this.run(stage, script, keys, args).then(resolve, reject);
   }
 
   /** Script calls made while `gather` runs its function; undefined otherwise. */

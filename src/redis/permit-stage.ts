@@ -277,7 +277,12 @@ export abstract class RedisPermitStage extends BaseStage {
   }
 
   /** Releases of leases; a crowd of them goes in one script call per turn. */
-  readonly #releases = new ScriptBatch((pairs) => {
+  readonly #releases = new ScriptBatch((pairs) =>
+    this.link.run(this.name, "semaphore-release", this.keys, this.#releaseArgs(pairs)),
+  );
+
+  /** ARGV of `semaphore-release` for leases and what each is, `[id1, what1, id2, …]`. */
+  #releaseArgs(pairs: readonly string[]): (string | number)[] {
     const args: (string | number)[] = [
       this.link.now(),
       pairs[0]!,
@@ -289,8 +294,8 @@ export abstract class RedisPermitStage extends BaseStage {
       this.classSpec,
     ];
     for (let i = 2; i < pairs.length; i++) args.push(pairs[i]!);
-    return this.link.run(this.name, "semaphore-release", this.keys, args);
-  });
+    return args;
+  }
 
   /**
    * Note what the reply of an acquire sent at `sentAt` says about the stage: its limit, the
@@ -510,7 +515,7 @@ export abstract class RedisPermitStage extends BaseStage {
 
   protected override tryStepChecked(o: AdmitOptions, done: StepDone): void {
     const cost = o.cost ?? 1;
-    if (cost === 0 || !this.link.gatheringFor) {
+    if (cost === 0) {
       super.tryStepChecked(o, done);
       return;
     }
@@ -518,6 +523,7 @@ export abstract class RedisPermitStage extends BaseStage {
     const id = this.#memberId(cost, cls);
     const sentAt = this.clock.now();
     this.link.step(
+      this.name,
       "semaphore-acquire",
       this.keys,
       this.#acquireArgs("try", [id, ""]),
@@ -682,23 +688,60 @@ export abstract class RedisPermitStage extends BaseStage {
 
   releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): Promise<void> | undefined {
     const t = ticket as LeaseTicket;
+    if (!this.#unkeep(t)) return undefined;
+    const by = this.link.gatheringFor;
+    return this.giveBack(t, outcome, refund).then(
+      (released) => this.#gaveBack(t, released, refund, by),
+      (error: unknown) => this.#giveBackFailed(t, error),
+    );
+  }
+
+  override releaseStep(
+    ticket: BaseTicket,
+    outcome: Outcome,
+    refund: boolean,
+    done: (error?: unknown) => void,
+  ): void {
+    const t = ticket as LeaseTicket;
+    if (!this.#unkeep(t)) {
+      done();
+      return;
+    }
+    const by = this.link.gatheringFor;
+    this.giveBackStep(
+      t,
+      outcome,
+      refund,
+      (released) => {
+        this.#gaveBack(t, released, refund, by);
+        done();
+      },
+      (error) => {
+        this.#giveBackFailed(t, error);
+        done();
+      },
+    );
+  }
+
+  /** Stop keeping `t`'s lease here; false when it holds none in Redis (nothing to give back). */
+  #unkeep(t: LeaseTicket): boolean {
     this.#leases.drop(t);
     this.#leased.delete(t);
     this.#held?.delete(t.leaseId);
     this.#signalled.delete(t);
     this.book?.giveBack(t.key, t.cost);
-    if (t.cost === 0 || t.leaseId === "") return undefined;
-    const by = this.link.gatheringFor;
-    return this.giveBack(t, outcome, refund).then(
-      (released) => {
-        if (released && by !== undefined) this.#freed(by);
-        if (!released && !refund) this.log.warn({ lease: t.leaseId }, "lease had run out before release");
-      },
-      (error: unknown) => {
-        this.log.warn({ err: error, lease: t.leaseId }, "release failed; trying again while the lease lasts");
-        if (isFloodgateError(error, "BACKEND_UNAVAILABLE")) this.#forget(t.leaseId);
-      },
-    );
+    return t.cost !== 0 && t.leaseId !== "";
+  }
+
+  /** `t`'s lease was given back (`released`: it was still held), through the fused gate of `by`. */
+  #gaveBack(t: LeaseTicket, released: boolean, refund: boolean, by: GateHead | undefined): void {
+    if (released && by !== undefined) this.#freed(by);
+    if (!released && !refund) this.log.warn({ lease: t.leaseId }, "lease had run out before release");
+  }
+
+  #giveBackFailed(t: LeaseTicket, error: unknown): void {
+    this.log.warn({ err: error, lease: t.leaseId }, "release failed; trying again while the lease lasts");
+    if (isFloodgateError(error, "BACKEND_UNAVAILABLE")) this.#forget(t.leaseId);
   }
 
   /** Told when a release through a fused gate frees permits here (see `onFreed`): who each is. */
@@ -743,7 +786,33 @@ export abstract class RedisPermitStage extends BaseStage {
   /** Run the release script; resolves true when the lease was still held. */
   protected async giveBack(t: LeaseTicket, _outcome: Outcome, _refund: boolean): Promise<boolean> {
     const sentAt = this.clock.now();
-    const reply = await this.#releases.run(t.leaseId, "lease");
+    return this.#released(await this.#releases.run(t.leaseId, "lease"), sentAt);
+  }
+
+  /**
+   * `giveBack`, told to `released` or `failed` rather than by a promise (see `releaseStep`): its
+   * script call is a step of the fused gate's call.
+   */
+  protected giveBackStep(
+    t: LeaseTicket,
+    _outcome: Outcome,
+    _refund: boolean,
+    released: (held: boolean) => void,
+    failed: (error: unknown) => void,
+  ): void {
+    const sentAt = this.clock.now();
+    this.link.step(
+      this.name,
+      "semaphore-release",
+      this.keys,
+      this.#releaseArgs([t.leaseId, "lease"]),
+      (reply: unknown[]) => released(this.#released(reply, sentAt)),
+      failed,
+    );
+  }
+
+  /** What a release's reply, sent at `sentAt`, says: true when the lease was still held. */
+  #released(reply: unknown[], sentAt: number): boolean {
     this.sawUsed(reply[2], sentAt);
     this.granted(reply[3], sentAt);
     return Number(reply[0]) === 1;

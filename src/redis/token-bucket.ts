@@ -353,7 +353,7 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
 
   protected override tryStepChecked(o: AdmitOptions, done: StepDone): void {
     const cost = o.cost ?? 1;
-    if (cost === 0 || !this.#link.gatheringFor) {
+    if (cost === 0) {
       super.tryStepChecked(o, done);
       return;
     }
@@ -363,6 +363,7 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
     const args = this.#args(cost, grant);
     args.push("0");
     this.#link.step(
+      this.name,
       "token-bucket-take",
       line.keys,
       args,
