@@ -40,8 +40,10 @@
 --                      arguments alone, and without its lane's keys (its steps are not numbered).
 --                      A step that differs from the earlier step it would repeat only in its own
 --                      arguments may come as "~", that step's number and its own arguments (it is
---                      not numbered either): the client sends releases so. Calls are decided in turn, exactly as if each had
---                      come alone.
+--                      not numbered either). A turn's releases of one stage's leases may also come
+--                      as one step, their own arguments one after another, as the release scripts
+--                      take a turn's (its reply is then the list of theirs): the client sends
+--                      releases so. Calls are decided in turn, exactly as if each had come alone.
 --
 -- Returns one reply per call, {status, waitMs, inLine, woken, replies, held}:
 --   status  1: every step admitted (or, for "each", ran); 0: refused, nothing is held anywhere;
@@ -527,7 +529,15 @@ local function each(call)
       local s = steps[o.step]
       local r = STEPS[s.name](s.keys, s.args)
       replies[o.step] = r
-      if (s.name == 'semaphore-release' or s.name == 'aimd-release') and r[1] == 1 then freed = true end
+      if s.name == 'semaphore-release' or s.name == 'aimd-release' then
+        if r[1] == 1 then freed = true end
+        -- (A step the client put together from a turn's releases of one stage answers a list.)
+        if type(r[1]) == 'table' then
+          for x = 1, #r do
+            if r[x][1] == 1 then freed = true end
+          end
+        end
+      end
     elseif not o.run.done then
       local run = o.run
       run.done = true

@@ -270,6 +270,7 @@ export class RedisLink {
       this.#gatheringFor = undefined;
     }
     if (total === 0 && head.op !== "leave" && head.op !== "grant") return undefined;
+    if (head.op === "each") for (let c = 0; c < stepsOf.length; c++) stepsOf[c] = together(stepsOf[c]!);
     const keys = [...head.keys];
     const args: (string | number)[] = [this.now(), head.op, head.waiterTtlMs, head.channel, calls.length];
     // Each script's steps sent so far, by their keys (a stage's own list, or a bucket's or host's
@@ -659,6 +660,73 @@ function ownOnly(a: Step, b: Step): boolean {
     if (x !== y && (typeof x === typeof y || String(x) !== String(y)) && !own.includes(i)) return false;
   }
   return true;
+}
+
+/**
+ * For each script whose releases of one stage's leases go in one run (lua/gate.lua, each()): how
+ * many arguments one release has, and which of them must be "" (classes) or "lease" (what a
+ * semaphore's release gives back) for it to join a run.
+ */
+const TOGETHER: Partial<Record<GateStep, { n: number; at: number; is: string }>> = {
+  "semaphore-release": { n: 8, at: 4, is: "lease" },
+  "aimd-release": { n: 13, at: 12, is: "" },
+};
+
+/**
+ * `steps` with the releases of one stage's leases that differ only in their own arguments (`OWN`)
+ * put together as one step, where the first of them was: its arguments the first's, then each
+ * other's own arguments in turn, as lua/gate.lua's each() would run them; it answers the list of
+ * their replies, each of which settles its own step. `steps` itself when none go together.
+ */
+function together(steps: Step[]): Step[] {
+  let runs: Map<string, Step[]> | undefined;
+  let runOf: Map<Step, Step[]> | undefined;
+  let merged = false;
+  for (const step of steps) {
+    const rule = TOGETHER[step.script];
+    if (rule === undefined || step.args.length !== rule.n || step.args[rule.at] !== rule.is) continue;
+    runs ??= new Map();
+    runOf ??= new Map();
+    const id = `${step.script}\n${step.keys.join("\n")}`;
+    const run = runs.get(id);
+    if (run === undefined) {
+      const first = [step];
+      runs.set(id, first);
+      runOf.set(step, first);
+    } else if (ownOnly(step, run[0]!)) {
+      run.push(step);
+      runOf.set(step, run);
+      merged = true;
+    }
+  }
+  if (!merged) return steps;
+  const out: Step[] = [];
+  for (const step of steps) {
+    const run = runOf!.get(step);
+    if (run === undefined || run.length < 2) out.push(step);
+    else if (step === run[0]) out.push(oneStep(run));
+  }
+  return out;
+}
+
+/** One step for the releases `parts` (see `together`): it settles each of them with its reply. */
+function oneStep(parts: readonly Step[]): Step {
+  const first = parts[0]!;
+  const args = [...first.args];
+  const own = OWN[first.script]!;
+  for (let x = 1; x < parts.length; x++) for (const j of own) args.push(parts[x]!.args[j]!);
+  return {
+    script: first.script,
+    keys: first.keys,
+    args,
+    resolve: (replies) => {
+      const list = replies as unknown[];
+      for (let x = 0; x < parts.length; x++) parts[x]!.resolve(list[x]);
+    },
+    reject: (error) => {
+      for (const part of parts) part.reject(error);
+    },
+  };
 }
 
 /** Whether two calls' lanes (see `GateCall`) are one. */

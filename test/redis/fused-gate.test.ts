@@ -4,6 +4,7 @@ import {
   Gate,
   InvalidOptionsError,
   memory,
+  type Outcome,
   type Stage,
   type Ticket,
 } from "floodgate";
@@ -949,6 +950,31 @@ describe("a fused Redis gate", () => {
     expect(await client.zcard(`${id}:hexp`)).toBe(1);
   });
 
+  it("admits waiters on a turn's releases of a stage's leases, sent as one step", async () => {
+    const clock = new FakeClock(1000);
+    const { client, a, bGate, id } = await twoProcesses(
+      "fused-grant-turn",
+      clock,
+      (b) => [
+        b.semaphore("inflight", { limit: 3, leaseMs: 10_000 }),
+        b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
+      ],
+      { pollMs: 60_000 },
+    );
+    const holders = [await a.admit(), await a.admit(), await a.admit()];
+    // (The second lines up once its process listens for grants: its steps are kept from its first try.)
+    const waiting = [bGate.admit()];
+    await kept(client, id, 1);
+    waiting.push(bGate.admit());
+    await kept(client, id, 2, 1);
+    // The first release goes alone and admits the first waiter; the other two go as one step
+    // (a turn's), which frees room for the second. The fake clock stands still: no poll.
+    await Promise.all(holders.map((t) => t.release("success")));
+    const admitted = await within(Promise.all(waiting), 2000, "the waiters' grants");
+    await Promise.all(admitted.map((t) => t.release("success")));
+    expect(await client.zcard(`${id}:line`)).toBe(0);
+  });
+
   it("collects a grant whose message never came with the waiter's next try", async () => {
     const clock = new FakeClock(1000);
     const { client, prefix, a, bGate, id, deaf } = await twoProcesses("fused-collect", clock, (b) => [
@@ -1122,6 +1148,60 @@ describe("a fused Redis gate", () => {
       expect(counter.calls).toBe(2 * perTurn);
     } finally {
       counter.stop();
+    }
+  });
+
+  it("releases a turn's leases of each permit stage as one step, leaving what releasing them one by one leaves", async () => {
+    const clock = new FakeClock(1000);
+    const released = async (prefix: string, together: boolean) => {
+      const { client, b } = await backend(prefix, clock);
+      const gate = new Gate(
+        [b.semaphore("inflight", { limit: 100 }), b.aimd("adaptive", { initial: 10, max: 100 })],
+        { clock },
+      );
+      const tickets: Ticket[] = [];
+      for (let i = 0; i < 8; i++) tickets.push(await gate.admit());
+      // Two successes and a drop, in turn: the AIMD limiter's limit moves as each one says.
+      const outcomes = tickets.map((_, i): Outcome => (i % 3 === 2 ? "dropped" : "success"));
+      if (together) await Promise.all(tickets.map((t, i) => t.release(outcomes[i])));
+      else for (let i = 0; i < tickets.length; i++) await tickets[i]!.release(outcomes[i]);
+      const state = await Promise.all([
+        client.hmget(`${prefix}{inflight}:meta`, "used"),
+        client.hmget(`${prefix}{adaptive}:meta`, "used", "limit"),
+        client.zcard(`${prefix}{inflight}:holders`),
+        client.zcard(`${prefix}{adaptive}:holders`),
+      ]);
+      return { state };
+    };
+    const prefix = randomPrefix("fused-releases");
+    const monitor = await connect();
+    const feed = await monitor.monitor();
+    const each: string[][] = [];
+    feed.on("monitor", (_time: string, args: string[]) => {
+      if (
+        args[0]?.toLowerCase() === "evalsha" &&
+        args.includes("each") &&
+        args.some((a) => a.startsWith(prefix))
+      )
+        each.push(JSON.parse(args[args.length - 1]!) as string[]);
+    });
+    try {
+      const turn = await released(prefix, true);
+      const oneByOne = await released(randomPrefix("fused-releases-alone"), false);
+      // The same state as releasing them one by one: nothing held, the same limit.
+      expect(turn.state).toEqual(oneByOne.state);
+      expect(turn.state.slice(2)).toEqual([0, 0]);
+      expect(Number(turn.state[0]![0])).toBe(0);
+      // The first release goes alone; the other seven together, as one step per stage.
+      await until(() => each.length >= 2, { timeoutMs: 2000, message: "MONITOR did not show the releases" });
+      const [alone, rest] = each;
+      expect(alone!.filter((f) => f === "aimd-release")).toHaveLength(1);
+      expect(rest![4]).toBe("2");
+      expect(rest!.filter((f) => f === "aimd-release" || f === "semaphore-release")).toHaveLength(2);
+      expect(rest!.filter((f) => f === "~")).toHaveLength(0);
+      expect(rest!.filter((f) => /-\d+:1$/.test(f))).toHaveLength(14);
+    } finally {
+      feed.disconnect();
     }
   });
 
