@@ -9,6 +9,7 @@
  *   npx tsx bench/index.ts semaphore --rounds 3 --tasks 20000
  *   npx tsx bench/index.ts --list                  the benchmarks' names
  *   npx tsx bench/index.ts redis --quick           a group: `memory` or `redis`
+ *   npm run bench -- redis-gate --built            the built package (dist/), built first
  *
  * Flags: --quick, --rounds N, --tasks N, --seconds S, --handoffs N, --keys N (--help says more).
  * Redis benchmarks start their own redis-server on a free loopback port unless REDIS_URL is set.
@@ -18,8 +19,9 @@
  * waiting and the 429s over time, one line per contender. It is taken off the command line here, before the suite
  * reads its flags.
  */
-import { spawn } from "node:child_process";
+import { spawn, spawnSync } from "node:child_process";
 import { resolve } from "node:path";
+import { fileURLToPath } from "node:url";
 import { parseOrExit, refusal, UsageError } from "../examples/cli.js";
 import { drawFleetChart } from "./fleet.js";
 import { COMMAND, runSuite } from "./suite.js";
@@ -44,7 +46,7 @@ function takeChart(argv: readonly string[]): { argv: string[]; chart: string | u
 
 const { argv, chart } = takeChart(process.argv.slice(2));
 // Help and a command line it cannot use end here, before a child is started.
-const { args: names } = parseOrExit(COMMAND, argv);
+const { values, args: names } = parseOrExit(COMMAND, argv);
 if (chart !== undefined) {
   if (names.length > 0 && !names.includes("fleet") && !names.includes("redis")) {
     process.stderr.write(
@@ -55,12 +57,28 @@ if (chart !== undefined) {
   drawFleetChart(resolve(chart));
 }
 
-// Collections between contenders keep one contender's garbage out of the next one's figure.
-if (typeof (globalThis as { gc?: unknown }).gc !== "function" && !process.env.FLOODGATE_BENCH_CHILD) {
+// Collections between contenders keep one contender's garbage out of the next one's figure. With
+// --built, the package is built first and "floodgate" resolves to dist/ (the build's tsconfig maps
+// no paths), here and in every process a benchmark starts.
+const built = values.built === true;
+const tsconfig = fileURLToPath(new URL("../tsconfig.build.json", import.meta.url));
+const needsChild =
+  typeof (globalThis as { gc?: unknown }).gc !== "function" ||
+  (built && process.env.TSX_TSCONFIG_PATH !== tsconfig);
+if (needsChild && !process.env.FLOODGATE_BENCH_CHILD) {
+  if (built) {
+    const build = spawnSync("npm", ["run", "build"], { stdio: "inherit", cwd: resolve(tsconfig, "..") });
+    if (build.status !== 0) process.exit(build.status ?? 1);
+  }
+  const env = {
+    ...process.env,
+    FLOODGATE_BENCH_CHILD: "1",
+    ...(built ? { TSX_TSCONFIG_PATH: tsconfig } : {}),
+  };
   const child = spawn(
     process.execPath,
     [...process.execArgv, "--expose-gc", process.argv[1]!, ...process.argv.slice(2)],
-    { stdio: "inherit", env: { ...process.env, FLOODGATE_BENCH_CHILD: "1" } },
+    { stdio: "inherit", env },
   );
   const forward = (signal: NodeJS.Signals) => () => child.kill(signal);
   process.on("SIGINT", forward("SIGINT"));

@@ -92,6 +92,10 @@ export const COMMAND = command({
     },
     handoffs: { type: "int", defaultText: EACH_OWN, help: "handoffs per contender per round (handoff)" },
     keys: { type: "int", defaultText: EACH_OWN, help: "keys (idle-keys)" },
+    built: {
+      type: "boolean",
+      help: "measure the built package (dist/, what an install gets: built first) rather than the sources through tsx",
+    },
     list: { type: "boolean", help: "name the benchmarks and exit" },
     chart: {
       type: "string",
@@ -104,6 +108,13 @@ export const COMMAND = command({
     "e.g. npm run bench -- semaphore --quick · npx tsx bench/index.ts redis --rounds 3",
   ],
 });
+
+/** Which floodgate the benchmarks run: the built package (--built) or the sources. */
+function measured(): string {
+  return import.meta.resolve("floodgate").includes("/dist/")
+    ? "the built package (dist/)"
+    : "the sources (src/, through tsx)";
+}
 
 /** Run the benchmarks `argv` names (all when none) with its flags. */
 export async function runSuite(argv: string[]): Promise<void> {
@@ -136,7 +147,7 @@ export async function runSuite(argv: string[]): Promise<void> {
   console.log(
     `# floodgate benchmarks\n\n${new Date().toISOString()} · ${cpus().length} CPUs (${cpu}) · ` +
       `${(totalmem() / 2 ** 30).toFixed(1)} GiB · Node ${process.version} · load average ${load()} · ` +
-      `code at ${commit()}` +
+      `code at ${commit()}, ${measured()}` +
       `${values.quick ? " · --quick" : ""}\n`,
   );
   try {
