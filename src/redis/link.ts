@@ -679,7 +679,8 @@ const TOGETHER: Partial<Record<GateStep, { n: number; at: number; is: string }>>
  * their replies, each of which settles its own step. `steps` itself when none go together.
  */
 function together(steps: Step[]): Step[] {
-  let runs: Map<string, Step[]> | undefined;
+  // (Runs by their keys, a stage's own list: the same list for each of its steps.)
+  let runs: Map<readonly string[], Step[]> | undefined;
   let runOf: Map<Step, Step[]> | undefined;
   let merged = false;
   for (const step of steps) {
@@ -687,13 +688,12 @@ function together(steps: Step[]): Step[] {
     if (rule === undefined || step.args.length !== rule.n || step.args[rule.at] !== rule.is) continue;
     runs ??= new Map();
     runOf ??= new Map();
-    const id = `${step.script}\n${step.keys.join("\n")}`;
-    const run = runs.get(id);
+    const run = runs.get(step.keys);
     if (run === undefined) {
       const first = [step];
-      runs.set(id, first);
+      runs.set(step.keys, first);
       runOf.set(step, first);
-    } else if (ownOnly(step, run[0]!)) {
+    } else if (run[0]!.script === step.script && ownOnly(step, run[0]!)) {
       run.push(step);
       runOf.set(step, run);
       merged = true;
