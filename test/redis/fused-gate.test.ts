@@ -1205,6 +1205,40 @@ describe("a fused Redis gate", () => {
     }
   });
 
+  it("runs a stage's step and a ticket's release as their own script calls outside a gate's call", async () => {
+    // (tryStep and releaseStep are how a fused gate drives its stages; outside its script call
+    // they fall back to the stage's own scripts, answering the same way.)
+    const prefix = randomPrefix("fused-outside");
+    const client = await connect();
+    const b = redis(client, { prefix });
+    const sem = b.semaphore("inflight", { limit: 1 }) as unknown as {
+      tryStep(o: object | undefined, done: (t: Ticket | undefined, e?: unknown) => void): void;
+    };
+    const step = () =>
+      new Promise<[Ticket | undefined, unknown]>((resolve) =>
+        sem.tryStep(undefined, (t, e) => resolve([t, e])),
+      );
+    const [ticket, error] = await step();
+    expect(error).toBeUndefined();
+    expect(await client.zcard(`${prefix}{inflight}:holders`)).toBe(1);
+    // Full: refused, not failed.
+    expect(await step()).toEqual([undefined, undefined]);
+    const released = await new Promise<unknown>((resolve) =>
+      (ticket as unknown as { releaseStep(o: string, done: (e?: unknown) => void): void }).releaseStep(
+        "success",
+        resolve,
+      ),
+    );
+    expect(released).toBeUndefined();
+    expect(await client.zcard(`${prefix}{inflight}:holders`)).toBe(0);
+    expect(await client.hget(`${prefix}{inflight}:meta`, "used")).toBe("0");
+    const [bad, why] = await new Promise<[Ticket | undefined, unknown]>((resolve) =>
+      sem.tryStep({ cost: -1 }, (t, e) => resolve([t, e])),
+    );
+    expect(bad).toBeUndefined();
+    expect(why).toBeInstanceOf(InvalidOptionsError);
+  });
+
   it("settles every stage of the gate in one script call", async () => {
     const clock = new FakeClock(1000);
     const prefix = randomPrefix("fused-settle");
