@@ -201,7 +201,7 @@ local function repeating()
     end,
   }
   -- A repeating step's arguments, built when first asked for: its earlier step's, with its own
-  -- in their places. (each() reads a release's own arguments where they came, and builds none.)
+  -- in their places.
   REPEAT_STEP = {
     __index = function(step, field)
       if field ~= 'args' then return nil end
@@ -442,110 +442,23 @@ local function repeats(a, b, shared)
     and bit.band((b.touched or 0), shared) == 0
 end
 
--- Releases, refunds and settles: every step as alone; freed permits wake the permit line.
--- Releases of one semaphore's leases, or of one AIMD limiter's (without classes), that differ
--- only in their own arguments (the member, and an AIMD's outcome, epoch and slow flag) go in one
--- run of the script, as it releases a turn's: `own` lists those arguments, `shared` the others.
--- (Built when a call has such releases to put together: a script call pays for every table it
--- builds.)
-local function releases()
-  if not OWN then repeating() end
-  local kinds = {
-    ['semaphore-release'] = { n = 8, own = OWN['semaphore-release'], shared = {3, 4, 6, 7, 8} },
-    ['aimd-release'] = { n = 13, own = OWN['aimd-release'], shared = {3, 6, 7, 8, 10, 11, 12, 13} },
-  }
-  -- (`shared` as bits, for repeats().)
-  for _, kind in pairs(kinds) do
-    kind.bits = 0
-    for _, j in ipairs(kind.shared) do kind.bits = bit.bor(kind.bits, bit.lshift(1, j)) end
-  end
-  return kinds
-end
-
--- Releases, refunds and settles: every step as alone (a semaphore's or AIMD limiter's releases
--- together, above); freed permits wake the permit line.
+-- Releases, refunds and settles: every step as alone; freed permits wake the permit line. (The
+-- client sends a turn's releases of one stage's leases as one step, which the release script
+-- runs as a turn's, answering the list of their replies.)
 local function each(call)
   local steps = call.steps
   local replies = {}
   local freed = false
-  local runs, order = {}, {}
-  -- (Only when some script comes twice: the releases of one give are of different stages.)
-  local seen, twice = {}, false
-  for i = 1, #steps do
-    twice = twice or seen[steps[i].name] == true
-    seen[steps[i].name] = true
-  end
-  local RELEASES = twice and releases() or {}
   for i = 1, #steps do
     local s = steps[i]
-    -- (A repeating step, "~": its own arguments where they came, the others its earlier step's.)
-    local vals = rawget(s, 'vals')
-    local at = vals and s.at
-    local a = vals and s.base.args or s.args
-    local kind = RELEASES[s.name]
-    local mode = s.name == 'semaphore-release' and (vals and vals[at + 1] or a[5])
-    if kind and #a == kind.n and (s.name ~= 'semaphore-release' or mode == 'lease') and (s.name ~= 'aimd-release' or a[13] == '') then
-      -- The run of this script on these keys (a stage's), when its shared arguments are these.
-      -- (Keys by their first, the stage's holders; a repeated step shares its first's arguments:
-      -- one that repeats the run's first step with none of them changed needs no comparing.)
-      local byKey = runs[s.name]
-      if not byKey then
-        byKey = {}
-        runs[s.name] = byKey
-      end
-      local id = s.keys[1]
-      local run = byKey[id]
-      if run and not repeats(run.step, s, kind.bits) then
-        local f = run.step.args
-        for _, j in ipairs(kind.shared) do
-          if a[j] ~= f[j] then run = nil break end
+    local r = STEPS[s.name](s.keys, s.args)
+    replies[i] = r
+    if s.name == 'semaphore-release' or s.name == 'aimd-release' then
+      if r[1] == 1 then freed = true end
+      if type(r[1]) == 'table' then
+        for x = 1, #r do
+          if r[x][1] == 1 then freed = true end
         end
-        if run then
-          for j = 2, #s.keys do
-            if s.keys[j] ~= run.step.keys[j] then run = nil break end
-          end
-        end
-        if not run then id = id .. '\n' .. i end
-      end
-      if run then
-        run.with[#run.with + 1] = i
-        local args = run.args
-        if vals then
-          for x = 1, #kind.own do args[#args + 1] = vals[at + x - 1] end
-        else
-          for _, j in ipairs(kind.own) do args[#args + 1] = a[j] end
-        end
-      else
-        run = { step = s, with = { i }, args = { unpack(s.args) } }
-        byKey[id] = run
-      end
-      order[#order + 1] = { run = run }
-    else
-      order[#order + 1] = { step = i }
-    end
-  end
-  for _, o in ipairs(order) do
-    if o.step then
-      local s = steps[o.step]
-      local r = STEPS[s.name](s.keys, s.args)
-      replies[o.step] = r
-      if s.name == 'semaphore-release' or s.name == 'aimd-release' then
-        if r[1] == 1 then freed = true end
-        -- (A step the client put together from a turn's releases of one stage answers a list.)
-        if type(r[1]) == 'table' then
-          for x = 1, #r do
-            if r[x][1] == 1 then freed = true end
-          end
-        end
-      end
-    elseif not o.run.done then
-      local run = o.run
-      run.done = true
-      local r = STEPS[run.step.name](run.step.keys, run.args)
-      if #run.with == 1 then r = { r } end
-      for x, i in ipairs(run.with) do
-        replies[i] = r[x]
-        if r[x][1] == 1 then freed = true end
       end
     end
   end

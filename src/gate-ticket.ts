@@ -80,3 +80,27 @@ export function settleAll(tickets: readonly Ticket[], outcome: Outcome | undefin
   }
   return pending ? Promise.all(pending).then(noop) : RESOLVED;
 }
+
+/**
+ * `settleAll` told to `resolve` (once all are done) or `reject` (with the first failure) rather
+ * than by a promise, with none made per ticket: each release is a step of the backend call being
+ * made (a fused Redis gate's). Every ticket floodgate hands out is a `HeldTicket`.
+ */
+export function settleSteps(
+  tickets: readonly Ticket[],
+  outcome: Outcome | undefined,
+  resolve: () => void,
+  reject: (error: unknown) => void,
+): void {
+  let left = tickets.length + 1;
+  let failed = false;
+  const done = (error?: unknown) => {
+    if (error !== undefined && !failed) {
+      failed = true;
+      reject(error);
+    }
+    if (--left === 0 && !failed) resolve();
+  };
+  for (let i = tickets.length - 1; i >= 0; i--) (tickets[i] as HeldTicket).releaseStep(outcome, done);
+  done();
+}

@@ -44,6 +44,18 @@ type AnyList = WaitList<WaitEntry>;
 /** How `tryStep` answers: the ticket, or undefined when refused; or, with `error`, why it failed. @internal */
 export type StepDone = (ticket: Ticket | undefined, error?: unknown) => void;
 
+/** Answer `done` with what `ticket()` gives, or with what it throws. @internal */
+export function answerWith(done: StepDone, ticket: () => Ticket | undefined): void {
+  let t: Ticket | undefined;
+  try {
+    t = ticket();
+  } catch (error) {
+    done(undefined, error);
+    return;
+  }
+  done(t);
+}
+
 /** What a wait is for, which decides the snapshot counter it adds to. */
 export type WaitFor = "token" | "permit" | "queue";
 

@@ -8,8 +8,7 @@ import type { BaseStage, StepDone } from "../base/stage.js";
 import type { Clock, ClockTimer } from "../clock.js";
 import { AdmitTimeoutError } from "../errors.js";
 import { badSignal, type FusedAdmission, type FusedCall, type FusionHost } from "../fuse.js";
-import { settleAll } from "../gate-ticket.js";
-import { HeldTicket } from "../ticket.js";
+import { settleAll, settleSteps } from "../gate-ticket.js";
 import type { Outcome, Stage, Ticket } from "../types.js";
 import { TurnQueue } from "./batch.js";
 import { stageKey } from "./keys.js";
@@ -103,34 +102,6 @@ interface Give {
 }
 
 const NO_TICKETS: readonly Ticket[] = [];
-
-/**
- * `settleAll` with no promise per ticket: release (with `outcome`) or refund `tickets` last to
- * first, each stage's step gathered into the `gate` call being made; `resolve` once all are
- * done, or `reject` with the first failure.
- */
-function settleSteps(
-  tickets: readonly Ticket[],
-  outcome: Outcome | undefined,
-  resolve: () => void,
-  reject: (error: unknown) => void,
-): void {
-  let left = tickets.length + 1;
-  let failed = false;
-  const done = (error?: unknown) => {
-    if (error !== undefined && !failed) {
-      failed = true;
-      reject(error);
-    }
-    if (--left === 0 && !failed) resolve();
-  };
-  for (let i = tickets.length - 1; i >= 0; i--) {
-    const t = tickets[i]!;
-    if (t instanceof HeldTicket) t.releaseStep(outcome, done);
-    else (outcome ? t.release(outcome) : t.refund()).then(() => done(), done);
-  }
-  done();
-}
 
 /** Stages that hold a permit while a call runs: a call they refuse waits in the gate's line. */
 const PERMIT_KINDS: ReadonlySet<string> = new Set(["semaphore", "aimd"]);

@@ -1,6 +1,6 @@
 import { LONGEST_MS, pauseError } from "../admit.js";
 import { spacingMs } from "../algorithms/interval.js";
-import { BaseTicket, type StepDone } from "../base/stage.js";
+import { answerWith, BaseTicket, type StepDone } from "../base/stage.js";
 import type { Waiter } from "../base/wait-list.js";
 import { hostRule } from "../call-rule.js";
 import { pauseChannel } from "../channels.js";
@@ -133,16 +133,7 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
       "interval-gate-take",
       line.keys,
       this.#takeArgs(line),
-      (reply: TakeReply) => {
-        let ticket: Ticket | undefined;
-        try {
-          ticket = this.#tried(this.#took(line, reply), o, host);
-        } catch (error) {
-          done(undefined, error);
-          return;
-        }
-        done(ticket);
-      },
+      (reply: TakeReply) => answerWith(done, () => this.#tried(this.#took(line, reply), o, host)),
       (error) => done(undefined, error),
     );
   }

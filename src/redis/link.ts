@@ -663,7 +663,7 @@ function ownOnly(a: Step, b: Step): boolean {
 }
 
 /**
- * For each script whose releases of one stage's leases go in one run (lua/gate.lua, each()): how
+ * For each release script that takes a turn's releases of one stage's leases in one run: how
  * many arguments one release has, and which of them must be "" (classes) or "lease" (what a
  * semaphore's release gives back) for it to join a run.
  */
@@ -675,7 +675,7 @@ const TOGETHER: Partial<Record<GateStep, { n: number; at: number; is: string }>>
 /**
  * `steps` with the releases of one stage's leases that differ only in their own arguments (`OWN`)
  * put together as one step, where the first of them was: its arguments the first's, then each
- * other's own arguments in turn, as lua/gate.lua's each() would run them; it answers the list of
+ * other's own arguments in turn, as the script takes a turn's; it answers the list of
  * their replies, each of which settles its own step. `steps` itself when none go together.
  */
 function together(steps: Step[]): Step[] {

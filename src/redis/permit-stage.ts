@@ -6,7 +6,7 @@
  */
 import { randomBytes } from "node:crypto";
 import { type ClassBook, classRule, classSpec } from "../base/classes.js";
-import { BaseStage, type BaseTicket, type StepDone, type WaitFor } from "../base/stage.js";
+import { answerWith, BaseStage, type BaseTicket, type StepDone, type WaitFor } from "../base/stage.js";
 import { Waiter, WaitList } from "../base/wait-list.js";
 import { leaseLostChannel, shedChannel } from "../channels.js";
 import { type ClockTimer, unrefTimer } from "../clock.js";
@@ -527,16 +527,7 @@ export abstract class RedisPermitStage extends BaseStage {
       "semaphore-acquire",
       this.keys,
       this.#acquireArgs("try", [id, ""]),
-      (reply: AcquireReply) => {
-        let ticket: Ticket | undefined;
-        try {
-          ticket = this.#tried(reply, id, cost, cls, sentAt);
-        } catch (error) {
-          done(undefined, error);
-          return;
-        }
-        done(ticket);
-      },
+      (reply: AcquireReply) => answerWith(done, () => this.#tried(reply, id, cost, cls, sentAt)),
       (error) => {
         this.#tryFailed(id, error);
         done(undefined, error);

@@ -1,6 +1,6 @@
 import { randomBytes } from "node:crypto";
 import { KeyedLineStage, TimedLine } from "../base/line-stage.js";
-import { BaseTicket, type StepDone } from "../base/stage.js";
+import { answerWith, BaseTicket, type StepDone } from "../base/stage.js";
 import { type WaitEntry, Waiter, type WaitList } from "../base/wait-list.js";
 import { bucketRule, UNKEYED } from "../call-rule.js";
 import { DEFAULTS } from "../defaults.js";
@@ -133,6 +133,13 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
     ];
   }
 
+  /** ARGV of one `token-bucket-take`: `cost` for `grant`, waiting up to `maxWaitMs` ("0": not at all). */
+  #takeArgs(cost: number | string, grant: string, maxWaitMs: string): string[] {
+    const args = this.#args(cost, grant);
+    args.push(maxWaitMs);
+    return args;
+  }
+
   protected isIdle(line: BucketLine): boolean {
     return line.size === 0;
   }
@@ -176,9 +183,12 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
   /** Send takes of `redisKey` (cost, grant, maxWaitMs each): one alone as a plain take, more in one call. */
   #sendTakes(redisKey: string, triples: string[]): Promise<unknown> {
     if (triples.length === 3) {
-      const args = this.#args(triples[0]!, triples[1]!);
-      args.push(triples[2]!);
-      return this.#link.run(this.name, "token-bucket-take", [redisKey], args);
+      return this.#link.run(
+        this.name,
+        "token-bucket-take",
+        [redisKey],
+        this.#takeArgs(triples[0]!, triples[1]!, triples[2]!),
+      );
     }
     const args: string[] = [
       this.#link.now(),
@@ -360,23 +370,13 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
     const key = this.#keyed ? o.key! : UNKEYED;
     const grant = this.#grantId();
     const line = this.#line(key);
-    const args = this.#args(cost, grant);
-    args.push("0");
     this.#link.step(
       this.name,
       "token-bucket-take",
       line.keys,
-      args,
-      (reply: TakeReply) => {
-        let ticket: Ticket | undefined;
-        try {
-          ticket = Number(reply[0]) === 1 ? this.#granted(cost, key, grant) : undefined;
-        } catch (error) {
-          done(undefined, error);
-          return;
-        }
-        done(ticket);
-      },
+      this.#takeArgs(cost, grant, "0"),
+      (reply: TakeReply) =>
+        answerWith(done, () => (Number(reply[0]) === 1 ? this.#granted(cost, key, grant) : undefined)),
       (error) => {
         this.#takeFailed(line, cost, grant, error);
         done(undefined, error);
