@@ -62,17 +62,10 @@ local function release(member, outcome, ticketEpoch, slow, lineEmpty)
   local released = redis.call('ZREM', holders, member)
   if not lineEmpty and redis.call('ZREM', queue, member) == 1 then redis.call('ZREM', qexp, member) end
 
-  if released == 1 and (outcome == 'success' or outcome == 'dropped') then
-    if outcome == 'dropped' or slow then
-      if ticketEpoch == epoch then
-        limit = math.max(minLimit, math.min(maxLimit, math.floor(limit * ratio)))
-        epoch = epoch + 1
-      end
-    elseif used * 2 >= limit and limit < maxLimit then
-      limit = limit + 1
-    end
+  if released == 1 then
+    limit, epoch = floodgate_aimd_moved(limit, epoch, used, outcome, ticketEpoch, slow, minLimit, maxLimit, ratio)
+    used = used - floodgate_cost(member)
   end
-  if released == 1 then used = used - floodgate_cost(member) end
   if used < 0 then used = 0 end
   return released
 end

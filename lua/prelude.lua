@@ -153,6 +153,23 @@ local function floodgate_cost(member)
   return tonumber(string.match(member, ':(%d+)$')) or 1
 end
 
+-- An AIMD limiter's limit and epoch once a lease it held is given back with `outcome` (see
+-- lua/aimd-release.lua): a drop, or a success slower than slowCallMs (`slow`), of a call admitted
+-- in the current epoch (`ticketEpoch`) cuts the limit to floor(limit * ratio) within [minLimit,
+-- maxLimit] and starts a new epoch; a success while at least half the limit is in use (`used`,
+-- before the lease is given back) adds one; "ignored" and "refund" move nothing.
+local function floodgate_aimd_moved(limit, epoch, used, outcome, ticketEpoch, slow, minLimit, maxLimit, ratio)
+  if outcome ~= 'success' and outcome ~= 'dropped' then return limit, epoch end
+  if outcome == 'dropped' or slow then
+    if ticketEpoch == epoch then
+      return math.max(minLimit, math.min(maxLimit, math.floor(limit * ratio))), epoch + 1
+    end
+  elseif used * 2 >= limit and limit < maxLimit then
+    return limit + 1, epoch
+  end
+  return limit, epoch
+end
+
 -- The process of a lease or waiter member "<token>-<n>:<cost>", or nil for a member without one.
 local function floodgate_token(member)
   return string.match(member, '^(%x+)%-')

@@ -54,9 +54,9 @@ function stepFunction(name: GateStep | (typeof GATE_HELPERS)[number]): string {
 export type ScriptName = keyof typeof SCRIPTS;
 
 const LUA_DIR = new URL("../../lua/", import.meta.url);
-const sources = new Map<ScriptName | "prelude", string>();
+const sources = new Map<ScriptName | "prelude" | "gate-first", string>();
 
-function read(name: ScriptName | "prelude"): string {
+function read(name: ScriptName | "prelude" | "gate-first"): string {
   let source = sources.get(name);
   if (source === undefined) {
     source = readFileSync(fileURLToPath(new URL(`${name}.lua`, LUA_DIR)), "utf8");
@@ -124,9 +124,10 @@ let definitions: Definition[] | undefined;
 
 /**
  * The prelude definitions `body` needs: those it names, and those they name in turn, in the
- * prelude's order (so each is defined before the ones that use it).
+ * prelude's order (so each is defined before the ones that use it); but for those in `made`
+ * (defined already, in front), to which the names of those returned are added.
  */
-function preludeFor(body: string): string {
+function preludeFor(body: string, made = new Set<string>()): string {
   definitions ??= preludeDefinitions();
   const byName = new Map(definitions.map((d) => [d.name, d]));
   const needed = new Set<string>([""]);
@@ -137,10 +138,9 @@ function preludeFor(body: string): string {
     needed.add(id);
     pending.push(...d.uses);
   }
-  return definitions
-    .filter((d) => needed.has(d.name))
-    .map((d) => `${d.text}\n`)
-    .join("");
+  const wanted = definitions.filter((d) => needed.has(d.name) && !made.has(d.name));
+  for (const d of wanted) made.add(d.name);
+  return wanted.map((d) => `${d.text}\n`).join("");
 }
 
 /**
@@ -160,12 +160,17 @@ const full = new Map<ScriptName, string>();
 export function scriptSource(name: ScriptName): string {
   let source = full.get(name);
   if (source === undefined && name === "gate") {
-    // Each step's body, as a function of its own KEYS and ARGV; then the gate's own body.
+    // The first pass (lua/gate-first.lua) with only the prelude definitions it uses, so a call it
+    // decides makes nothing more; then the other definitions the rest uses, each step's body as a
+    // function of its own KEYS and ARGV, and the gate's own body.
+    const made = new Set<string>();
+    const first = read("gate-first");
+    const firstPrelude = preludeFor(first, made);
     const steps = [...GATE_STEPS, ...GATE_HELPERS].map(
       (step) => `local function ${stepFunction(step)}(KEYS, ARGV)\n${read(step)}\nend\n`,
     );
     const body = `${steps.join("\n")}\n${read("gate")}`;
-    source = `${preludeFor(body)}\n${body}`;
+    source = `${firstPrelude}\n${first}\n${preludeFor(body, made)}\n${body}`;
     full.set(name, source);
   }
   if (source === undefined) {

@@ -1,0 +1,186 @@
+-- gate-first: the first pass of a gate call (lua/gate.lua), put in front of everything else of it
+-- (src/redis/scripts.ts): the one admission, or the one release, that nothing stands in the way
+-- of, decided before the rest of the script is made. Lua makes every function and table of a
+-- script call as it runs it, and the rest of the gate is large: a call decided here pays for none
+-- of it. A call this pass does not decide goes on to the rest, with nothing written: every check
+-- comes before the first write.
+--
+-- KEYS and ARGV are the gate call's, as lua/gate.lua lists them; this pass reads:
+-- KEYS[1] line   the gate's permit line
+-- KEYS[2] lexp, KEYS[3] gmeta, KEYS[4] held, KEYS[5] hexp: the gate's other keys, not read here
+-- KEYS[6…]       the call's lane, the lane's expiries, then its steps' own keys in order
+--
+-- ARGV[1] now    ms, or "" for the server's TIME
+-- ARGV[2] op     "all" (admissions) or "each" (releases) are decided here; any other goes on
+-- ARGV[3]        (waiterTtlMs: not read here)
+-- ARGV[4] channel base of the gate's wake channels ("" sends the call on)
+-- ARGV[5] calls  the number of calls: one is decided here, more go on
+-- ARGV[6] call   the call, a JSON list: its member, mode, try, earlier try kept, number of steps
+--                and per step its script name, number of keys, number of arguments and the
+--                arguments but the first
+--
+-- An admission (op "all", one call) is decided here when its process holds no grant of an earlier
+-- try, every step is a semaphore's or AIMD limiter's acquire (without classes, not asking again
+-- for a grant), a token bucket's take or an interval gate's take, no two on one key, and nobody
+-- waits in the gate's permit line, in the call's lane or in any of its permit stages' own lines.
+-- It is then decided exactly as fast() in lua/gate.lua decides a lone call: each step looked at
+-- first (a permit stage open and with room, the caller's fence not ahead of the stage's, the
+-- tokens there now, the host's slot come), then all taken; it answers as fast() does, {1, flat}.
+-- Any step that would refuse sends the call on to the rest, which decides it as before.
+--
+-- A release (op "each", one call) is run here when every step gives back one lease of a
+-- semaphore or an AIMD limiter without classes, and nobody waits in the gate's permit line, in
+-- those stages' own lines, or (where Redis counts listeners) at those stages for another gate
+-- (`<stage's channel>:gates`). Each step then does what its script does alone with nobody in
+-- line (lua/semaphore-release.lua, lua/aimd-release.lua), and the call answers as each() does.
+do
+  local op = ARGV[2]
+  if ARGV[5] == '1' and (op == 'all' or op == 'each') and ARGV[4] ~= '' then
+    local decoded, f = pcall(cjson.decode, ARGV[6])
+    local n = decoded and type(f) == 'table' and f[4] == '' and tonumber(f[5])
+    if n and n >= 1 and n <= 64 then
+      -- The steps: each one's script name, its first key's place in KEYS, and where its
+      -- arguments start (argument j of a step at `g` is f[g + j]; its first, `now`, is not sent).
+      local names, keyAt, argAt = {}, {}, {}
+      local probe = { KEYS[1] }
+      -- (The call's lane is the first of its keys, after the gate's five; its steps' keys follow
+      -- the lane's two.)
+      local lane = 6
+      local a, k = 6, lane + 2
+      if op == 'all' then probe[2] = KEYS[lane] end
+      for i = 1, n do
+        local name, nk, na = f[a], tonumber(f[a + 1]), tonumber(f[a + 2])
+        if not nk or not na or nk < 1 or KEYS[k + nk - 1] == nil then n = nil break end
+        local g = a + 1
+        if op == 'all' then
+          if name == 'semaphore-acquire' then
+            -- (Arguments 10 and 14: asking again for a grant; the stage's classes.)
+            if na ~= 14 or f[g + 10] == '1' or f[g + 14] ~= '' then n = nil break end
+            probe[#probe + 1] = KEYS[k + 1]
+          elseif name ~= 'token-bucket-take' and name ~= 'interval-gate-take' then
+            n = nil break
+          end
+        elseif name == 'semaphore-release' then
+          -- (Argument 8: the stage's classes; 4 its channel, 7 whether listeners are counted.)
+          if na ~= 8 or f[g + 8] ~= '' then n = nil break end
+          probe[#probe + 1] = KEYS[k + 1]
+          if f[g + 7] == '1' then probe[#probe + 1] = f[g + 4] .. ':gates' end
+        elseif name == 'aimd-release' then
+          -- (Argument 13: the stage's classes; 3 its channel, 11 whether listeners are counted.)
+          if na ~= 13 or f[g + 13] ~= '' then n = nil break end
+          probe[#probe + 1] = KEYS[k + 1]
+          if f[g + 11] == '1' then probe[#probe + 1] = f[g + 3] .. ':gates' end
+        else
+          n = nil break
+        end
+        for j = 1, i - 1 do
+          if KEYS[keyAt[j]] == KEYS[k] then n = nil end
+        end
+        if not n then break end
+        names[i], keyAt[i], argAt[i] = name, k, g
+        k = k + nk
+        a = a + 2 + na
+      end
+      if n and redis.call('EXISTS', unpack(probe)) == 0 then
+        if op == 'all' then
+          local now = floodgate_now(ARGV[1])
+          -- Look at every step: a permit stage's state, a bucket's, a host's slot.
+          local state = {}
+          for i = 1, n do
+            local name, key, g = names[i], KEYS[keyAt[i]], argAt[i]
+            if name == 'semaphore-acquire' then
+              local p = floodgate_open(KEYS[keyAt[i] + 3], f[g + 3], now)
+              if not p or (tonumber(f[g + 9]) or 0) > p.seq then n = nil break end
+              p.cost = floodgate_cost(f[g + 2])
+              if p.used + p.cost > p.limit then n = nil break end
+              state[i] = p
+            elseif name == 'token-bucket-take' then
+              local s = floodgate_bucket(key, tonumber(f[g + 6]), now)
+              local cost = tonumber(f[g + 5])
+              if s.updatedAt > now or not cost then n = nil break end
+              local tokens = s.updatedAt == now and s.tokens
+                or floodgate_tokens_at(s, tonumber(f[g + 2]), tonumber(f[g + 3]), tonumber(f[g + 4]), now)
+              if tokens + 1e-9 < cost then n = nil break end
+              s.left = tokens - cost
+              state[i] = s
+            else
+              local previous = redis.call('HGET', key, 'nextAt') or ''
+              local nextAt = tonumber(previous)
+              if nextAt and nextAt > now then n = nil break end
+              state[i] = previous
+            end
+          end
+          if n then
+            -- Take them all: the leases, then each state written once.
+            local flat = {}
+            for i = 1, n do
+              local name, g = names[i], argAt[i]
+              local x = #flat
+              if name == 'semaphore-acquire' then
+                local p = state[i]
+                if redis.call('ZADD', KEYS[keyAt[i]], now + tonumber(f[g + 4]), f[g + 2]) == 1 then
+                  p.used = p.used + p.cost
+                end
+                p.seq = p.seq + 1
+                flat[x + 1], flat[x + 2], flat[x + 3], flat[x + 4] = p.seq, p.used, p.limit, p.epoch
+                floodgate_set_used(KEYS[keyAt[i] + 3], p.used, nil, p.seq)
+              elseif name == 'token-bucket-take' then
+                local s = state[i]
+                s.tokens = math.max(0, s.left)
+                s.updatedAt = now
+                floodgate_save_bucket(KEYS[keyAt[i]], s, tonumber(f[g + 2]), tonumber(f[g + 3]),
+                  tonumber(f[g + 4]), f[g + 7], now)
+              else
+                local key, spacing = KEYS[keyAt[i]], f[g + 2]
+                local claimed = floodgate_num(now + tonumber(spacing))
+                flat[x + 1], flat[x + 2] = state[i], claimed
+                redis.call('HSET', key, 'nextAt', claimed)
+                redis.call('PEXPIRE', key,
+                  floodgate_num(math.min(math.ceil(tonumber(spacing)) + 1000, 9007199254740991)))
+              end
+            end
+            flat[#flat + 1] = now
+            return { 1, flat }
+          end
+        else
+          -- Each lease given back as its script gives it back alone, nobody being in line.
+          local replies = {}
+          for i = 1, n do
+            local key, g = KEYS[keyAt[i]], argAt[i]
+            local member, meta = f[g + 2], KEYS[keyAt[i] + 3]
+            if names[i] == 'semaphore-release' then
+              local released = redis.call('ZREM', key, member)
+              local used
+              if released == 1 then
+                used = redis.call('HINCRBY', meta, 'used', -floodgate_cost(member))
+                if used < 0 then
+                  used = 0
+                  redis.call('HSET', meta, 'used', 0)
+                end
+              else
+                used = tonumber(redis.call('HGET', meta, 'used')) or 0
+              end
+              replies[i] = { released, 0, used, {} }
+            else
+              local s = redis.call('HMGET', meta, 'limit', 'epoch', 'used')
+              local maxLimit = tonumber(f[g + 7])
+              local limit = tonumber(s[1]) or tonumber(f[g + 12]) or maxLimit
+              local epoch = tonumber(s[2]) or 0
+              local used = tonumber(s[3]) or 0
+              local released = redis.call('ZREM', key, member)
+              if released == 1 then
+                limit, epoch = floodgate_aimd_moved(limit, epoch, used, f[g + 4], tonumber(f[g + 5]),
+                  f[g + 9] == '1', tonumber(f[g + 6]), maxLimit, tonumber(f[g + 8]))
+                used = used - floodgate_cost(member)
+              end
+              if used < 0 then used = 0 end
+              redis.call('HSET', meta, 'used', used, 'limit', limit, 'epoch', epoch)
+              replies[i] = { released, limit, epoch, used, {} }
+            end
+          end
+          return { { 1, -1, 0, 0, replies } }
+        end
+      end
+    end
+  end
+end

@@ -1,0 +1,191 @@
+/**
+ * The first pass of a gate call (lua/gate-first.lua) decides exactly as the rest of the script
+ * would have: over seeded random sequences of tries (alone and in bursts), releases with every
+ * outcome, refunds, settles and clock steps, every script call a fused gate made is run again,
+ * in the same order, on keys of their own through the gate script without its first pass; each
+ * reply and the whole state left in Redis must be the same.
+ */
+import { createHash } from "node:crypto";
+import { readFileSync } from "node:fs";
+import { join } from "node:path";
+import { Gate, type Ticket } from "floodgate";
+import { redis } from "floodgate/redis";
+import { FakeClock } from "floodgate/testing";
+import type { Redis } from "ioredis";
+import { describe, expect, it } from "vitest";
+import { scriptSha, scriptSource } from "../../src/redis/scripts.js";
+import { useClients } from "./clients.js";
+import { ROOT, randomPrefix } from "./helpers.js";
+
+/** The gate script as it was before its first pass: the same text with that pass left out. */
+const FIRST = readFileSync(join(ROOT, "lua", "gate-first.lua"), "utf8");
+const WITHOUT_FIRST = scriptSource("gate").replace(FIRST, "");
+
+/** One command a client sent, with the reply Redis gave it. */
+interface Sent {
+  name: string;
+  args: string[];
+  reply: unknown;
+}
+
+/** Every command sent on `client` from now on, with its reply, in the order Redis ran them. */
+function record(client: Redis): Sent[] {
+  const sent: Sent[] = [];
+  const send = client.sendCommand.bind(client);
+  (client as any).sendCommand = (command: any, ...rest: any[]) => {
+    const entry: Sent = { name: "", args: [], reply: undefined };
+    sent.push(entry);
+    // (Read once answered: ioredis turns a script's first EVALSHA on a connection into EVAL as
+    // it writes it.)
+    const answered = (reply: unknown) => {
+      entry.name = String(command.name).toLowerCase();
+      entry.args = command.args.map((a: unknown) => String(a));
+      entry.reply = reply;
+    };
+    const result = send(command, ...(rest as [undefined]));
+    command.promise.then(answered, (error: unknown) => answered({ error: String(error) }));
+    return result;
+  };
+  return sent;
+}
+
+/** Every key under `prefix` and what it holds (its name and content with `prefix` taken out). */
+async function state(client: Redis, prefix: string): Promise<Record<string, unknown>> {
+  const keys = (await client.keys(`${prefix}*`)).sort();
+  const out: Record<string, unknown> = {};
+  for (const key of keys) {
+    const type = await client.type(key);
+    const value =
+      type === "hash"
+        ? await client.hgetall(key)
+        : type === "zset"
+          ? await client.zrange(key, 0, -1, "WITHSCORES")
+          : type === "string"
+            ? await client.get(key)
+            : type;
+    out[key.slice(prefix.length)] = JSON.parse(JSON.stringify(value).replaceAll(prefix, "<p>"));
+  }
+  return out;
+}
+
+describe("the first pass of a gate call", () => {
+  const { connect } = useClients();
+
+  function random(seed: number): () => number {
+    let a = seed >>> 0;
+    return () => {
+      a = (a + 0x6d2b79f5) >>> 0;
+      let t = a;
+      t = Math.imul(t ^ (t >>> 15), t | 1);
+      t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
+      return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
+    };
+  }
+
+  for (const seed of [1, 2, 3, 4, 5, 6]) {
+    it(`decides every call as the rest of the script would (seed ${seed})`, async () => {
+      const rnd = random(seed);
+      const clock = new FakeClock(seed % 2 === 0 ? -5_000 : 10_000);
+      const prefix = randomPrefix("first");
+      const again = randomPrefix("again");
+      const client = await connect();
+      const sent = record(client);
+      const b = redis(client, { prefix, clock, time: "clock" });
+      const tight = seed % 3 !== 0;
+      const gate = new Gate(
+        [
+          b.tokenBucket("rpm", { capacity: tight ? 6 : 40, refillPerSecond: tight ? 5 : 30 }),
+          b.intervalGate("hosts", { minIntervalMs: tight ? 60 : 0, jitterMs: tight ? 20 : 0 }),
+          b.semaphore("inflight", { limit: tight ? 3 : 8 }),
+          b.aimd("adaptive", { initial: 3, min: 1, max: 6, backoffRatio: 0.5, slowCallMs: 150 }),
+          b.tokenBucket("tpm", { keyed: true, capacity: 50, refillPerSecond: 40 }),
+        ],
+        { clock },
+      );
+      expect(gate.fused).toBe(true);
+      const open: Ticket[] = [];
+      let admitted = 0;
+      let refused = 0;
+      for (let step = 0; step < 150; step++) {
+        const r = rnd();
+        if (r < 0.45) {
+          // Mostly one call alone (the first pass's case); now and then a burst of up to three.
+          const many = rnd() < 0.75 ? 1 : 2 + Math.floor(rnd() * 2);
+          const tickets = await Promise.all(
+            Array.from({ length: many }, () =>
+              gate.tryAdmit({
+                costs: {
+                  rpm: 1 + Math.floor(rnd() * 2),
+                  tpm: Math.floor(rnd() * 30),
+                  inflight: rnd() < 0.2 ? 2 : 1,
+                },
+                key: rnd() < 0.5 ? "a" : "b",
+                host: rnd() < 0.5 ? "x" : "y",
+              }),
+            ),
+          );
+          for (const t of tickets) {
+            if (t) {
+              open.push(t);
+              admitted++;
+            } else refused++;
+          }
+        } else if (r < 0.8 && open.length > 0) {
+          const t = open.splice(Math.floor(rnd() * open.length), 1)[0]!;
+          const how = rnd();
+          if (how < 0.1) await t.refund();
+          else if (how < 0.2) {
+            await t.settle({ tpm: Math.floor(rnd() * 40) });
+            await t.release("success");
+          } else await t.release(how < 0.4 ? "dropped" : how < 0.5 ? "ignored" : "success");
+        } else {
+          await clock.advance(Math.floor(rnd() * 250));
+        }
+      }
+      for (const t of open) await t.release("success");
+      expect(admitted).toBeGreaterThan(10);
+      expect(refused).toBeGreaterThan(tight ? 5 : -1);
+
+      // Every command again, in order, on keys of their own, the gate's through the script
+      // without its first pass (loaded under its own digest).
+      const replay = await connect();
+      const general = (await replay.script("LOAD", WITHOUT_FIRST)) as string;
+      const gateSha = scriptSha("gate");
+      let firstAdmits = 0;
+      let firstReleases = 0;
+      for (const { name, args, reply } of sent) {
+        if (name !== "evalsha" && name !== "eval") continue;
+        let sha = args[0]!;
+        if (name === "eval") {
+          sha = createHash("sha1").update(sha).digest("hex");
+          await replay.script("LOAD", args[0]!);
+        }
+        if (sha === gateSha) {
+          sha = general;
+          // (A lone admission admitted, or a lone release, while nobody waits anywhere: the first
+          // pass's to decide.)
+          const argv = args.slice(2 + Number(args[1]));
+          if (argv[4] === "1" && argv[1] === "all" && (reply as unknown[])[0] === 1) firstAdmits++;
+          if (
+            argv[4] === "1" &&
+            argv[1] === "each" &&
+            /^\["\w+","try","","","[12]","(aimd|semaphore)-release"/.test(argv[5]!)
+          )
+            firstReleases++;
+        }
+        const rest = args.slice(1).map((a) => a.replaceAll(prefix, again));
+        const answer = await replay
+          .call("EVALSHA", sha, ...rest)
+          .catch((e: unknown) => ({ error: String(e) }));
+        expect(
+          JSON.stringify(answer).replaceAll(again, prefix),
+          `${JSON.stringify(args).slice(0, 200)}`,
+        ).toBe(JSON.stringify(reply));
+      }
+      expect(firstAdmits).toBeGreaterThan(10);
+      expect(firstReleases).toBeGreaterThan(10);
+      expect(await state(replay, again)).toEqual(await state(replay, prefix));
+      await b.close();
+    });
+  }
+});
