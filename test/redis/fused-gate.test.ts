@@ -14,7 +14,7 @@ import type { Redis } from "ioredis";
 import { describe, expect, it } from "vitest";
 import { TURN_CHUNK } from "../../src/redis/batch.js";
 import { ownRedis, useClients } from "./clients.js";
-import { randomPrefix, until, within } from "./helpers.js";
+import { randomPrefix, seeded, until, within } from "./helpers.js";
 
 /** This file counts the script calls Redis runs: on a server of its own. */
 const redisUrl = ownRedis();
@@ -1272,18 +1272,6 @@ describe("a fused Redis gate", () => {
 describe("a fused Redis gate, step for step against its stages in turn", () => {
   const { connect } = useClients(redisUrl);
 
-  /** A seeded generator (mulberry32), so a failing sequence can be replayed. */
-  function random(seed: number): () => number {
-    let a = seed >>> 0;
-    return () => {
-      a = (a + 0x6d2b79f5) >>> 0;
-      let t = a;
-      t = Math.imul(t ^ (t >>> 15), t | 1);
-      t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-      return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-    };
-  }
-
   /** Tight: most bursts are cut short. Loose: most admit whole (a host may start twice at once). */
   const SIZES = {
     tight: { rpm: [6, 5], interval: 80, permits: 3 },
@@ -1356,7 +1344,7 @@ describe("a fused Redis gate, step for step against its stages in turn", () => {
     const named = `seed ${seed}${burst > 1 ? `, bursts of up to ${burst}, ${size} limits` : ""}${from < 0 ? ", from below zero" : ""}`;
     it(`agrees over a random sequence (${named})`, async () => {
       const clock = new FakeClock(from);
-      const rnd = random(seed);
+      const rnd = seeded(seed);
       const fusedPrefix = randomPrefix("step-fused");
       const fusedB = redis(await connect(), { prefix: fusedPrefix, clock, time: "clock" });
       const turnClient = await connect();

@@ -15,7 +15,7 @@ import type { Redis } from "ioredis";
 import { describe, expect, it } from "vitest";
 import { scriptSha, scriptSource } from "../../src/redis/scripts.js";
 import { useClients } from "./clients.js";
-import { ROOT, randomPrefix } from "./helpers.js";
+import { ROOT, randomPrefix, seeded } from "./helpers.js";
 
 /** The gate script as it was before its first pass: the same text with that pass left out. */
 const FIRST = readFileSync(join(ROOT, "lua", "gate-first.lua"), "utf8");
@@ -71,20 +71,9 @@ async function state(client: Redis, prefix: string): Promise<Record<string, unkn
 describe("the first pass of a gate call", () => {
   const { connect } = useClients();
 
-  function random(seed: number): () => number {
-    let a = seed >>> 0;
-    return () => {
-      a = (a + 0x6d2b79f5) >>> 0;
-      let t = a;
-      t = Math.imul(t ^ (t >>> 15), t | 1);
-      t ^= t + Math.imul(t ^ (t >>> 7), t | 61);
-      return ((t ^ (t >>> 14)) >>> 0) / 4294967296;
-    };
-  }
-
   for (const seed of [1, 2, 3, 4, 5, 6]) {
     it(`decides every call as the rest of the script would (seed ${seed})`, async () => {
-      const rnd = random(seed);
+      const rnd = seeded(seed);
       const clock = new FakeClock(seed % 2 === 0 ? -5_000 : 10_000);
       const prefix = randomPrefix("first");
       const again = randomPrefix("again");
