@@ -950,6 +950,31 @@ describe("a fused Redis gate", () => {
     expect(await client.zcard(`${id}:hexp`)).toBe(1);
   });
 
+  it("lets no lone call past a caller waiting in the gate's permit line, even with room for it", async () => {
+    const clock = new FakeClock(1000);
+    const { client, a, bGate, id } = await twoProcesses(
+      "fused-line-first",
+      clock,
+      (b) => [
+        b.semaphore("inflight", { limit: 2, leaseMs: 10_000 }),
+        b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
+      ],
+      { pollMs: 200 },
+    );
+    const holder = await a.admit();
+    // Two permits wanted, one free: it waits in the gate's line (in the other process).
+    const waiting = bGate.admit({ costs: { inflight: 2 } });
+    await kept(client, id, 1);
+    // One permit is free, but the line comes first: refused, alone in its script call.
+    expect(await a.tryAdmit()).toBeUndefined();
+    expect(await client.zcard(`${id}:line`)).toBe(1);
+    await holder.release("success");
+    const granted = await within(waiting, 2000, "the waiter's grant");
+    expect(await a.tryAdmit()).toBeUndefined();
+    await granted.release("success");
+    await (await a.admit()).release("success");
+  });
+
   it("admits waiters on a turn's releases of a stage's leases, sent as one step", async () => {
     const clock = new FakeClock(1000);
     const { client, a, bGate, id } = await twoProcesses(
