@@ -131,12 +131,10 @@ do
                 floodgate_save_bucket(KEYS[keyAt[i]], s, tonumber(f[g + 2]), tonumber(f[g + 3]),
                   tonumber(f[g + 4]), f[g + 7], now)
               else
-                local key, spacing = KEYS[keyAt[i]], f[g + 2]
-                local claimed = floodgate_num(now + tonumber(spacing))
+                local spacing = tonumber(f[g + 2])
+                local claimed = floodgate_num(now + spacing)
                 flat[x + 1], flat[x + 2] = state[i], claimed
-                redis.call('HSET', key, 'nextAt', claimed)
-                redis.call('PEXPIRE', key,
-                  floodgate_num(math.min(math.ceil(tonumber(spacing)) + 1000, 9007199254740991)))
+                floodgate_hold_slot(KEYS[keyAt[i]], claimed, spacing)
               end
             end
             flat[#flat + 1] = now
@@ -152,11 +150,7 @@ do
               local released = redis.call('ZREM', key, member)
               local used
               if released == 1 then
-                used = redis.call('HINCRBY', meta, 'used', -floodgate_cost(member))
-                if used < 0 then
-                  used = 0
-                  redis.call('HSET', meta, 'used', 0)
-                end
+                used = floodgate_lower_used(meta, floodgate_cost(member))
               else
                 used = tonumber(redis.call('HGET', meta, 'used')) or 0
               end

@@ -1174,10 +1174,7 @@ fast = function(list, flat, granting, careful)
     end
   end
   for key, h in pairs(hosts) do
-    if h.spacing then
-      redis.call('HSET', key, 'nextAt', h.previous)
-      redis.call('PEXPIRE', key, floodgate_num(math.min(math.ceil(tonumber(h.spacing)) + 1000, 9007199254740991)))
-    end
+    if h.spacing then floodgate_hold_slot(key, h.previous, tonumber(h.spacing)) end
   end
   return took
 end

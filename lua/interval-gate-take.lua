@@ -11,7 +11,7 @@
 -- strings, for a refund), or {0, waitMs} with waitMs as a string (may be fractional; at most
 -- 2^53 - 1). The key expires once its slot has passed, at most 2^53 - 1 ms from now. With more
 -- than one caller, returns one such reply per caller, in order, with one read and one write.
-local LONGEST_MS = 9007199254740991  -- ms: the longest wait returned or TTL set
+local LONGEST_MS = 9007199254740991  -- ms: the longest wait returned
 local host       = KEYS[1]
 local now        = floodgate_now(ARGV[1])
 local spacing    = tonumber(ARGV[2])
@@ -32,10 +32,7 @@ if #ARGV > 2 then
       last = tonumber(ARGV[i])
     end
   end
-  if last then
-    redis.call('HSET', host, 'nextAt', previous)
-    redis.call('PEXPIRE', host, floodgate_num(math.min(math.ceil(last) + 1000, LONGEST_MS)))
-  end
+  if last then floodgate_hold_slot(host, previous, last) end
   return replies
 end
 if previous ~= '' then
@@ -45,7 +42,5 @@ if previous ~= '' then
   end
 end
 local claimed = floodgate_num(now + spacing)
-local ttl     = floodgate_num(math.min(math.ceil(spacing) + 1000, LONGEST_MS))
-redis.call('HSET', host, 'nextAt', claimed)
-redis.call('PEXPIRE', host, ttl)
+floodgate_hold_slot(host, claimed, spacing)
 return {1, previous, claimed}

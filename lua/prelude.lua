@@ -170,6 +170,25 @@ local function floodgate_aimd_moved(limit, epoch, used, outcome, ticketEpoch, sl
   return limit, epoch
 end
 
+-- Take `by` permits off a permit stage's count in `meta`; returns the permits still used (never
+-- below zero: a count gone negative is set back to 0).
+local function floodgate_lower_used(meta, by)
+  local used = redis.call('HINCRBY', meta, 'used', -by)
+  if used < 0 then
+    used = 0
+    redis.call('HSET', meta, 'used', 0)
+  end
+  return used
+end
+
+-- Set a host's next slot to `claimed` (a string, as floodgate_num writes it), claimed by a call
+-- spaced `spacing` ms: its key expires once that spacing has passed, plus a second, at most
+-- 2^53 - 1 ms from now.
+local function floodgate_hold_slot(host, claimed, spacing)
+  redis.call('HSET', host, 'nextAt', claimed)
+  redis.call('PEXPIRE', host, floodgate_num(math.min(math.ceil(spacing) + 1000, 9007199254740991)))
+end
+
 -- The process of a lease or waiter member "<token>-<n>:<cost>", or nil for a member without one.
 local function floodgate_token(member)
   return string.match(member, '^(%x+)%-')

@@ -35,16 +35,6 @@ local procs   = KEYS[5]
 local channel = ARGV[4]
 local classes = floodgate_classes(KEYS, ARGV[8])
 
--- Take `by` permits off the count; returns the permits still used.
-local function lower(by)
-  local used = redis.call('HINCRBY', meta, 'used', -by)
-  if used < 0 then
-    used = 0
-    redis.call('HSET', meta, 'used', 0)
-  end
-  return used
-end
-
 -- Take what `member` held off its class's count, on a stage with classes.
 local function lowerClass(member)
   local field = 'u' .. floodgate_class(member)
@@ -84,7 +74,7 @@ local function release(member, what)
   local used
   local released = redis.call('ZREM', holders, member)
   if released == 1 then
-    used = lower(floodgate_cost(member))
+    used = floodgate_lower_used(meta, floodgate_cost(member))
     if classes then lowerClass(member) end
   end
   local dequeued = 0
@@ -122,7 +112,7 @@ free(ARGV[2])
 for i = 9, #ARGV, 2 do free(ARGV[i]) end
 local used
 if freed > 0 then
-  used = lower(freed)
+  used = floodgate_lower_used(meta, freed)
   floodgate_freed(channel, ARGV[7])
 end
 local last = replies[#replies]
