@@ -6,12 +6,20 @@
  */
 import { Gate } from "floodgate";
 import { redis } from "floodgate/redis";
+import type { Redis } from "ioredis";
 import { Semaphore } from "redis-semaphore";
 import { Agent, request } from "undici";
 import { PollingSemaphore } from "./poll-semaphore.js";
 import { nowMs, serve, sleep, workerClient } from "./worker-child.js";
 
-export type Mode = "ceiling" | "none" | "floodgate" | "floodgate-gate" | "redis-semaphore" | "poll200";
+export type Mode =
+  | "ceiling"
+  | "none"
+  | "floodgate"
+  | "floodgate-gate"
+  | "redis-semaphore"
+  | "poll200"
+  | "blpop";
 
 export interface RunMessage {
   kind: "run";
@@ -112,6 +120,46 @@ function admission(m: RunMessage): {
         },
         close: async () => {},
       };
+    case "blpop": {
+      // The handoff floor: a list of `cap` tokens in Redis, taken with BLPOP and given back with
+      // LPUSH, each caller on a connection of its own (BLPOP holds it): Redis hands a freed token
+      // to the longest-blocked caller in the same command. No lease, no fencing, nothing back
+      // from a dead holder: what no Redis-coordinated limiter can beat on this machine.
+      const list = `${m.prefix}tokens`;
+      const idle: Redis[] = Array.from({ length: m.callers }, () => client.duplicate());
+      const all = [...idle];
+      const ready = Promise.all([
+        ...all.map((c) => (c.status === "ready" ? undefined : new Promise((r) => c.once("ready", r)))),
+        client.set(`${list}:made`, "1", "NX").then((made) => {
+          if (made !== null) return client.rpush(list, ...Array.from({ length: m.cap }, (_, i) => String(i)));
+        }),
+      ]);
+      return {
+        admit: async (signal) => {
+          await ready;
+          const conn = idle.pop()!;
+          // (At the run's end a blocked caller's connection is cut: the list is the run's own.)
+          const cut = () => conn.disconnect();
+          signal.addEventListener("abort", cut, { once: true });
+          let token: string;
+          try {
+            const got = await conn.blpop(list, 0);
+            token = got![1];
+          } catch (error) {
+            throw signal.aborted ? signal.reason : error;
+          } finally {
+            signal.removeEventListener("abort", cut);
+          }
+          return async () => {
+            await client.lpush(list, token);
+            idle.push(conn);
+          };
+        },
+        close: async () => {
+          for (const c of all) c.disconnect();
+        },
+      };
+    }
     case "poll200": {
       const sem = new PollingSemaphore(client, `${m.prefix}fleet`, m.cap);
       return {
