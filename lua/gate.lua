@@ -653,9 +653,11 @@ end
 
 -- Decide `head`, first in the permit line, by its kept steps (`kept`), as its own try would be
 -- decided now (see grants, above). Returns true when it was admitted or left the line: the next
--- is decided then.
+-- is decided then; and, with it, the permit stages (their leases' keys) left with no permit free
+-- and no lease there ended, whose steps refuse the next as its try would (`full`, from the one
+-- before: a waiter that left passes it on).
 local swept = false
-local function decide(head, kept)
+local function decide(head, kept, full)
   local to = channel .. ':' .. floodgate_token(head)
   -- A waiter keeps its steps only once its process listens for grants: when nobody listens on
   -- its channel any more, its process died (its connections closed), and it leaves the line.
@@ -663,9 +665,17 @@ local function decide(head, kept)
     redis.call('ZREM', line, head)
     redis.call('ZREM', lexp, head)
     forgetSteps({ head })
-    return true
+    return true, full
   end
   local h = cjson.decode(kept)
+  -- The one before took the last permit of one of its permit stages, and no lease there has
+  -- ended for its try to reap: that step would refuse it (a permit step asks for one permit at
+  -- least: a cost of 0 sends none), so it stays first, its steps not run.
+  if full then
+    for _, s in ipairs(h[4]) do
+      if PERMIT[s[1]] and full[s[2][1]] then return false end
+    end
+  end
   local at = floodgate_num(clock())
   local steps = {}
   for i, s in ipairs(h[4]) do
@@ -738,7 +748,16 @@ local function decide(head, kept)
   local message = 'g|' .. head .. '|' .. record
   redis.call('PUBLISH', to, message)
   woken[#woken + 1] = message
-  return true
+  local filled = nil
+  for i, s in ipairs(steps) do
+    local p = r[5][i]
+    if PERMIT[s.name] and tonumber(p[3]) >= tonumber(p[4])
+      and not redis.call('ZRANGEBYSCORE', s.keys[1], '-inf', now, 'LIMIT', 0, 1)[1] then
+      filled = filled or {}
+      filled[s.keys[1]] = true
+    end
+  end
+  return true, filled
 end
 
 -- Decide the first of the permit line with steps kept, and each after it while they are
@@ -747,6 +766,7 @@ local deciding = false
 grantHeads = function()
   if deciding then return end
   deciding = true
+  local full = nil
   for _ = 1, 1000 do
     local head = prune(line, lexp)
     if not head then break end
@@ -755,7 +775,9 @@ grantHeads = function()
       wake(line, lexp)
       break
     end
-    if not decide(head, kept) then break end
+    local went
+    went, full = decide(head, kept, full)
+    if not went then break end
   end
   deciding = false
 end

@@ -1000,6 +1000,67 @@ describe("a fused Redis gate", () => {
     expect(await client.zcard(`${id}:line`)).toBe(0);
   });
 
+  it("grants the next waiter on the same release when a lease there has ended (a holder that died)", async () => {
+    const clock = new FakeClock(1000);
+    const { client, prefix, a, bGate, id } = await twoProcesses(
+      "fused-grant-reap",
+      clock,
+      (b) => [
+        b.semaphore("inflight", { limit: 2, leaseMs: 10_000 }),
+        b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
+      ],
+      { pollMs: 60_000 },
+    );
+    // A holder of another process, alive when the waiters line up, and one of this process.
+    const holders = `${prefix}{inflight}:holders`;
+    await client.zadd(holders, 11_000, "dead-1:1");
+    await client.hset(`${prefix}{inflight}:meta`, "used", 1);
+    const holder = await a.admit();
+    const waiting = [bGate.admit()];
+    await kept(client, id, 1);
+    waiting.push(bGate.admit());
+    await kept(client, id, 2, 1);
+    // The other process dies: its lease ends now, and nobody renews or releases it.
+    await client.zadd(holders, "XX", 999, "dead-1:1");
+    // One release frees one permit for the first waiter; the ended lease is the second's, decided
+    // in the same script call as its own try would be. The fake clock stands still: no poll.
+    await holder.release("success");
+    const admitted = await within(Promise.all(waiting), 2000, "both waiters' grants");
+    expect(await client.zrange(holders, 0, -1)).not.toContain("dead-1:1");
+    expect(await client.zcard(`${id}:line`)).toBe(0);
+    await Promise.all(admitted.map((t) => t.release("success")));
+    expect(await client.zcard(holders)).toBe(0);
+    expect(await client.hget(`${prefix}{inflight}:meta`, "used")).toBe("0");
+  });
+
+  it("keeps the next waiter first when the one before took the last permit, and takes its tokens on its own grant", async () => {
+    const clock = new FakeClock(1000);
+    const { client, prefix, a, bGate, id } = await twoProcesses(
+      "fused-grant-full",
+      clock,
+      (b) => [
+        b.semaphore("inflight", { limit: 1, leaseMs: 10_000 }),
+        b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
+      ],
+      { pollMs: 60_000 },
+    );
+    const holder = await a.admit();
+    const first = bGate.admit();
+    await kept(client, id, 1);
+    const second = bGate.admit();
+    await kept(client, id, 2, 1);
+    const bucket = `${prefix}{rate}:b:default`;
+    await holder.release("success");
+    const granted = await within(first, 2000, "the first waiter's grant");
+    // The second stays first, its steps kept; its tokens go with its own grant, once.
+    const tokens = await client.hget(bucket, "tokens");
+    const [next] = await client.zrange(`${id}:line`, 0, -1);
+    expect(await client.hget(`${id}:held`, `s:${next}`)).not.toBeNull();
+    await granted.release("success");
+    await (await within(second, 2000, "the second waiter's grant")).release("success");
+    expect(Number(await client.hget(bucket, "tokens"))).toBe(Number(tokens) - 1);
+  });
+
   it("collects a grant whose message never came with the waiter's next try", async () => {
     const clock = new FakeClock(1000);
     const { client, prefix, a, bGate, id, deaf } = await twoProcesses("fused-collect", clock, (b) => [
