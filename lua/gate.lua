@@ -748,10 +748,12 @@ local function decide(head, kept, full)
   local message = 'g|' .. head .. '|' .. record
   redis.call('PUBLISH', to, message)
   woken[#woken + 1] = message
+  -- The stages it left full (see above). (Not a stage with classes: there the next one's try
+  -- may ask borrowed permits back for its class, which its own try would then do.)
   local filled = nil
   for i, s in ipairs(steps) do
     local p = r[5][i]
-    if PERMIT[s.name] and tonumber(p[3]) >= tonumber(p[4])
+    if PERMIT[s.name] and s.args[14] == '' and tonumber(p[3]) >= tonumber(p[4])
       and not redis.call('ZRANGEBYSCORE', s.keys[1], '-inf', now, 'LIMIT', 0, 1)[1] then
       filled = filled or {}
       filled[s.keys[1]] = true
