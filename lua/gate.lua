@@ -8,8 +8,11 @@
 -- KEYS[3] gmeta HASH  seq (arrivals, shared by the permit line and every lane)
 -- KEYS[4] held  HASH  "s:<member>" -> the steps of a waiter in the permit line (its latest try's,
 --                     sent "hold"), so that a release can admit it; "g:<member>" -> "<try>|<replies>"
---                     once a release has (see grants, below)
--- KEYS[5] hexp  ZSET  member -> expiry (ms) of its grant record: one not collected by then goes
+--                     once a release has (see grants, below); "p:<member>" -> its arrival
+--                     sequence, when a release passed it over while its process did not listen
+--                     (see decide(), below)
+-- KEYS[5] hexp  ZSET  member -> expiry (ms) of its grant record, or of its place kept once passed
+--                     over: one not collected by then goes
 -- KEYS[6…]            per call: its lane (ZSET member -> arrival sequence: the callers of the
 --                     call's key and host that only token buckets or interval gates refused),
 --                     the lane's expiries (ZSET, as lexp), then its steps' own keys in order;
@@ -360,8 +363,20 @@ end
 -- the permit line: the call's steps, at whose permit stages this gate then has a caller waiting
 -- (`<stage's wake channel>:gates`, this gate's wake channel -> until when, ms): a release through
 -- another gate that frees permits there says so (floodgate_freed), for this gate to decide its line.
-local function join(member, z, e, seq, steps)
+-- `again`: the call asked before (a try after its first), so it may have been passed over in the
+-- permit line while its process did not listen (see decide()): it then gets its place back, and
+-- join() returns true.
+local function join(member, z, e, seq, steps, again)
+  local back = false
   if not redis.call('ZSCORE', z, member) then
+    if again and not seq and z == line then
+      seq = redis.call('HGET', held, 'p:' .. member)
+      if seq then
+        redis.call('HDEL', held, 'p:' .. member)
+        redis.call('ZREM', hexp, member)
+        back = true
+      end
+    end
     redis.call('ZADD', z, seq or redis.call('HINCRBY', gmeta, 'seq', 1), member)
   end
   local until_ = clock() + ttl
@@ -369,7 +384,7 @@ local function join(member, z, e, seq, steps)
   redis.call('PEXPIRE', z, ttl)
   redis.call('PEXPIRE', e, ttl)
   redis.call('PEXPIRE', gmeta, ttl)
-  if not steps then return end
+  if not steps then return back end
   for i = 1, #steps do
     local s = steps[i]
     if PERMIT[s.name] then
@@ -378,6 +393,7 @@ local function join(member, z, e, seq, steps)
       redis.call('PEXPIRE', gates, ttl)
     end
   end
+  return back
 end
 
 -- A step's reply as JSON, as Redis would have sent it: numbers as integers, true as 1, false
@@ -478,6 +494,7 @@ end
 local function admit(call, granting)
   local member, mode, lane, laneExp, steps = call.member, call.mode, call.lane, call.laneExp, call.steps
   local waits = mode ~= 'try'
+  local again = (tonumber(call.try) or 0) > 1
 
   -- Its earlier try's steps admitted by a release, and the message maybe lost: collected now.
   -- (A record of another try, or of one given up, is taken back: see giveBackGrant.)
@@ -511,7 +528,10 @@ local function admit(call, granting)
     local replies = {}
     for i = 1, #steps do replies[i] = false end
     if not waits then return {0, -1, 0, woken, replies} end
-    join(member, z, e, nil, z == line and steps)
+    -- (Its place back and first now: it asks again at once, to be decided as the first.)
+    if join(member, z, e, nil, z == line and steps, again) and redis.call('ZRANGE', line, 0, 0)[1] == member then
+      return done({0, 0, n, woken, replies})
+    end
     return done({0, -1, n, woken, replies})
   end
 
@@ -630,7 +650,7 @@ local function admit(call, granting)
     end
     if laneHead then leave(member, lane, laneExp, laneHead) end
     if not waits then return {0, -1, 0, woken, replies} end
-    join(member, line, lexp, nil, steps)
+    join(member, line, lexp, nil, steps, again)
     return done({0, -1, 1, woken, replies})
   end
   -- A rate refused: permits are there. First in the permit line, it keeps its place for a short
@@ -660,11 +680,19 @@ local swept = false
 local function decide(head, kept, full)
   local to = channel .. ':' .. floodgate_token(head)
   -- A waiter keeps its steps only once its process listens for grants: when nobody listens on
-  -- its channel any more, its process died (its connections closed), and it leaves the line.
+  -- its channel any more, its process died (its connections closed), or its pub/sub connection
+  -- is reconnecting. It leaves the line, and the next is decided; its place is kept for as long as
+  -- a waiter's lasts without asking (`ttl`), and a next try of its call within that takes it back
+  -- (see join()): a live process loses no place to a reconnection, a dead one holds nobody up.
   if redis.call('PUBSUB', 'NUMSUB', to)[2] == 0 then
+    local seq = redis.call('ZSCORE', line, head)
     redis.call('ZREM', line, head)
     redis.call('ZREM', lexp, head)
     forgetSteps({ head })
+    redis.call('HSET', held, 'p:' .. head, seq)
+    redis.call('ZADD', hexp, clock() + ttl, head)
+    redis.call('PEXPIRE', held, ttl)
+    redis.call('PEXPIRE', hexp, ttl)
     return true, full
   end
   local h = cjson.decode(kept)
@@ -728,7 +756,7 @@ local function decide(head, kept, full)
   end
   if not swept then
     swept = true
-    for _, m in ipairs(floodgate_expired(hexp, now)) do redis.call('HDEL', held, 'g:' .. m, 's:' .. m) end
+    for _, m in ipairs(floodgate_expired(hexp, now)) do redis.call('HDEL', held, 'g:' .. m, 's:' .. m, 'p:' .. m) end
   end
   -- A permit's reply says when its lease ends (server ms), and no time of its own: the waiter's
   -- process judges the lease by what it knows of the server's clock, not by when it asked.

@@ -850,7 +850,13 @@ describe("a fused Redis gate", () => {
       await spare.subscribe(`${id}:gwake:${member!.slice(0, member!.indexOf("-"))}`);
       await subscriber.unsubscribe();
     };
-    return { b, deaf, dead: () => subscriber.unsubscribe() };
+    return {
+      b,
+      deaf,
+      dead: () => subscriber.unsubscribe(),
+      // (Its pub/sub connection back: listening again on its wake channel, `id`'s.)
+      hears: (id: string, token: string) => subscriber.subscribe(`${id}:gwake:${token}`),
+    };
   }
 
   /**
@@ -871,7 +877,7 @@ describe("a fused Redis gate", () => {
     const a = new Gate(list, { clock });
     const bGate = new Gate(stages(second.b), { clock });
     const id = `${prefix}{gate:gate|${list.map((stage) => stage.name).join("|")}}`;
-    return { client, prefix, a, bGate, id, deaf: second.deaf, dead: second.dead };
+    return { client, prefix, a, bGate, id, deaf: second.deaf, dead: second.dead, hears: second.hears };
   }
 
   /**
@@ -1155,6 +1161,57 @@ describe("a fused Redis gate", () => {
     expect(late).toBeDefined();
     await late!.release("success");
     expect(await client.zcard(`${prefix}{inflight}:holders`)).toBe(0);
+  });
+
+  it("keeps the place of a first waiter passed over while its process did not listen, for its next try", async () => {
+    const clock = new FakeClock(1000);
+    const { client, prefix, a, bGate, id, dead, hears } = await twoProcesses(
+      "fused-grant-back",
+      clock,
+      (b) => [
+        b.semaphore("inflight", { limit: 1 }),
+        b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
+      ],
+      { pollMs: 60_000 },
+    );
+    const holder = await a.admit();
+    let back: Ticket | undefined;
+    const passed = bGate.admit().then((t) => {
+      back = t;
+      return t;
+    });
+    await kept(client, id, 1);
+    const [first] = await client.zrange(`${id}:line`, 0, 0);
+    const second = a.admit();
+    await kept(client, id, 2);
+    let thirdIn: Ticket | undefined;
+    const third = a.admit().then((t) => {
+      thirdIn = t;
+      return t;
+    });
+    await kept(client, id, 3, 1);
+    // Its pub/sub connection drops: the release passes it over and grants the one behind it.
+    await dead();
+    await holder.release("success");
+    const granted = await within(second, 2000, "the caller behind the one passed over");
+    expect(await client.zrange(`${id}:line`, 0, -1)).not.toContain(first);
+    // Listening again, it asks at its poll, and is back in its place: ahead of the third.
+    await hears(id, first!.slice(0, first!.indexOf("-")));
+    await clock.advance(300);
+    await until(async () => (await client.zrange(`${id}:line`, 0, 0))[0] === first, {
+      timeoutMs: 2000,
+      message: "the waiter passed over did not get its place back",
+    });
+    await kept(client, id, 2, 1);
+    await granted.release("success");
+    const ticket = await within(passed, 2000, "the waiter back in its place");
+    expect(thirdIn).toBeUndefined();
+    await ticket.release("success");
+    await (await within(third, 2000, "the third")).release("success");
+    expect(await client.zcard(`${prefix}{inflight}:holders`)).toBe(0);
+    expect(back).toBeDefined();
+    // Nothing of its kept place is left.
+    expect((await client.hkeys(`${id}:held`)).filter((f) => f.startsWith("p:"))).toEqual([]);
   });
 
   it("tells the first waiter to ask again when a rate refuses it at the release, holding no permit meanwhile", async () => {
