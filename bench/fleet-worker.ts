@@ -130,8 +130,11 @@ function admission(m: RunMessage): {
       const all = [...idle];
       const ready = Promise.all([
         ...all.map((c) => (c.status === "ready" ? undefined : new Promise((r) => c.once("ready", r)))),
-        client.set(`${list}:made`, "1", "NX").then((made) => {
-          if (made !== null) return client.rpush(list, ...Array.from({ length: m.cap }, (_, i) => String(i)));
+        // (One worker puts the tokens in; the keys go an hour after the run: see close.)
+        client.set(`${list}:made`, "1", "PX", 3_600_000, "NX").then(async (made) => {
+          if (made === null) return;
+          await client.rpush(list, ...Array.from({ length: m.cap }, (_, i) => String(i)));
+          await client.pexpire(list, 3_600_000);
         }),
       ]);
       return {
@@ -157,6 +160,8 @@ function admission(m: RunMessage): {
         },
         close: async () => {
           for (const c of all) c.disconnect();
+          // (A list emptied during the run came back with a release, without its expiry.)
+          await client.pexpire(list, 3_600_000);
         },
       };
     }
