@@ -671,6 +671,15 @@ local function admit(call, granting)
   return done({0, waitMs, 2, woken, replies})
 end
 
+-- Keep `value` as field `field` of `member`'s in `held` until `ttl` from now (hexp): its grant
+-- record, or its place once passed over (see decide()).
+local function remember(member, field, value)
+  redis.call('HSET', held, field, value)
+  redis.call('ZADD', hexp, clock() + ttl, member)
+  redis.call('PEXPIRE', held, ttl)
+  redis.call('PEXPIRE', hexp, ttl)
+end
+
 -- Decide `head`, first in the permit line, by its kept steps (`kept`), as its own try would be
 -- decided now (see grants, above). Returns true when it was admitted or left the line: the next
 -- is decided then; and, with it, the permit stages (their leases' keys) left with no permit free
@@ -689,10 +698,7 @@ local function decide(head, kept, full)
     redis.call('ZREM', line, head)
     redis.call('ZREM', lexp, head)
     forgetSteps({ head })
-    redis.call('HSET', held, 'p:' .. head, seq)
-    redis.call('ZADD', hexp, clock() + ttl, head)
-    redis.call('PEXPIRE', held, ttl)
-    redis.call('PEXPIRE', hexp, ttl)
+    remember(head, 'p:' .. head, seq)
     return true, full
   end
   local h = cjson.decode(kept)
@@ -769,10 +775,7 @@ local function decide(head, kept, full)
     end
   end
   local record = h[1] .. '|' .. encode(r[5])
-  redis.call('HSET', held, 'g:' .. head, record)
-  redis.call('ZADD', hexp, now + ttl, head)
-  redis.call('PEXPIRE', held, ttl)
-  redis.call('PEXPIRE', hexp, ttl)
+  remember(head, 'g:' .. head, record)
   local message = 'g|' .. head .. '|' .. record
   redis.call('PUBLISH', to, message)
   woken[#woken + 1] = message

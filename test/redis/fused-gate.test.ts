@@ -864,6 +864,14 @@ describe("a fused Redis gate", () => {
    * one, with `extra` for its backend; `bGate` one made by `deafened`, whose `deaf` and `dead`
    * come with it; `id` the base of the gate's keys.
    */
+  /** A gate's stages: a semaphore "inflight" of `limit` (leases of `leaseMs`), then a bucket "rate" of 10, 10 a second. */
+  function inflightAndRate(limit: number, leaseMs?: number): (b: ReturnType<typeof redis>) => Stage[] {
+    return (b) => [
+      b.semaphore("inflight", leaseMs === undefined ? { limit } : { limit, leaseMs }),
+      b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
+    ];
+  }
+
   async function twoProcesses(
     name: string,
     clock: FakeClock,
@@ -904,10 +912,7 @@ describe("a fused Redis gate", () => {
     const { client, prefix, a, bGate, id } = await twoProcesses(
       "fused-grant",
       clock,
-      (b) => [
-        b.semaphore("inflight", { limit: 1, leaseMs: 10_000 }),
-        b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
-      ],
+      inflightAndRate(1, 10_000),
       { pollMs: 200 },
     );
     const holder = await a.admit();
@@ -961,10 +966,7 @@ describe("a fused Redis gate", () => {
     const { client, a, bGate, id } = await twoProcesses(
       "fused-line-first",
       clock,
-      (b) => [
-        b.semaphore("inflight", { limit: 2, leaseMs: 10_000 }),
-        b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
-      ],
+      inflightAndRate(2, 10_000),
       { pollMs: 200 },
     );
     const holder = await a.admit();
@@ -986,10 +988,7 @@ describe("a fused Redis gate", () => {
     const { client, a, bGate, id } = await twoProcesses(
       "fused-grant-turn",
       clock,
-      (b) => [
-        b.semaphore("inflight", { limit: 3, leaseMs: 10_000 }),
-        b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
-      ],
+      inflightAndRate(3, 10_000),
       { pollMs: 60_000 },
     );
     const holders = [await a.admit(), await a.admit(), await a.admit()];
@@ -1011,10 +1010,7 @@ describe("a fused Redis gate", () => {
     const { client, prefix, a, bGate, id } = await twoProcesses(
       "fused-grant-reap",
       clock,
-      (b) => [
-        b.semaphore("inflight", { limit: 2, leaseMs: 10_000 }),
-        b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
-      ],
+      inflightAndRate(2, 10_000),
       { pollMs: 60_000 },
     );
     // A holder of another process, alive when the waiters line up, and one of this process.
@@ -1044,10 +1040,7 @@ describe("a fused Redis gate", () => {
     const { client, prefix, a, bGate, id } = await twoProcesses(
       "fused-grant-full",
       clock,
-      (b) => [
-        b.semaphore("inflight", { limit: 1, leaseMs: 10_000 }),
-        b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
-      ],
+      inflightAndRate(1, 10_000),
       { pollMs: 60_000 },
     );
     const holder = await a.admit();
@@ -1134,10 +1127,7 @@ describe("a fused Redis gate", () => {
     const { client, prefix, a, bGate, id, dead } = await twoProcesses(
       "fused-grant-dead",
       clock,
-      (b) => [
-        b.semaphore("inflight", { limit: 1 }),
-        b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
-      ],
+      inflightAndRate(1),
       { pollMs: 200 },
     );
     const holder = await a.admit();
@@ -1168,10 +1158,7 @@ describe("a fused Redis gate", () => {
     const { client, prefix, a, bGate, id, dead, hears } = await twoProcesses(
       "fused-grant-back",
       clock,
-      (b) => [
-        b.semaphore("inflight", { limit: 1 }),
-        b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
-      ],
+      inflightAndRate(1),
       { pollMs: 60_000 },
     );
     const holder = await a.admit();
