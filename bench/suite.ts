@@ -8,6 +8,7 @@ import { bucketFleet } from "./bucket-fleet.js";
 import { classesBench, redisClassesBench } from "./classes.js";
 import { clientLibraries } from "./client-libraries.js";
 import { fleet } from "./fleet.js";
+import { gateCuts } from "./gate-cuts.js";
 import { handoff } from "./handoff.js";
 import { idleKeys } from "./idle-keys.js";
 import type { BenchArgs, Benchmark } from "./lib.js";
@@ -33,6 +34,7 @@ export const BENCHMARKS: readonly Benchmark[] = [
   redisTokenBucket,
   redisGate,
   scriptCost,
+  gateCuts,
   redisCommands,
   handoff,
   clientLibraries,
