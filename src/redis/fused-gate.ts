@@ -298,6 +298,10 @@ class FusedGate implements FusedAdmission {
             const granted = held;
             held = this.#unhold(member);
             const result = await granted.result;
+            // The wait since its last try ended with the grant: counted as a try's would be.
+            const now = clock.now();
+            this.#charge(blame, now - since);
+            since = now;
             if (result.tickets) return result.tickets;
             break;
           }
@@ -325,6 +329,8 @@ class FusedGate implements FusedAdmission {
         }
       }
     } catch (error) {
+      // Its wait until it gave up (timed out, aborted, closed) counts too.
+      this.#charge(blame, clock.now() - since);
       if (held) this.#drop(held);
       if (inLine) this.#leave(member, lane);
       throw error;

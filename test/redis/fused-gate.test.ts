@@ -907,6 +907,66 @@ describe("a fused Redis gate", () => {
     });
   }
 
+  it("counts a waiter's wait until a release admits it against its permit stage, as in memory", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-grant-wait");
+    const { client, b } = await backend(prefix, clock, { pollMs: 60_000 });
+    const sem = b.semaphore("inflight", { limit: 1, leaseMs: 120_000 });
+    const rate = b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 });
+    const gate = new Gate([sem, rate], { clock });
+    const twin = memory({ clock });
+    const memorySem = twin.semaphore("inflight", { limit: 1 });
+    const memoryGate = new Gate(
+      [memorySem, twin.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 })],
+      {
+        clock,
+      },
+    );
+    const holders = [await gate.admit(), await memoryGate.admit()];
+    const waiting = [gate.admit(), memoryGate.admit()];
+    await kept(client, `${prefix}{gate:gate|inflight|rate}`, 1);
+    // Nothing but the release can admit it: the fake clock moves 500 ms and no timer is due.
+    await clock.advance(500);
+    for (const h of holders) await h.release("success");
+    const tickets = await within(Promise.all(waiting), 2000, "the waiters' grants");
+    expect(sem.snapshot().permitWaitMs).toBe(memorySem.snapshot().permitWaitMs);
+    expect(sem.snapshot().permitWaitMs).toBe(500);
+    expect(rate.snapshot().tokenWaitMs).toBe(0);
+    expect(gate.snapshot().permitWaitMs).toBe(memoryGate.snapshot().permitWaitMs);
+    for (const t of tickets) await t.release("success");
+  });
+
+  it("counts the wait of a waiter that times out against its permit stage, as in memory", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-wait-timeout");
+    const { client, b } = await backend(prefix, clock, { pollMs: 60_000 });
+    const sem = b.semaphore("inflight", { limit: 1, leaseMs: 120_000 });
+    const rate = b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 });
+    const gate = new Gate([sem, rate], { clock });
+    const twin = memory({ clock });
+    const memorySem = twin.semaphore("inflight", { limit: 1 });
+    const memoryGate = new Gate(
+      [memorySem, twin.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 })],
+      {
+        clock,
+      },
+    );
+    const holders = [await gate.admit(), await memoryGate.admit()];
+    const waits = [gate, memoryGate].map((g) =>
+      g.admit({ timeoutMs: 300 }).then(
+        () => "admitted",
+        (error: unknown) => error,
+      ),
+    );
+    await kept(client, `${prefix}{gate:gate|inflight|rate}`, 1);
+    await clock.advance(300);
+    for (const outcome of await Promise.all(waits)) expect(outcome).toBeInstanceOf(AdmitTimeoutError);
+    expect(sem.snapshot().permitWaitMs).toBe(memorySem.snapshot().permitWaitMs);
+    expect(sem.snapshot().permitWaitMs).toBe(300);
+    expect(rate.snapshot().tokenWaitMs).toBe(0);
+    for (const h of holders) await h.release("success");
+  });
+
   it("admits the first waiter on a release, in that script call: its process does not ask again", async () => {
     const clock = new FakeClock(1000);
     const { client, prefix, a, bGate, id } = await twoProcesses(
