@@ -907,32 +907,37 @@ describe("a fused Redis gate", () => {
     });
   }
 
+  /**
+   * The same gate twice on one fake clock: on Redis (`b`) and in memory. Each is a semaphore
+   * "inflight" of 1 (on Redis with long leases, so no renewal falls due), then a bucket "rate" of
+   * 10, 10 a second.
+   */
+  function twinGates(b: RedisBackend, clock: FakeClock) {
+    const twin = memory({ clock });
+    const sems = [
+      b.semaphore("inflight", { limit: 1, leaseMs: 120_000 }),
+      twin.semaphore("inflight", { limit: 1 }),
+    ];
+    const rates = [b, twin].map((on) => on.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }));
+    const gates = [0, 1].map((i) => new Gate([sems[i]!, rates[i]!], { clock }));
+    return { gates, sems, rates };
+  }
+
   it("counts a waiter's wait until a release admits it against its permit stage, as in memory", async () => {
     const clock = new FakeClock(1000);
     const prefix = randomPrefix("fused-grant-wait");
     const { client, b } = await backend(prefix, clock, { pollMs: 60_000 });
-    const sem = b.semaphore("inflight", { limit: 1, leaseMs: 120_000 });
-    const rate = b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 });
-    const gate = new Gate([sem, rate], { clock });
-    const twin = memory({ clock });
-    const memorySem = twin.semaphore("inflight", { limit: 1 });
-    const memoryGate = new Gate(
-      [memorySem, twin.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 })],
-      {
-        clock,
-      },
-    );
-    const holders = [await gate.admit(), await memoryGate.admit()];
-    const waiting = [gate.admit(), memoryGate.admit()];
+    const { gates, sems, rates } = twinGates(b, clock);
+    const holders = [await gates[0]!.admit(), await gates[1]!.admit()];
+    const waiting = gates.map((g) => g.admit());
     await kept(client, `${prefix}{gate:gate|inflight|rate}`, 1);
     // Nothing but the release can admit it: the fake clock moves 500 ms and no timer is due.
     await clock.advance(500);
     for (const h of holders) await h.release("success");
     const tickets = await within(Promise.all(waiting), 2000, "the waiters' grants");
-    expect(sem.snapshot().permitWaitMs).toBe(memorySem.snapshot().permitWaitMs);
-    expect(sem.snapshot().permitWaitMs).toBe(500);
-    expect(rate.snapshot().tokenWaitMs).toBe(0);
-    expect(gate.snapshot().permitWaitMs).toBe(memoryGate.snapshot().permitWaitMs);
+    for (const sem of sems) expect(sem.snapshot().permitWaitMs).toBe(500);
+    for (const rate of rates) expect(rate.snapshot().tokenWaitMs).toBe(0);
+    for (const gate of gates) expect(gate.snapshot().permitWaitMs).toBe(500);
     for (const t of tickets) await t.release("success");
   });
 
@@ -940,23 +945,7 @@ describe("a fused Redis gate", () => {
     const clock = new FakeClock(1000);
     const prefix = randomPrefix("fused-parity");
     const { client, b } = await backend(prefix, clock, { pollMs: 60_000 });
-    const twin = memory({ clock });
-    const gates = [
-      new Gate(
-        [
-          b.semaphore("inflight", { limit: 1, leaseMs: 120_000 }),
-          b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
-        ],
-        { clock },
-      ),
-      new Gate(
-        [
-          twin.semaphore("inflight", { limit: 1 }),
-          twin.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }),
-        ],
-        { clock },
-      ),
-    ];
+    const { gates } = twinGates(b, clock);
     const holders = await Promise.all(gates.map((g) => g.admit()));
     const stops = gates.map(() => new AbortController());
     const ended = gates.map((g, i) => [
