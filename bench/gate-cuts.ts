@@ -3,8 +3,9 @@
  * four-stage gate (a lone call, and a turn of a crowd's calls), replayed alone with the `gate`
  * script cut short at successive points of lua/gate-first.lua and lua/gate.lua (an `error` put in
  * there, so the script stops and Redis still times it; less what stopping that way costs). Each
- * point's time less the one before is what that part costs. Figures from SLOWLOG, which times each command inside Redis; the leases a
- * replay took are taken out before the next, so every replay decides as the first did.
+ * point's time less the one before is what that part costs. Figures from SLOWLOG, which times
+ * each command inside Redis; the leases a replay took are taken out before the next, so every
+ * replay decides as the first did.
  */
 import { Gate, type Stage } from "floodgate";
 import { type RedisBackend, redis, scriptSource } from "floodgate/redis";
@@ -34,7 +35,7 @@ interface Captured {
 
 /**
  * The admission (`op` "all") with the most calls that a four-stage gate sends while `callers`
- * callers run `gate.run` for `ms`: caught on its way to the client.
+ * callers run `gate.run` for `ms`: caught on its way out of the client.
  */
 async function capture(url: string, callers: number, ms: number): Promise<Captured> {
   const client = await connect(url);
