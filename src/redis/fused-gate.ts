@@ -259,6 +259,7 @@ class FusedGate implements FusedAdmission {
       for (;;) {
         const at = clock.now();
         this.#charge(blame, at - since);
+        since = at;
         const attempt = await this.#attempt(call, member, lane, lines, ++tries, held?.try ?? "");
         if (held) {
           // This try's reply says whether a release admitted the kept steps (collected), unless
@@ -277,7 +278,6 @@ class FusedGate implements FusedAdmission {
         const reply = attempt.reply;
         blame = attempt.blame;
         soonest = attempt.soonest ?? -1;
-        since = at;
         inLine = reply?.inLine !== undefined;
         if (reply?.inLine === "permits") this.#forPermits.add(member);
         else this.#forPermits.delete(member);

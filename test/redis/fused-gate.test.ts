@@ -1,5 +1,6 @@
 import {
   AdmitTimeoutError,
+  BackendUnavailableError,
   ClosedError,
   Gate,
   InvalidOptionsError,
@@ -984,6 +985,28 @@ describe("a fused Redis gate", () => {
     expect(seen[0]).toEqual(seen[1]);
     expect(seen[0].permitWaitMs).toBe(100 + 200 + 300);
     expect(seen[0]).toMatchObject({ admitted: 2, timedOut: 1, aborted: 1, waiting: 0, inFlight: 0 });
+  });
+
+  it("counts a wait once when the try that ends it fails", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-wait-failed");
+    const client = await connect();
+    // (No jitter: the waiter asks again at its poll, 1000 ms on.)
+    const b = redis(client, { prefix, clock, time: "clock", pollMs: 1000, random: () => 0.5 });
+    const sem = b.semaphore("inflight", { limit: 1, leaseMs: 120_000 });
+    const gate = new Gate([sem, b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 })], { clock });
+    await gate.admit();
+    const waiting = gate.admit().then(
+      () => undefined,
+      (error: unknown) => error,
+    );
+    await kept(client, `${prefix}{gate:gate|inflight|rate}`, 1);
+    await clock.advance(999);
+    // Redis goes away: the try at the poll fails closed, ending the wait.
+    client.disconnect();
+    await clock.advance(1);
+    expect(await within(waiting, 2000, "the failed try")).toBeInstanceOf(BackendUnavailableError);
+    expect(sem.snapshot().permitWaitMs).toBe(1000);
   });
 
   it("admits the first waiter on a release, in that script call: its process does not ask again", async () => {
