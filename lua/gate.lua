@@ -5,7 +5,10 @@
 -- KEYS[1] line  ZSET  member "<token>-<n>" -> arrival sequence: the gate's callers a permit stage
 --                     refused, in arrival order across the fleet
 -- KEYS[2] lexp  ZSET  member -> expiry (ms): a waiter not heard from for waiterTtlMs is dropped
--- KEYS[3] gmeta HASH  seq (arrivals, shared by the permit line and every lane)
+-- KEYS[3] gmeta HASH  seq (arrivals, shared by the permit line and every lane); fr: the ms its
+--                     firsts have kept their place in the permit line waiting for a rate, in
+--                     all (see admit()), each ms once; fru: when the latest such wait ends; frk:
+--                     the first key of the step it waits for
 -- KEYS[4] held  HASH  "s:<member>" -> the steps of a waiter in the permit line (its latest try's,
 --                     sent "hold"), so that a release can admit it; "g:<member>" -> "<try>|<replies>"
 --                     once a release has (see grants, below); "p:<member>" -> its arrival
@@ -64,6 +67,9 @@
 --   held    1 when the call waits in the permit line with its steps kept (mode "hold"); else 0,
 --           or the replies of status 2
 --   now     (admissions) the time they decided at, server ms
+--   rate    (admissions waiting in the permit line) fr and frk of gmeta once the call was decided
+--           (but for a first's own wait for a rate, begun by this call): the callers behind a
+--           first that waits for a rate wait for it too
 -- but for the leading admissions decided in one pass (see fast(), below): each answers 1, and one
 -- more element follows the last call's reply: their steps' replies, flat, then that time.
 --
@@ -553,6 +559,7 @@ local function admit(call, granting)
   local saved = {}
   local refusal = nil
   local waitMs = -1
+  local rateKey = nil
   local last = 0
   for pass = 2, 3 do
     for i = 1, #steps do if passOf(steps[i].name) == pass then last = i end end
@@ -575,6 +582,7 @@ local function admit(call, granting)
         else
           refusal = 'rate'
           waitMs = tonumber(reply[2]) or 0
+          rateKey = s.keys[1]
         end
       end
     end
@@ -661,7 +669,16 @@ local function admit(call, granting)
   if head == member then
     if waitMs <= ttl / 3 then
       join(member, line, lexp, nil, steps)
-      return done({0, waitMs, 1, woken, replies})
+      -- Its wait counts from now on (a wait counted already, its first asking again meanwhile, is
+      -- not counted twice); its reply says the waits counted before it.
+      local g = redis.call('HMGET', gmeta, 'fr', 'fru', 'frk')
+      local fr = tonumber(g[1]) or 0
+      local from = math.max(clock(), tonumber(g[2]) or 0)
+      local to = clock() + math.ceil(waitMs)
+      if to > from then redis.call('HSET', gmeta, 'fr', fr + to - from, 'fru', to, 'frk', rateKey) end
+      local r = done({0, waitMs, 1, woken, replies, 0, now})
+      r[8], r[9] = fr, g[3] or ''
+      return r
     end
     seq = redis.call('ZSCORE', line, member)
     leave(member, line, lexp, head)
@@ -1270,12 +1287,19 @@ for c = 1, #out do
   local w = out[c] ~= 1 and out[c][4]
   if w and w ~= 0 and w[1] == nil then out[c][4] = 0 end
 end
--- (Every reply says when the admissions decided, for the caller's view of the server's clock.)
+-- (Every reply says when the admissions decided, for the caller's view of the server's clock;
+-- one that waits in the permit line, how long its firsts have waited for rates.)
 if op == 'all' then
+  local rate = nil
   for c = 1, #out do
     if out[c] ~= 1 then
       out[c][6] = out[c][6] or 0
       out[c][7] = now
+      if out[c][3] == 1 and out[c][8] == nil then
+        rate = rate or redis.call('HMGET', gmeta, 'fr', 'frk')
+        out[c][8] = tonumber(rate[1]) or 0
+        out[c][9] = rate[2] or ''
+      end
     end
   end
   -- The calls admitted in one pass (fast()) answer 1; their replies follow the last call's, with

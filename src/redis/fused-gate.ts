@@ -195,6 +195,8 @@ class FusedGate implements FusedAdmission {
     this.#channel = stageKey(settings.prefix, id, "gwake");
     this.#onWire = onWire(this.#channel);
     this.#from = `${this.#onWire}|${this.#token}`;
+    // (Each stage's keys begin so, as Redis names them: see `#stretch`.)
+    this.#keysOf = stages.map((stage) => onWire(stageKey(settings.prefix, stage.name, "")));
     this.#admits = this.#head("all");
     this.#releases = this.#head("each");
     this.#leaves = this.#head("leave");
@@ -209,6 +211,9 @@ class FusedGate implements FusedAdmission {
       }
     }
   }
+
+  /** How each stage's keys begin, as Redis names them. */
+  readonly #keysOf: readonly string[];
 
   /** Stop being told of permits freed outside the gate, one per permit stage. */
   readonly #unhook: (() => void)[] = [];
@@ -245,9 +250,11 @@ class FusedGate implements FusedAdmission {
     const clock = this.#s.clock;
     let inLine = false;
     this.#trying.add(member);
-    // The stage the call waited for since its previous try, and when that try went out.
+    // The stage the call waited for since its previous try, and when that try went out; the
+    // permit line's firsts' rate waits in all, as that try's reply said (see `#stretch`).
     let blame = -1;
     let since = 0;
+    let rateAt = -1;
     // Refused permits, first in line: ms until a permit could free by itself (see `#refused`).
     let soonest = -1;
     // A call with no time left to wait (`timeoutMs: 0`) only tries: it never takes a place in line.
@@ -258,9 +265,11 @@ class FusedGate implements FusedAdmission {
     try {
       for (;;) {
         const at = clock.now();
-        this.#charge(blame, at - since);
-        since = at;
         const attempt = await this.#attempt(call, member, lane, lines, ++tries, held?.try ?? "");
+        // The stretch up to this try is counted now that its reply says what the line waited for.
+        this.#stretch(blame, at - since, rateAt, attempt.reply);
+        since = at;
+        rateAt = attempt.reply?.lineRateMs ?? -1;
         if (held) {
           // This try's reply says whether a release admitted the kept steps (collected), unless
           // the grant's message said so first; else they are done with.
@@ -590,6 +599,37 @@ class FusedGate implements FusedAdmission {
       }
     }
     return { tickets: undefined, reply, blame: this.#blame(reply, stepOf), soonest, first };
+  }
+
+  /**
+   * Count a stretch of `ms` of waiting, up to a try whose reply is `reply`, as the wait of stage
+   * `i` (see `#blame`); but for its part while the permit line's firsts kept their place waiting
+   * for a rate (they wait for it, and so does everyone behind them, as in a fused memory gate,
+   * where the first steps aside into its lane and those behind follow it there), which counts
+   * at that rate's stage: the growth of their rate waits in all since the call's previous reply
+   * (`rateAt`, -1 when that reply did not say), at most the stretch.
+   */
+  #stretch(i: number, ms: number, rateAt: number, reply: GateReply | undefined): void {
+    const total = reply?.lineRateMs;
+    if (rateAt < 0 || total === undefined || !(ms > 0)) {
+      this.#charge(i, ms);
+      return;
+    }
+    const stage = this.#stageOfKey(reply!.lineRateKey ?? "");
+    const rate = stage < 0 ? 0 : Math.min(ms, Math.max(0, total - rateAt));
+    if (rate > 0) this.#charge(stage, rate);
+    this.#charge(i, ms - rate);
+  }
+
+  /** The metering stage whose keys `key` is one of (the longest match), or -1. */
+  #stageOfKey(key: string): number {
+    let best = -1;
+    for (let i = 0; i < this.#stages.length; i++) {
+      const start = this.#keysOf[i]!;
+      if (PERMIT_KINDS.has(this.#stages[i]!.kind) || !key.startsWith(start)) continue;
+      if (best < 0 || start.length > this.#keysOf[best]!.length) best = i;
+    }
+    return best;
   }
 
   /** Count `ms` of waiting as the wait of stage `i` (see `#blame`). */

@@ -77,6 +77,13 @@ export interface GateReply {
    * until this settles them, with the replies of a grant, or with none (they did not run).
    */
   hold?: (replies: unknown[] | undefined) => void;
+  /**
+   * A call waiting in the permit line: how long, in all, the line's firsts have kept their place
+   * waiting for a rate (ms, growing; those behind them wait for it too), and the first key (as
+   * Redis has it) of the step the latest waited for, a token bucket's or interval gate's.
+   */
+  lineRateMs?: number;
+  lineRateKey?: string;
 }
 
 /** What every call of one `gate` script call shares: see lua/gate.lua. */
@@ -368,6 +375,10 @@ export class RedisLink {
       replies: answers,
     };
     if (status === 2) out.collected = grantReplies(String(reply[5]));
+    if (reply[7] !== undefined) {
+      out.lineRateMs = Number(reply[7]);
+      out.lineRateKey = String(reply[8] ?? "");
+    }
     if (Number(reply[5]) === 1) {
       let settled = false;
       out.hold = (granted) => {
@@ -752,8 +763,11 @@ function repeats(steps: readonly Step[], before: readonly Step[]): boolean {
   return true;
 }
 
-/** The reply of a `gate` call to one call: {status, waitMs, inLine, woken, replies, held, now}. */
-type GateCallReply = [number, number, number, string[], unknown[], unknown, number?];
+/**
+ * The reply of a `gate` call to one call: {status, waitMs, inLine, woken, replies, held, now,
+ * and, waiting in the permit line, its firsts' rate waits: their ms in all, the latest's key}.
+ */
+type GateCallReply = [number, number, number, string[], unknown[], unknown, number?, number?, string?];
 
 /**
  * The replies of `steps`, admitted in one pass, from `flat` at `at` (lua/gate.lua, fast()): each

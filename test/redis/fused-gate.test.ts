@@ -1009,6 +1009,45 @@ describe("a fused Redis gate", () => {
     expect(sem.snapshot().permitWaitMs).toBe(1000);
   });
 
+  it("counts the wait of a caller behind a first that waits for a rate at that rate, as in memory", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-behind-rate");
+    const { client, b } = await backend(prefix, clock, { pollMs: 60_000 });
+    const twin = memory({ clock });
+    const sems = [
+      b.semaphore("inflight", { limit: 1, leaseMs: 120_000 }),
+      twin.semaphore("inflight", { limit: 1 }),
+    ];
+    // One token, then one a second: each caller after the first waits for it.
+    const rates = [b, twin].map((on) => on.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 }));
+    const gates = [0, 1].map((i) => new Gate([sems[i]!, rates[i]!], { clock }));
+    const id = `${prefix}{gate:gate|inflight|rate}`;
+    const first = await Promise.all(gates.map((g) => g.admit()));
+    // B waits for the permit, first in line; C behind it.
+    const second = gates.map((g) => g.admit());
+    await kept(client, id, 1);
+    const third = gates.map((g) => g.admit());
+    await lined(client, `${id}:line`, 2, "the second waiter did not line up");
+    await clock.advance(100);
+    // The release admits B's permit, but not its token (900 ms away): B keeps its place, waiting
+    // for the rate, and C waits behind it.
+    for (const t of first) await t.release("success");
+    await kept(client, id, 1, 3);
+    await clock.advance(900);
+    const bs = await within(Promise.all(second), 2000, "B's admission");
+    await clock.advance(100);
+    // Now C is first, and waits for its own token.
+    for (const t of bs) await t.release("success");
+    await kept(client, id, 1, 2);
+    await clock.advance(900);
+    const cs = await within(Promise.all(third), 2000, "C's admission");
+    for (const t of cs) await t.release("success");
+    // B: 100 ms for the permit, 900 for the token; C: 100 and 100 for the permit (before B's
+    // token wait and after it), 900 behind B for the token and 900 for its own.
+    for (const sem of sems) expect(sem.snapshot().permitWaitMs).toBe(300);
+    for (const rate of rates) expect(rate.snapshot().tokenWaitMs).toBe(2700);
+  });
+
   it("admits the first waiter on a release, in that script call: its process does not ask again", async () => {
     const clock = new FakeClock(1000);
     const { client, prefix, a, bGate, id } = await twoProcesses(
