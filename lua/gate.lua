@@ -668,14 +668,15 @@ local function admit(call, granting)
   local seq = nil
   if head == member then
     if waitMs <= ttl / 3 then
-      join(member, line, lexp, nil, steps)
       -- Its wait counts from now on (a wait counted already, its first asking again meanwhile, is
-      -- not counted twice); its reply says the waits counted before it.
+      -- not counted twice); its reply says the waits counted before it. (Written before join(),
+      -- which gives gmeta its expiry.)
       local g = redis.call('HMGET', gmeta, 'fr', 'fru', 'frk')
       local fr = tonumber(g[1]) or 0
       local from = math.max(clock(), tonumber(g[2]) or 0)
       local to = clock() + math.ceil(waitMs)
       if to > from then redis.call('HSET', gmeta, 'fr', fr + to - from, 'fru', to, 'frk', rateKey) end
+      join(member, line, lexp, nil, steps)
       local r = done({0, waitMs, 1, woken, replies, 0, now})
       r[8], r[9] = fr, g[3] or ''
       return r
