@@ -910,16 +910,16 @@ describe("a fused Redis gate", () => {
 
   /**
    * The same gate twice on one fake clock: on Redis (`b`) and in memory. Each is a semaphore
-   * "inflight" of 1 (on Redis with long leases, so no renewal falls due), then a bucket "rate" of
-   * 10, 10 a second.
+   * "inflight" of 1 (on Redis with long leases, so no renewal falls due), then a bucket "rate"
+   * (10, 10 a second, unless `rate` says).
    */
-  function twinGates(b: RedisBackend, clock: FakeClock) {
+  function twinGates(b: RedisBackend, clock: FakeClock, rate = { capacity: 10, refillPerSecond: 10 }) {
     const twin = memory({ clock });
     const sems = [
       b.semaphore("inflight", { limit: 1, leaseMs: 120_000 }),
       twin.semaphore("inflight", { limit: 1 }),
     ];
-    const rates = [b, twin].map((on) => on.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 }));
+    const rates = [b, twin].map((on) => on.tokenBucket("rate", rate));
     const gates = [0, 1].map((i) => new Gate([sems[i]!, rates[i]!], { clock }));
     return { gates, sems, rates };
   }
@@ -1013,14 +1013,8 @@ describe("a fused Redis gate", () => {
     const clock = new FakeClock(1000);
     const prefix = randomPrefix("fused-behind-rate");
     const { client, b } = await backend(prefix, clock, { pollMs: 60_000 });
-    const twin = memory({ clock });
-    const sems = [
-      b.semaphore("inflight", { limit: 1, leaseMs: 120_000 }),
-      twin.semaphore("inflight", { limit: 1 }),
-    ];
     // One token, then one a second: each caller after the first waits for it.
-    const rates = [b, twin].map((on) => on.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 }));
-    const gates = [0, 1].map((i) => new Gate([sems[i]!, rates[i]!], { clock }));
+    const { gates, sems, rates } = twinGates(b, clock, { capacity: 1, refillPerSecond: 1 });
     const id = `${prefix}{gate:gate|inflight|rate}`;
     const first = await Promise.all(gates.map((g) => g.admit()));
     // B waits for the permit, first in line; C behind it.
