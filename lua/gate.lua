@@ -295,16 +295,27 @@ for c = 1, tonumber(ARGV[5]) do
   end
 end
 
--- What its steps' releases say to other gates waiting at their stages (floodgate_freed): this
--- gate, and the process that sent the call (the first call's member's token; a release's or a
--- grant call's member is its token).
+-- The process (and gate) that sent the call: the first call's member's token (a release's or a
+-- grant call's member is its token). What its steps' releases say to other gates waiting at
+-- their stages (floodgate_freed) names this gate and it.
+local sender = nil
 do
   local first = calls[1] and calls[1].member or ''
-  floodgate_said = channel .. '|' .. (floodgate_token(first) or string.match(first, '^%x*$') or '')
+  sender = floodgate_token(first) or string.match(first, '^%x*$') or ''
+  floodgate_said = channel .. '|' .. sender
   floodgate_clock = clock
 end
 
 local woken
+
+-- Tell `member` to ask again: on its process's channel, unless the call's own process and gate
+-- sent the call (it tells its waiter from the reply's `woken`: told twice, it would ask twice).
+local function tell(member)
+  local token = floodgate_token(member)
+  if token ~= sender or sender == '' then redis.call('PUBLISH', channel .. ':' .. token, member) end
+  woken[#woken + 1] = member
+end
+
 -- Decides calls in one pass when nothing stands in their way (see below).
 local fast
 -- Decides the first waiters of the permit line whose steps are kept (see grants, above).
@@ -343,10 +354,7 @@ end
 -- Tell the first of line `z` (with expiries `e`) to ask again, on its process's channel.
 local function wake(z, e)
   local first = prune(z, e)
-  if first then
-    redis.call('PUBLISH', channel .. ':' .. floodgate_token(first), first)
-    woken[#woken + 1] = first
-  end
+  if first then tell(first) end
 end
 
 -- Take `member` out of line `z` (with expiries `e`); when it was first there, wake the next.
@@ -772,10 +780,7 @@ local function decide(head, kept, full)
   end
   if r[1] ~= 1 then
     -- A rate refused it: it asks again, and waits as its reply says. Too few permits: it stays first.
-    if tonumber(r[2]) >= 0 then
-      redis.call('PUBLISH', to, head)
-      woken[#woken + 1] = head
-    end
+    if tonumber(r[2]) >= 0 then tell(head) end
     return false
   end
   if not swept then

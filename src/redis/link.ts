@@ -818,10 +818,16 @@ export function grantReplies(json: string): unknown[] {
  */
 const FIRST_CONNECT: ReadonlySet<string> = new Set(["wait", "connecting", "connect", "reconnecting"]);
 
-/** Errors of calls that never left this process. */
-const unsent = new WeakSet<object>();
+/**
+ * Errors of calls that never left this process, and of steps the gate script did not run
+ * (`NOT_RUN`: a caller ahead in line, or kept steps no release ran and the next try replaced).
+ */
+const unsent = new WeakSet<object>([NOT_RUN]);
 
-/** False when the call failed before it was sent, so Redis cannot have acted on it. */
+/**
+ * False when the call failed before it was sent, or was a gate call's step that did not run, so
+ * Redis cannot have acted on it (nothing to give back).
+ */
 export function maybeSent(error: unknown): boolean {
   return !(typeof error === "object" && error !== null && unsent.has(error));
 }

@@ -49,17 +49,19 @@ describe("a fused Redis gate", () => {
 
   /**
    * Count the script calls on keys under `prefix`, as MONITOR sees them (other test files share
-   * the server, so its global counts would not do).
+   * the server, so its global counts would not do), and the messages they publish telling a
+   * waiter to ask again (`wakes`: on channels under `prefix`, but for grants).
    */
   async function countScripts(
     prefix: string,
-  ): Promise<{ readonly calls: number; shown(): Promise<void>; stop(): void }> {
+  ): Promise<{ readonly calls: number; readonly wakes: number; shown(): Promise<void>; stop(): void }> {
     const monitor = await connect();
     const other = await connect();
     const feed = await monitor.monitor();
     let echoed = 0;
     const counter = {
       calls: 0,
+      wakes: 0,
       /** Resolves once MONITOR has shown every command sent before it was called. */
       async shown() {
         const mark = `${prefix}mark`;
@@ -74,6 +76,7 @@ describe("a fused Redis gate", () => {
       if (command === "echo" && args[1] === `${prefix}mark`) echoed++;
       if ((command === "evalsha" || command === "eval") && args.slice(3).some((a) => a.startsWith(prefix)))
         counter.calls++;
+      if (command === "publish" && args[1]?.startsWith(prefix) && !args[2]?.startsWith("g|")) counter.wakes++;
     });
     return counter;
   }
@@ -1363,6 +1366,36 @@ describe("a fused Redis gate", () => {
     await clock.advance(150);
     await within(waiting, 2000, "the waiter's token");
     await ticket!.release("success");
+  });
+
+  it("tells a waiter of its own process to ask again in the release's reply alone, so it asks once", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-tell-own");
+    const { client, b } = await backend(prefix, clock, { pollMs: 60_000 });
+    const gate = new Gate(
+      [b.semaphore("inflight", { limit: 1 }), b.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 })],
+      { clock },
+    );
+    const id = `${prefix}{gate:gate|inflight|rate}`;
+    const holder = await gate.admit();
+    const waiting = gate.admit();
+    await kept(client, id, 1);
+    const seen = await countScripts(prefix);
+    try {
+      await holder.release("success");
+      // The bucket was empty at the release: the waiter is told, asks, and keeps its place for its
+      // token (its steps kept again, from its third try).
+      await kept(client, id, 1, 3);
+      await clock.flush();
+      await seen.shown();
+      // The release, and the waiter's one try: it was not told again on pub/sub.
+      expect(seen.wakes).toBe(0);
+      expect(seen.calls).toBe(2);
+    } finally {
+      seen.stop();
+    }
+    await clock.advance(1000);
+    await (await within(waiting, 2000, "the waiter's token")).release("success");
   });
 
   it("holds the cap with a crowd in two processes", async () => {
