@@ -7,23 +7,15 @@
  * each command inside Redis; the leases a replay took are taken out before the next, so every
  * replay decides as the first did.
  */
-import { Gate, type Stage } from "floodgate";
-import { type RedisBackend, redis, scriptSource } from "floodgate/redis";
+import { Gate } from "floodgate";
+import { redis, scriptSource } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { type BenchArgs, type Benchmark, median, table } from "./lib.js";
 import { connect, freshPrefix } from "./redis-clients.js";
+import { GATES } from "./redis-throughput.js";
 
-const MAX = 2 ** 31 - 1;
-
-/** The four stages #14 counts, none binding (as in the redis-gate benchmark). */
-function fourStages(b: RedisBackend): Stage[] {
-  return [
-    b.tokenBucket("rate", { capacity: MAX, refillPerSecond: 1e9 }),
-    b.intervalGate("hosts", { minIntervalMs: 0 }),
-    b.semaphore("sem", { limit: 1_000_000 }),
-    b.aimd("aimd", { initial: 1_000_000, min: 1, max: 1_000_000 }),
-  ];
-}
+/** The four stages #14 counts, none binding, as the redis-gate benchmark builds them. */
+const fourStages = GATES["4: + AIMD"]!;
 
 /** One `gate` script call as sent: its keys and arguments. */
 interface Captured {

@@ -298,8 +298,11 @@ export const redisTokenBucket: Benchmark = {
   },
 };
 
-/** The stages of a gate of `n` Redis stages as #14 counts them, none binding: see `redisGate`. */
-const GATES: Record<string, (b: RedisBackend) => Stage[]> = {
+/**
+ * The stages of a gate of `n` Redis stages as #14 counts them, none binding: see `redisGate` (and
+ * `gate-cuts`, which takes the four stages apart).
+ */
+export const GATES: Record<string, (b: RedisBackend) => Stage[]> = {
   "semaphore alone": (b) => [b.semaphore("sem", { limit: 1_000_000 })],
   "1: bucket": (b) => [b.tokenBucket("rate", { capacity: MAX, refillPerSecond: 1e9 })],
   "2: + interval gate": (b) => [...GATES["1: bucket"]!(b), b.intervalGate("hosts", { minIntervalMs: 0 })],

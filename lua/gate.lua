@@ -312,7 +312,7 @@ local woken
 -- sent the call (it tells its waiter from the reply's `woken`: told twice, it would ask twice).
 local function tell(member)
   local token = floodgate_token(member)
-  if token ~= sender or sender == '' then redis.call('PUBLISH', channel .. ':' .. token, member) end
+  if token ~= sender then redis.call('PUBLISH', channel .. ':' .. token, member) end
   woken[#woken + 1] = member
 end
 

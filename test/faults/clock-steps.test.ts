@@ -172,7 +172,10 @@ describe("worker clocks stepped ±10 s mid-run, with the server's clock deciding
       // now, so a lease nobody gave back would stay.
       await until(async () => (await raw.zcard(holders)) === 0, {
         timeoutMs: 2_000,
-        message: `leases left when the callers had returned: ${await raw.zrange(holders, 0, -1)}`,
+        message: "leases left when the callers had returned",
+      }).catch(async (error: Error) => {
+        // (Named as they are when the wait gives up, not as they were when it began.)
+        throw new Error(`${error.message}: ${await raw.zrange(holders, 0, -1)}`);
       });
       expect(await raw.hget(stageKey(prefix, "sem", "meta"), "used")).toBe("0");
       expect(unhandled.seen.map(describeError)).toEqual([]);
