@@ -235,10 +235,16 @@ function verdict(snaps: readonly Snapshot[], o: Checked): { constraint: Constrai
   }
   const rates = snaps.filter((s) => RATE_KINDS.has(s.kind));
   const bounds = snaps.filter((s) => Number.isFinite(s.limit) && s.kind !== "queue" && s.kind !== "gate");
-  // The stage callers waited for most (a fused gate's waits are counted at the stage that refused).
-  const waited = [...rates, ...bounds]
+  // The stage callers waited for most (a fused gate's waits are counted at the stage that refused);
+  // but a bound that was seldom full (under `full` on average) yields to a rate they waited for
+  // too: a bound that held the throughput down would be full while its callers wait, and callers
+  // also queue behind a holder whose next caller then waits for the rate.
+  const waits = [...rates, ...bounds]
     .filter(waitedLong)
-    .sort((a, b) => waitedMs(b) - waitedMs(a) || b.waiting - a.waiting)[0];
+    .sort((a, b) => waitedMs(b) - waitedMs(a) || b.waiting - a.waiting);
+  const rateWaited = waits.find((s) => RATE_KINDS.has(s.kind));
+  let waited = waits[0];
+  if (waited && rateWaited && !RATE_KINDS.has(waited.kind) && fullness(waited) < o.full) waited = rateWaited;
   const full = bounds.filter((s) => fullness(s) >= o.full).sort((a, b) => fullness(b) - fullness(a))[0];
   const binding = waited ?? full;
   if (binding) {

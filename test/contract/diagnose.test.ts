@@ -79,6 +79,25 @@ describe.each(backends)("diagnose on $name", (backend) => {
     await gate.close();
   });
 
+  it("provider: a rate calls waited for, over a bound they waited for but that was seldom full", async () => {
+    // One permit, four tokens a second, calls of 150 ms: the rate lets 4/s through, so the
+    // permit is held 0.6 of the time; callers queue behind its holder as well as for tokens.
+    const b = backend.make(clock);
+    const sem = b.semaphore("sem", { limit: 1 });
+    const bucket = b.tokenBucket("rate", { capacity: 1, refillPerSecond: 4 });
+    const gate = new Gate([bucket, sem], { clock });
+    await load(gate, 12, 4, 150);
+    const [s, r] = [sem.snapshot(), bucket.snapshot()];
+    // (The tokens waited for long, the permit far from full; where the gate fuses its stages,
+    // callers waited for the permit too: on a cluster, chained, they take it once they have a token.)
+    expect(r.flow!.waitedMs).toBeGreaterThan(0.1 * 12 * 150);
+    expect(s.flow!.meanInFlight).toBeCloseTo(0.6, 9);
+    const d = diagnose(gate);
+    expect(d.constraint).toBe("provider");
+    expect(d.summary).toMatch(/^the provider's allowance: tokenBucket "rate" \(it lets [\d.]+\/s through; /);
+    await gate.close();
+  });
+
   it("provider: an AIMD limiter full of calls", async () => {
     const aimd = backend.make(clock).aimd("aimd", { initial: 2, max: 8 });
     await load(aimd, 8, 4, 100);
