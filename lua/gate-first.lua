@@ -33,10 +33,14 @@
 -- those stages' own lines, or (where Redis counts listeners) at those stages for another gate
 -- (`<stage's channel>:gates`). Each step then does what its script does alone with nobody in
 -- line (lua/semaphore-release.lua, lua/aimd-release.lua), and the call answers as each() does.
+-- The one call as this pass decoded it (a table, read only), for the rest to take as it is
+-- instead of decoding it again; nil when this pass did not decode it.
+local gate_first_call = nil
 do
   local op = ARGV[2]
   if ARGV[5] == '1' and (op == 'all' or op == 'each') and ARGV[4] ~= '' then
     local decoded, f = pcall(cjson.decode, ARGV[6])
+    if decoded and type(f) == 'table' then gate_first_call = f end
     local n = decoded and type(f) == 'table' and f[4] == '' and tonumber(f[5])
     if n and n >= 1 and n <= 64 then
       -- The steps: each one's script name, its first key's place in KEYS, and where its
