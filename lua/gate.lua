@@ -13,7 +13,8 @@
 --                     sent "hold"), so that a release can admit it; "g:<member>" -> "<try>|<replies>"
 --                     once a release has (see grants, below); "p:<member>" -> its arrival
 --                     sequence, when a release passed it over while its process did not listen
---                     (see decide(), below)
+--                     (see decide(), below); "j:<member>" -> "<when>|<fr then>|<permit key>" once
+--                     the permit line took it with its lane (see admit()), until its next try
 -- KEYS[5] hexp  ZSET  member -> expiry (ms) of its grant record, or of its place kept once passed
 --                     over: one not collected by then goes
 -- KEYS[6…]            per call: its lane (ZSET member -> arrival sequence: the callers of the
@@ -65,11 +66,15 @@
 --           but with -2 for its first field (a refusal of its own is 0); a step not run (someone
 --           is ahead in line) answers false
 --   held    1 when the call waits in the permit line with its steps kept (mode "hold"); else 0,
---           or the replies of status 2
+--           or the replies of status 2 (as a grant message gives them: one per step, then fr and
+--           frk of gmeta when the grant was made)
 --   now     (admissions) the time they decided at, server ms
 --   rate    (admissions waiting in the permit line) fr and frk of gmeta once the call was decided
 --           (but for a first's own wait for a rate, begun by this call): the callers behind a
 --           first that waits for a rate wait for it too
+--   moved   (admissions the permit line took with their lane since their latest try) "<when>|<fr
+--           then>|<key>": the server ms it moved, fr at that moment, and the first key of the
+--           permit stage that refused its lane's first; it waited for permits from then on
 -- but for the leading admissions decided in one pass (see fast(), below): each answers 1, and one
 -- more element follows the last call's reply: their steps' replies, flat, then that time.
 --
@@ -100,7 +105,8 @@
 -- When permits are freed through the gate (a release, a leave, an admission with room left), the
 -- first in the permit line whose steps are kept is decided there and then, at that instant,
 -- exactly as its own try would be: when every step admits, it is admitted (its steps' replies
--- are recorded and PUBLISHed as "g|<member>|<try>|<replies as JSON>"), and the next is decided
+-- are recorded and PUBLISHed as "g|<member>|<try>|<replies as JSON>", a JSON list of one reply
+-- per step and, last, the line's rate waits then: see decide()), and the next is decided
 -- the same way; when a rate refuses it, it is told to ask again; when permits do not suffice, it
 -- stays first. The waiter's process builds its tickets from the message, without asking again.
 -- Its next try, if the message never came, collects the record (status 2); a waiter that gives up
@@ -325,8 +331,13 @@ local grantHeads
 -- Forget the kept steps of `members`, who no longer wait in the permit line.
 local function forgetSteps(members)
   local fields = {}
-  for i = 1, #members do fields[i] = 's:' .. members[i] end
-  redis.call('HDEL', held, unpack(fields))
+  for i = 1, #members do
+    fields[2 * i - 1] = 's:' .. members[i]
+    fields[2 * i] = 'j:' .. members[i]
+  end
+  for from = 1, #fields, 2000 do
+    redis.call('HDEL', held, unpack(fields, from, math.min(from + 1999, #fields)))
+  end
 end
 
 -- Take out of line `z` the waiters that stopped asking (their expiries in `e`), when its first
@@ -569,6 +580,8 @@ local function admit(call, granting)
   local refusal = nil
   local waitMs = -1
   local rateKey = nil
+  -- The first key of the first permit step that refused.
+  local permitKey = nil
   local last = 0
   for pass = 2, 3 do
     for i = 1, #steps do if passOf(steps[i].name) == pass then last = i end end
@@ -588,6 +601,7 @@ local function admit(call, granting)
           taken[#taken + 1] = i
         elseif pass == 1 then
           refusal = 'permit'
+          permitKey = permitKey or s.keys[1]
         else
           refusal = 'rate'
           waitMs = tonumber(reply[2]) or 0
@@ -651,14 +665,25 @@ local function admit(call, granting)
     -- comes with it, in its order (each would be refused the same way, one round trip each).
     if laneHead == member then
       local all = redis.call('ZRANGE', lane, 0, -1, 'WITHSCORES')
+      -- Each one moved waits for permits from now on, not for its lane's rate: its next try's
+      -- reply says when it moved, and how long the permit line's firsts had waited for rates by
+      -- then (fr), and which stage refused (see `moved` below).
+      local moved, since = {}, nil
       for j = 1, #all, 2 do
         local m = all[j]
         local expires = redis.call('ZSCORE', laneExp, m)
         if m ~= member and expires then
           redis.call('ZADD', line, 'NX', all[j + 1], m)
           redis.call('ZADD', lexp, expires, m)
+          since = since or (floodgate_num(clock()) .. '|' .. (redis.call('HGET', gmeta, 'fr') or '0') .. '|' .. permitKey)
+          moved[#moved + 1] = 'j:' .. m
+          moved[#moved + 1] = since
         end
       end
+      for from = 1, #moved, 2000 do
+        redis.call('HSET', held, unpack(moved, from, math.min(from + 1999, #moved)))
+      end
+      if #moved > 0 then redis.call('PEXPIRE', held, ttl) end
       if waits then join(member, line, lexp, all[2], steps) end
       redis.call('DEL', lane, laneExp)
       redis.call('PEXPIRE', line, ttl)
@@ -798,6 +823,12 @@ local function decide(head, kept, full)
       p[10] = now + tonumber(s.args[4])
     end
   end
+  -- After the steps' replies, how long the permit line's firsts have waited for rates, in all,
+  -- and the key of the latest's step (fr and frk of gmeta): the waiter counts its wait since its
+  -- latest try by them, as from a reply. (A process that reads the steps' replies alone, one
+  -- per step, never reads it.)
+  local rate = redis.call('HMGET', gmeta, 'fr', 'frk')
+  r[5][#steps + 1] = { tonumber(rate[1]) or 0, rate[2] or '' }
   local record = h[1] .. '|' .. encode(r[5])
   remember(head, 'g:' .. head, record)
   local message = 'g|' .. head .. '|' .. record
@@ -1261,6 +1292,9 @@ end
 local out = {}
 local from = 1
 local flat = nil
+-- Per call, "<when>|<fr then>|<key>" when the permit line took it with its lane since its latest
+-- try (see admit()).
+local moved = {}
 if op == 'all' then
   flat = {}
   from = fast(calls, flat) + 1
@@ -1286,6 +1320,12 @@ for c = from, #calls do
     grantHeads()
     out[c] = {1, -1, 0, woken, {}}
   else
+    -- A waiter the permit line took with its lane since its latest try (see admit()): when.
+    local at = call.mode ~= 'try' and (tonumber(call.try) or 0) > 1 and redis.call('HGET', held, 'j:' .. call.member)
+    if at then
+      redis.call('HDEL', held, 'j:' .. call.member)
+      moved[c] = at
+    end
     out[c] = admit(call)
   end
 end
@@ -1302,11 +1342,12 @@ if op == 'all' then
     if out[c] ~= 1 then
       out[c][6] = out[c][6] or 0
       out[c][7] = now
-      if out[c][3] == 1 and out[c][8] == nil then
+      if (out[c][3] == 1 or moved[c]) and out[c][8] == nil then
         rate = rate or redis.call('HMGET', gmeta, 'fr', 'frk')
         out[c][8] = tonumber(rate[1]) or 0
         out[c][9] = rate[2] or ''
       end
+      out[c][10] = moved[c]
     end
   end
   -- The calls admitted in one pass (fast()) answer 1; their replies follow the last call's, with

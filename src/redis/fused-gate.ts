@@ -73,7 +73,14 @@ interface Held {
   result: Promise<Attempt>;
   /** A grant settled it. */
   granted: boolean;
+  /** How many steps the try has: a grant's replies are one per step, then the line's rate waits. */
+  steps: number;
+  /** The line's rate waits when the grant was made (`lineRateMs`, `lineRateKey`), if it said. */
+  rate?: LineWait;
 }
+
+/** What a reply, or a grant, says of the permit line's waits (see `#stretch`). */
+type LineWait = Pick<GateReply, "lineRateMs" | "lineRateKey" | "moved">;
 
 /** A try waiting to go with this turn's others. */
 interface Try {
@@ -309,7 +316,7 @@ class FusedGate implements FusedAdmission {
             const result = await granted.result;
             // The wait since its last try ended with the grant: counted as a try's would be.
             const now = clock.now();
-            this.#charge(blame, now - since);
+            this.#stretch(blame, now - since, rateAt, granted.rate);
             since = now;
             if (result.tickets) return result.tickets;
             break;
@@ -376,6 +383,10 @@ class FusedGate implements FusedAdmission {
   #grant(held: Held, replies: unknown[]): void {
     if (held.granted) return;
     held.granted = true;
+    const rate = replies[held.steps];
+    if (Array.isArray(rate) && replies.length === held.steps + 1) {
+      held.rate = { lineRateMs: Number(rate[0]), lineRateKey: String(rate[1] ?? "") };
+    }
     held.settle(replies);
   }
 
@@ -491,7 +502,9 @@ class FusedGate implements FusedAdmission {
         });
       });
       result.catch(() => {});
-      const held: Held = { try: t.try, settle: hold, result, granted: false };
+      let steps = 0;
+      for (const step of answers.stepOf) if (step >= 0) steps++;
+      const held: Held = { try: t.try, settle: hold, result, granted: false, steps };
       const attempt = this.#refused(reply!, answers.stepOf);
       attempt.held = held;
       t.resolve(attempt);
@@ -602,31 +615,52 @@ class FusedGate implements FusedAdmission {
   }
 
   /**
-   * Count a stretch of `ms` of waiting, up to a try whose reply is `reply`, as the wait of stage
-   * `i` (see `#blame`); but for its part while the permit line's firsts kept their place waiting
-   * for a rate (they wait for it, and so does everyone behind them, as in a fused memory gate,
-   * where the first steps aside into its lane and those behind follow it there), which counts
-   * at that rate's stage: the growth of their rate waits in all since the call's previous reply
-   * (`rateAt`, -1 when that reply did not say), at most the stretch.
+   * Count a stretch of `ms` of waiting, up to a try whose reply (or grant) is `reply`, as the
+   * wait of stage `i` (see `#blame`); but for its part while the permit line's firsts kept their
+   * place waiting for a rate (they wait for it, and so does everyone behind them, as in a fused
+   * memory gate, where the first steps aside into its lane and those behind follow it there),
+   * which counts at that rate's stage: the growth of their rate waits in all since the call's
+   * previous reply (`rateAt`, -1 when that reply did not say), at most the stretch. When the
+   * permit line took the call with its lane meanwhile (`moved`), its part from then on counts at
+   * the permit stage that refused its lane's first, as in memory, but for the line's rate waits
+   * since then.
    */
-  #stretch(i: number, ms: number, rateAt: number, reply: GateReply | undefined): void {
-    const total = reply?.lineRateMs;
-    if (rateAt < 0 || total === undefined || !(ms > 0)) {
+  #stretch(i: number, ms: number, rateAt: number, reply: LineWait | undefined): void {
+    const moved = reply?.moved;
+    if (moved !== undefined && ms > 0) {
+      // The permit line took it with its lane meanwhile: its lane's wait up to then; from then on,
+      // it waited for the permit stage that refused its lane's first (but for the line's rates).
+      const after = Math.min(ms, moved.agoMs);
+      this.#charge(i, ms - after);
+      const permit = this.#stageOfKey(moved.key, true);
+      this.#inLine(permit < 0 ? i : permit, after, moved.lineRateMs, reply!);
+      return;
+    }
+    if (rateAt < 0 || reply?.lineRateMs === undefined || !(ms > 0)) {
       this.#charge(i, ms);
       return;
     }
-    const stage = this.#stageOfKey(reply!.lineRateKey ?? "");
+    this.#inLine(i, ms, rateAt, reply);
+  }
+
+  /**
+   * Count `ms` waited in the permit line as the wait of stage `i`, but for the growth of its
+   * firsts' rate waits since `rateAt` (at most `ms`), at that rate's stage (see `#stretch`).
+   */
+  #inLine(i: number, ms: number, rateAt: number, reply: LineWait): void {
+    const total = reply.lineRateMs ?? rateAt;
+    const stage = this.#stageOfKey(reply.lineRateKey ?? "", false);
     const rate = stage < 0 ? 0 : Math.min(ms, Math.max(0, total - rateAt));
     if (rate > 0) this.#charge(stage, rate);
     this.#charge(i, ms - rate);
   }
 
-  /** The metering stage whose keys `key` is one of (the longest match), or -1. */
-  #stageOfKey(key: string): number {
+  /** The permit stage (`permits`) or metering stage whose keys `key` is one of (the longest match), or -1. */
+  #stageOfKey(key: string, permits: boolean): number {
     let best = -1;
     for (let i = 0; i < this.#stages.length; i++) {
       const start = this.#keysOf[i]!;
-      if (PERMIT_KINDS.has(this.#stages[i]!.kind) || !key.startsWith(start)) continue;
+      if (PERMIT_KINDS.has(this.#stages[i]!.kind) !== permits || !key.startsWith(start)) continue;
       if (best < 0 || start.length > this.#keysOf[best]!.length) best = i;
     }
     return best;

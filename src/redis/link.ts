@@ -84,6 +84,12 @@ export interface GateReply {
    */
   lineRateMs?: number;
   lineRateKey?: string;
+  /**
+   * The permit line took the call with its lane since its previous try (its lane's first was
+   * refused permits): how long ago (ms, on the server's clock, at this decision), `lineRateMs` as
+   * it was then, and the first key (as Redis has it) of the permit stage that refused.
+   */
+  moved?: { agoMs: number; lineRateMs: number; key: string };
 }
 
 /** What every call of one `gate` script call shares: see lua/gate.lua. */
@@ -378,6 +384,11 @@ export class RedisLink {
     if (reply[7] !== undefined) {
       out.lineRateMs = Number(reply[7]);
       out.lineRateKey = String(reply[8] ?? "");
+    }
+    if (typeof reply[9] === "string") {
+      const [at, rate, ...key] = reply[9].split("|");
+      const agoMs = Number(reply[6]) - Number(at);
+      if (agoMs >= 0) out.moved = { agoMs, lineRateMs: Number(rate) || 0, key: key.join("|") };
     }
     if (Number(reply[5]) === 1) {
       let settled = false;
@@ -767,7 +778,18 @@ function repeats(steps: readonly Step[], before: readonly Step[]): boolean {
  * The reply of a `gate` call to one call: {status, waitMs, inLine, woken, replies, held, now,
  * and, waiting in the permit line, its firsts' rate waits: their ms in all, the latest's key}.
  */
-type GateCallReply = [number, number, number, string[], unknown[], unknown, number?, number?, string?];
+type GateCallReply = [
+  number,
+  number,
+  number,
+  string[],
+  unknown[],
+  unknown,
+  number?,
+  number?,
+  string?,
+  string?,
+];
 
 /**
  * The replies of `steps`, admitted in one pass, from `flat` at `at` (lua/gate.lua, fast()): each

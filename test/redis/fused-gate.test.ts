@@ -1012,26 +1012,33 @@ describe("a fused Redis gate", () => {
     expect(sem.snapshot().permitWaitMs).toBe(1000);
   });
 
-  it("counts the wait of a caller behind a first that waits for a rate at that rate, as in memory", async () => {
+  /**
+   * Twin gates (see `twinGates`) of one permit and one token, then one a second: A holds; B waits
+   * for the permit, first in line, and C behind it; A releases 100 ms on, which admits B's permit
+   * but not its token (900 ms away): B keeps its place, waiting for the rate, C behind it. Returns
+   * once B is admitted, 900 ms later, with C still waiting.
+   */
+  async function behindARate(name: string) {
     const clock = new FakeClock(1000);
-    const prefix = randomPrefix("fused-behind-rate");
+    const prefix = randomPrefix(name);
     const { client, b } = await backend(prefix, clock, { pollMs: 60_000 });
-    // One token, then one a second: each caller after the first waits for it.
     const { gates, sems, rates } = twinGates(b, clock, { capacity: 1, refillPerSecond: 1 });
     const id = `${prefix}{gate:gate|inflight|rate}`;
     const first = await Promise.all(gates.map((g) => g.admit()));
-    // B waits for the permit, first in line; C behind it.
     const second = gates.map((g) => g.admit());
     await kept(client, id, 1);
     const third = gates.map((g) => g.admit());
     await lined(client, `${id}:line`, 2, "the second waiter did not line up");
     await clock.advance(100);
-    // The release admits B's permit, but not its token (900 ms away): B keeps its place, waiting
-    // for the rate, and C waits behind it.
     for (const t of first) await t.release("success");
     await kept(client, id, 1, 3);
     await clock.advance(900);
     const bs = await within(Promise.all(second), 2000, "B's admission");
+    return { clock, client, id, sems, rates, bs, third };
+  }
+
+  it("counts the wait of a caller behind a first that waits for a rate at that rate, as in memory", async () => {
+    const { clock, client, id, sems, rates, bs, third } = await behindARate("fused-behind-rate");
     await clock.advance(100);
     // Now C is first, and waits for its own token.
     for (const t of bs) await t.release("success");
@@ -1043,6 +1050,46 @@ describe("a fused Redis gate", () => {
     // token wait and after it), 900 behind B for the token and 900 for its own.
     for (const sem of sems) expect(sem.snapshot().permitWaitMs).toBe(300);
     for (const rate of rates) expect(rate.snapshot().tokenWaitMs).toBe(2700);
+  });
+
+  it("counts the wait of a caller a release admits behind a first that waited for a rate at that rate, as in memory", async () => {
+    const { clock, sems, rates, bs, third } = await behindARate("fused-granted-rate");
+    // B holds for a second; its release admits C, whose token is there by then.
+    await clock.advance(1000);
+    for (const t of bs) await t.release("success");
+    const cs = await within(Promise.all(third), 2000, "C's grant");
+    for (const t of cs) await t.release("success");
+    // B: 100 ms for the permit, 900 for the token; C: 100 for the permit, 900 behind B for the
+    // token, then 1,000 for the permit B held.
+    for (const sem of sems) expect(sem.snapshot().permitWaitMs).toBe(1200);
+    for (const rate of rates) expect(rate.snapshot().tokenWaitMs).toBe(1800);
+  });
+
+  it("counts a caller's wait for permits from when the permit line took its lane, as in memory", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-lane-moved");
+    const { b } = await backend(prefix, clock);
+    // One permit, four tokens a second, calls of 150 ms, four at once: from the second round on,
+    // the first waits for a token in its lane with the others behind it; once it is admitted,
+    // the next is refused the permit and the permit line takes the whole lane, whose callers
+    // then wait behind the holder (permits) and behind the line's first (its token), in turn.
+    const { gates, sems, rates } = twinGates(b, clock, { capacity: 1, refillPerSecond: 4 });
+    for (let round = 0; round < 3; round++) {
+      let done = 0;
+      const calls = gates.flatMap((gate) =>
+        [0, 1, 2, 3].map(() =>
+          gate
+            .run(() => new Promise<void>((resolve) => clock.setTimeout(resolve, 150)))
+            .finally(() => done++),
+        ),
+      );
+      for (let step = 0; step < 400 && done < calls.length; step++) await clock.advance(5);
+      await within(Promise.all(calls), 2000, `round ${round}'s calls`);
+    }
+    // Each round 900 ms for the permit (150, 300 and 450 by the second, third and fourth) and
+    // 600 for tokens, then 1,000 (100 more for each: the first waits 100 ms for its token).
+    for (const sem of sems) expect(sem.snapshot().permitWaitMs).toBe(2700);
+    for (const rate of rates) expect(rate.snapshot().tokenWaitMs).toBe(2600);
   });
 
   it("admits the first waiter on a release, in that script call: its process does not ask again", async () => {
