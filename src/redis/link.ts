@@ -30,6 +30,22 @@ class Subscriber {
       if (set) for (const handler of set) handler(id);
     });
     connection.on("error", (error: unknown) => log.warn({ err: error }, "pub/sub connection error"));
+    if (connection.resubscribes) return;
+    // A connection that does not subscribe again by itself after a reconnect: every channel
+    // listened to, again, on each `ready` after the first (the first subscribes as it is asked).
+    let before = connection.status() === "ready";
+    connection.on("ready", () => {
+      if (!before) {
+        before = true;
+        return;
+      }
+      for (const [channel, set] of this.handlers) {
+        if (set.size === 0) continue;
+        connection.subscribe(channel).catch((error: unknown) => {
+          log.warn({ err: error, channel }, "pub/sub: could not subscribe again; waiters poll until it does");
+        });
+      }
+    });
   }
 }
 

@@ -1,4 +1,5 @@
 import { Gate, isFloodgateError } from "floodgate";
+import { redis } from "floodgate/redis";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import { connectedClient, randomPrefix, sleep, until, within } from "../redis/helpers.js";
 import { dropAny, isIoredisFamily, LIBRARIES } from "../redis/libraries.js";
@@ -221,6 +222,63 @@ describe.each(LIBRARIES)(
         );
       },
     );
+
+    it("a pub/sub connection floodgate makes, cut as soon as it is ready again: no unhandled rejection, and its waiters are still told", async () => {
+      // A client that fails a command at once when its connection drops (maxRetriesPerRequest 0)
+      // and no subscriber connection: the backend makes its own with duplicate(). A client that
+      // subscribes again by itself after a reconnect sends SUBSCRIBE with nobody waiting for its
+      // reply: cut before that reply, it rejects with nobody to hear, and the process dies.
+      const proxy = new RedisProxy(server.port);
+      await proxy.start();
+      cleanups.push(() => proxy.stop());
+      const unhandled = recordUnhandled();
+      cleanups.push(() => unhandled.stop());
+      const main = await library.connect(proxy.url, { reconnect: true });
+      cleanups.push(() => dropAny(main));
+      // The connections it makes, to know when each is ready again.
+      const made: { on(event: string, listener: () => void): unknown }[] = [];
+      const client = main as unknown as Record<string, unknown>;
+      const duplicate = client.duplicate as (...args: unknown[]) => unknown;
+      client.duplicate = (...args: unknown[]) => {
+        const copy = duplicate.apply(main, args) as (typeof made)[number];
+        made.push(copy);
+        return copy;
+      };
+      const prefix = randomPrefix("faults-proxy-resubscribe");
+      // Polls far apart: only the grant's message can admit the waiter in time.
+      const backend = redis(main, { prefix, commandTimeoutMs: 1_000, pollMs: 60_000 });
+      cleanups.push(() => within(backend.close(), 5_000, "backend.close()"));
+      const sem = backend.semaphore("sem", { limit: 1, leaseMs: LEASE_MS });
+      // The holder in another backend, straight to Redis: only pub/sub tells the waiter.
+      const direct = await library.connect(server.url, { reconnect: true });
+      cleanups.push(() => dropAny(direct));
+      const other = redis(direct, { prefix, commandTimeoutMs: 1_000, pollMs: 60_000 });
+      cleanups.push(() => within(other.close(), 5_000, "other.close()"));
+      const holder = await other.semaphore("sem", { limit: 1, leaseMs: LEASE_MS }).admit();
+      const waiting = sem.admit({ timeoutMs: 30_000 });
+      await until(() => made.length === 1 && sem.snapshot().waiting === 1, {
+        timeoutMs: 5_000,
+        message: "the waiter did not start listening",
+      });
+      await sleep(200);
+      for (let i = 0; i < 5; i++) {
+        const ready = new Promise<void>((resolve) => made[0]!.on("ready", resolve));
+        proxy.cut();
+        await within(ready, 5_000, "the pub/sub connection back");
+        // At once: SUBSCRIBE, if it was sent again, has had no reply yet.
+        proxy.cut();
+        await sleep(300);
+      }
+      await until(() => proxy.connections >= 2, {
+        timeoutMs: 5_000,
+        message: "the connections did not come back",
+      });
+      await sleep(300);
+      await holder.release("success");
+      const ticket = await within(waiting, 5_000, "the waiter's grant, told on pub/sub");
+      await ticket.release("success");
+      expect(unhandled.seen.map(describeError)).toEqual([]);
+    });
 
     it("cut again and again: only typed failures, each at once, recovery after each, nothing counted twice", async () => {
       const s = await setup("cut");

@@ -102,6 +102,8 @@ function clusterState(client: Client): { up: boolean } {
  * ioredis's words: `wait` before `connect()`, `connecting`, `ready`, `reconnecting`, `end`.
  */
 export class NodeRedisConnection implements RedisConnection {
+  /** node-redis subscribes its listeners again by itself after a reconnect. */
+  readonly resubscribes = true;
   readonly library = "node-redis";
   readonly cluster: boolean;
   readonly #client: Client;
