@@ -262,8 +262,8 @@ end
 -- stops counting as alive (`alive`), until its process claims it (its first renewal makes it a
 -- full lease), and is told with PUBLISH "<member>|<fence>|<epoch>|<ends>|<now>" (server ms: its
 -- process judges from them whether the grant is still good when the message reaches it) on
--- channel `to`. Returns the message, or nil when its place in line had already ended (it leaves
--- the line granted nothing).
+-- channel `to`. Returns the message, or nil when its place in line had already ended, or when it
+-- holds a lease already (it leaves the line granted nothing).
 local function floodgate_hand(keys, head, now, claimMs, alive, epoch, to)
   local expiry = tonumber(redis.call('ZSCORE', keys[3], head))
   redis.call('ZREM', keys[2], head)
@@ -271,7 +271,9 @@ local function floodgate_hand(keys, head, now, claimMs, alive, epoch, to)
   if not expiry or expiry <= now then return nil end
   expiry = math.min(expiry, now + claimMs)
   if alive then expiry = math.min(expiry, alive) end
-  redis.call('ZADD', keys[1], expiry, head)
+  -- (A waiter that holds a lease already is neither granted nor counted twice: NX leaves its
+  -- lease as it is, not cut to a claim's end.)
+  if redis.call('ZADD', keys[1], 'NX', expiry, head) == 0 then return nil end
   local fence = redis.call('HINCRBY', keys[4], 'seq', 1)
   local message = head .. '|' .. fence .. '|' .. epoch .. '|' .. floodgate_num(expiry) .. '|' .. floodgate_num(now)
   redis.call('PUBLISH', to, message)

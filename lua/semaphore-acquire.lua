@@ -126,12 +126,17 @@ local function decide(member, again)
     redis.call('HSET', meta, 'seq', lastFence, 'quarantine', quarantine)
   end
   if quarantine > now then
-    if mode == 'wait' and not redis.call('ZSCORE', queue, member) then
-      redis.call('ZADD', queue, (k - 1) * floodgate_band + redis.call('HINCRBY', meta, 'seq', 1), member)
-    end
-    if mode == 'wait' then
+    -- A member that asks again may hold a grant already (made on a release before the quarantine
+    -- began, its process not told yet): it is not lined up again, or once the quarantine is over
+    -- it would be granted, and counted in `used` and its class, a second time.
+    if mode == 'wait' and not redis.call('ZSCORE', holders, member) then
+      if not redis.call('ZSCORE', queue, member) then
+        redis.call('ZADD', queue, (k - 1) * floodgate_band + redis.call('HINCRBY', meta, 'seq', 1), member)
+      end
       redis.call('ZADD', qexp, now + waiterTtlMs, member)
-      if not signed then signed = floodgate_sign_of_life(procs, member, now, tonumber(ARGV[11])) end
+    end
+    if mode == 'wait' and not signed then
+      signed = floodgate_sign_of_life(procs, member, now, tonumber(ARGV[11]))
     end
     return {0, quarantine - now, used, limit, epoch, {}, quarantine - now, now}
   end
@@ -202,7 +207,14 @@ local function decide(member, again)
       -- What reaping freed goes to the line first; then this call is looked at again.
       grants, used = serve(nil, used, limit, epoch, member)
       if #grants > 0 then floodgate_set_used(meta, used, classes) end
-      goes = classes.goes(k, member, cost, used, limit, redis.call('ZRANGE', queue, 0, 0)[1] ~= nil)
+      -- A member asking again may have been granted just now, as the head of its class's line
+      -- (in holders, counted): it goes, on that permit. Looked at again as a new arrival, it
+      -- would be lined up again while it holds it, and granted (and counted) a second time.
+      if #grants > 0 and redis.call('ZSCORE', holders, member) then
+        goes = true
+      else
+        goes = classes.goes(k, member, cost, used, limit, redis.call('ZRANGE', queue, 0, 0)[1] ~= nil)
+      end
     else
       if head and head ~= member then head = floodgate_live_head(queue, qexp, procs, now) end
       goes = used + cost <= limit and (not head or head == member)
