@@ -150,8 +150,45 @@ export interface ChaosReport {
   /** The provider's own count of 429s for its cap, to check the tap by. */
   providerBreaches: number;
   freezes: { worker: number; kind: "holder" | "waiter"; ms: number }[];
-  /** Workers that crashed or would not stop. */
+  /**
+   * The stage's counts read every 100 ms while the fleet ran (see `watchCounts`): how many reads
+   * (one MULTI each; those a fault failed are not counted) and how many found a count off.
+   */
+  counts: { reads: number; off: number };
+  /** Workers that crashed or would not stop; counts off (`counts`), the first few of them. */
   problems: string[];
+}
+
+/**
+ * What is wrong with the stage's state read at one instant (its meta hash, holders and line), if
+ * anything: `used` is the costs of the leases held, in all and (u0, u1 with classes) per class,
+ * expired or not, granted or claimed; no member both holds a lease and waits in line.
+ */
+export function countsOff(
+  meta: Record<string, string>,
+  holders: readonly string[],
+  queue: readonly string[],
+): string {
+  const cost = (m: string) => Number(/:(\d+)$/.exec(m)?.[1] ?? 1);
+  const cls = (m: string) => Number(/~(\d+):/.exec(m)?.[1] ?? 0);
+  let sum = 0;
+  const byClass: number[] = [];
+  for (const m of holders) {
+    sum += cost(m);
+    byClass[cls(m)] = (byClass[cls(m)] ?? 0) + cost(m);
+  }
+  const wrong: string[] = [];
+  if (Number(meta.used ?? 0) !== sum) wrong.push(`used ${meta.used ?? 0}, leases' costs ${sum}`);
+  for (const field of Object.keys(meta)) {
+    const k = /^u(\d+)$/.exec(field);
+    if (k && Number(meta[field]) !== (byClass[Number(k[1])] ?? 0)) {
+      wrong.push(`${field} ${meta[field]}, class ${k[1]}'s leases' costs ${byClass[Number(k[1])] ?? 0}`);
+    }
+  }
+  const waiting = new Set(queue);
+  const both = holders.filter((m) => waiting.has(m));
+  if (both.length > 0) wrong.push(`holding and in line: ${both.join(", ")}`);
+  return wrong.join("; ");
 }
 
 /** A call a worker reported (see the fixture): all but the plain 200s, and any across a freeze. */
@@ -198,8 +235,47 @@ class ChaosRun {
   readonly frozen = new Set<Child>();
   readonly freezes: ChaosReport["freezes"] = [];
   readonly problems: string[] = [];
+  readonly counts = { reads: 0, off: 0 };
   /** Longest time redis-server was away in a restart of the current phase, ms. */
   #outageMs = 0;
+
+  /**
+   * Read the stage's meta, holders and line in one MULTI every 100 ms until `done()`, on a
+   * connection of its own (faults cut it too; a read they fail is not counted), and note each
+   * state `countsOff` finds wrong in `problems` (the first five), named by `phase()`.
+   */
+  async watchCounts(done: () => boolean, phase: () => string): Promise<void> {
+    const watcher = new Redis(this.s.server.url, { maxRetriesPerRequest: 0, retryStrategy: () => 50 });
+    watcher.on("error", () => {});
+    try {
+      while (!done()) {
+        await sleep(100);
+        let read: [unknown, unknown][] | null;
+        try {
+          read = await watcher
+            .multi()
+            .hgetall(this.key("meta"))
+            .zrange(this.key("holders"), 0, -1)
+            .zrange(this.key("queue"), 0, -1)
+            .exec();
+        } catch {
+          continue;
+        }
+        if (!read || read.some(([error]) => error)) continue;
+        this.counts.reads++;
+        const [meta, holders, queue] = read.map(([, value]) => value) as [
+          Record<string, string>,
+          string[],
+          string[],
+        ];
+        const off = countsOff(meta, holders, queue);
+        if (off === "") continue;
+        if (++this.counts.off <= 5) this.problems.push(`counts off in "${phase()}": ${off}`);
+      }
+    } finally {
+      watcher.disconnect();
+    }
+  }
 
   constructor(settings: ChaosSettings) {
     this.s = { ...DEFAULTS, ...settings };
@@ -530,8 +606,15 @@ class ChaosRun {
       const windows: Window[] = [];
       const runFrom = epochNow();
       await sleep(1_000); // warm-up: connections, subscriptions, compiled code
+      let phase = "warm-up";
+      let watching = true;
+      const watched = this.watchCounts(
+        () => !watching,
+        () => phase,
+      );
       for (const name of names) {
         await this.ready();
+        phase = name;
         const [from, before] = [epochNow(), this.totals()];
         this.#outageMs = 0;
         const faults = await this.fault(name, from + s.phaseMs);
@@ -547,7 +630,10 @@ class ChaosRun {
         this.totals(),
         Math.max(0, ...windows.map((w) => w[6])),
       ]);
+      phase = "stopping";
       await this.stop();
+      watching = false;
+      await watched;
       // Anything still held now was left behind; let it run out first, to tell live from expired.
       await sleep(s.leaseMs + 3 * s.pollMs + 500);
       // What killed workers left (leases run out, waiters gone silent) is reaped by the next call
@@ -566,6 +652,7 @@ class ChaosRun {
         tapBreaches: this.tap.level.filter((n) => n > s.limit).length,
         providerBreaches: provider.stats().rejectedBy.cap,
         freezes: this.freezes,
+        counts: this.counts,
         problems: this.problems,
       };
     } finally {
@@ -624,6 +711,7 @@ export function formatReport(r: ChaosReport): string {
       `${r.whole.outageMs.toFixed(0)} ms); breaches seen by the tap ` +
       `${r.tapBreaches}, counted by the provider ${r.providerBreaches}`,
     `freezes: holders ${freezes("holder")}, waiters ${freezes("waiter")}`,
+    `counts read every 100 ms: ${r.counts.reads}, off ${r.counts.off}`,
     `left in Redis: keys [${keys.join(", ")}], live leases ${liveLeases}, expired leases ${expiredLeases}, ` +
       `waiters ${waiters}, used ${used} (by the classes ${classesUsed})`,
     ...r.problems.map((p) => `problem: ${p}`),

@@ -2,6 +2,7 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import {
   type ChaosReport,
   type ChaosSettings,
+  countsOff,
   DEFAULTS,
   formatReport,
   MIN_CHURN_RATIO,
@@ -99,6 +100,12 @@ describe("a Redis semaphore fleet under crashes, freezes and Redis faults", () =
     expect(overStall(run())).toEqual(zeros(run()));
   });
 
+  it("keeps the stage's count the costs of the leases held, read every 100 ms through every phase", () => {
+    // (A count off is also one of the problems above; this says how many reads there were.)
+    expect(run().counts.reads).toBeGreaterThan(PHASE_MS / 100);
+    expect(run().counts.off).toBe(0);
+  });
+
   it("leaves no lease, waiter or key in Redis once the workers have stopped", () => {
     expect(run().left).toEqual(NOTHING_LEFT);
   });
@@ -131,7 +138,24 @@ describe("a Redis semaphore fleet with traffic classes under crashes, freezes an
     expect(overStall(run())).toEqual(zeros(run()));
   });
 
+  it("keeps the stage's count, and each class's, the costs of the leases held, read every 100 ms", () => {
+    expect(run().counts.reads).toBeGreaterThan(PHASE_MS / 100);
+    expect(run().counts.off).toBe(0);
+  });
+
   it("leaves no lease, waiter, class count or key in Redis once the workers have stopped", () => {
     expect(run().left).toEqual(NOTHING_LEFT);
+  });
+});
+
+describe("the chaos run's check of a stage's counts", () => {
+  it("finds a count above the leases held, a class count off, and a member both holding and in line", () => {
+    expect(countsOff({ used: "2", u0: "1", u1: "1" }, ["a-1~0:1", "b-1~1:1"], ["c-1~0:1"])).toBe("");
+    expect(countsOff({ used: "3" }, ["a-1:1", "b-1:2"], [])).toBe("");
+    expect(countsOff({ used: "3", u0: "2", u1: "1" }, ["a-1~0:1", "b-1~1:1"], [])).toBe(
+      "used 3, leases' costs 2; u0 2, class 0's leases' costs 1",
+    );
+    expect(countsOff({ used: "1" }, ["a-1:1"], ["a-1:1"])).toBe("holding and in line: a-1:1");
+    expect(countsOff({}, [], [])).toBe("");
   });
 });
