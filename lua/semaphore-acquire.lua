@@ -184,7 +184,15 @@ local function decide(member, again)
     -- Something stands in the way: first take back the leases of dead holders, drop waiters
     -- that stopped asking and those whose process stopped giving a sign of life.
     local dead = floodgate_expired(holders, now)
-    if #dead > 0 then
+    -- (A count with no lease left behind it, however it came to be, would keep its permits from
+    -- everyone for good: nothing held, nothing counted.)
+    local counted = used ~= 0
+    if classes then
+      for i = 1, classes.n do
+        if classes.used[i] ~= 0 then counted = true end
+      end
+    end
+    if #dead > 0 or (counted and redis.call('ZCARD', holders) == 0) then
       for i = 1, #dead do
         used = used - floodgate_cost(dead[i])
         if classes then classes.free(dead[i]) else floodgate_unclass(meta, dead[i]) end

@@ -101,6 +101,25 @@ describe("a member that holds its lease is never granted again", () => {
   });
 
   it.each([
+    ["without classes", "", "aa-1:1", { used: "2" }],
+    ["with classes", CLASSES, "aa-1~0:1", { used: "2", u0: "1", u1: "1" }],
+  ])(
+    "sets back to nothing a count with no lease held, when it stands in a caller's way (%s)",
+    async (_, classes, member, count) => {
+      const client = await connect();
+      const s = stage(client, "healed", 2, classes);
+      // However it came to be: permits counted, none held, nobody in line.
+      await client.hset(s.keys[3]!, count);
+      expect((await s.acquire(1000, member, "wait", ""))[0]).toBe(1);
+      expect(await client.hmget(s.keys[3]!, "used", "u0", "u1")).toEqual(
+        classes === "" ? ["1", null, null] : ["1", "1", "0"],
+      );
+      await s.release(1100, member);
+      expect(await client.hget(s.keys[3]!, "used")).toBe("0");
+    },
+  );
+
+  it.each([
     ["without classes", "", "bb-1:1", "aa-1:1"],
     ["with classes", CLASSES, "bb-1~0:1", "aa-1~0:1"],
   ])(
