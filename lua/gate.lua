@@ -69,9 +69,9 @@
 --           or the replies of status 2 (as a grant message gives them: one per step, then fr and
 --           frk of gmeta when the grant was made)
 --   now     (admissions) the time they decided at, server ms
---   rate    (admissions waiting in the permit line) fr and frk of gmeta once the call was decided
---           (but for a first's own wait for a rate, begun by this call): the callers behind a
---           first that waits for a rate wait for it too
+--   rate    (admissions waiting in the permit line) fr of gmeta once the call was decided, as
+--           far as it has passed (see passed(); but for a first's own wait for a rate, begun by
+--           this call), and frk: the callers behind a first that waits for a rate wait for it too
 --   moved   (admissions the permit line took with their lane since their latest try) "<when>|<fr
 --           then>|<key>": the server ms it moved, fr at that moment, and the first key of the
 --           permit stage that refused its lane's first; it waited for permits from then on
@@ -143,6 +143,19 @@ local nowArg  = now and floodgate_num(now) or ''
 local function clock()
   now = now or floodgate_now('')
   return now
+end
+
+-- Of the permit line's firsts' waits for rates (gmeta fr, see admit()), the ms that have passed
+-- by now (a first's wait is added whole as it begins, up to fru; the part still to come is left
+-- out, so a caller's stretch counts it once it has passed), from an HMGET of fr, fru and frk.
+local function passed(g)
+  return math.max(0, (tonumber(g[1]) or 0) - math.max(0, (tonumber(g[2]) or 0) - clock()))
+end
+
+-- passed(), read now, and frk: what a reply (or a grant) says of the line's rate waits.
+local function lineRate()
+  local g = redis.call('HMGET', gmeta, 'fr', 'fru', 'frk')
+  return passed(g), g[3] or ''
 end
 
 -- Undo what permit step `s` granted (its lease) as a rollback; returns the release's reply.
@@ -675,7 +688,7 @@ local function admit(call, granting)
         if m ~= member and expires then
           redis.call('ZADD', line, 'NX', all[j + 1], m)
           redis.call('ZADD', lexp, expires, m)
-          since = since or (floodgate_num(clock()) .. '|' .. (redis.call('HGET', gmeta, 'fr') or '0') .. '|' .. permitKey)
+          since = since or (floodgate_num(clock()) .. '|' .. floodgate_num(lineRate()) .. '|' .. permitKey)
           moved[#moved + 1] = 'j:' .. m
           moved[#moved + 1] = since
         end
@@ -712,7 +725,7 @@ local function admit(call, granting)
       if to > from then redis.call('HSET', gmeta, 'fr', fr + to - from, 'fru', to, 'frk', rateKey) end
       join(member, line, lexp, nil, steps)
       local r = done({0, waitMs, 1, woken, replies, 0, now})
-      r[8], r[9] = fr, g[3] or ''
+      r[8], r[9] = passed(g), g[3] or ''
       return r
     end
     seq = redis.call('ZSCORE', line, member)
@@ -827,8 +840,7 @@ local function decide(head, kept, full)
   -- and the key of the latest's step (fr and frk of gmeta): the waiter counts its wait since its
   -- latest try by them, as from a reply. (A process that reads the steps' replies alone, one
   -- per step, never reads it.)
-  local rate = redis.call('HMGET', gmeta, 'fr', 'frk')
-  r[5][#steps + 1] = { tonumber(rate[1]) or 0, rate[2] or '' }
+  r[5][#steps + 1] = { lineRate() }
   local record = h[1] .. '|' .. encode(r[5])
   remember(head, 'g:' .. head, record)
   local message = 'g|' .. head .. '|' .. record
@@ -1343,9 +1355,9 @@ if op == 'all' then
       out[c][6] = out[c][6] or 0
       out[c][7] = now
       if (out[c][3] == 1 or moved[c]) and out[c][8] == nil then
-        rate = rate or redis.call('HMGET', gmeta, 'fr', 'frk')
-        out[c][8] = tonumber(rate[1]) or 0
-        out[c][9] = rate[2] or ''
+        rate = rate or { lineRate() }
+        out[c][8] = rate[1]
+        out[c][9] = rate[2]
       end
       out[c][10] = moved[c]
     end

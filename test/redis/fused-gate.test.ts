@@ -1092,6 +1092,33 @@ describe("a fused Redis gate", () => {
     for (const rate of rates) expect(rate.snapshot().tokenWaitMs).toBe(2600);
   });
 
+  it("counts the waits of callers that ask again as soon as each call ends as memory counts them", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-looping");
+    const { b } = await backend(prefix, clock);
+    // Four callers, each asking again as soon as its call of 150 ms ends, for 3 s: whoever
+    // replies while the line's first waits for its token must not count the part of that wait
+    // still to come as gone by (it passes while they wait, and counts at the rate then).
+    const { gates, sems, rates } = twinGates(b, clock, { capacity: 1, refillPerSecond: 4 });
+    const end = clock.now() + 3000;
+    let done = 0;
+    const loops = gates.flatMap((gate) =>
+      [0, 1, 2, 3].map(async () => {
+        while (clock.now() < end) {
+          await gate.run(() => new Promise<void>((resolve) => clock.setTimeout(resolve, 150)));
+        }
+        done++;
+      }),
+    );
+    for (let step = 0; step < 1000 && done < loops.length; step++) await clock.advance(5);
+    await within(Promise.all(loops), 2000, "the callers' loops");
+    // 16 calls. The first four, asked at once, wait 900 ms for the permit and 600 for tokens in
+    // all; each later one 450 and 400: 150 behind each of the three holders ahead of it, and 100
+    // for each one's token, and its own (a token every 250 ms, calls of 150).
+    for (const sem of sems) expect(sem.snapshot().permitWaitMs).toBe(6300);
+    for (const rate of rates) expect(rate.snapshot().tokenWaitMs).toBe(5400);
+  });
+
   it("admits the first waiter on a release, in that script call: its process does not ask again", async () => {
     const clock = new FakeClock(1000);
     const { client, prefix, a, bGate, id } = await twoProcesses(
