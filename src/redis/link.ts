@@ -792,7 +792,8 @@ function repeats(steps: readonly Step[], before: readonly Step[]): boolean {
 
 /**
  * The reply of a `gate` call to one call: {status, waitMs, inLine, woken, replies, held, now,
- * and, waiting in the permit line, its firsts' rate waits: their ms in all, the latest's key}.
+ * and, waiting in the permit line, its firsts' rate waits (their ms in all, the latest's key),
+ * and, taken into that line with its lane since its previous try, "<when>|<ms then>|<key>"}.
  */
 type GateCallReply = [
   number,

@@ -1065,26 +1065,38 @@ describe("a fused Redis gate", () => {
     for (const rate of rates) expect(rate.snapshot().tokenWaitMs).toBe(1800);
   });
 
-  it("counts a caller's wait for permits from when the permit line took its lane, as in memory", async () => {
+  /**
+   * Twin gates (see `twinGates`) of one permit and one token, then four a second, on a fake
+   * clock; `call` runs a call of 150 ms through a gate, `drive` moves the clock 5 ms at a time
+   * until every one of `work` has ended.
+   */
+  async function fourASecond(name: string) {
     const clock = new FakeClock(1000);
-    const prefix = randomPrefix("fused-lane-moved");
-    const { b } = await backend(prefix, clock);
-    // One permit, four tokens a second, calls of 150 ms, four at once: from the second round on,
-    // the first waits for a token in its lane with the others behind it; once it is admitted,
-    // the next is refused the permit and the permit line takes the whole lane, whose callers
-    // then wait behind the holder (permits) and behind the line's first (its token), in turn.
-    const { gates, sems, rates } = twinGates(b, clock, { capacity: 1, refillPerSecond: 4 });
-    for (let round = 0; round < 3; round++) {
+    const { b } = await backend(randomPrefix(name), clock);
+    const twins = twinGates(b, clock, { capacity: 1, refillPerSecond: 4 });
+    const call = (gate: Gate) =>
+      gate.run(() => new Promise<void>((resolve) => clock.setTimeout(resolve, 150)));
+    const drive = async (work: Promise<unknown>[], what: string) => {
       let done = 0;
-      const calls = gates.flatMap((gate) =>
-        [0, 1, 2, 3].map(() =>
-          gate
-            .run(() => new Promise<void>((resolve) => clock.setTimeout(resolve, 150)))
-            .finally(() => done++),
-        ),
+      const ended = () => done++;
+      for (const w of work) w.then(ended, ended);
+      for (let step = 0; step < 1000 && done < work.length; step++) await clock.advance(5);
+      await within(Promise.all(work), 2000, what);
+    };
+    return { clock, ...twins, call, drive };
+  }
+
+  it("counts a caller's wait for permits from when the permit line took its lane, as in memory", async () => {
+    // Four calls at once, three rounds: from the second round on, the first waits for a token in
+    // its lane with the others behind it; once it is admitted, the next is refused the permit and
+    // the permit line takes the whole lane, whose callers then wait behind the holder (permits)
+    // and behind the line's first (its token), in turn.
+    const { gates, sems, rates, call, drive } = await fourASecond("fused-lane-moved");
+    for (let round = 0; round < 3; round++) {
+      await drive(
+        gates.flatMap((gate) => [0, 1, 2, 3].map(() => call(gate))),
+        `round ${round}'s calls`,
       );
-      for (let step = 0; step < 400 && done < calls.length; step++) await clock.advance(5);
-      await within(Promise.all(calls), 2000, `round ${round}'s calls`);
     }
     // Each round 900 ms for the permit (150, 300 and 450 by the second, third and fourth) and
     // 600 for tokens, then 1,000 (100 more for each: the first waits 100 ms for its token).
@@ -1093,25 +1105,18 @@ describe("a fused Redis gate", () => {
   });
 
   it("counts the waits of callers that ask again as soon as each call ends as memory counts them", async () => {
-    const clock = new FakeClock(1000);
-    const prefix = randomPrefix("fused-looping");
-    const { b } = await backend(prefix, clock);
-    // Four callers, each asking again as soon as its call of 150 ms ends, for 3 s: whoever
-    // replies while the line's first waits for its token must not count the part of that wait
-    // still to come as gone by (it passes while they wait, and counts at the rate then).
-    const { gates, sems, rates } = twinGates(b, clock, { capacity: 1, refillPerSecond: 4 });
+    // Four callers, each asking again as soon as its call ends, for 3 s: whoever replies while
+    // the line's first waits for its token must not count the part of that wait still to come
+    // as gone by (it passes while they wait, and counts at the rate then).
+    const { clock, gates, sems, rates, call, drive } = await fourASecond("fused-looping");
     const end = clock.now() + 3000;
-    let done = 0;
-    const loops = gates.flatMap((gate) =>
-      [0, 1, 2, 3].map(async () => {
-        while (clock.now() < end) {
-          await gate.run(() => new Promise<void>((resolve) => clock.setTimeout(resolve, 150)));
-        }
-        done++;
-      }),
+    const loop = async (gate: Gate) => {
+      while (clock.now() < end) await call(gate);
+    };
+    await drive(
+      gates.flatMap((gate) => [0, 1, 2, 3].map(() => loop(gate))),
+      "the callers' loops",
     );
-    for (let step = 0; step < 1000 && done < loops.length; step++) await clock.advance(5);
-    await within(Promise.all(loops), 2000, "the callers' loops");
     // 16 calls. The first four, asked at once, wait 900 ms for the permit and 600 for tokens in
     // all; each later one 450 and 400: 150 behind each of the three holders ahead of it, and 100
     // for each one's token, and its own (a token every 250 ms, calls of 150).

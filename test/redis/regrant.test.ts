@@ -59,12 +59,24 @@ describe("a member that holds its lease is never granted again", () => {
     };
   }
 
-  it("takes a waiter granted by its own call's reaping as admitted, not lined up again (classes)", async () => {
+  /** A stage of 2 permits with classes: aa-1 and aa-2 hold them at 1000, bb-1 waits in line. */
+  async function fullWithAWaiter(label: string) {
     const client = await connect();
-    const s = stage(client, "own-grant", 2, CLASSES);
+    const s = stage(client, label, 2, CLASSES);
     await s.acquire(1000, "aa-1~0:1", "wait", "");
     await s.acquire(1000, "aa-2~0:1", "wait", "");
     expect((await s.acquire(1001, "bb-1~0:1", "wait", ""))[0]).toBe(0);
+    return { client, s };
+  }
+
+  /** Nothing held, nothing counted: in all and by each class. */
+  async function expectNothingHeld(client: Redis, s: ReturnType<typeof stage>) {
+    expect(await client.zcard(s.keys[0]!)).toBe(0);
+    expect(await client.hmget(s.keys[3]!, "used", "u0", "u1")).toEqual(["0", "0", "0"]);
+  }
+
+  it("takes a waiter granted by its own call's reaping as admitted, not lined up again (classes)", async () => {
+    const { client, s } = await fullWithAWaiter("own-grant");
     await s.renew(2400, "aa-2~0:1"); // aa-1's process is gone: its lease ends at 2500
     // bb-1 asks again: aa-1 is reaped and bb-1, the head of its class's line, gets the permit.
     const reply = await s.acquire(2600, "bb-1~0:1", "wait", "1");
@@ -73,16 +85,11 @@ describe("a member that holds its lease is never granted again", () => {
     expect(Number(await client.zscore(s.keys[0]!, "bb-1~0:1"))).toBe(2600 + 1500); // a full lease
     expect((await s.release(3000, "aa-2~0:1"))[3]).toEqual([]);
     await s.release(3100, "bb-1~0:1");
-    expect(await client.zcard(s.keys[0]!)).toBe(0);
-    expect(await client.hmget(s.keys[3]!, "used", "u0", "u1")).toEqual(["0", "0", "0"]);
+    await expectNothingHeld(client, s);
   });
 
   it("does not line up again, in a quarantine, a waiter that holds a grant made before it began", async () => {
-    const client = await connect();
-    const s = stage(client, "quarantine", 2, CLASSES);
-    await s.acquire(1000, "aa-1~0:1", "wait", "");
-    await s.acquire(1000, "aa-2~0:1", "wait", "");
-    expect((await s.acquire(1001, "bb-1~0:1", "wait", ""))[0]).toBe(0);
+    const { client, s } = await fullWithAWaiter("quarantine");
     expect((await s.release(1010, "aa-1~0:1"))[3]).toHaveLength(1); // bb-1 granted on the release
     // A process that saw a fence Redis has lost asks: the quarantine begins.
     expect((await s.acquire(1015, "cc-1~1:1", "try", "", 99))[6]).toBe(1500);
@@ -96,8 +103,7 @@ describe("a member that holds its lease is never granted again", () => {
     }
     expect((await s.release(2600, "aa-2~0:1"))[3]).toEqual([]); // after the quarantine: nobody to grant
     await s.release(2700, "bb-1~0:1");
-    expect(await client.zcard(s.keys[0]!)).toBe(0);
-    expect(await client.hmget(s.keys[3]!, "used", "u0", "u1")).toEqual(["0", "0", "0"]);
+    await expectNothingHeld(client, s);
   });
 
   it.each([
