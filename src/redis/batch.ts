@@ -27,11 +27,15 @@ function inChunks<T>(items: T[], send: (chunk: T[]) => void): void {
 }
 
 /**
- * Calls of one script by one stage, gathered while another is out. The first call goes at
- * once; calls made while one is out wait for the end of the turn of the event loop and go
- * together in script calls of up to TURN_CHUNK that decide them in turn, as if each had called
- * alone, and answer one reply per call. A lone caller so waits for nothing, and a crowd costs
- * Redis one script run per TURN_CHUNK callers of a turn instead of one per caller.
+ * Calls of one script by one stage, gathered for the turn of the event loop: each waits for the
+ * end of the turn it was made in (`process.nextTick`, no timer) and goes with that turn's others
+ * in script calls of up to TURN_CHUNK that decide them in turn, as if each had called alone, and
+ * answer one reply per call. A lone caller so waits for nothing but the rest of its own turn,
+ * and a crowd costs Redis one script run per TURN_CHUNK callers of a turn instead of one per
+ * caller. (The first call of a turn once went at once when no call was out: a crowd whose
+ * replies came back together then sent one caller alone and the rest after it, two script calls
+ * a turn where one does. At 64 callers a lone semaphore admitted 1.1 to 1.25 times the calls a
+ * second gathered so, and a fused four-stage gate 1.05 times: bench/RESULTS.md.)
  *
  * `send` gets the per-call arguments, `width` of them per call (`[a1, b1, a2, b2, …]` for two,
  * `[a1, b1, c1, a2, …]` for three), and sends one script call; with one call's arguments its
@@ -40,11 +44,7 @@ function inChunks<T>(items: T[], send: (chunk: T[]) => void): void {
 export class ScriptBatch {
   /** Send every call at once, in the caller's turn: a Gate is gathering its stages' calls. */
   static direct = false;
-  #out = 0;
   #pending: Pending[] | undefined = undefined;
-  readonly #done = () => {
-    this.#out--;
-  };
 
   constructor(
     readonly send: (args: string[]) => Promise<unknown>,
@@ -53,7 +53,7 @@ export class ScriptBatch {
 
   /** Send one call's arguments (`c` only when `width` is 3), alone or with this turn's others. */
   run(a: string, b: string, c = ""): Promise<any> {
-    if (this.#out === 0 || ScriptBatch.direct) return this.#go(this.width === 2 ? [a, b] : [a, b, c]);
+    if (ScriptBatch.direct) return this.send(this.width === 2 ? [a, b] : [a, b, c]);
     return new Promise((resolve, reject) => {
       if (this.#pending === undefined) {
         this.#pending = [];
@@ -61,13 +61,6 @@ export class ScriptBatch {
       }
       this.#pending.push({ a, b, c, resolve, reject });
     });
-  }
-
-  #go(args: string[]): Promise<unknown> {
-    this.#out++;
-    const reply = this.send(args);
-    reply.then(this.#done, this.#done);
-    return reply;
   }
 
   readonly #flush = (): void => {
@@ -81,7 +74,7 @@ export class ScriptBatch {
     const width = this.width;
     if (batch.length === 1) {
       const p = batch[0]!;
-      this.#go(width === 2 ? [p.a, p.b] : [p.a, p.b, p.c]).then(p.resolve, p.reject);
+      this.send(width === 2 ? [p.a, p.b] : [p.a, p.b, p.c]).then(p.resolve, p.reject);
       return;
     }
     const args = new Array<string>(batch.length * width);
@@ -91,7 +84,7 @@ export class ScriptBatch {
       args[width * i + 1] = p.b;
       if (width === 3) args[width * i + 2] = p.c;
     }
-    this.#go(args).then(
+    this.send(args).then(
       (replies) => {
         const list = replies as unknown[];
         for (let i = 0; i < batch.length; i++) batch[i]!.resolve(list[i]);
@@ -104,27 +97,19 @@ export class ScriptBatch {
 }
 
 /**
- * Items of one kind, each going out at once when none is out, else gathered until the end of the
- * turn of the event loop and sent together, TURN_CHUNK at a time: ScriptBatch's rule for items
+ * Items of one kind, gathered until the end of the turn of the event loop they were made in and
+ * sent together, TURN_CHUNK at a time: ScriptBatch's rule for items
  * that are not script arguments (a fused gate's tries and releases). `send` sends a list and
  * returns its reply, or undefined when it sent nothing; should it throw, each of the items it
  * was given is rejected with the error (their callers would otherwise never hear back).
  */
 export class TurnQueue<I extends { reject(error: unknown): void }> {
-  #out = 0;
   #pending: I[] | undefined = undefined;
-  readonly #done = () => {
-    this.#out--;
-  };
 
   constructor(readonly send: (items: I[]) => Promise<unknown> | undefined) {}
 
   /** Send `item`, alone or with this turn's others. */
   add(item: I): void {
-    if (this.#out === 0) {
-      this.#go([item]);
-      return;
-    }
     if (this.#pending === undefined) {
       this.#pending = [];
       process.nextTick(this.#flush);
@@ -140,9 +125,8 @@ export class TurnQueue<I extends { reject(error: unknown): void }> {
       for (const item of items) item.reject(error);
       return;
     }
-    if (reply === undefined) return;
-    this.#out++;
-    reply.then(this.#done, this.#done);
+    // (Its outcome is the items' own, which `send` tells them.)
+    reply?.catch(() => {});
   };
 
   readonly #flush = (): void => {

@@ -413,12 +413,12 @@ class FusedGate implements FusedAdmission {
     }
   }
 
-  /** Tries: each alone when none is out, else with this turn's others in one `gate` call. */
+  /** Tries: with this turn's others in one `gate` call. */
   readonly #tries = new TurnQueue<Try>((tries) => this.#send(tries));
 
   /**
-   * One try of every stage, in a `gate` call: at once when no other try is out, else with this
-   * turn's other tries in one call (decided in turn, as if each had come alone). Each stage
+   * One try of every stage, in a `gate` call with this turn's other tries (decided in turn, as
+   * if each had come alone). Each stage
    * runs its own `tryAdmit`, whose script call the link gathers as a step.
    */
   #attempt(
@@ -673,12 +673,12 @@ class FusedGate implements FusedAdmission {
     stage.countWait?.(PERMIT_KINDS.has(stage.kind!) ? "permit" : "token", ms);
   }
 
-  /** Releases: each alone when none is out, else with this turn's others in one `gate` call. */
+  /** Releases: with this turn's others in one `gate` call. */
   readonly #gives = new TurnQueue<Give>((gives) => this.#give(gives));
 
   /**
    * Run `fn` (releases, refunds, settles of this gate's stages) with its script calls gathered
-   * into one `gate` call: at once when no other is out, else with this turn's others.
+   * into one `gate` call with this turn's others.
    */
   together(fn: () => Promise<void>): Promise<void> {
     return new Promise<void>((resolve, reject) => {

@@ -13,7 +13,7 @@ import { stageKey } from "./keys.js";
 import { maybeSent, type RedisLink } from "./link.js";
 import type { RedisContext } from "./semaphore.js";
 
-/** A key's reserved waiters, and its takes: those made while another is out go together. */
+/** A key's reserved waiters, and its takes: those made in one turn go together. */
 class BucketLine extends TimedLine {
   /** KEYS of the key's scripts. */
   readonly keys: readonly string[];
@@ -162,8 +162,8 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
 
   /**
    * Take `cost` for one caller, or reserve it when the caller waits up to `maxWaitMs` ("-1": as
-   * long as it takes): at once when no take of this key is out, else with the key's other takes
-   * of this turn of the event loop, in one script call that runs them in order.
+   * long as it takes), with the key's other takes of this turn of the event loop, in one script
+   * call that runs them in order.
    */
   #take(line: BucketLine, cost: number, grant: string, maxWaitMs: string): Promise<TakeReply> {
     return line.takes.run(String(cost), grant, maxWaitMs).catch((error: unknown) => {

@@ -98,7 +98,7 @@ describe("the first pass of a gate call", () => {
       const open: Ticket[] = [];
       let admitted = 0;
       let refused = 0;
-      for (let step = 0; step < 150; step++) {
+      for (let step = 0; step < 300; step++) {
         const r = rnd();
         if (r < 0.45) {
           // Mostly one call alone (the first pass's case); now and then a burst of up to three.

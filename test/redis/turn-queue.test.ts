@@ -18,10 +18,13 @@ function item(name: string): Item {
   return it;
 }
 
+/** The end of the current turn of the event loop (the ticks queued before this one run first). */
+const endOfTurn = () => new Promise<void>((resolve) => process.nextTick(resolve));
+
 /**
  * A fused gate's tries and releases go through a TurnQueue. A `send` that throws must reach every
- * item it was given, whether it went alone at once or with its turn after a tick: an item nobody
- * answers would leave its call waiting forever, and a throw in a tick would end the process.
+ * item it was given, alone or with its turn: an item nobody answers would leave its call waiting
+ * forever, and a throw in a tick would end the process.
  */
 describe("TurnQueue", () => {
   it("rejects every item of a send that throws, alone or gathered, and goes on sending", async () => {
@@ -35,9 +38,11 @@ describe("TurnQueue", () => {
         out = resolve;
       });
     });
-    // Alone: sent at once.
+    // Alone: sent at the end of its turn, not before.
     const first = item("first");
     queue.add(first);
+    expect(sent).toEqual([]);
+    await endOfTurn();
     expect(sent).toEqual([["first"]]);
     // While it is out, two are gathered for the end of the turn; their send throws.
     fail = true;
@@ -45,22 +50,41 @@ describe("TurnQueue", () => {
     const b = item("b");
     queue.add(a);
     queue.add(b);
-    await new Promise<void>((resolve) => process.nextTick(resolve));
+    await endOfTurn();
     expect(sent).toEqual([["first"], ["a", "b"]]);
     expect((a.rejected as Error).message).toBe("send failed");
     expect((b.rejected as Error).message).toBe("send failed");
     expect(first.rejected).toBe(undefined);
-    // The first's reply comes back; a send that throws at once rejects its item too.
+    // The first's reply comes back; a lone send that throws rejects its item too.
     out!();
     await new Promise<void>((resolve) => setImmediate(resolve));
     const alone = item("alone");
     queue.add(alone);
+    await endOfTurn();
     expect(sent).toEqual([["first"], ["a", "b"], ["alone"]]);
     expect((alone.rejected as Error).message).toBe("send failed");
-    // And a later send that works goes out at once: nothing counts as out.
+    // And a later send that works still goes, at the end of its turn.
     fail = false;
-    queue.add(item("later"));
+    const later = item("later");
+    queue.add(later);
+    await endOfTurn();
     expect(sent.at(-1)).toEqual(["later"]);
+    expect(later.rejected).toBe(undefined);
+  });
+
+  it("leaves no unhandled rejection when a send's reply fails", async () => {
+    const unhandled: unknown[] = [];
+    const onUnhandled = (reason: unknown) => unhandled.push(reason);
+    process.on("unhandledRejection", onUnhandled);
+    try {
+      const queue = new TurnQueue<Item>(() => Promise.reject(new Error("lost")));
+      queue.add(item("x"));
+      await endOfTurn();
+      await new Promise<void>((resolve) => setImmediate(resolve));
+      expect(unhandled).toEqual([]);
+    } finally {
+      process.off("unhandledRejection", onUnhandled);
+    }
   });
 
   it("sends a turn of more than TURN_CHUNK items as several sends, in order, in the same tick", async () => {
@@ -70,16 +94,15 @@ describe("TurnQueue", () => {
       return new Promise<void>(() => {});
     });
     const total = 2 * TURN_CHUNK + 5;
-    // The first goes at once; the rest are gathered while it is out.
-    for (let n = 0; n <= total; n++) queue.add({ ...item(String(n)), n });
-    expect(sent).toEqual([[0]]);
-    await new Promise<void>((resolve) => process.nextTick(resolve));
+    // Every item of the turn waits for its end, the first too.
+    for (let n = 0; n < total; n++) queue.add({ ...item(String(n)), n });
+    expect(sent).toEqual([]);
+    await endOfTurn();
     const numbers = (from: number, count: number) => Array.from({ length: count }, (_, i) => from + i);
     expect(sent).toEqual([
-      [0],
-      numbers(1, TURN_CHUNK),
-      numbers(1 + TURN_CHUNK, TURN_CHUNK),
-      numbers(1 + 2 * TURN_CHUNK, 5),
+      numbers(0, TURN_CHUNK),
+      numbers(TURN_CHUNK, TURN_CHUNK),
+      numbers(2 * TURN_CHUNK, 5),
     ]);
   });
 });
@@ -88,31 +111,33 @@ describe("TurnQueue", () => {
 describe("ScriptBatch", () => {
   it("sends a turn of more than TURN_CHUNK calls as several script calls, each call answered with its own reply", async () => {
     const sent: string[][] = [];
-    let first: ((reply: unknown) => void) | undefined;
     const batch = new ScriptBatch((args) => {
       sent.push(args);
-      // The first goes alone and stays out; each batch answers its calls' first arguments back.
-      if (sent.length === 1) {
-        return new Promise((resolve) => {
-          first = resolve;
-        });
-      }
+      // Each script call answers its calls' first arguments back (one call: its reply alone).
       const replies: string[] = [];
       for (let i = 0; i < args.length; i += 2) replies.push(`reply ${args[i]}`);
       return Promise.resolve(replies.length === 1 ? replies[0] : replies);
     });
     const total = 2 * TURN_CHUNK + 5;
-    const answers = Array.from({ length: total + 1 }, (_, n) => batch.run(String(n), "x"));
-    expect(sent).toEqual([["0", "x"]]);
-    await new Promise<void>((resolve) => process.nextTick(resolve));
+    const answers = Array.from({ length: total }, (_, n) => batch.run(String(n), "x"));
+    expect(sent).toEqual([]);
+    await endOfTurn();
     const argsOf = (from: number, count: number) =>
       Array.from({ length: count }, (_, i) => [String(from + i), "x"]).flat();
-    expect(sent.slice(1)).toEqual([
-      argsOf(1, TURN_CHUNK),
-      argsOf(1 + TURN_CHUNK, TURN_CHUNK),
-      argsOf(1 + 2 * TURN_CHUNK, 5),
-    ]);
-    first!("reply 0");
-    expect(await Promise.all(answers)).toEqual(Array.from({ length: total + 1 }, (_, n) => `reply ${n}`));
+    expect(sent).toEqual([argsOf(0, TURN_CHUNK), argsOf(TURN_CHUNK, TURN_CHUNK), argsOf(2 * TURN_CHUNK, 5)]);
+    expect(await Promise.all(answers)).toEqual(Array.from({ length: total }, (_, n) => `reply ${n}`));
+  });
+
+  it("sends a lone call alone at the end of its turn, answered with its reply", async () => {
+    const sent: string[][] = [];
+    const batch = new ScriptBatch((args) => {
+      sent.push(args);
+      return Promise.resolve(`reply ${args[0]}`);
+    });
+    const answer = batch.run("only", "x");
+    expect(sent).toEqual([]);
+    await endOfTurn();
+    expect(sent).toEqual([["only", "x"]]);
+    expect(await answer).toBe("reply only");
   });
 });
