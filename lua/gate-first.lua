@@ -14,10 +14,12 @@
 -- ARGV[2] op     "all" (admissions) or "each" (releases) are decided here; any other goes on
 -- ARGV[3]        (waiterTtlMs: not read here)
 -- ARGV[4] channel base of the gate's wake channels ("" sends the call on)
--- ARGV[5] calls  the number of calls: one is decided here, more go on
+-- ARGV[5] calls  the number of calls: one is decided here; for admissions, up to 64 as below
 -- ARGV[6] call   the call, a JSON list: its member, mode, try, earlier try kept, number of steps
 --                and per step its script name, number of keys, number of arguments and the
 --                arguments but the first
+-- ARGV[7…]       (admissions) the turn's other calls, each one that repeats the call before it:
+--                its member, mode, try, earlier try kept, "*", then its steps' own arguments
 --
 -- An admission (op "all", one call) is decided here when its process holds no grant of an earlier
 -- try, every step is a semaphore's or AIMD limiter's acquire (without classes, not asking again
@@ -28,19 +30,30 @@
 -- tokens there now, the host's slot come), then all taken; it answers as fast() does, {1, flat}.
 -- Any step that would refuse sends the call on to the rest, which decides it as before.
 --
+-- A turn of admissions (up to 64 calls, on Redis 6.2 or later: see ZMSCORE below) is decided here
+-- the same way when every call after the first repeats the one before it (the same lane, steps
+-- and keys, with arguments of its own only: lua/gate.lua, ARGV[5]) and none holds a grant or asks
+-- again for one: each stage's state read once, the calls looked at in turn as fast() looks at
+-- them (each on what the ones before it took), then, when every call admits and none of their
+-- leases is there already, all of it written once, each stage's leases in one ZADD. It answers
+-- as fast() does, {1, …, 1, flat}. A call that would be refused sends the whole turn on to the
+-- rest, with nothing written; the rest decides the calls before it as this pass would have.
+--
 -- A release (op "each", one call) is run here when every step gives back one lease of a
 -- semaphore or an AIMD limiter without classes, and nobody waits in the gate's permit line, in
 -- those stages' own lines, or (where Redis counts listeners) at those stages for another gate
 -- (`<stage's channel>:gates`). Each step then does what its script does alone with nobody in
 -- line (lua/semaphore-release.lua, lua/aimd-release.lua), and the call answers as each() does.
--- The one call as this pass decoded it (a table, read only), for the rest to take as it is
--- instead of decoding it again; nil when this pass did not decode it.
-local gate_first_call = nil
+-- The calls as this pass decoded them (tables, read only, by their number), for the rest to take
+-- as they are instead of decoding them again; nil when this pass decoded none.
+local gate_first_calls = nil
 do
   local op = ARGV[2]
-  if ARGV[5] == '1' and (op == 'all' or op == 'each') and ARGV[4] ~= '' then
+  local turn = op == 'all' and tonumber(ARGV[5]) or 1
+  if (ARGV[5] == '1' and (op == 'all' or op == 'each') or turn > 1 and turn <= 64
+      and (redis.REDIS_VERSION_NUM or 0) >= 0x060200) and ARGV[4] ~= '' then
     local decoded, f = pcall(cjson.decode, ARGV[6])
-    if decoded and type(f) == 'table' then gate_first_call = f end
+    if decoded and type(f) == 'table' then gate_first_calls = { f } end
     local n = decoded and type(f) == 'table' and f[4] == '' and tonumber(f[5])
     if n and n >= 1 and n <= 64 then
       -- The steps: each one's script name, its first key's place in KEYS, and where its
@@ -85,8 +98,129 @@ do
         k = k + nk
         a = a + 2 + na
       end
+      -- The turn's other calls: each a repeat, with its own arguments (a permit's member, fence
+      -- and "again"; a bucket's cost, grant and one more; a host's spacing) after its first five.
+      if n and turn > 1 then
+        local want = 5
+        for i = 1, n do want = want + (names[i] == 'interval-gate-take' and 1 or 3) end
+        for c = 2, turn do
+          local ok, g = pcall(cjson.decode, ARGV[5 + c])
+          if not ok or type(g) ~= 'table' then n = nil break end
+          gate_first_calls[c] = g
+          if g[5] ~= '*' or g[4] ~= '' or #g ~= want then n = nil break end
+        end
+      end
       if n and redis.call('EXISTS', unpack(probe)) == 0 then
-        if op == 'all' then
+        if op == 'all' and turn > 1 then
+          local now = floodgate_now(ARGV[1])
+          -- Each step's state, read once.
+          local state = {}
+          for i = 1, n do
+            local name, key, g = names[i], KEYS[keyAt[i]], argAt[i]
+            if name == 'semaphore-acquire' then
+              local p = floodgate_open(KEYS[keyAt[i] + 3], f[g + 3], now)
+              if not p then n = nil break end
+              p.adds = {}
+              state[i] = p
+            elseif name == 'token-bucket-take' then
+              local s = floodgate_bucket(key, tonumber(f[g + 6]), now)
+              if s.updatedAt > now then n = nil break end
+              state[i] = s
+            else
+              local previous = redis.call('HGET', key, 'nextAt') or ''
+              state[i] = { previous = previous, nextAt = tonumber(previous) }
+            end
+          end
+          -- Each call in turn, on what the ones before it took: a permit's room and fence, the
+          -- tokens, the host's slot. (Call 1's own arguments are in its steps; a repeat's after
+          -- its first five.)
+          local flat, nf = {}, 0
+          for c = 1, n and turn or 0 do
+            local v = gate_first_calls[c]
+            local at = 6
+            for i = 1, n do
+              local name, g = names[i], argAt[i]
+              local a1, a2, a3
+              if c == 1 then
+                if name == 'semaphore-acquire' then a1, a2, a3 = f[g + 2], f[g + 9], f[g + 10]
+                elseif name == 'token-bucket-take' then a1, a2 = f[g + 5], f[g + 7]
+                else a1 = f[g + 2] end
+              else
+                a1, a2, a3 = v[at], v[at + 1], v[at + 2]
+                at = at + (name == 'interval-gate-take' and 1 or 3)
+              end
+              if name == 'semaphore-acquire' then
+                local p = state[i]
+                local cost = floodgate_cost(a1)
+                if a3 == '1' or (tonumber(a2) or 0) > p.seq or p.used + cost > p.limit then n = nil break end
+                p.adds[#p.adds + 1] = a1
+                p.used = p.used + cost
+                p.seq = p.seq + 1
+                flat[nf + 1], flat[nf + 2], flat[nf + 3], flat[nf + 4] = p.seq, p.used, p.limit, p.epoch
+                nf = nf + 4
+              elseif name == 'token-bucket-take' then
+                local s = state[i]
+                local cost = tonumber(a1)
+                if not cost then n = nil break end
+                -- (Taken from already at this instant: no refill since.)
+                local tokens = s.updatedAt == now and s.tokens
+                  or floodgate_tokens_at(s, tonumber(f[g + 2]), tonumber(f[g + 3]), tonumber(f[g + 4]), now)
+                if tokens + 1e-9 < cost then n = nil break end
+                s.tokens = math.max(0, tokens - cost)
+                s.updatedAt = now
+                s.grant = a2
+              else
+                local h = state[i]
+                if h.nextAt and h.nextAt > now then n = nil break end
+                local claimed = floodgate_num(now + tonumber(a1))
+                flat[nf + 1], flat[nf + 2] = h.previous, claimed
+                nf = nf + 2
+                h.previous, h.nextAt, h.spacing = claimed, tonumber(claimed), a1
+              end
+            end
+            if not n then break end
+          end
+          -- Every lease new (none there already, none twice), looked at before anything is written.
+          for i = 1, n or 0 do
+            if names[i] == 'semaphore-acquire' then
+              local adds, seen = state[i].adds, {}
+              for x = 1, #adds do
+                if seen[adds[x]] then n = nil break end
+                seen[adds[x]] = true
+              end
+              if not n then break end
+              local had = redis.call('ZMSCORE', KEYS[keyAt[i]], unpack(adds))
+              for x = 1, #adds do if had[x] then n = nil break end end
+              if not n then break end
+            end
+          end
+          if n then
+            -- All admitted: each stage written once, its leases in one command.
+            for i = 1, n do
+              local name, key, g = names[i], KEYS[keyAt[i]], argAt[i]
+              if name == 'semaphore-acquire' then
+                local p = state[i]
+                local expiry = now + tonumber(f[g + 4])
+                local zadd = {}
+                for x = 1, #p.adds do zadd[2 * x - 1], zadd[2 * x] = expiry, p.adds[x] end
+                redis.call('ZADD', key, unpack(zadd))
+                floodgate_set_used(KEYS[keyAt[i] + 3], p.used, nil, p.seq)
+              elseif name == 'token-bucket-take' then
+                local s = state[i]
+                floodgate_save_bucket(key, s, tonumber(f[g + 2]), tonumber(f[g + 3]), tonumber(f[g + 4]),
+                  s.grant, now)
+              else
+                local h = state[i]
+                floodgate_hold_slot(key, h.previous, tonumber(h.spacing))
+              end
+            end
+            flat[nf + 1] = now
+            local out = {}
+            for c = 1, turn do out[c] = 1 end
+            out[turn + 1] = flat
+            return out
+          end
+        elseif op == 'all' then
           local now = floodgate_now(ARGV[1])
           -- Look at every step: a permit stage's state, a bucket's, a host's slot.
           local state = {}

@@ -245,8 +245,8 @@ local calls = {}
 local sent = {}
 local k = 6
 for c = 1, tonumber(ARGV[5]) do
-  -- (The first pass decoded a lone call already: lua/gate-first.lua.)
-  local f = c == 1 and gate_first_call or cjson.decode(ARGV[5 + c])
+  -- (The first pass may have decoded it already: lua/gate-first.lua.)
+  local f = gate_first_calls and gate_first_calls[c] or cjson.decode(ARGV[5 + c])
   if type(f) ~= 'table' then return redis.error_reply('gate: a call is not a list') end
   if f[5] == '*' then
     if not REPEAT then repeating() end

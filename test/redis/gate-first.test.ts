@@ -22,7 +22,7 @@ import { ROOT, randomPrefix, seeded } from "./helpers.js";
  * for the call it hands on decoded (none: the rest decodes every call itself).
  */
 const FIRST = readFileSync(join(ROOT, "lua", "gate-first.lua"), "utf8");
-const WITHOUT_FIRST = scriptSource("gate").replace(FIRST, "local gate_first_call = nil\n");
+const WITHOUT_FIRST = scriptSource("gate").replace(FIRST, "local gate_first_calls = nil\n");
 
 /** One command a client sent, with the reply Redis gave it. */
 interface Sent {
@@ -74,7 +74,8 @@ async function state(client: Redis, prefix: string): Promise<Record<string, unkn
 describe("the first pass of a gate call", () => {
   const { connect } = useClients();
 
-  for (const seed of [1, 2, 3, 4, 5, 6]) {
+  // (Seeds 7 and 8 leave room enough for whole turns to be admitted.)
+  for (const seed of [1, 2, 3, 4, 5, 6, 7, 8]) {
     it(`decides every call as the rest of the script would (seed ${seed})`, async () => {
       const rnd = seeded(seed);
       const clock = new FakeClock(seed % 2 === 0 ? -5_000 : 10_000);
@@ -83,14 +84,21 @@ describe("the first pass of a gate call", () => {
       const client = await connect();
       const sent = record(client);
       const b = redis(client, { prefix, clock, time: "clock" });
-      const tight = seed % 3 !== 0;
+      const roomy = seed > 6;
+      const tight = !roomy && seed % 3 !== 0;
       const gate = new Gate(
         [
-          b.tokenBucket("rpm", { capacity: tight ? 6 : 40, refillPerSecond: tight ? 5 : 30 }),
+          b.tokenBucket("rpm", { capacity: tight ? 6 : roomy ? 400 : 40, refillPerSecond: tight ? 5 : 30 }),
           b.intervalGate("hosts", { minIntervalMs: tight ? 60 : 0, jitterMs: tight ? 20 : 0 }),
-          b.semaphore("inflight", { limit: tight ? 3 : 8 }),
-          b.aimd("adaptive", { initial: 3, min: 1, max: 6, backoffRatio: 0.5, slowCallMs: 150 }),
-          b.tokenBucket("tpm", { keyed: true, capacity: 50, refillPerSecond: 40 }),
+          b.semaphore("inflight", { limit: tight ? 3 : roomy ? 80 : 8 }),
+          b.aimd("adaptive", {
+            initial: roomy ? 60 : 3,
+            min: roomy ? 40 : 1,
+            max: roomy ? 80 : 6,
+            backoffRatio: 0.5,
+            slowCallMs: 150,
+          }),
+          b.tokenBucket("tpm", { keyed: true, capacity: roomy ? 2000 : 50, refillPerSecond: 40 }),
         ],
         { clock },
       );
@@ -101,18 +109,23 @@ describe("the first pass of a gate call", () => {
       for (let step = 0; step < 300; step++) {
         const r = rnd();
         if (r < 0.45) {
-          // Mostly one call alone (the first pass's case); now and then a burst of up to three.
-          const many = rnd() < 0.75 ? 1 : 2 + Math.floor(rnd() * 2);
+          // Mostly one call alone; now and then a burst of up to five, whose calls share their
+          // key and host (a turn the first pass decides whole) or each pick their own.
+          const many = rnd() < 0.65 ? 1 : 2 + Math.floor(rnd() * 4);
+          const alike = rnd() < 0.6;
+          const key = rnd() < 0.5 ? "a" : "b";
+          const host = rnd() < 0.5 ? "x" : "y";
           const tickets = await Promise.all(
             Array.from({ length: many }, () =>
               gate.tryAdmit({
                 costs: {
                   rpm: 1 + Math.floor(rnd() * 2),
-                  tpm: Math.floor(rnd() * 30),
+                  // (A cost of 0 leaves the step out: such a call repeats no other.)
+                  tpm: alike ? 1 + Math.floor(rnd() * 29) : Math.floor(rnd() * 30),
                   inflight: rnd() < 0.2 ? 2 : 1,
                 },
-                key: rnd() < 0.5 ? "a" : "b",
-                host: rnd() < 0.5 ? "x" : "y",
+                key: alike ? key : rnd() < 0.5 ? "a" : "b",
+                host: alike ? host : rnd() < 0.5 ? "x" : "y",
               }),
             ),
           );
@@ -145,6 +158,7 @@ describe("the first pass of a gate call", () => {
       const gateSha = scriptSha("gate");
       let firstAdmits = 0;
       let firstReleases = 0;
+      let firstTurns = 0;
       for (const { name, args, reply } of sent) {
         if (name !== "evalsha" && name !== "eval") continue;
         let sha = args[0]!;
@@ -158,6 +172,15 @@ describe("the first pass of a gate call", () => {
           // pass's to decide.)
           const argv = args.slice(2 + Number(args[1]));
           if (argv[4] === "1" && argv[1] === "all" && (reply as unknown[])[0] === 1) firstAdmits++;
+          // (A turn of admissions all admitted at once, each call repeating the one before it.)
+          const turn = Number(argv[4]);
+          if (
+            argv[1] === "all" &&
+            turn > 1 &&
+            (reply as unknown[]).slice(0, turn).every((r) => r === 1) &&
+            argv.slice(6, 5 + turn).every((call) => JSON.parse(call)[4] === "*")
+          )
+            firstTurns++;
           if (
             argv[4] === "1" &&
             argv[1] === "each" &&
@@ -175,6 +198,7 @@ describe("the first pass of a gate call", () => {
         ).toBe(JSON.stringify(reply));
       }
       expect(firstAdmits).toBeGreaterThan(10);
+      if (roomy) expect(firstTurns).toBeGreaterThan(5);
       expect(firstReleases).toBeGreaterThan(10);
       expect(await state(replay, again)).toEqual(await state(replay, prefix));
       await b.close();
