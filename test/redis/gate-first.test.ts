@@ -204,4 +204,86 @@ describe("the first pass of a gate call", () => {
       await b.close();
     });
   }
+
+  // A turn whose leases are not all new goes on whole, with nothing written: the rest then takes
+  // its leases one by one and counts one that is there already once (as a stage's script does).
+  for (const how of ["a lease of it is held already", "a lease comes twice in it"] as const) {
+    it(`sends a turn of alike calls on to the rest, writing nothing, when ${how}`, async () => {
+      const clock = new FakeClock(10_000);
+      const prefix = randomPrefix("first-turn");
+      const client = await connect();
+      const sent = record(client);
+      const b = redis(client, { prefix, clock, time: "clock" });
+      const gate = new Gate(
+        [
+          b.tokenBucket("rpm", { capacity: 100, refillPerSecond: 10 }),
+          b.intervalGate("hosts", { minIntervalMs: 0 }),
+          b.semaphore("inflight", { limit: 20 }),
+          b.aimd("adaptive", { initial: 10, max: 20 }),
+        ],
+        { clock },
+      );
+      // (A first call loads the script: the turn then goes as EVALSHA.)
+      await (await gate.admit({ host: "x" })).release("success");
+      const tickets = await Promise.all([1, 2, 3].map(() => gate.tryAdmit({ host: "x" })));
+      expect(tickets.every((t) => t !== undefined)).toBe(true);
+      const gateSha = scriptSha("gate");
+      const argvOf = (args: string[]) => args.slice(2 + Number(args[1]));
+      const at = sent.findIndex(
+        ({ name, args }) => name === "evalsha" && args[0] === gateSha && argvOf(args)[4] === "3",
+      );
+      expect(at, "the three tries went as one turn").toBeGreaterThanOrEqual(0);
+      const turn = sent[at]!;
+      const calls = argvOf(turn.args)
+        .slice(5)
+        .map((c) => JSON.parse(c) as string[]);
+      expect(calls.slice(1).every((c) => c[4] === "*")).toBe(true);
+      expect(turn.reply).toEqual([1, 1, 1, expect.any(Array)]);
+      // The semaphore's lease of call 2 (its steps: the bucket's, the host's, then this one).
+      const lease = (c: string[]) => c.find((f) => /-\d+:1$/.test(f))!;
+      const second = lease(calls[1]!);
+
+      // Each script call before the turn again, on keys of their own, then the turn (changed so),
+      // through the whole script and through the script without its first pass.
+      const replayed = async (sha: string) => {
+        const own = randomPrefix("first-turn-again");
+        for (const { name, args } of sent.slice(0, at)) {
+          if (name !== "evalsha" && name !== "eval") continue;
+          // (A first call of a script goes as EVAL: it runs here as EVALSHA of the same text.)
+          const digest = name === "eval" ? ((await client.script("LOAD", args[0]!)) as string) : args[0]!;
+          await client.call("EVALSHA", digest, ...args.slice(1).map((a) => a.replaceAll(prefix, own)));
+        }
+        const args = turn.args.map((a) => a.replaceAll(prefix, own));
+        const holders = `${own}{inflight}:holders`;
+        if (how === "a lease of it is held already") {
+          await client.zadd(holders, 60_000 + 10_000, second);
+          await client.hincrby(`${own}{inflight}:meta`, "used", 1);
+        } else {
+          // (Call 3's semaphore lease made call 2's.)
+          const third = 2 + Number(args[1]) + 5 + 2;
+          const fields = JSON.parse(args[third]!) as string[];
+          fields[fields.indexOf(lease(fields))] = second;
+          args[third] = JSON.stringify(fields);
+        }
+        const reply = await client.call("EVALSHA", sha, ...args.slice(1));
+        const [members, used] = await Promise.all([
+          client.zrange(holders, 0, -1),
+          client.hget(`${own}{inflight}:meta`, "used"),
+        ]);
+        return { reply, members, used, state: await state(client, own), own };
+      };
+      const general = (await client.script("LOAD", WITHOUT_FIRST)) as string;
+      const whole = await replayed(gateSha);
+      const rest = await replayed(general);
+      expect(JSON.stringify(whole.reply).replaceAll(whole.own, "<p>")).toBe(
+        JSON.stringify(rest.reply).replaceAll(rest.own, "<p>"),
+      );
+      expect(whole.state).toEqual(rest.state);
+      // Each lease counted once: the count is the leases held (each of cost 1).
+      expect(Number(whole.used)).toBe(whole.members.length);
+      expect(whole.members).toContain(second);
+      for (const t of tickets) await t!.release("success");
+      await b.close();
+    });
+  }
 });
