@@ -39,11 +39,12 @@
 -- as fast() does, {1, …, 1, flat}. A call that would be refused sends the whole turn on to the
 -- rest, with nothing written; the rest decides the calls before it as this pass would have.
 --
--- A release (op "each", one call) is run here when every step gives back one lease of a
--- semaphore or an AIMD limiter without classes, and nobody waits in the gate's permit line, in
--- those stages' own lines, or (where Redis counts listeners) at those stages for another gate
--- (`<stage's channel>:gates`). Each step then does what its script does alone with nobody in
--- line (lua/semaphore-release.lua, lua/aimd-release.lua), and the call answers as each() does.
+-- A release (op "each", one call) is run here when every step gives back leases of a semaphore
+-- or an AIMD limiter without classes (one, or a turn's as one step: every one a lease, "lease",
+-- for a semaphore), and nobody waits in the gate's permit line, in those stages' own lines, or
+-- (where Redis counts listeners) at those stages for another gate (`<stage's channel>:gates`).
+-- Each step then does what its script does with nobody in line, for one lease or for a turn's
+-- (lua/semaphore-release.lua, lua/aimd-release.lua), and the call answers as each() does.
 -- The calls as this pass decoded them (tables, read only, by their number), for the rest to take
 -- as they are instead of decoding them again; nil when this pass decoded none.
 local gate_first_calls = nil
@@ -58,7 +59,7 @@ do
     if n and n >= 1 and n <= 64 then
       -- The steps: each one's script name, its first key's place in KEYS, and where its
       -- arguments start (argument j of a step at `g` is f[g + j]; its first, `now`, is not sent).
-      local names, keyAt, argAt = {}, {}, {}
+      local names, keyAt, argAt, argsOf = {}, {}, {}, {}
       local probe = { KEYS[1] }
       -- (The call's lane is the first of its keys, after the gate's five; its steps' keys follow
       -- the lane's two.)
@@ -79,12 +80,20 @@ do
           end
         elseif name == 'semaphore-release' then
           -- (Argument 8: the stage's classes; 4 its channel, 7 whether listeners are counted.)
-          if na ~= 8 or f[g + 8] ~= '' then n = nil break end
+          -- (A turn's releases of the stage's leases: each other's member and what it gives back,
+          -- from argument 9, every one a lease.)
+          if na < 8 or (na - 8) % 2 ~= 0 or f[g + 8] ~= '' then n = nil break end
+          for x = 10, na, 2 do
+            if f[g + x] ~= 'lease' or f[g + 5] ~= 'lease' then n = nil end
+          end
+          if not n then break end
           probe[#probe + 1] = KEYS[k + 1]
           if f[g + 7] == '1' then probe[#probe + 1] = f[g + 4] .. ':gates' end
         elseif name == 'aimd-release' then
           -- (Argument 13: the stage's classes; 3 its channel, 11 whether listeners are counted.)
-          if na ~= 13 or f[g + 13] ~= '' then n = nil break end
+          -- (A turn's releases of the stage's leases: each other's member, outcome, epoch and slow
+          -- flag, from argument 14.)
+          if na < 13 or (na - 13) % 4 ~= 0 or f[g + 13] ~= '' then n = nil break end
           probe[#probe + 1] = KEYS[k + 1]
           if f[g + 11] == '1' then probe[#probe + 1] = f[g + 3] .. ':gates' end
         else
@@ -94,7 +103,7 @@ do
           if KEYS[keyAt[j]] == KEYS[k] then n = nil end
         end
         if not n then break end
-        names[i], keyAt[i], argAt[i] = name, k, g
+        names[i], keyAt[i], argAt[i], argsOf[i] = name, k, g, na
         k = k + nk
         a = a + 2 + na
       end
@@ -279,35 +288,55 @@ do
             return { 1, flat }
           end
         else
-          -- Each lease given back as its script gives it back alone, nobody being in line.
+          -- Each lease given back as its script gives it back alone, nobody being in line; a
+          -- turn's leases of one stage as its script gives back a turn's, with one write (its
+          -- reply is then the list of theirs).
           local replies = {}
           for i = 1, n do
             local key, g = KEYS[keyAt[i]], argAt[i]
             local member, meta = f[g + 2], KEYS[keyAt[i] + 3]
             if names[i] == 'semaphore-release' then
-              local released = redis.call('ZREM', key, member)
+              -- (Each lease's reply says the permits used once the turn's are all given back.)
+              local turn, freed = {}, 0
+              local members = { member }
+              for x = 9, argsOf[i], 2 do members[#members + 1] = f[g + x] end
+              for x = 1, #members do
+                local m = members[x]
+                local released = redis.call('ZREM', key, m)
+                if released == 1 then freed = freed + floodgate_cost(m) end
+                turn[#turn + 1] = { released, 0, 0, {} }
+              end
               local used
-              if released == 1 then
-                used = floodgate_lower_used(meta, floodgate_cost(member))
+              if freed > 0 then
+                used = floodgate_lower_used(meta, freed)
               else
                 used = tonumber(redis.call('HGET', meta, 'used')) or 0
               end
-              replies[i] = { released, 0, used, {} }
+              for x = 1, #turn do turn[x][3] = used end
+              replies[i] = #turn == 1 and turn[1] or turn
             else
               local s = redis.call('HMGET', meta, 'limit', 'epoch', 'used')
               local maxLimit = tonumber(f[g + 7])
               local limit = tonumber(s[1]) or tonumber(f[g + 12]) or maxLimit
               local epoch = tonumber(s[2]) or 0
               local used = tonumber(s[3]) or 0
-              local released = redis.call('ZREM', key, member)
-              if released == 1 then
-                limit, epoch = floodgate_aimd_moved(limit, epoch, used, f[g + 4], tonumber(f[g + 5]),
-                  f[g + 9] == '1', tonumber(f[g + 6]), maxLimit, tonumber(f[g + 8]))
-                used = used - floodgate_cost(member)
+              local minLimit, ratio = tonumber(f[g + 6]), tonumber(f[g + 8])
+              -- (Each lease's reply says the limit, epoch and permits used once it is given back.)
+              local turn = {}
+              for b = g + 9, g + argsOf[i] - 4, 4 do
+                local m, outcome, ticketEpoch, slow = member, f[g + 4], f[g + 5], f[g + 9]
+                if b > g + 9 then m, outcome, ticketEpoch, slow = f[b + 1], f[b + 2], f[b + 3], f[b + 4] end
+                local released = redis.call('ZREM', key, m)
+                if released == 1 then
+                  limit, epoch = floodgate_aimd_moved(limit, epoch, used, outcome, tonumber(ticketEpoch),
+                    slow == '1', minLimit, maxLimit, ratio)
+                  used = used - floodgate_cost(m)
+                end
+                if used < 0 then used = 0 end
+                turn[#turn + 1] = { released, limit, epoch, used, {} }
               end
-              if used < 0 then used = 0 end
               redis.call('HSET', meta, 'used', used, 'limit', limit, 'epoch', epoch)
-              replies[i] = { released, limit, epoch, used, {} }
+              replies[i] = #turn == 1 and turn[1] or turn
             end
           end
           return { { 1, -1, 0, 0, replies } }

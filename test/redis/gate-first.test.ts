@@ -135,6 +135,16 @@ describe("the first pass of a gate call", () => {
               admitted++;
             } else refused++;
           }
+        } else if (r < 0.62 && open.length > 1) {
+          // A burst of releases at once, each with its outcome (a turn's, one step per stage).
+          const many = Math.min(open.length, 2 + Math.floor(rnd() * 4));
+          const burst = open.splice(0, many);
+          await Promise.all(
+            burst.map((t) => {
+              const how = rnd();
+              return t.release(how < 0.2 ? "dropped" : how < 0.3 ? "ignored" : "success");
+            }),
+          );
         } else if (r < 0.8 && open.length > 0) {
           const t = open.splice(Math.floor(rnd() * open.length), 1)[0]!;
           const how = rnd();
@@ -159,6 +169,7 @@ describe("the first pass of a gate call", () => {
       let firstAdmits = 0;
       let firstReleases = 0;
       let firstTurns = 0;
+      let releaseTurns = 0;
       for (const { name, args, reply } of sent) {
         if (name !== "evalsha" && name !== "eval") continue;
         let sha = args[0]!;
@@ -185,8 +196,12 @@ describe("the first pass of a gate call", () => {
             argv[4] === "1" &&
             argv[1] === "each" &&
             /^\["\w+","try","","","[12]","(aimd|semaphore)-release"/.test(argv[5]!)
-          )
+          ) {
             firstReleases++;
+            // (A turn's releases of a stage as one step: more arguments than one release has.)
+            const sizes = [...argv[5]!.matchAll(/"(aimd|semaphore)-release","5","(\d+)"/g)];
+            if (sizes.some((m) => Number(m[2]) > (m[1] === "aimd" ? 13 : 8))) releaseTurns++;
+          }
         }
         const rest = args.slice(1).map((a) => a.replaceAll(prefix, again));
         const answer = await replay
@@ -199,6 +214,7 @@ describe("the first pass of a gate call", () => {
       }
       expect(firstAdmits).toBeGreaterThan(10);
       if (roomy) expect(firstTurns).toBeGreaterThan(5);
+      expect(releaseTurns).toBeGreaterThan(roomy ? 10 : 1);
       expect(firstReleases).toBeGreaterThan(10);
       expect(await state(replay, again)).toEqual(await state(replay, prefix));
       await b.close();
