@@ -34,7 +34,7 @@ function inChunks<T>(items: T[], send: (chunk: T[]) => void): void {
  * and a crowd costs Redis one script run per TURN_CHUNK callers of a turn instead of one per
  * caller. (The first call of a turn once went at once when no call was out: a crowd whose
  * replies came back together then sent one caller alone and the rest after it, two script calls
- * a turn where one does. At 64 callers a lone semaphore admitted 1.1 to 1.25 times the calls a
+ * a turn where one does. At 64 callers a lone semaphore admitted 1.0 to 1.4 times the calls a
  * second gathered so, and a fused four-stage gate 1.05 times: bench/RESULTS.md.)
  *
  * `send` gets the per-call arguments, `width` of them per call (`[a1, b1, a2, b2, …]` for two,
