@@ -119,26 +119,27 @@ do
           if g[5] ~= '*' or g[4] ~= '' or #g ~= want then n = nil break end
         end
       end
+      -- An admission's step `i` as it stands at `now`: a permit stage's state (nil when it is not
+      -- open), a bucket's (nil when it is reserved past now), a host's slot ({previous, nextAt}).
+      local function stateOf(i, now)
+        local key, g = KEYS[keyAt[i]], argAt[i]
+        if names[i] == 'semaphore-acquire' then return floodgate_open(KEYS[keyAt[i] + 3], f[g + 3], now) end
+        if names[i] == 'token-bucket-take' then
+          local s = floodgate_bucket(key, tonumber(f[g + 6]), now)
+          return s.updatedAt <= now and s or nil
+        end
+        local previous = redis.call('HGET', key, 'nextAt') or ''
+        return { previous = previous, nextAt = tonumber(previous) }
+      end
       if n and redis.call('EXISTS', unpack(probe)) == 0 then
         if op == 'all' and turn > 1 then
           local now = floodgate_now(ARGV[1])
           -- Each step's state, read once.
           local state = {}
           for i = 1, n do
-            local name, key, g = names[i], KEYS[keyAt[i]], argAt[i]
-            if name == 'semaphore-acquire' then
-              local p = floodgate_open(KEYS[keyAt[i] + 3], f[g + 3], now)
-              if not p then n = nil break end
-              p.adds = {}
-              state[i] = p
-            elseif name == 'token-bucket-take' then
-              local s = floodgate_bucket(key, tonumber(f[g + 6]), now)
-              if s.updatedAt > now then n = nil break end
-              state[i] = s
-            else
-              local previous = redis.call('HGET', key, 'nextAt') or ''
-              state[i] = { previous = previous, nextAt = tonumber(previous) }
-            end
+            state[i] = stateOf(i, now)
+            if not state[i] then n = nil break end
+            if names[i] == 'semaphore-acquire' then state[i].adds = {} end
           end
           -- Each call in turn, on what the ones before it took: a permit's room and fence, the
           -- tokens, the host's slot. (Call 1's own arguments are in its steps; a repeat's after
@@ -231,31 +232,26 @@ do
           end
         elseif op == 'all' then
           local now = floodgate_now(ARGV[1])
-          -- Look at every step: a permit stage's state, a bucket's, a host's slot.
+          -- Look at every step: a permit stage's room and fence, a bucket's tokens, a host's slot.
           local state = {}
           for i = 1, n do
-            local name, key, g = names[i], KEYS[keyAt[i]], argAt[i]
+            local st, name, g = stateOf(i, now), names[i], argAt[i]
+            if not st then n = nil break end
             if name == 'semaphore-acquire' then
-              local p = floodgate_open(KEYS[keyAt[i] + 3], f[g + 3], now)
-              if not p or (tonumber(f[g + 9]) or 0) > p.seq then n = nil break end
-              p.cost = floodgate_cost(f[g + 2])
-              if p.used + p.cost > p.limit then n = nil break end
-              state[i] = p
+              if (tonumber(f[g + 9]) or 0) > st.seq then n = nil break end
+              st.cost = floodgate_cost(f[g + 2])
+              if st.used + st.cost > st.limit then n = nil break end
             elseif name == 'token-bucket-take' then
-              local s = floodgate_bucket(key, tonumber(f[g + 6]), now)
               local cost = tonumber(f[g + 5])
-              if s.updatedAt > now or not cost then n = nil break end
-              local tokens = s.updatedAt == now and s.tokens
-                or floodgate_tokens_at(s, tonumber(f[g + 2]), tonumber(f[g + 3]), tonumber(f[g + 4]), now)
+              if not cost then n = nil break end
+              local tokens = st.updatedAt == now and st.tokens
+                or floodgate_tokens_at(st, tonumber(f[g + 2]), tonumber(f[g + 3]), tonumber(f[g + 4]), now)
               if tokens + 1e-9 < cost then n = nil break end
-              s.left = tokens - cost
-              state[i] = s
-            else
-              local previous = redis.call('HGET', key, 'nextAt') or ''
-              local nextAt = tonumber(previous)
-              if nextAt and nextAt > now then n = nil break end
-              state[i] = previous
+              st.left = tokens - cost
+            elseif st.nextAt and st.nextAt > now then
+              n = nil break
             end
+            state[i] = st
           end
           if n then
             -- Take them all: the leases, then each state written once.
@@ -280,7 +276,7 @@ do
               else
                 local spacing = tonumber(f[g + 2])
                 local claimed = floodgate_num(now + spacing)
-                flat[x + 1], flat[x + 2] = state[i], claimed
+                flat[x + 1], flat[x + 2] = state[i].previous, claimed
                 floodgate_hold_slot(KEYS[keyAt[i]], claimed, spacing)
               end
             end
