@@ -45,6 +45,7 @@
 -- (where Redis counts listeners) at those stages for another gate (`<stage's channel>:gates`).
 -- Each step then does what its script does with nobody in line, for one lease or for a turn's
 -- (lua/semaphore-release.lua, lua/aimd-release.lua), and the call answers as each() does.
+--
 -- The calls as this pass decoded them (tables, read only, by their number), for the rest to take
 -- as they are instead of decoding them again; nil when this pass decoded none.
 local gate_first_calls = nil

@@ -98,10 +98,10 @@ export class ScriptBatch {
 
 /**
  * Items of one kind, gathered until the end of the turn of the event loop they were made in and
- * sent together, TURN_CHUNK at a time: ScriptBatch's rule for items
- * that are not script arguments (a fused gate's tries and releases). `send` sends a list and
- * returns its reply, or undefined when it sent nothing; should it throw, each of the items it
- * was given is rejected with the error (their callers would otherwise never hear back).
+ * sent together, TURN_CHUNK at a time: ScriptBatch's rule for items that are not script
+ * arguments (a fused gate's tries and releases). `send` sends a list and returns its reply, or
+ * undefined when it sent nothing; should it throw, each of the items it was given is rejected
+ * with the error (their callers would otherwise never hear back).
  */
 export class TurnQueue<I extends { reject(error: unknown): void }> {
   #pending: I[] | undefined = undefined;

@@ -418,8 +418,8 @@ class FusedGate implements FusedAdmission {
 
   /**
    * One try of every stage, in a `gate` call with this turn's other tries (decided in turn, as
-   * if each had come alone). Each stage
-   * runs its own `tryAdmit`, whose script call the link gathers as a step.
+   * if each had come alone). Each stage runs its own `tryAdmit`, whose script call the link
+   * gathers as a step.
    */
   #attempt(
     call: FusedCall,
