@@ -196,7 +196,7 @@ export const scriptCost: Benchmark = {
                 "Inside a script, each command costs a few µs of its own (the table above): the fused gate's time follows its count of commands.",
               ]
             : [
-                "Calls made while others are out go together at the end of the turn: one script call decides a turn's admissions (or releases), each stage's script running once for them while nobody waits in the gate's lines.",
+                "Calls made in one turn go together at the end of that turn: one script call decides a turn's admissions (or releases), each stage's script running once for them while nobody waits in the gate's lines.",
               ],
         );
       }
