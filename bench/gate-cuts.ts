@@ -1,11 +1,11 @@
 /**
  * Where a fused gate's admission spends its time inside Redis: one admission captured from a
  * four-stage gate (a lone call, and a turn of a crowd's calls), replayed alone with the `gate`
- * script cut short at successive points of lua/gate-first.lua and lua/gate.lua (an `error` put in
- * there, so the script stops and Redis still times it; less what stopping that way costs). Each
- * point's time less the one before is what that part costs. Figures from SLOWLOG, which times
- * each command inside Redis; the leases a replay took are taken out before the next, so every
- * replay decides as the first did.
+ * script cut short at successive points of its first pass, lua/gate-first.lua, which decides both
+ * (an `error` put in there, so the script stops and Redis still times it; less what stopping that
+ * way costs). Each point's time less the one before is what that part costs. Figures from
+ * SLOWLOG, which times each command inside Redis; the leases a replay took are taken out before
+ * the next, so every replay decides as the first did.
  */
 import { Gate } from "floodgate";
 import { redis, scriptSource } from "floodgate/redis";
@@ -69,26 +69,28 @@ const LONE: Cuts = [
   ["+ its steps checked", "      if n and redis.call('EXISTS', unpack(probe)) == 0 then"],
   [
     "+ the lines looked at (EXISTS)",
-    "        if op == 'all' then\n          local now = floodgate_now(ARGV[1])",
+    "          local now = floodgate_now(ARGV[1])\n          -- Look at every step",
   ],
-  ["+ TIME", "          -- Look at every step: a permit stage's state"],
+  ["+ TIME", "          -- Look at every step: a permit stage's room"],
   ["+ each stage's state read", "          if n then\n            -- Take them all"],
 ];
 
-/** A turn of calls: lua/gate.lua decides them, fast() taking them in one pass. */
+/** A turn of alike calls: lua/gate-first.lua decides them too, the turn's way. */
 const TURN: Cuts = [
-  ["the script's definitions made", "-- The calls, each {member, mode, lane, laneExp, steps}"],
-  ["+ the calls parsed", "\nlocal woken\n"],
+  ["the script called, nothing done", "do\n  local op = ARGV[2]"],
+  ["+ the first call's JSON decoded, its steps checked", "      -- The turn's other calls: each a repeat"],
+  ["+ the other calls' JSON decoded", "      -- An admission's step `i` as it stands"],
   [
-    "+ each call looked at and taken (fast())",
-    "  -- The leases, each stage's in one command, when none of their",
+    "+ the lines looked at (EXISTS)",
+    "          local now = floodgate_now(ARGV[1])\n          -- Each step's state, read once.",
   ],
+  ["+ TIME", "          -- Each step's state, read once."],
+  ["+ each stage's state read", "          -- Each call in turn, on what the ones before it took"],
+  ["+ each call looked at in turn", "          -- Every lease new (none there already, none twice)"],
   [
     "+ the leases checked new (ZMSCORE)",
-    "    -- (A stage's one lease goes in at once: one that was there already",
+    "          if n then\n            -- All admitted: each stage written once",
   ],
-  ["+ the leases put in (ZADD)", "  -- Each state written once.\n  for _, p in pairs(permits) do"],
-  ["+ each state written", "if op == 'all' and #calls - from >= 1 then"],
 ];
 
 /** `source` stopped just before `at` (an error, so that Redis still times the call). */
@@ -171,7 +173,7 @@ export const gateCuts: Benchmark = {
       const n = args.quick ? 100 : 1000;
       for (const [callers, cuts, what] of [
         [1, LONE, "a lone call (lua/gate-first.lua)"],
-        [64, TURN, "a turn of 64 callers' calls (lua/gate.lua)"],
+        [64, TURN, "a turn of 64 callers' calls (lua/gate-first.lua)"],
       ] as const) {
         const captured = await capture(url, callers, args.quick ? 200 : 1000);
         table(
