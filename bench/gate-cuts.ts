@@ -69,28 +69,21 @@ const LONE: Cuts = [
   ["+ its steps checked", "      if n and redis.call('EXISTS', unpack(probe)) == 0 then"],
   [
     "+ the lines looked at (EXISTS)",
-    "          local now = floodgate_now(ARGV[1])\n          -- Look at every step",
+    "          local now = floodgate_now(ARGV[1])\n          -- Each step's state",
   ],
-  ["+ TIME", "          -- Look at every step: a permit stage's room"],
-  ["+ each stage's state read", "          if n then\n            -- Take them all"],
+  ["+ TIME", "          -- Each step's state, read once"],
+  ["+ each stage's state read", "          -- Each call in turn, on what the ones before it took"],
+  ["+ the call looked at", "          -- A turn's leases all new"],
 ];
 
-/** A turn of alike calls: lua/gate-first.lua decides them too, the turn's way. */
+/** A turn of alike calls: lua/gate-first.lua decides them too, the same way. */
 const TURN: Cuts = [
-  ["the script called, nothing done", "do\n  local op = ARGV[2]"],
+  LONE[0]!,
   ["+ the first call's JSON decoded, its steps checked", "      -- The turn's other calls: each a repeat"],
-  ["+ the other calls' JSON decoded", "      -- An admission's step `i` as it stands"],
-  [
-    "+ the lines looked at (EXISTS)",
-    "          local now = floodgate_now(ARGV[1])\n          -- Each step's state, read once.",
-  ],
-  ["+ TIME", "          -- Each step's state, read once."],
-  ["+ each stage's state read", "          -- Each call in turn, on what the ones before it took"],
-  ["+ each call looked at in turn", "          -- Every lease new (none there already, none twice)"],
-  [
-    "+ the leases checked new (ZMSCORE)",
-    "          if n then\n            -- All admitted: each stage written once",
-  ],
+  ["+ the other calls' JSON decoded", LONE[2]![1]],
+  ...LONE.slice(3, 6),
+  ["+ each call looked at in turn", LONE[6]![1]],
+  ["+ the leases checked new (ZMSCORE)", "          if n then\n            -- All admitted"],
 ];
 
 /** `source` stopped just before `at` (an error, so that Redis still times the call). */

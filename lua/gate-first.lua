@@ -120,27 +120,25 @@ do
           if g[5] ~= '*' or g[4] ~= '' or #g ~= want then n = nil break end
         end
       end
-      -- An admission's step `i` as it stands at `now`: a permit stage's state (nil when it is not
-      -- open), a bucket's (nil when it is reserved past now), a host's slot ({previous, nextAt}).
-      local function stateOf(i, now)
-        local key, g = KEYS[keyAt[i]], argAt[i]
-        if names[i] == 'semaphore-acquire' then return floodgate_open(KEYS[keyAt[i] + 3], f[g + 3], now) end
-        if names[i] == 'token-bucket-take' then
-          local s = floodgate_bucket(key, tonumber(f[g + 6]), now)
-          return s.updatedAt <= now and s or nil
-        end
-        local previous = redis.call('HGET', key, 'nextAt') or ''
-        return { previous = previous, nextAt = tonumber(previous) }
-      end
       if n and redis.call('EXISTS', unpack(probe)) == 0 then
-        if op == 'all' and turn > 1 then
+        if op == 'all' then
           local now = floodgate_now(ARGV[1])
-          -- Each step's state, read once.
+          -- Each step's state, read once: a permit stage's (not open: nil), a bucket's (reserved
+          -- past now: nil), a host's slot.
           local state = {}
           for i = 1, n do
-            state[i] = stateOf(i, now)
+            local key, g = KEYS[keyAt[i]], argAt[i]
+            if names[i] == 'semaphore-acquire' then
+              state[i] = floodgate_open(KEYS[keyAt[i] + 3], f[g + 3], now)
+              if state[i] then state[i].adds = {} end
+            elseif names[i] == 'token-bucket-take' then
+              local s = floodgate_bucket(key, tonumber(f[g + 6]), now)
+              if s.updatedAt <= now then state[i] = s end
+            else
+              local previous = redis.call('HGET', key, 'nextAt') or ''
+              state[i] = { previous = previous, nextAt = tonumber(previous) }
+            end
             if not state[i] then n = nil break end
-            if names[i] == 'semaphore-acquire' then state[i].adds = {} end
           end
           -- Each call in turn, on what the ones before it took: a permit's room and fence, the
           -- tokens, the host's slot. (Call 1's own arguments are in its steps; a repeat's after
@@ -168,6 +166,8 @@ do
                 p.used = p.used + cost
                 p.seq = p.seq + 1
                 flat[nf + 1], flat[nf + 2], flat[nf + 3], flat[nf + 4] = p.seq, p.used, p.limit, p.epoch
+                -- (Where a lone call's count goes, should its lease be there already: see below.)
+                p.usedAt, p.cost = nf + 2, cost
                 nf = nf + 4
               elseif name == 'token-bucket-take' then
                 local s = state[i]
@@ -191,8 +191,10 @@ do
             end
             if not n then break end
           end
-          -- Every lease new (none there already, none twice), looked at before anything is written.
-          for i = 1, n or 0 do
+          -- A turn's leases all new (none there already, none twice), looked at before anything is
+          -- written. (A lone call's lease goes in alone below: one there already is not counted
+          -- again, as its stage's script would not count it.)
+          for i = 1, turn > 1 and n or 0 do
             if names[i] == 'semaphore-acquire' then
               local adds, seen = state[i].adds, {}
               for x = 1, #adds do
@@ -212,9 +214,16 @@ do
               if name == 'semaphore-acquire' then
                 local p = state[i]
                 local expiry = now + tonumber(f[g + 4])
-                local zadd = {}
-                for x = 1, #p.adds do zadd[2 * x - 1], zadd[2 * x] = expiry, p.adds[x] end
-                redis.call('ZADD', key, unpack(zadd))
+                if turn == 1 then
+                  if redis.call('ZADD', key, expiry, p.adds[1]) == 0 then
+                    p.used = p.used - p.cost
+                    flat[p.usedAt] = p.used
+                  end
+                else
+                  local zadd = {}
+                  for x = 1, #p.adds do zadd[2 * x - 1], zadd[2 * x] = expiry, p.adds[x] end
+                  redis.call('ZADD', key, unpack(zadd))
+                end
                 floodgate_set_used(KEYS[keyAt[i] + 3], p.used, nil, p.seq)
               elseif name == 'token-bucket-take' then
                 local s = state[i]
@@ -231,59 +240,6 @@ do
             out[turn + 1] = flat
             return out
           end
-        elseif op == 'all' then
-          local now = floodgate_now(ARGV[1])
-          -- Look at every step: a permit stage's room and fence, a bucket's tokens, a host's slot.
-          local state = {}
-          for i = 1, n do
-            local st, name, g = stateOf(i, now), names[i], argAt[i]
-            if not st then n = nil break end
-            if name == 'semaphore-acquire' then
-              if (tonumber(f[g + 9]) or 0) > st.seq then n = nil break end
-              st.cost = floodgate_cost(f[g + 2])
-              if st.used + st.cost > st.limit then n = nil break end
-            elseif name == 'token-bucket-take' then
-              local cost = tonumber(f[g + 5])
-              if not cost then n = nil break end
-              local tokens = st.updatedAt == now and st.tokens
-                or floodgate_tokens_at(st, tonumber(f[g + 2]), tonumber(f[g + 3]), tonumber(f[g + 4]), now)
-              if tokens + 1e-9 < cost then n = nil break end
-              st.left = tokens - cost
-            elseif st.nextAt and st.nextAt > now then
-              n = nil break
-            end
-            state[i] = st
-          end
-          if n then
-            -- Take them all: the leases, then each state written once.
-            local flat = {}
-            for i = 1, n do
-              local name, g = names[i], argAt[i]
-              local x = #flat
-              if name == 'semaphore-acquire' then
-                local p = state[i]
-                if redis.call('ZADD', KEYS[keyAt[i]], now + tonumber(f[g + 4]), f[g + 2]) == 1 then
-                  p.used = p.used + p.cost
-                end
-                p.seq = p.seq + 1
-                flat[x + 1], flat[x + 2], flat[x + 3], flat[x + 4] = p.seq, p.used, p.limit, p.epoch
-                floodgate_set_used(KEYS[keyAt[i] + 3], p.used, nil, p.seq)
-              elseif name == 'token-bucket-take' then
-                local s = state[i]
-                s.tokens = math.max(0, s.left)
-                s.updatedAt = now
-                floodgate_save_bucket(KEYS[keyAt[i]], s, tonumber(f[g + 2]), tonumber(f[g + 3]),
-                  tonumber(f[g + 4]), f[g + 7], now)
-              else
-                local spacing = tonumber(f[g + 2])
-                local claimed = floodgate_num(now + spacing)
-                flat[x + 1], flat[x + 2] = state[i].previous, claimed
-                floodgate_hold_slot(KEYS[keyAt[i]], claimed, spacing)
-              end
-            end
-            flat[#flat + 1] = now
-            return { 1, flat }
-          end
         else
           -- Each lease given back as its script gives it back alone, nobody being in line; a
           -- turn's leases of one stage as its script gives back a turn's, with one write (its
@@ -294,14 +250,14 @@ do
             local member, meta = f[g + 2], KEYS[keyAt[i] + 3]
             if names[i] == 'semaphore-release' then
               -- (Each lease's reply says the permits used once the turn's are all given back.)
-              local turn, freed = {}, 0
+              local answers, freed = {}, 0
               local members = { member }
               for x = 9, argsOf[i], 2 do members[#members + 1] = f[g + x] end
               for x = 1, #members do
                 local m = members[x]
                 local released = redis.call('ZREM', key, m)
                 if released == 1 then freed = freed + floodgate_cost(m) end
-                turn[#turn + 1] = { released, 0, 0, {} }
+                answers[x] = { released, 0, 0, {} }
               end
               local used
               if freed > 0 then
@@ -309,8 +265,8 @@ do
               else
                 used = tonumber(redis.call('HGET', meta, 'used')) or 0
               end
-              for x = 1, #turn do turn[x][3] = used end
-              replies[i] = #turn == 1 and turn[1] or turn
+              for x = 1, #answers do answers[x][3] = used end
+              replies[i] = #answers == 1 and answers[1] or answers
             else
               local s = redis.call('HMGET', meta, 'limit', 'epoch', 'used')
               local maxLimit = tonumber(f[g + 7])
@@ -319,7 +275,7 @@ do
               local used = tonumber(s[3]) or 0
               local minLimit, ratio = tonumber(f[g + 6]), tonumber(f[g + 8])
               -- (Each lease's reply says the limit, epoch and permits used once it is given back.)
-              local turn = {}
+              local answers = {}
               for b = g + 9, g + argsOf[i] - 4, 4 do
                 local m, outcome, ticketEpoch, slow = member, f[g + 4], f[g + 5], f[g + 9]
                 if b > g + 9 then m, outcome, ticketEpoch, slow = f[b + 1], f[b + 2], f[b + 3], f[b + 4] end
@@ -330,10 +286,10 @@ do
                   used = used - floodgate_cost(m)
                 end
                 if used < 0 then used = 0 end
-                turn[#turn + 1] = { released, limit, epoch, used, {} }
+                answers[#answers + 1] = { released, limit, epoch, used, {} }
               end
               redis.call('HSET', meta, 'used', used, 'limit', limit, 'epoch', epoch)
-              replies[i] = #turn == 1 and turn[1] or turn
+              replies[i] = #answers == 1 and answers[1] or answers
             end
           end
           return { { 1, -1, 0, 0, replies } }
