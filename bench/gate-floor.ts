@@ -82,40 +82,60 @@ interface Pending {
   reject: (error: unknown) => void;
 }
 
-/** Calls of one kind (admit or release): one script call out at a time, the rest with the next. */
+/**
+ * Calls of one kind (admit or release), sent as the library sends its own: every call waits for
+ * the end of the turn of the event loop it was made in (`process.nextTick`) and goes with that
+ * turn's others, up to `MAX_TURN` to a script call, whether or not an earlier script call is out.
+ * Those the script leaves out (a turn's admissions stop at the first that does not fit) go with
+ * the next turn.
+ */
 class Turns {
   #pending: Pending[] = [];
-  #out = false;
+  #queued = false;
   constructor(private readonly send: (members: string[]) => Promise<number>) {}
 
   add(member: string): Promise<void> {
     return new Promise((resolve, reject) => {
       this.#pending.push({ member, resolve, reject });
-      if (!this.#out) this.#go();
+      if (!this.#queued) {
+        this.#queued = true;
+        process.nextTick(this.#go);
+      }
     });
   }
 
-  #go(): void {
-    const turn = this.#pending;
+  readonly #go = (): void => {
+    this.#queued = false;
+    const all = this.#pending;
     this.#pending = [];
-    this.#out = true;
+    for (let from = 0; from < all.length; from += MAX_TURN) this.#send(all.slice(from, from + MAX_TURN));
+  };
+
+  #send(turn: Pending[]): void {
     this.send(turn.map((p) => p.member)).then(
       (done) => {
         for (let i = 0; i < turn.length; i++) {
           if (i < done) turn[i]!.resolve();
-          else this.#pending.push(turn[i]!);
+          else this.#again(turn[i]!);
         }
-        this.#out = false;
-        if (this.#pending.length > 0) this.#go();
       },
       (error: unknown) => {
         for (const p of turn) p.reject(error);
-        this.#out = false;
-        if (this.#pending.length > 0) this.#go();
       },
     );
   }
+
+  #again(p: Pending): void {
+    this.#pending.push(p);
+    if (!this.#queued) {
+      this.#queued = true;
+      process.nextTick(this.#go);
+    }
+  }
 }
+
+/** The most calls one script call takes, as the library's batches. */
+const MAX_TURN = 32;
 
 /** The floor's admit-and-release of one call, for `stages` 1 (a semaphore) or 4, none binding. */
 export function floorGate(client: Redis, prefix: string, stages: 1 | 4): () => Promise<void> {
