@@ -317,4 +317,92 @@ describe("the first pass of a gate call", () => {
       await b.close();
     });
   }
+  // A turn's releases of a stage's leases, given back in one go (one ZMSCORE, one ZREM), answer
+  // and count as the rest would take them one by one: a lease no longer there (it ended and was
+  // reaped) frees nothing, and one named twice frees once.
+  for (const how of ["one of its leases is gone", "a lease comes twice in it"] as const) {
+    it(`gives back a turn's releases as the rest would when ${how}`, async () => {
+      const clock = new FakeClock(10_000);
+      const prefix = randomPrefix("first-release");
+      const client = await connect();
+      const sent = record(client);
+      const b = redis(client, { prefix, clock, time: "clock" });
+      const gate = new Gate(
+        [
+          b.tokenBucket("rpm", { capacity: 100, refillPerSecond: 10 }),
+          b.intervalGate("hosts", { minIntervalMs: 0 }),
+          b.semaphore("inflight", { limit: 20 }),
+          b.aimd("adaptive", { initial: 10, max: 20 }),
+        ],
+        { clock },
+      );
+      // (A first call loads the script: the turn then goes as EVALSHA.)
+      await (await gate.admit({ host: "x" })).release("success");
+      const tickets = await Promise.all(Array.from({ length: 4 }, () => gate.tryAdmit({ host: "x" })));
+      expect(tickets.every((t) => t !== undefined)).toBe(true);
+      await Promise.all(tickets.map((t, i) => t!.release(i === 1 ? "dropped" : "success")));
+      const gateSha = scriptSha("gate");
+      const argvOf = (args: string[]) => args.slice(2 + Number(args[1]));
+      const at = sent.findLastIndex(
+        ({ name, args }) => name === "evalsha" && args[0] === gateSha && argvOf(args)[1] === "each",
+      );
+      expect(at, "the releases went as one script call").toBeGreaterThanOrEqual(0);
+      const turn = sent[at]!;
+      const call = JSON.parse(argvOf(turn.args)[5]!) as string[];
+      // Each stage's four leases as one step (a semaphore's release has 8 arguments alone).
+      expect(call[5]).toBe("aimd-release");
+      expect(call.indexOf("semaphore-release")).toBeGreaterThan(0);
+      expect(call[call.indexOf("semaphore-release") + 2]).toBe(String(8 + 2 * 3));
+      // Each stage's leases, by the token their members begin with (its first lease's).
+      const tokenOf = (script: string) => call[call.indexOf(script) + 3]!.split("-")[0]!;
+      const stages = [
+        { name: "inflight", token: tokenOf("semaphore-release") },
+        { name: "adaptive", token: tokenOf("aimd-release") },
+      ];
+
+      // Each script call before the releases again, on keys of their own, then the releases
+      // (changed so), through the whole script and through the script without its first pass.
+      const replayed = async (sha: string) => {
+        const own = randomPrefix("first-release-again");
+        for (const { name, args } of sent.slice(0, at)) {
+          if (name !== "evalsha" && name !== "eval") continue;
+          const digest = name === "eval" ? ((await client.script("LOAD", args[0]!)) as string) : args[0]!;
+          await client.call("EVALSHA", digest, ...args.slice(1).map((a) => a.replaceAll(prefix, own)));
+        }
+        const args = turn.args.map((a) => a.replaceAll(prefix, own));
+        const fields = JSON.parse(args[2 + Number(args[1]) + 5]!) as string[];
+        for (const { name, token } of stages) {
+          const mine = fields.filter((f) => f.startsWith(token) && /-\d+:1$/.test(f));
+          expect(mine).toHaveLength(4);
+          if (how === "one of its leases is gone") {
+            // (Its lease ended and a try reaped it: out of the holders, its permit counted no more.)
+            await client.zrem(`${own}{${name}}:holders`, mine[2]!);
+            await client.hincrby(`${own}{${name}}:meta`, "used", -1);
+          } else fields[fields.indexOf(mine[2]!)] = mine[1]!;
+        }
+        args[2 + Number(args[1]) + 5] = JSON.stringify(fields);
+        const reply = await client.call("EVALSHA", sha, ...args.slice(1));
+        const counts = [];
+        for (const { name } of stages) {
+          counts.push({
+            held: await client.zcard(`${own}{${name}}:holders`),
+            used: Number(await client.hget(`${own}{${name}}:meta`, "used")),
+          });
+        }
+        return { reply, counts, state: await state(client, own), own };
+      };
+      const general = (await client.script("LOAD", WITHOUT_FIRST)) as string;
+      const whole = await replayed(gateSha);
+      const rest = await replayed(general);
+      expect(JSON.stringify(whole.reply).replaceAll(whole.own, "<p>")).toBe(
+        JSON.stringify(rest.reply).replaceAll(rest.own, "<p>"),
+      );
+      expect(whole.state).toEqual(rest.state);
+      // Every lease given back freed its permit once: a lease still held is the one left out of
+      // the turn (named twice, its neighbour's instead), still counted.
+      const left = how === "one of its leases is gone" ? 0 : 1;
+      expect(whole.counts).toEqual(stages.map(() => ({ held: left, used: left })));
+      await b.close();
+    });
+  }
 });
