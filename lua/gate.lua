@@ -149,7 +149,7 @@ end
 -- by now (a first's wait is added whole as it begins, up to fru; the part still to come is left
 -- out, so a caller's stretch counts it once it has passed), from an HMGET of fr, fru and frk.
 local function passed(g)
-  return math.max(0, (tonumber(g[1]) or 0) - math.max(0, (tonumber(g[2]) or 0) - clock()))
+  return floodgate_passed(g, clock())
 end
 
 -- passed(), read now, and frk: what a reply (or a grant) says of the line's rate waits.
@@ -433,26 +433,6 @@ local function join(member, z, e, seq, steps, again)
     end
   end
   return back
-end
-
--- A step's reply as JSON, as Redis would have sent it: numbers as integers, true as 1, false
--- as null, a list up to its first nil (numbers go whole: the JSON library rounds to 14 digits).
-local function encode(v)
-  local t = type(v)
-  if t == 'table' then
-    local parts = {}
-    local i = 1
-    while v[i] ~= nil do
-      parts[i] = encode(v[i])
-      i = i + 1
-    end
-    return '[' .. table.concat(parts, ',') .. ']'
-  elseif t == 'number' then
-    return string.format('%.0f', v >= 0 and math.floor(v) or math.ceil(v))
-  elseif t == 'string' then
-    return cjson.encode(v)
-  end
-  return v == true and '1' or 'null'
 end
 
 -- Keep `call`'s steps while it waits in the permit line, for a release to run.
@@ -841,7 +821,7 @@ local function decide(head, kept, full)
   -- latest try by them, as from a reply. (A process that reads the steps' replies alone, one
   -- per step, never reads it.)
   r[5][#steps + 1] = { lineRate() }
-  local record = h[1] .. '|' .. encode(r[5])
+  local record = h[1] .. '|' .. floodgate_encode(r[5])
   remember(head, 'g:' .. head, record)
   local message = 'g|' .. head .. '|' .. record
   redis.call('PUBLISH', to, message)

@@ -189,6 +189,33 @@ local function floodgate_hold_slot(host, claimed, spacing)
   redis.call('PEXPIRE', host, floodgate_num(math.min(math.ceil(spacing) + 1000, 9007199254740991)))
 end
 
+-- A value as JSON as Redis would have sent it from a script: numbers as integers, true as 1,
+-- false as null, a list up to its first nil (numbers go whole: the JSON library rounds to 14
+-- digits). A fused gate's grant record and message (lua/gate.lua) are made so.
+local function floodgate_encode(v)
+  local t = type(v)
+  if t == 'table' then
+    local parts = {}
+    local i = 1
+    while v[i] ~= nil do
+      parts[i] = floodgate_encode(v[i])
+      i = i + 1
+    end
+    return '[' .. table.concat(parts, ',') .. ']'
+  elseif t == 'number' then
+    return string.format('%.0f', v >= 0 and math.floor(v) or math.ceil(v))
+  elseif t == 'string' then
+    return cjson.encode(v)
+  end
+  return v == true and '1' or 'null'
+end
+
+-- Of a fused gate's permit line's firsts' waits for rates (its gmeta's fr, fru, frk as an HMGET
+-- gives them, `g`), the ms that have passed by `now` (lua/gate.lua, passed()).
+local function floodgate_passed(g, now)
+  return math.max(0, (tonumber(g[1]) or 0) - math.max(0, (tonumber(g[2]) or 0) - now))
+end
+
 -- The process of a lease or waiter member "<token>-<n>:<cost>", or nil for a member without one.
 local function floodgate_token(member)
   return string.match(member, '^(%x+)%-')
