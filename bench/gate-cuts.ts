@@ -66,7 +66,7 @@ type Cuts = readonly (readonly [string, string])[];
 const LONE: Cuts = [
   ["the script called, nothing done", "do\n  local op = ARGV[2]"],
   ["+ the call's JSON decoded", "    local n = decoded and type(f)"],
-  ["+ its steps checked", "      if n and redis.call('EXISTS', unpack(probe)) == 0 then"],
+  ["+ its steps checked", "      local clear = n and redis.call('EXISTS', unpack(probe)) == 0"],
   [
     "+ the lines looked at (EXISTS)",
     "          local now = floodgate_now(ARGV[1])\n          -- Each step's state",

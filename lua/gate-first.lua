@@ -49,6 +49,186 @@
 -- The calls as this pass decoded them (tables, read only, by their number), for the rest to take
 -- as they are instead of decoding them again; nil when this pass decoded none.
 local gate_first_calls = nil
+
+-- A lone release (op "each") through the gate while callers wait in its permit line, decided here
+-- as the rest would decide it (each(), then grantHeads() and decide() in lua/gate.lua) when nothing
+-- else is in the way: each step gives back one lease there (a semaphore's or an AIMD limiter's,
+-- without classes) at a stage nobody waits at but this gate's callers; the first in the permit
+-- line asks still (its expiry not passed), its steps are kept and its process listens; its lane
+-- is empty; and every kept step admits it at this instant as fast() would: a permit stage's (its
+-- lease from the claim window) open, with room once the leases are given back, its own line
+-- empty and the lease new; a bucket's tokens there now; the host's slot come. The first is then
+-- admitted and told (its grant recorded and published), and the permit line stops there: either
+-- nobody is next, or the next (asking still, its steps kept, its process listening) needs a permit
+-- stage the grant left with no permit free and no lease there ended. Every read comes before the
+-- first write: when any of it does not hold, nothing is written and the call goes on to the rest.
+-- Returns the reply of the script call, or nil.
+local function first_handoff(f, n, names, keyAt, argAt, argsOf)
+  local now = floodgate_now(ARGV[1])
+  local line, lexp, held, hexp = KEYS[1], KEYS[2], KEYS[4], KEYS[5]
+  -- Each permit stage's count as the releases leave it (by its meta key), and their replies.
+  local stages, replies, gone = {}, {}, {}
+  for i = 1, n do
+    local g, key, meta = argAt[i], KEYS[keyAt[i]], KEYS[keyAt[i] + 3]
+    local sem = names[i] == 'semaphore-release'
+    local member = f[g + 2]
+    if argsOf[i] ~= (sem and 8 or 13) or stages[meta] or not redis.call('ZSCORE', key, member) then
+      return nil
+    end
+    local v = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'seq', 'quarantine')
+    local st = { used = tonumber(v[1]) or 0, limit = v[2], epoch = tonumber(v[3]) or 0,
+      seq = tonumber(v[4]) or 0, quarantine = tonumber(v[5]) or 0, write = { 'used' } }
+    local cost = floodgate_cost(member)
+    if sem then
+      st.used = math.max(0, st.used - cost)
+      replies[i] = { 1, 0, st.used, {} }
+    else
+      local maxLimit = tonumber(f[g + 7])
+      local limit = tonumber(v[2]) or tonumber(f[g + 12]) or maxLimit
+      limit, st.epoch = floodgate_aimd_moved(limit, st.epoch, st.used, f[g + 4], tonumber(f[g + 5]),
+        f[g + 9] == '1', tonumber(f[g + 6]), maxLimit, tonumber(f[g + 8]))
+      st.limit = limit
+      st.used = math.max(0, st.used - cost)
+      st.write = { 'used', 'limit', 'epoch' }
+      replies[i] = { 1, limit, st.epoch, st.used, {} }
+    end
+    stages[meta] = st
+    gone[#gone + 1] = { key, member }
+  end
+  -- The first in the permit line, and the one after it.
+  local firsts = redis.call('ZRANGE', line, 0, 1)
+  local head, second = firsts[1], firsts[2]
+  if not head or (tonumber(redis.call('ZSCORE', lexp, head)) or now) <= now then return nil end
+  local kept = redis.call('HGET', held, 's:' .. head)
+  local token = floodgate_token(head)
+  if not kept or not token then return nil end
+  local to = ARGV[4] .. ':' .. token
+  if redis.call('PUBSUB', 'NUMSUB', to)[2] == 0 then return nil end
+  local h = cjson.decode(kept)
+  if redis.call('EXISTS', h[2]) == 1 then return nil end
+  -- Its kept steps at this instant (as decide() gives them to fast()), each looked at on the
+  -- state the releases leave.
+  local at = floodgate_num(now)
+  local steps, grants, adds, buckets, hosts = h[4], {}, {}, {}, {}
+  for i = 1, #steps do
+    local name, keys, args = steps[i][1], steps[i][2], steps[i][3]
+    args[1] = at
+    for j = 1, i - 1 do
+      if steps[j][2][1] == keys[1] then return nil end
+    end
+    if name == 'semaphore-acquire' then
+      -- (A lease of the claim window, its fence left out: see decide().)
+      if tonumber(args[13]) < tonumber(args[4]) then args[4] = args[13] end
+      args[9] = '0'
+      if #args ~= 14 or args[14] ~= '' or args[10] == '1' then return nil end
+      if redis.call('EXISTS', keys[2]) == 1 or redis.call('ZSCORE', keys[1], args[2]) then return nil end
+      local st = stages[keys[4]]
+      if not st then
+        local v = redis.call('HMGET', keys[4], 'used', 'limit', 'epoch', 'seq', 'quarantine')
+        st = { used = tonumber(v[1]) or 0, limit = v[2], epoch = tonumber(v[3]) or 0,
+          seq = tonumber(v[4]) or 0, quarantine = tonumber(v[5]) or 0, write = {} }
+        stages[keys[4]] = st
+      end
+      -- (Open as floodgate_open() says: its limit known, no quarantine on.)
+      local limit = tonumber(args[3]) or tonumber(st.limit)
+      local cost = floodgate_cost(args[2])
+      if not limit or st.quarantine > now or st.used + cost > limit then return nil end
+      st.used, st.seq = st.used + cost, st.seq + 1
+      st.took = true
+      local ends = now + tonumber(args[4])
+      adds[#adds + 1] = { keys[1], ends, args[2] }
+      grants[i] = { 1, st.seq, st.used, limit, args[3] == '' and st.epoch or 0, 0, 0, 'grant', '', ends }
+      grants[i].holders, grants[i].limit = keys[1], limit
+    elseif name == 'token-bucket-take' then
+      local s = floodgate_bucket(keys[1], tonumber(args[6]), now)
+      if s.updatedAt > now then return nil end
+      local tokens = s.updatedAt == now and s.tokens
+        or floodgate_tokens_at(s, tonumber(args[2]), tonumber(args[3]), tonumber(args[4]), now)
+      local cost = tonumber(args[5])
+      if not cost or tokens + 1e-9 < cost then return nil end
+      s.tokens, s.updatedAt = math.max(0, tokens - cost), now
+      buckets[#buckets + 1] = { keys[1], s, args }
+      grants[i] = { 1, 0 }
+    elseif name == 'interval-gate-take' then
+      local previous = redis.call('HGET', keys[1], 'nextAt') or ''
+      if (tonumber(previous) or now) > now then return nil end
+      local claimed = floodgate_num(now + tonumber(args[2]))
+      hosts[#hosts + 1] = { keys[1], claimed, tonumber(args[2]) }
+      grants[i] = { 1, previous, claimed }
+    else
+      return nil
+    end
+  end
+  -- The permit stages the grant leaves with no permit free and no lease there ended (but those
+  -- given back here), and the one after it: it must need one of them.
+  local full = {}
+  for i = 1, #steps do
+    local p = grants[i]
+    if p.holders and p[3] >= p.limit then
+      local ended = redis.call('ZRANGEBYSCORE', p.holders, '-inf', now, 'LIMIT', 0, 2)
+      local left = false
+      for x = 1, #ended do
+        local mine = false
+        for y = 1, #gone do
+          if gone[y][1] == p.holders and gone[y][2] == ended[x] then mine = true end
+        end
+        if not mine then left = true end
+      end
+      if not left then full[p.holders] = true end
+    end
+  end
+  if second then
+    if (tonumber(redis.call('ZSCORE', lexp, second)) or now) <= now then return nil end
+    local kept2 = redis.call('HGET', held, 's:' .. second)
+    local token2 = floodgate_token(second)
+    if not kept2 or not token2 then return nil end
+    if redis.call('PUBSUB', 'NUMSUB', ARGV[4] .. ':' .. token2)[2] == 0 then return nil end
+    local waits = false
+    for _, s in ipairs(cjson.decode(kept2)[4]) do
+      if s[1] == 'semaphore-acquire' and full[s[2][1]] then waits = true end
+    end
+    if not waits then return nil end
+  end
+  -- All of it holds: written.
+  for x = 1, #gone do redis.call('ZREM', gone[x][1], gone[x][2]) end
+  for x = 1, #adds do redis.call('ZADD', adds[x][1], adds[x][2], adds[x][3]) end
+  for meta, st in pairs(stages) do
+    local fields = {}
+    for x = 1, #st.write do
+      local name = st.write[x]
+      fields[#fields + 1] = name
+      fields[#fields + 1] = st[name]
+    end
+    if st.took then
+      if #st.write == 0 then
+        fields[1], fields[2] = 'used', st.used
+      end
+      fields[#fields + 1] = 'seq'
+      fields[#fields + 1] = st.seq
+    end
+    redis.call('HSET', meta, unpack(fields))
+  end
+  for x = 1, #buckets do
+    local key, s, args = buckets[x][1], buckets[x][2], buckets[x][3]
+    floodgate_save_bucket(key, s, tonumber(args[2]), tonumber(args[3]), tonumber(args[4]), args[7], now)
+  end
+  for x = 1, #hosts do floodgate_hold_slot(hosts[x][1], hosts[x][2], hosts[x][3]) end
+  redis.call('ZREM', line, head)
+  redis.call('ZREM', lexp, head)
+  for _, m in ipairs(floodgate_expired(hexp, now)) do redis.call('HDEL', held, 'g:' .. m, 's:' .. m, 'p:' .. m) end
+  for i = 1, #steps do grants[i].holders, grants[i].limit = nil, nil end
+  local g = redis.call('HMGET', KEYS[3], 'fr', 'fru', 'frk')
+  grants[#steps + 1] = { floodgate_passed(g, now), g[3] or '' }
+  local record = h[1] .. '|' .. floodgate_encode(grants)
+  local ttl = tonumber(ARGV[3])
+  redis.call('HSET', held, 'g:' .. head, record)
+  redis.call('ZADD', hexp, now + ttl, head)
+  redis.call('PEXPIRE', held, ttl)
+  redis.call('PEXPIRE', hexp, ttl)
+  local message = 'g|' .. head .. '|' .. record
+  redis.call('PUBLISH', to, message)
+  return { { 1, -1, 0, { message }, replies } }
+end
 do
   local op = ARGV[2]
   local turn = op == 'all' and tonumber(ARGV[5]) or 1
@@ -62,6 +242,8 @@ do
       -- arguments start (argument j of a step at `g` is f[g + j]; its first, `now`, is not sent).
       local names, keyAt, argAt, argsOf = {}, {}, {}, {}
       local probe = { KEYS[1] }
+      -- (A release's stages' own lines, and where other gates wait at them: see below.)
+      local queues, gates = {}, {}
       -- (The call's lane is the first of its keys, after the gate's five; its steps' keys follow
       -- the lane's two.)
       local lane = 6
@@ -89,14 +271,22 @@ do
           end
           if not n then break end
           probe[#probe + 1] = KEYS[k + 1]
-          if f[g + 7] == '1' then probe[#probe + 1] = f[g + 4] .. ':gates' end
+          queues[#queues + 1] = KEYS[k + 1]
+          if f[g + 7] == '1' then
+            probe[#probe + 1] = f[g + 4] .. ':gates'
+            gates[#gates + 1] = probe[#probe]
+          end
         elseif name == 'aimd-release' then
           -- (Argument 13: the stage's classes; 3 its channel, 11 whether listeners are counted.)
           -- (A turn's releases of the stage's leases: each other's member, outcome, epoch and slow
           -- flag, from argument 14.)
           if na < 13 or (na - 13) % 4 ~= 0 or f[g + 13] ~= '' then n = nil break end
           probe[#probe + 1] = KEYS[k + 1]
-          if f[g + 11] == '1' then probe[#probe + 1] = f[g + 3] .. ':gates' end
+          queues[#queues + 1] = KEYS[k + 1]
+          if f[g + 11] == '1' then
+            probe[#probe + 1] = f[g + 3] .. ':gates'
+            gates[#gates + 1] = probe[#probe]
+          end
         else
           n = nil break
         end
@@ -120,7 +310,29 @@ do
           if g[5] ~= '*' or g[4] ~= '' or #g ~= want then n = nil break end
         end
       end
-      if n and redis.call('EXISTS', unpack(probe)) == 0 then
+      local clear = n and redis.call('EXISTS', unpack(probe)) == 0
+      -- A release the probe stopped: when only this gate waits at its stages (its own callers in
+      -- its permit line: the gate's wake channel, ARGV[4], in their `:gates`, which a release
+      -- through this gate passes over), it goes on here too, handing its permits to the first in
+      -- the permit line when that can be done here (first_handoff), else as if nobody waited.
+      if n and not clear and op == 'each' and redis.call('EXISTS', unpack(queues)) == 0 then
+        local others = false
+        for x = 1, #gates do
+          local waiting = redis.call('ZRANGE', gates[x], 0, -1)
+          for y = 1, #waiting do
+            if waiting[y] ~= ARGV[4] then others = true end
+          end
+        end
+        if not others then
+          if redis.call('EXISTS', KEYS[1]) == 0 then
+            clear = true
+          else
+            local handed = first_handoff(f, n, names, keyAt, argAt, argsOf)
+            if handed then return handed end
+          end
+        end
+      end
+      if clear then
         if op == 'all' then
           local now = floodgate_now(ARGV[1])
           -- Each step's state, read once: a permit stage's (not open: nil), a bucket's (reserved

@@ -15,7 +15,7 @@ import type { Redis } from "ioredis";
 import { describe, expect, it } from "vitest";
 import { scriptSha, scriptSource } from "../../src/redis/scripts.js";
 import { useClients } from "./clients.js";
-import { ROOT, randomPrefix, seeded } from "./helpers.js";
+import { ROOT, randomPrefix, seeded, until, within } from "./helpers.js";
 
 /**
  * The gate script as it was before its first pass: the same text with that pass left out, but
@@ -23,6 +23,10 @@ import { ROOT, randomPrefix, seeded } from "./helpers.js";
  */
 const FIRST = readFileSync(join(ROOT, "lua", "gate-first.lua"), "utf8");
 const WITHOUT_FIRST = scriptSource("gate").replace(FIRST, "local gate_first_calls = nil\n");
+
+/** The gate script whose first pass answers "handed" for a release it hands on to a waiter itself. */
+const HANDED = "  return { { 1, -1, 0, { message }, replies } }\n";
+const SAYS_HANDED = scriptSource("gate").replace(HANDED, "  do return 'handed' end\n");
 
 /** One command a client sent, with the reply Redis gave it. */
 interface Sent {
@@ -403,6 +407,134 @@ describe("the first pass of a gate call", () => {
       const left = how === "one of its leases is gone" ? 0 : 1;
       expect(whole.counts).toEqual(stages.map(() => ({ held: left, used: left })));
       await b.close();
+    });
+  }
+  // A lone release while callers wait in the gate's permit line: the first pass hands its
+  // permits to the first waiter itself (first_handoff) when nothing else is in the way, exactly as
+  // the rest would (its reply, its grant message, the state left), both when the next waiter then
+  // waits for a permit stage left full and when nobody is next. When the release leaves room for
+  // the next waiter too (it frees two permits, or a dead holder's lease there has ended), it goes
+  // on to the rest, which admits both.
+  for (const how of [
+    "one permit",
+    "one permit, its lease ended",
+    "two permits",
+    "a dead holder's lease ended",
+  ] as const) {
+    it(`hands a release's permits to the first waiter as the rest would (${how})`, async () => {
+      const roomy = !how.startsWith("one permit");
+      const clock = new FakeClock(10_000);
+      const prefix = randomPrefix("first-handoff");
+      const client = await connect();
+      const sent = record(client);
+      // Three processes' gates (each its own token and wake channel) on one connection, so that
+      // what they sent is recorded in the order Redis ran it.
+      const gates = [0, 1, 2].map(() => {
+        const b = redis(client, { prefix, clock, time: "clock" });
+        return {
+          b,
+          gate: new Gate(
+            [
+              b.tokenBucket("rpm", { capacity: 100, refillPerSecond: 10 }),
+              b.tokenBucket("tpm", { capacity: 10_000, refillPerSecond: 1_000 }),
+              b.semaphore("inflight", { limit: roomy ? 2 : 1 }),
+              b.aimd("adaptive", { initial: roomy ? 2 : 1, max: 2 }),
+              b.intervalGate("hosts", { minIntervalMs: 0, defaultHost: "x" }),
+            ],
+            { clock, name: "llm" },
+          ),
+        };
+      });
+      const look = await connect();
+      const line = `${prefix}{gate:llm|rpm|tpm|inflight|adaptive|hosts}:line`;
+      const waiting = (n: number) =>
+        until(async () => (await look.zcard(line)) === n, { timeoutMs: 5_000, message: `${n} in line` });
+      const a = await gates[0]!.gate.admit({
+        costs: { tpm: 300, inflight: how === "two permits" ? 2 : 1 },
+      });
+      const dead = how === "a dead holder's lease ended";
+      // (A holder of a process that died, at each permit stage: its lease far off at first, so
+      // that nobody waits for its end, then ended just before the release.)
+      for (const stage of dead ? ["inflight", "adaptive"] : []) {
+        await client.zadd(`${prefix}{${stage}}:holders`, clock.now() + 1_000_000, "dead00-1:1");
+        await client.hincrby(`${prefix}{${stage}}:meta`, "used", 1);
+      }
+      const b = gates[1]!.gate.admit({ costs: { tpm: 200 } });
+      await waiting(1);
+      const c = gates[2]!.gate.admit({ costs: { tpm: 100 } });
+      await waiting(2);
+      for (const stage of dead ? ["inflight", "adaptive"] : []) {
+        await client.zadd(`${prefix}{${stage}}:holders`, "XX", clock.now() - 1, "dead00-1:1");
+      }
+      const gate = `${prefix}{gate:llm|rpm|tpm|inflight|adaptive|hosts}`;
+      if (how === "one permit") {
+        // (A grant record nobody collected, its time over: swept as the rest sweeps it.)
+        await client.hset(`${gate}:held`, "g:ghost0-1", "1|[]");
+        await client.zadd(`${gate}:hexp`, clock.now() - 1, "ghost0-1");
+      }
+      if (how === "one permit, its lease ended") {
+        // (The releasing caller's own leases ended, not yet taken by anyone: given back all the same.)
+        for (const stage of ["inflight", "adaptive"]) {
+          const [lease] = await client.zrange(`${prefix}{${stage}}:holders`, 0, 0);
+          await client.zadd(`${prefix}{${stage}}:holders`, "XX", clock.now() - 1, lease!);
+        }
+      }
+      // (The script call of each release that hands its permits on in the first pass.)
+      const handing: Sent[] = [];
+      const releaseOf = async (t: Ticket, handsOn: boolean) => {
+        const before = sent.length;
+        await t.release("success");
+        const call = sent.slice(before).find((x) => x.name === "evalsha");
+        if (handsOn) handing.push(call!);
+      };
+      await releaseOf(a, !roomy);
+      const tb = await within(b, 5_000, "the first waiter's grant");
+      await releaseOf(tb, !roomy);
+      const tc = await within(c, 5_000, "the second waiter's grant");
+      expect(await look.zcard(line)).toBe(0);
+      const channels = (await look.pubsub("CHANNELS", `${prefix}*`)) as string[];
+      const gateSha = scriptSha("gate");
+
+      // Every script call (and the dead holder's lease) again, in order, on keys of their own,
+      // with a listener on each wake channel that listened, through the whole script, the script
+      // without its first pass, and the whole script answering "handed" where its first pass
+      // hands a release on itself.
+      const again = sent.filter((x) => ["evalsha", "eval", "zadd", "hincrby", "hset"].includes(x.name));
+      const replay = await connect();
+      const replayed = async (gateScript: string) => {
+        const own = randomPrefix("first-handoff-again");
+        const listener = await connect();
+        await listener.subscribe(...channels.map((ch) => ch.replaceAll(prefix, own)));
+        const sha = (await replay.script("LOAD", gateScript)) as string;
+        const replies: string[] = [];
+        for (const { name, args } of again) {
+          if (name === "zadd" || name === "hincrby" || name === "hset") {
+            await replay.call(name, ...args.map((x) => x.replaceAll(prefix, own)));
+            replies.push("");
+            continue;
+          }
+          let digest = name === "eval" ? ((await replay.script("LOAD", args[0]!)) as string) : args[0]!;
+          if (digest === gateSha) digest = sha;
+          const reply = await replay
+            .call("EVALSHA", digest, ...args.slice(1).map((x) => x.replaceAll(prefix, own)))
+            .catch((e: unknown) => ({ error: String(e) }));
+          replies.push(JSON.stringify(reply).replaceAll(own, "<p>"));
+        }
+        await listener.quit();
+        return { replies, state: await state(replay, own) };
+      };
+      const whole = await replayed(scriptSource("gate"));
+      const rest = await replayed(WITHOUT_FIRST);
+      const says = await replayed(SAYS_HANDED);
+      expect(whole.replies).toEqual(rest.replies);
+      expect(whole.state).toEqual(rest.state);
+      // The releases handed on by the first pass (and no other call); their replies carry the
+      // grant message to the waiter.
+      const handed = says.replies.flatMap((r, i) => (r === '"handed"' ? [i] : []));
+      expect(handed).toEqual(handing.map((call) => again.indexOf(call)));
+      for (const i of handed) expect(whole.replies[i]).toMatch(/"g\|/);
+      await tc.release("success");
+      for (const { b } of gates) await b.close();
     });
   }
 });
