@@ -41,10 +41,13 @@
 --
 -- A release (op "each", one call) is run here when every step gives back leases of a semaphore
 -- or an AIMD limiter without classes (one, or a turn's as one step: every one a lease, "lease",
--- for a semaphore), and nobody waits in the gate's permit line, in those stages' own lines, or
--- (where Redis counts listeners) at those stages for another gate (`<stage's channel>:gates`).
--- Each step then does what its script does with nobody in line, for one lease or for a turn's
--- (lua/semaphore-release.lua, lua/aimd-release.lua), and the call answers as each() does.
+-- for a semaphore), nobody waits in those stages' own lines, and (where Redis counts listeners)
+-- no other gate waits at those stages (`<stage's channel>:gates` holds this gate's own wake
+-- channel at most, which a release through this gate passes over). With nobody in the gate's
+-- permit line, each step then does what its script does with nobody in line, for one lease or
+-- for a turn's (lua/semaphore-release.lua, lua/aimd-release.lua), and the call answers as each()
+-- does. With callers in the permit line, a release of one lease a stage hands its permits to the
+-- first of them here when the rest would admit it and stop there (first_handoff, below).
 --
 -- The calls as this pass decoded them (tables, read only, by their number), for the rest to take
 -- as they are instead of decoding them again; nil when this pass decoded none.
