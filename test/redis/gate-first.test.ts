@@ -75,6 +75,64 @@ async function state(client: Redis, prefix: string): Promise<Record<string, unkn
   return out;
 }
 
+/**
+ * The script calls of `sent` before the one at `at` run again on `client`, in order, on keys of
+ * their own (`prefix` made `own`).
+ */
+async function replayBefore(client: Redis, sent: Sent[], at: number, prefix: string, own: string) {
+  for (const { name, args } of sent.slice(0, at)) {
+    if (name !== "evalsha" && name !== "eval") continue;
+    // (A first call of a script goes as EVAL: it runs here as EVALSHA of the same text.)
+    const digest = name === "eval" ? ((await client.script("LOAD", args[0]!)) as string) : args[0]!;
+    await client.call("EVALSHA", digest, ...args.slice(1).map((a) => a.replaceAll(prefix, own)));
+  }
+}
+
+/**
+ * `replayed` run through the whole gate script (`gateSha`) and through the script without its
+ * first pass: the same reply (its own prefix aside) and the same state. Returns the first's.
+ */
+async function alike<T extends { reply: unknown; state: unknown; own: string }>(
+  client: Redis,
+  gateSha: string,
+  replayed: (sha: string) => Promise<T>,
+): Promise<T> {
+  const general = (await client.script("LOAD", WITHOUT_FIRST)) as string;
+  const whole = await replayed(gateSha);
+  const rest = await replayed(general);
+  expect(JSON.stringify(whole.reply).replaceAll(whole.own, "<p>")).toBe(
+    JSON.stringify(rest.reply).replaceAll(rest.own, "<p>"),
+  );
+  expect(whole.state).toEqual(rest.state);
+  return whole;
+}
+
+/**
+ * A four-stage gate with room for all (a bucket, an interval gate, a semaphore, an AIMD limiter)
+ * on `client`, every command recorded, its script loaded by a first call; then `size` tries at one
+ * instant, every one admitted.
+ */
+async function roomyGate(client: Redis, label: string, size: number) {
+  const clock = new FakeClock(10_000);
+  const prefix = randomPrefix(label);
+  const sent = record(client);
+  const b = redis(client, { prefix, clock, time: "clock" });
+  const gate = new Gate(
+    [
+      b.tokenBucket("rpm", { capacity: 100, refillPerSecond: 10 }),
+      b.intervalGate("hosts", { minIntervalMs: 0 }),
+      b.semaphore("inflight", { limit: 20 }),
+      b.aimd("adaptive", { initial: 10, max: 20 }),
+    ],
+    { clock },
+  );
+  // (A first call loads the script: the turn then goes as EVALSHA.)
+  await (await gate.admit({ host: "x" })).release("success");
+  const tickets = await Promise.all(Array.from({ length: size }, () => gate.tryAdmit({ host: "x" })));
+  expect(tickets.every((t) => t !== undefined)).toBe(true);
+  return { prefix, client, sent, b, tickets };
+}
+
 describe("the first pass of a gate call", () => {
   const { connect } = useClients();
 
@@ -239,24 +297,7 @@ describe("the first pass of a gate call", () => {
         ? "decides a lone call whose lease is held already as the rest would, counting it once"
         : `sends a turn of alike calls on to the rest, writing nothing, when ${how}`;
     it(title, async () => {
-      const clock = new FakeClock(10_000);
-      const prefix = randomPrefix("first-turn");
-      const client = await connect();
-      const sent = record(client);
-      const b = redis(client, { prefix, clock, time: "clock" });
-      const gate = new Gate(
-        [
-          b.tokenBucket("rpm", { capacity: 100, refillPerSecond: 10 }),
-          b.intervalGate("hosts", { minIntervalMs: 0 }),
-          b.semaphore("inflight", { limit: 20 }),
-          b.aimd("adaptive", { initial: 10, max: 20 }),
-        ],
-        { clock },
-      );
-      // (A first call loads the script: the turn then goes as EVALSHA.)
-      await (await gate.admit({ host: "x" })).release("success");
-      const tickets = await Promise.all(Array.from({ length: size }, () => gate.tryAdmit({ host: "x" })));
-      expect(tickets.every((t) => t !== undefined)).toBe(true);
+      const { prefix, client, sent, b, tickets } = await roomyGate(await connect(), "first-turn", size);
       const gateSha = scriptSha("gate");
       const argvOf = (args: string[]) => args.slice(2 + Number(args[1]));
       const at = sent.findIndex(
@@ -282,12 +323,7 @@ describe("the first pass of a gate call", () => {
       // through the whole script and through the script without its first pass.
       const replayed = async (sha: string) => {
         const own = randomPrefix("first-turn-again");
-        for (const { name, args } of sent.slice(0, at)) {
-          if (name !== "evalsha" && name !== "eval") continue;
-          // (A first call of a script goes as EVAL: it runs here as EVALSHA of the same text.)
-          const digest = name === "eval" ? ((await client.script("LOAD", args[0]!)) as string) : args[0]!;
-          await client.call("EVALSHA", digest, ...args.slice(1).map((a) => a.replaceAll(prefix, own)));
-        }
+        await replayBefore(client, sent, at, prefix, own);
         const args = turn.args.map((a) => a.replaceAll(prefix, own));
         const holders = `${own}{inflight}:holders`;
         if (how === "a lease of it is held already") {
@@ -307,13 +343,7 @@ describe("the first pass of a gate call", () => {
         ]);
         return { reply, members, used, state: await state(client, own), own };
       };
-      const general = (await client.script("LOAD", WITHOUT_FIRST)) as string;
-      const whole = await replayed(gateSha);
-      const rest = await replayed(general);
-      expect(JSON.stringify(whole.reply).replaceAll(whole.own, "<p>")).toBe(
-        JSON.stringify(rest.reply).replaceAll(rest.own, "<p>"),
-      );
-      expect(whole.state).toEqual(rest.state);
+      const whole = await alike(client, gateSha, replayed);
       // Each lease counted once: the count is the leases held (each of cost 1).
       expect(Number(whole.used)).toBe(whole.members.length);
       expect(whole.members).toContain(second);
@@ -326,24 +356,7 @@ describe("the first pass of a gate call", () => {
   // reaped) frees nothing, and one named twice frees once.
   for (const how of ["one of its leases is gone", "a lease comes twice in it"] as const) {
     it(`gives back a turn's releases as the rest would when ${how}`, async () => {
-      const clock = new FakeClock(10_000);
-      const prefix = randomPrefix("first-release");
-      const client = await connect();
-      const sent = record(client);
-      const b = redis(client, { prefix, clock, time: "clock" });
-      const gate = new Gate(
-        [
-          b.tokenBucket("rpm", { capacity: 100, refillPerSecond: 10 }),
-          b.intervalGate("hosts", { minIntervalMs: 0 }),
-          b.semaphore("inflight", { limit: 20 }),
-          b.aimd("adaptive", { initial: 10, max: 20 }),
-        ],
-        { clock },
-      );
-      // (A first call loads the script: the turn then goes as EVALSHA.)
-      await (await gate.admit({ host: "x" })).release("success");
-      const tickets = await Promise.all(Array.from({ length: 4 }, () => gate.tryAdmit({ host: "x" })));
-      expect(tickets.every((t) => t !== undefined)).toBe(true);
+      const { prefix, client, sent, b, tickets } = await roomyGate(await connect(), "first-release", 4);
       await Promise.all(tickets.map((t, i) => t!.release(i === 1 ? "dropped" : "success")));
       const gateSha = scriptSha("gate");
       const argvOf = (args: string[]) => args.slice(2 + Number(args[1]));
@@ -368,11 +381,7 @@ describe("the first pass of a gate call", () => {
       // (changed so), through the whole script and through the script without its first pass.
       const replayed = async (sha: string) => {
         const own = randomPrefix("first-release-again");
-        for (const { name, args } of sent.slice(0, at)) {
-          if (name !== "evalsha" && name !== "eval") continue;
-          const digest = name === "eval" ? ((await client.script("LOAD", args[0]!)) as string) : args[0]!;
-          await client.call("EVALSHA", digest, ...args.slice(1).map((a) => a.replaceAll(prefix, own)));
-        }
+        await replayBefore(client, sent, at, prefix, own);
         const args = turn.args.map((a) => a.replaceAll(prefix, own));
         const fields = JSON.parse(args[2 + Number(args[1]) + 5]!) as string[];
         for (const { name, token } of stages) {
@@ -395,13 +404,7 @@ describe("the first pass of a gate call", () => {
         }
         return { reply, counts, state: await state(client, own), own };
       };
-      const general = (await client.script("LOAD", WITHOUT_FIRST)) as string;
-      const whole = await replayed(gateSha);
-      const rest = await replayed(general);
-      expect(JSON.stringify(whole.reply).replaceAll(whole.own, "<p>")).toBe(
-        JSON.stringify(rest.reply).replaceAll(rest.own, "<p>"),
-      );
-      expect(whole.state).toEqual(rest.state);
+      const whole = await alike(client, gateSha, replayed);
       // Every lease given back freed its permit once: a lease still held is the one left out of
       // the turn (named twice, its neighbour's instead), still counted.
       const left = how === "one of its leases is gone" ? 0 : 1;
