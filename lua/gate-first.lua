@@ -314,10 +314,11 @@ do
         end
       end
       local clear = n and redis.call('EXISTS', unpack(probe)) == 0
-      -- A release the probe stopped: when only this gate waits at its stages (its own callers in
-      -- its permit line: the gate's wake channel, ARGV[4], in their `:gates`, which a release
-      -- through this gate passes over), it goes on here too, handing its permits to the first in
-      -- the permit line when that can be done here (first_handoff), else as if nobody waited.
+      -- A release the probe stopped, when nobody waits in its stages' own lines and no other
+      -- gate at them (this gate's own callers put its wake channel, ARGV[4], in their `:gates`,
+      -- which a release through this gate passes over): with nobody in the permit line either,
+      -- it is given back here as above; with callers there, its permits are handed to the first
+      -- of them here when that can be done (first_handoff); else it goes on to the rest.
       if n and not clear and op == 'each' and redis.call('EXISTS', unpack(queues)) == 0 then
         local others = false
         for x = 1, #gates do
