@@ -7,7 +7,8 @@
 --
 -- KEYS and ARGV are the gate call's, as lua/gate.lua lists them; this pass reads:
 -- KEYS[1] line   the gate's permit line
--- KEYS[2] lexp, KEYS[3] gmeta, KEYS[4] held, KEYS[5] hexp: the gate's other keys, not read here
+-- KEYS[2] lexp, KEYS[3] gmeta, KEYS[4] held, KEYS[5] hexp: the gate's other keys (lua/gate.lua),
+--                for a release handed to the first waiter and a try put in line behind it
 -- KEYS[6…]       the call's lane, the lane's expiries, then its steps' own keys in order
 --
 -- ARGV[1] now    ms, or "" for the server's TIME
@@ -52,6 +53,54 @@
 -- The calls as this pass decoded them (tables, read only, by their number), for the rest to take
 -- as they are instead of decoding them again; nil when this pass decoded none.
 local gate_first_calls = nil
+
+-- A lone admission's first try (op "all", mode "hold" or "wait", no grant held) while someone
+-- else is first in the gate's permit line, asking still, and nobody waits in the call's lane:
+-- nothing is looked at, and the call takes its place at the back of the permit line, as admit()
+-- in lua/gate.lua puts it there (behind() and join()): numbered, its expiry set, the gate's wake
+-- channel put at each of its permit stages, its steps kept ("hold"). Every read comes before the
+-- first write: when any of it does not hold, nothing is written and the call goes on to the rest.
+-- Returns the reply of the script call, or nil.
+local function first_join(f, n, names, keyAt, argAt, argsOf)
+  local member, mode = f[1], f[2]
+  if member == '' or f[3] ~= '1' or (mode ~= 'hold' and mode ~= 'wait') then return nil end
+  local now = floodgate_now(ARGV[1])
+  local line, lexp, gmeta = KEYS[1], KEYS[2], KEYS[3]
+  local head = redis.call('ZRANGE', line, 0, 0)[1]
+  if not head or head == member or (tonumber(redis.call('ZSCORE', lexp, head)) or now) <= now then
+    return nil
+  end
+  -- (The call's lane, and its expiries: the first of its keys, after the gate's five.)
+  local laneAt = 6
+  if redis.call('ZRANGE', KEYS[laneAt], 0, 0)[1] or redis.call('ZSCORE', line, member) then return nil end
+  local ttl = tonumber(ARGV[3])
+  local ends = now + ttl
+  redis.call('ZADD', line, redis.call('HINCRBY', gmeta, 'seq', 1), member)
+  redis.call('ZADD', lexp, ends, member)
+  redis.call('PEXPIRE', line, ttl)
+  redis.call('PEXPIRE', lexp, ttl)
+  redis.call('PEXPIRE', gmeta, ttl)
+  -- Its steps as the rest reads them (a step's keys, and its arguments with this call's `now`).
+  local at = floodgate_num(now)
+  local steps, replies = {}, {}
+  for i = 1, n do
+    local g = argAt[i]
+    local args = { at, unpack(f, g + 2, g + argsOf[i]) }
+    steps[i] = { names[i], { unpack(KEYS, keyAt[i], keyAt[i] + tonumber(f[g]) - 1) }, args }
+    replies[i] = false
+    if names[i] == 'semaphore-acquire' then
+      local gates = args[7] .. ':gates'
+      redis.call('ZADD', gates, ends, ARGV[4])
+      redis.call('PEXPIRE', gates, ttl)
+    end
+  end
+  if mode == 'hold' then
+    redis.call('HSET', KEYS[4], 's:' .. member, cjson.encode({ f[3], KEYS[laneAt], KEYS[laneAt + 1], steps }))
+    redis.call('PEXPIRE', KEYS[4], ttl)
+  end
+  local g = redis.call('HMGET', gmeta, 'fr', 'fru', 'frk')
+  return { { 0, -1, 1, 0, replies, mode == 'hold' and 1 or 0, now, floodgate_passed(g, now), g[3] or '' } }
+end
 
 -- A lone release (op "each") through the gate while callers wait in its permit line, decided here
 -- as the rest would decide it (each(), then grantHeads() and decide() in lua/gate.lua) when nothing
@@ -335,6 +384,11 @@ do
             if handed then return handed end
           end
         end
+      end
+      -- A lone admission's first try behind someone in the permit line: it takes its place.
+      if n and not clear and op == 'all' and turn == 1 then
+        local joined = first_join(f, n, names, keyAt, argAt, argsOf)
+        if joined then return joined end
       end
       if clear then
         if op == 'all' then

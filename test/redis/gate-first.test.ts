@@ -28,6 +28,11 @@ const WITHOUT_FIRST = scriptSource("gate").replace(FIRST, "local gate_first_call
 const HANDED = "  return { { 1, -1, 0, { message }, replies } }\n";
 const SAYS_HANDED = scriptSource("gate").replace(HANDED, "  do return 'handed' end\n");
 
+/** The gate script whose first pass answers "joined" for a first try it puts behind the line's first. */
+const JOINED =
+  "  return { { 0, -1, 1, 0, replies, mode == 'hold' and 1 or 0, now, floodgate_passed(g, now), g[3] or '' } }\n";
+const SAYS_JOINED = scriptSource("gate").replace(JOINED, "  do return 'joined' end\n");
+
 /** One command a client sent, with the reply Redis gave it. */
 interface Sent {
   name: string;
@@ -450,8 +455,33 @@ describe("the first pass of a gate call", () => {
       });
       const look = await connect();
       const line = `${prefix}{gate:llm|rpm|tpm|inflight|adaptive|hosts}:line`;
+      // (n callers in the permit line, each with its steps kept: its process listens, and a
+      // release can hand it permits.)
+      const held = line.replace(/:line$/, ":held");
       const waiting = (n: number) =>
-        until(async () => (await look.zcard(line)) === n, { timeoutMs: 5_000, message: `${n} in line` });
+        until(
+          async () => {
+            const members = await look.zrange(line, 0, -1);
+            const kept = await Promise.all(members.map((m) => look.hexists(held, `s:${m}`)));
+            return members.length === n && kept.every((k) => k === 1);
+          },
+          { timeoutMs: 5_000, message: `${n} in line, their steps kept` },
+        );
+      // (The script call of each release that hands its permits on in the first pass.)
+      const handing: Sent[] = [];
+      const releaseOf = async (t: Ticket, handsOn: boolean) => {
+        const before = sent.length;
+        await t.release("success");
+        const call = sent.slice(before).find((x) => x.name === "evalsha");
+        if (handsOn) handing.push(call!);
+      };
+      // The third process waits once first, so that it listens for grants when its caller comes
+      // (its steps are then kept as it waits): a release hands it the permits, nobody next.
+      const first = await gates[0]!.gate.admit({ costs: { tpm: 300, inflight: roomy ? 2 : 1 } });
+      const warm = gates[2]!.gate.admit({ costs: { tpm: 100 } });
+      await waiting(1);
+      await releaseOf(first, true);
+      await (await within(warm, 5_000, "the first wait's grant")).release("success");
       const a = await gates[0]!.gate.admit({
         costs: { tpm: 300, inflight: how === "two permits" ? 2 : 1 },
       });
@@ -464,6 +494,7 @@ describe("the first pass of a gate call", () => {
       }
       const b = gates[1]!.gate.admit({ costs: { tpm: 200 } });
       await waiting(1);
+      const joining = sent.length;
       const c = gates[2]!.gate.admit({ costs: { tpm: 100 } });
       await waiting(2);
       for (const stage of dead ? ["inflight", "adaptive"] : []) {
@@ -482,14 +513,6 @@ describe("the first pass of a gate call", () => {
           await client.zadd(`${prefix}{${stage}}:holders`, "XX", clock.now() - 1, lease!);
         }
       }
-      // (The script call of each release that hands its permits on in the first pass.)
-      const handing: Sent[] = [];
-      const releaseOf = async (t: Ticket, handsOn: boolean) => {
-        const before = sent.length;
-        await t.release("success");
-        const call = sent.slice(before).find((x) => x.name === "evalsha");
-        if (handsOn) handing.push(call!);
-      };
       await releaseOf(a, !roomy);
       const tb = await within(b, 5_000, "the first waiter's grant");
       await releaseOf(tb, !roomy);
@@ -503,6 +526,8 @@ describe("the first pass of a gate call", () => {
       // without its first pass, and the whole script answering "handed" where its first pass
       // hands a release on itself.
       const again = sent.filter((x) => ["evalsha", "eval", "zadd", "hincrby", "hset"].includes(x.name));
+      // (The third caller's first try, behind the second in the permit line.)
+      const third = again.indexOf(sent.slice(joining).find((x) => x.name === "evalsha")!);
       const replay = await connect();
       const replayed = async (gateScript: string) => {
         const own = randomPrefix("first-handoff-again");
@@ -510,7 +535,11 @@ describe("the first pass of a gate call", () => {
         await listener.subscribe(...channels.map((ch) => ch.replaceAll(prefix, own)));
         const sha = (await replay.script("LOAD", gateScript)) as string;
         const replies: string[] = [];
-        for (const { name, args } of again) {
+        // (The state right after that try: its next try, once its process listens, would write
+        // its place again.)
+        let joined: unknown;
+        for (const [at, { name, args }] of again.entries()) {
+          if (at === third + 1) joined = await state(replay, own);
           if (name === "zadd" || name === "hincrby" || name === "hset") {
             await replay.call(name, ...args.map((x) => x.replaceAll(prefix, own)));
             replies.push("");
@@ -524,18 +553,23 @@ describe("the first pass of a gate call", () => {
           replies.push(JSON.stringify(reply).replaceAll(own, "<p>"));
         }
         await listener.quit();
-        return { replies, state: await state(replay, own) };
+        return { replies, state: await state(replay, own), joined };
       };
       const whole = await replayed(scriptSource("gate"));
       const rest = await replayed(WITHOUT_FIRST);
       const says = await replayed(SAYS_HANDED);
+      const saysJoined = await replayed(SAYS_JOINED);
       expect(whole.replies).toEqual(rest.replies);
       expect(whole.state).toEqual(rest.state);
+      expect(whole.joined).toEqual(rest.joined);
       // The releases handed on by the first pass (and no other call); their replies carry the
       // grant message to the waiter.
       const handed = says.replies.flatMap((r, i) => (r === '"handed"' ? [i] : []));
       expect(handed).toEqual(handing.map((call) => again.indexOf(call)));
       for (const i of handed) expect(whole.replies[i]).toMatch(/"g\|/);
+      // That try put in line by the first pass (and no other call).
+      const joined = saysJoined.replies.flatMap((r, i) => (r === '"joined"' ? [i] : []));
+      expect(joined).toEqual([third]);
       await tc.release("success");
       for (const { b } of gates) await b.close();
     });
