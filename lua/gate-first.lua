@@ -29,7 +29,9 @@
 -- It is then decided exactly as fast() in lua/gate.lua decides a lone call: each step looked at
 -- first (a permit stage open and with room, the caller's fence not ahead of the stage's, the
 -- tokens there now, the host's slot come), then all taken; it answers as fast() does, {1, flat}.
--- Any step that would refuse sends the call on to the rest, which decides it as before.
+-- Any step that would refuse sends the call on to the rest, which decides it as before. Its
+-- first try while someone else is first in the gate's permit line (and nobody in its lane) is
+-- not looked at: it takes its place at the back of the permit line here (first_join, below).
 --
 -- A turn of admissions (up to 64 calls, on Redis 6.2 or later: see ZMSCORE below) is decided here
 -- the same way when every call after the first repeats the one before it (the same lane, steps
