@@ -95,13 +95,7 @@ class Turns {
   constructor(private readonly send: (members: string[]) => Promise<number>) {}
 
   add(member: string): Promise<void> {
-    return new Promise((resolve, reject) => {
-      this.#pending.push({ member, resolve, reject });
-      if (!this.#queued) {
-        this.#queued = true;
-        process.nextTick(this.#go);
-      }
-    });
+    return new Promise((resolve, reject) => this.#queue({ member, resolve, reject }));
   }
 
   readonly #go = (): void => {
@@ -116,7 +110,7 @@ class Turns {
       (done) => {
         for (let i = 0; i < turn.length; i++) {
           if (i < done) turn[i]!.resolve();
-          else this.#again(turn[i]!);
+          else this.#queue(turn[i]!);
         }
       },
       (error: unknown) => {
@@ -125,7 +119,8 @@ class Turns {
     );
   }
 
-  #again(p: Pending): void {
+  /** Send `p` with this turn's others (the next turn's, for one a script call left out). */
+  #queue(p: Pending): void {
     this.#pending.push(p);
     if (!this.#queued) {
       this.#queued = true;

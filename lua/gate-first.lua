@@ -56,6 +56,29 @@
 -- as they are instead of decoding them again; nil when this pass decoded none.
 local gate_first_calls = nil
 
+-- Whether `member` of the gate's permit line asks still: its expiry (lexp, KEYS[2]) not passed
+-- by `now` (prune() in lua/gate.lua).
+local function first_asks(member, now)
+  return (tonumber(redis.call('ZSCORE', KEYS[2], member)) or now) > now
+end
+
+-- The wake channel of `member`'s process when that process listens on it, else nil (decide() in
+-- lua/gate.lua passes over a waiter nobody listens for).
+local function first_listens(member)
+  local token = floodgate_token(member)
+  local to = token and ARGV[4] .. ':' .. token
+  if to and redis.call('PUBSUB', 'NUMSUB', to)[2] > 0 then return to end
+  return nil
+end
+
+-- A permit stage's count as its meta says (the fields floodgate_open() reads), and the fields
+-- to write back (`write`).
+local function first_stage(meta, write)
+  local v = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'seq', 'quarantine')
+  return { used = tonumber(v[1]) or 0, limit = v[2], epoch = tonumber(v[3]) or 0,
+    seq = tonumber(v[4]) or 0, quarantine = tonumber(v[5]) or 0, write = write }
+end
+
 -- A lone admission's first try (op "all", mode "hold" or "wait", no grant held) while someone
 -- else is first in the gate's permit line, asking still, and nobody waits in the call's lane:
 -- nothing is looked at, and the call takes its place at the back of the permit line, as admit()
@@ -69,9 +92,7 @@ local function first_join(f, n, names, keyAt, argAt, argsOf)
   local now = floodgate_now(ARGV[1])
   local line, lexp, gmeta = KEYS[1], KEYS[2], KEYS[3]
   local head = redis.call('ZRANGE', line, 0, 0)[1]
-  if not head or head == member or (tonumber(redis.call('ZSCORE', lexp, head)) or now) <= now then
-    return nil
-  end
+  if not head or head == member or not first_asks(head, now) then return nil end
   -- (The call's lane, and its expiries: the first of its keys, after the gate's five.)
   local laneAt = 6
   if redis.call('ZRANGE', KEYS[laneAt], 0, 0)[1] or redis.call('ZSCORE', line, member) then return nil end
@@ -116,11 +137,16 @@ end
 -- nobody is next, or the next (asking still, its steps kept, its process listening) needs a permit
 -- stage the grant left with no permit free and no lease there ended. Every read comes before the
 -- first write: when any of it does not hold, nothing is written and the call goes on to the rest.
--- Returns the reply of the script call, or nil.
+-- Returns the reply of the script call, or nil; and true when nobody waits in the permit line.
 local function first_handoff(f, n, names, keyAt, argAt, argsOf)
-  local now = floodgate_now(ARGV[1])
   local line, lexp, held, hexp = KEYS[1], KEYS[2], KEYS[4], KEYS[5]
-  -- Each permit stage's count as the releases leave it (by its meta key), and their replies.
+  -- The first in the permit line, and the one after it.
+  local firsts = redis.call('ZRANGE', line, 0, 1)
+  local head, second = firsts[1], firsts[2]
+  if not head then return nil, true end
+  local now = floodgate_now(ARGV[1])
+  -- Each permit stage's count as the releases leave it (by its meta key), their replies, and the
+  -- lease each gives back (by its holders' key).
   local stages, replies, gone = {}, {}, {}
   for i = 1, n do
     local g, key, meta = argAt[i], KEYS[keyAt[i]], KEYS[keyAt[i] + 3]
@@ -129,16 +155,14 @@ local function first_handoff(f, n, names, keyAt, argAt, argsOf)
     if argsOf[i] ~= (sem and 8 or 13) or stages[meta] or not redis.call('ZSCORE', key, member) then
       return nil
     end
-    local v = redis.call('HMGET', meta, 'used', 'limit', 'epoch', 'seq', 'quarantine')
-    local st = { used = tonumber(v[1]) or 0, limit = v[2], epoch = tonumber(v[3]) or 0,
-      seq = tonumber(v[4]) or 0, quarantine = tonumber(v[5]) or 0, write = { 'used' } }
+    local st = first_stage(meta, { 'used' })
     local cost = floodgate_cost(member)
     if sem then
       st.used = math.max(0, st.used - cost)
       replies[i] = { 1, 0, st.used, {} }
     else
       local maxLimit = tonumber(f[g + 7])
-      local limit = tonumber(v[2]) or tonumber(f[g + 12]) or maxLimit
+      local limit = tonumber(st.limit) or tonumber(f[g + 12]) or maxLimit
       limit, st.epoch = floodgate_aimd_moved(limit, st.epoch, st.used, f[g + 4], tonumber(f[g + 5]),
         f[g + 9] == '1', tonumber(f[g + 6]), maxLimit, tonumber(f[g + 8]))
       st.limit = limit
@@ -147,23 +171,19 @@ local function first_handoff(f, n, names, keyAt, argAt, argsOf)
       replies[i] = { 1, limit, st.epoch, st.used, {} }
     end
     stages[meta] = st
-    gone[#gone + 1] = { key, member }
+    gone[key] = member
   end
-  -- The first in the permit line, and the one after it.
-  local firsts = redis.call('ZRANGE', line, 0, 1)
-  local head, second = firsts[1], firsts[2]
-  if not head or (tonumber(redis.call('ZSCORE', lexp, head)) or now) <= now then return nil end
+  if not first_asks(head, now) then return nil end
   local kept = redis.call('HGET', held, 's:' .. head)
-  local token = floodgate_token(head)
-  if not kept or not token then return nil end
-  local to = ARGV[4] .. ':' .. token
-  if redis.call('PUBSUB', 'NUMSUB', to)[2] == 0 then return nil end
+  local to = kept and first_listens(head)
+  if not to then return nil end
   local h = cjson.decode(kept)
   if redis.call('EXISTS', h[2]) == 1 then return nil end
   -- Its kept steps at this instant (as decide() gives them to fast()), each looked at on the
   -- state the releases leave.
   local at = floodgate_num(now)
-  local steps, grants, adds, buckets, hosts = h[4], {}, {}, {}, {}
+  -- (`permits`: each permit step's holders, and its stage's count and limit once it is taken.)
+  local steps, grants, adds, buckets, hosts, permits = h[4], {}, {}, {}, {}, {}
   for i = 1, #steps do
     local name, keys, args = steps[i][1], steps[i][2], steps[i][3]
     args[1] = at
@@ -178,9 +198,7 @@ local function first_handoff(f, n, names, keyAt, argAt, argsOf)
       if redis.call('EXISTS', keys[2]) == 1 or redis.call('ZSCORE', keys[1], args[2]) then return nil end
       local st = stages[keys[4]]
       if not st then
-        local v = redis.call('HMGET', keys[4], 'used', 'limit', 'epoch', 'seq', 'quarantine')
-        st = { used = tonumber(v[1]) or 0, limit = v[2], epoch = tonumber(v[3]) or 0,
-          seq = tonumber(v[4]) or 0, quarantine = tonumber(v[5]) or 0, write = {} }
+        st = first_stage(keys[4], {})
         stages[keys[4]] = st
       end
       -- (Open as floodgate_open() says: its limit known, no quarantine on.)
@@ -192,7 +210,7 @@ local function first_handoff(f, n, names, keyAt, argAt, argsOf)
       local ends = now + tonumber(args[4])
       adds[#adds + 1] = { keys[1], ends, args[2] }
       grants[i] = { 1, st.seq, st.used, limit, args[3] == '' and st.epoch or 0, 0, 0, 'grant', '', ends }
-      grants[i].holders, grants[i].limit = keys[1], limit
+      permits[#permits + 1] = { keys[1], st.used, limit }
     elseif name == 'token-bucket-take' then
       local s = floodgate_bucket(keys[1], tonumber(args[6]), now)
       if s.updatedAt > now then return nil end
@@ -216,27 +234,20 @@ local function first_handoff(f, n, names, keyAt, argAt, argsOf)
   -- The permit stages the grant leaves with no permit free and no lease there ended (but those
   -- given back here), and the one after it: it must need one of them.
   local full = {}
-  for i = 1, #steps do
-    local p = grants[i]
-    if p.holders and p[3] >= p.limit then
-      local ended = redis.call('ZRANGEBYSCORE', p.holders, '-inf', now, 'LIMIT', 0, 2)
+  for _, p in ipairs(permits) do
+    local holders, used, limit = p[1], p[2], p[3]
+    if used >= limit then
       local left = false
-      for x = 1, #ended do
-        local mine = false
-        for y = 1, #gone do
-          if gone[y][1] == p.holders and gone[y][2] == ended[x] then mine = true end
-        end
-        if not mine then left = true end
+      for _, m in ipairs(redis.call('ZRANGEBYSCORE', holders, '-inf', now, 'LIMIT', 0, 2)) do
+        if m ~= gone[holders] then left = true end
       end
-      if not left then full[p.holders] = true end
+      if not left then full[holders] = true end
     end
   end
   if second then
-    if (tonumber(redis.call('ZSCORE', lexp, second)) or now) <= now then return nil end
+    if not first_asks(second, now) then return nil end
     local kept2 = redis.call('HGET', held, 's:' .. second)
-    local token2 = floodgate_token(second)
-    if not kept2 or not token2 then return nil end
-    if redis.call('PUBSUB', 'NUMSUB', ARGV[4] .. ':' .. token2)[2] == 0 then return nil end
+    if not kept2 or not first_listens(second) then return nil end
     local waits = false
     for _, s in ipairs(cjson.decode(kept2)[4]) do
       if s[1] == 'semaphore-acquire' and full[s[2][1]] then waits = true end
@@ -244,7 +255,7 @@ local function first_handoff(f, n, names, keyAt, argAt, argsOf)
     if not waits then return nil end
   end
   -- All of it holds: written.
-  for x = 1, #gone do redis.call('ZREM', gone[x][1], gone[x][2]) end
+  for key, member in pairs(gone) do redis.call('ZREM', key, member) end
   for x = 1, #adds do redis.call('ZADD', adds[x][1], adds[x][2], adds[x][3]) end
   for meta, st in pairs(stages) do
     local fields = {}
@@ -270,7 +281,6 @@ local function first_handoff(f, n, names, keyAt, argAt, argsOf)
   redis.call('ZREM', line, head)
   redis.call('ZREM', lexp, head)
   for _, m in ipairs(floodgate_expired(hexp, now)) do redis.call('HDEL', held, 'g:' .. m, 's:' .. m, 'p:' .. m) end
-  for i = 1, #steps do grants[i].holders, grants[i].limit = nil, nil end
   local g = redis.call('HMGET', KEYS[3], 'fr', 'fru', 'frk')
   grants[#steps + 1] = { floodgate_passed(g, now), g[3] or '' }
   local record = h[1] .. '|' .. floodgate_encode(grants)
@@ -379,12 +389,9 @@ do
           end
         end
         if not others then
-          if redis.call('EXISTS', KEYS[1]) == 0 then
-            clear = true
-          else
-            local handed = first_handoff(f, n, names, keyAt, argAt, argsOf)
-            if handed then return handed end
-          end
+          local handed, nobody = first_handoff(f, n, names, keyAt, argAt, argsOf)
+          if handed then return handed end
+          clear = nobody
         end
       end
       -- A lone admission's first try behind someone in the permit line: it takes its place.
