@@ -24,6 +24,23 @@ import { ROOT, randomPrefix, seeded, until, within } from "./helpers.js";
 const FIRST = readFileSync(join(ROOT, "lua", "gate-first.lua"), "utf8");
 const WITHOUT_FIRST = scriptSource("gate").replace(FIRST, "local gate_first_calls = nil\n");
 
+/**
+ * `source` with each key's expiry also written down: every PEXPIRE made (by the gate itself or a
+ * step) also sets the key's field of `<the gate's line>:ttls` to the ms it was given, so that two
+ * replays' states compare expiries too, exactly (read back, a key's time to live has moved on).
+ */
+function withTtls(source: string): string {
+  const calls = source.split("redis.call('PEXPIRE', ");
+  expect(calls.length, "the script sets expiries").toBeGreaterThan(5);
+  return (
+    "local function floodgate_ttl_of(key, ttl)\n" +
+    "  redis.call('HSET', KEYS[1] .. ':ttls', key, ttl)\n" +
+    "  return redis.call('PEXPIRE', key, ttl)\n" +
+    "end\n" +
+    calls.join("floodgate_ttl_of(")
+  );
+}
+
 /** The gate script whose first pass answers "handed" for a release it hands on to a waiter itself. */
 const HANDED = "  return { { 1, -1, 0, { message }, replies } }\n";
 const SAYS_HANDED = scriptSource("gate").replace(HANDED, "  do return 'handed' end\n");
@@ -94,16 +111,16 @@ async function replayBefore(client: Redis, sent: Sent[], at: number, prefix: str
 }
 
 /**
- * `replayed` run through the whole gate script (`gateSha`) and through the script without its
- * first pass: the same reply (its own prefix aside) and the same state. Returns the first's.
+ * `replayed` run through the whole gate script and through the script without its first pass,
+ * each writing its expiries down (`withTtls`): the same reply (its own prefix aside) and the same
+ * state, expiries included. Returns the first's.
  */
 async function alike<T extends { reply: unknown; state: unknown; own: string }>(
   client: Redis,
-  gateSha: string,
   replayed: (sha: string) => Promise<T>,
 ): Promise<T> {
-  const general = (await client.script("LOAD", WITHOUT_FIRST)) as string;
-  const whole = await replayed(gateSha);
+  const general = (await client.script("LOAD", withTtls(WITHOUT_FIRST))) as string;
+  const whole = await replayed((await client.script("LOAD", withTtls(scriptSource("gate")))) as string);
   const rest = await replayed(general);
   expect(JSON.stringify(whole.reply).replaceAll(whole.own, "<p>")).toBe(
     JSON.stringify(rest.reply).replaceAll(rest.own, "<p>"),
@@ -229,61 +246,73 @@ describe("the first pass of a gate call", () => {
       expect(refused).toBeGreaterThan(tight ? 5 : -1);
 
       // Every command again, in order, on keys of their own, the gate's through the script
-      // without its first pass (loaded under its own digest).
+      // without its first pass (loaded under its own digest): the same replies and state. Then
+      // again through the whole script: the same expiries too (both write them down: withTtls).
       const replay = await connect();
-      const general = (await replay.script("LOAD", WITHOUT_FIRST)) as string;
       const gateSha = scriptSha("gate");
       let firstAdmits = 0;
       let firstReleases = 0;
       let firstTurns = 0;
       let releaseTurns = 0;
-      for (const { name, args, reply } of sent) {
-        if (name !== "evalsha" && name !== "eval") continue;
-        let sha = args[0]!;
-        if (name === "eval") {
-          sha = createHash("sha1").update(sha).digest("hex");
-          await replay.script("LOAD", args[0]!);
-        }
-        if (sha === gateSha) {
-          sha = general;
-          // (A lone admission admitted, or a lone release, while nobody waits anywhere: the first
-          // pass's to decide.)
-          const argv = args.slice(2 + Number(args[1]));
-          if (argv[4] === "1" && argv[1] === "all" && (reply as unknown[])[0] === 1) firstAdmits++;
-          // (A turn of admissions all admitted at once, each call repeating the one before it.)
-          const turn = Number(argv[4]);
-          if (
-            argv[1] === "all" &&
-            turn > 1 &&
-            (reply as unknown[]).slice(0, turn).every((r) => r === 1) &&
-            argv.slice(6, 5 + turn).every((call) => JSON.parse(call)[4] === "*")
-          )
-            firstTurns++;
-          if (
-            argv[4] === "1" &&
-            argv[1] === "each" &&
-            /^\["\w+","try","","","[12]","(aimd|semaphore)-release"/.test(argv[5]!)
-          ) {
-            firstReleases++;
-            // (A turn's releases of a stage as one step: more arguments than one release has.)
-            const sizes = [...argv[5]!.matchAll(/"(aimd|semaphore)-release","5","(\d+)"/g)];
-            if (sizes.some((m) => Number(m[2]) > (m[1] === "aimd" ? 13 : 8))) releaseTurns++;
+      const replayAll = async (gateScript: string, own: string, count: boolean) => {
+        const digest = (await replay.script("LOAD", gateScript)) as string;
+        for (const { name, args, reply } of sent) {
+          if (name !== "evalsha" && name !== "eval") continue;
+          let sha = args[0]!;
+          if (name === "eval") {
+            sha = createHash("sha1").update(sha).digest("hex");
+            await replay.script("LOAD", args[0]!);
           }
+          if (sha === gateSha) {
+            sha = digest;
+            const argv = args.slice(2 + Number(args[1]));
+            const turn = Number(argv[4]);
+            if (count) {
+              // (A lone admission admitted, or a lone release, while nobody waits anywhere: the
+              // first pass's to decide.)
+              if (argv[4] === "1" && argv[1] === "all" && (reply as unknown[])[0] === 1) firstAdmits++;
+              // (A turn of admissions all admitted at once, each call repeating the one before it.)
+              if (
+                argv[1] === "all" &&
+                turn > 1 &&
+                (reply as unknown[]).slice(0, turn).every((r) => r === 1) &&
+                argv.slice(6, 5 + turn).every((call) => JSON.parse(call)[4] === "*")
+              )
+                firstTurns++;
+              if (
+                argv[4] === "1" &&
+                argv[1] === "each" &&
+                /^\["\w+","try","","","[12]","(aimd|semaphore)-release"/.test(argv[5]!)
+              ) {
+                firstReleases++;
+                // (A turn's releases of a stage as one step: more arguments than one release has.)
+                const sizes = [...argv[5]!.matchAll(/"(aimd|semaphore)-release","5","(\d+)"/g)];
+                if (sizes.some((m) => Number(m[2]) > (m[1] === "aimd" ? 13 : 8))) releaseTurns++;
+              }
+            }
+          }
+          const rest = args.slice(1).map((a) => a.replaceAll(prefix, own));
+          const answer = await replay
+            .call("EVALSHA", sha, ...rest)
+            .catch((e: unknown) => ({ error: String(e) }));
+          expect(
+            JSON.stringify(answer).replaceAll(own, prefix),
+            `${JSON.stringify(args).slice(0, 200)}`,
+          ).toBe(JSON.stringify(reply));
         }
-        const rest = args.slice(1).map((a) => a.replaceAll(prefix, again));
-        const answer = await replay
-          .call("EVALSHA", sha, ...rest)
-          .catch((e: unknown) => ({ error: String(e) }));
-        expect(
-          JSON.stringify(answer).replaceAll(again, prefix),
-          `${JSON.stringify(args).slice(0, 200)}`,
-        ).toBe(JSON.stringify(reply));
-      }
+        return state(replay, own);
+      };
+      const rest = await replayAll(withTtls(WITHOUT_FIRST), again, true);
+      const whole = await replayAll(withTtls(scriptSource("gate")), randomPrefix("again"), false);
       expect(firstAdmits).toBeGreaterThan(10);
       if (roomy) expect(firstTurns).toBeGreaterThan(5);
       expect(releaseTurns).toBeGreaterThan(roomy ? 10 : 1);
       expect(firstReleases).toBeGreaterThan(10);
-      expect(await state(replay, again)).toEqual(await state(replay, prefix));
+      expect(whole).toEqual(rest);
+      const ttls = Object.keys(rest).find((key) => key.endsWith(":line:ttls"));
+      expect(ttls, "the replays wrote their expiries down").toBeDefined();
+      const { [ttls!]: _, ...kept } = rest;
+      expect(kept).toEqual(await state(replay, prefix));
       await b.close();
     });
   }
@@ -348,7 +377,7 @@ describe("the first pass of a gate call", () => {
         ]);
         return { reply, members, used, state: await state(client, own), own };
       };
-      const whole = await alike(client, gateSha, replayed);
+      const whole = await alike(client, replayed);
       // Each lease counted once: the count is the leases held (each of cost 1).
       expect(Number(whole.used)).toBe(whole.members.length);
       expect(whole.members).toContain(second);
@@ -409,7 +438,7 @@ describe("the first pass of a gate call", () => {
         }
         return { reply, counts, state: await state(client, own), own };
       };
-      const whole = await alike(client, gateSha, replayed);
+      const whole = await alike(client, replayed);
       // Every lease given back freed its permit once: a lease still held is the one left out of
       // the turn (named twice, its neighbour's instead), still counted.
       const left = how === "one of its leases is gone" ? 0 : 1;
@@ -422,10 +451,12 @@ describe("the first pass of a gate call", () => {
   // the rest would (its reply, its grant message, the state left), both when the next waiter then
   // waits for a permit stage left full and when nobody is next. When the release leaves room for
   // the next waiter too (it frees two permits, or a dead holder's lease there has ended), it goes
-  // on to the rest, which admits both.
+  // on to the rest, which admits both. When the next waiter's process no longer listens (its
+  // steps kept, its subscription gone), it goes on to the rest too, which passes that waiter over.
   for (const how of [
     "one permit",
     "one permit, its lease ended",
+    "one permit, the next waiter's process not listening",
     "two permits",
     "a dead holder's lease ended",
   ] as const) {
@@ -497,6 +528,9 @@ describe("the first pass of a gate call", () => {
       const joining = sent.length;
       const c = gates[2]!.gate.admit({ costs: { tpm: 100 } });
       await waiting(2);
+      // (The process of the caller next in line, by the token its member begins with.)
+      const next = (await look.zrange(line, 0, -1))[1]!.split("-")[0]!;
+      const deaf = how === "one permit, the next waiter's process not listening";
       for (const stage of dead ? ["inflight", "adaptive"] : []) {
         await client.zadd(`${prefix}{${stage}}:holders`, "XX", clock.now() - 1, "dead00-1:1");
       }
@@ -513,7 +547,8 @@ describe("the first pass of a gate call", () => {
           await client.zadd(`${prefix}{${stage}}:holders`, "XX", clock.now() - 1, lease!);
         }
       }
-      await releaseOf(a, !roomy);
+      const releaseA = sent.length;
+      await releaseOf(a, !roomy && !deaf);
       const tb = await within(b, 5_000, "the first waiter's grant");
       await releaseOf(tb, !roomy);
       const tc = await within(c, 5_000, "the second waiter's grant");
@@ -528,6 +563,8 @@ describe("the first pass of a gate call", () => {
       const again = sent.filter((x) => ["evalsha", "eval", "zadd", "hincrby", "hset"].includes(x.name));
       // (The third caller's first try, behind the second in the permit line.)
       const third = again.indexOf(sent.slice(joining).find((x) => x.name === "evalsha")!);
+      // (The first caller's release, before which the next waiter's process stops listening.)
+      const deafAt = again.indexOf(sent.slice(releaseA).find((x) => x.name === "evalsha")!);
       const replay = await connect();
       const replayed = async (gateScript: string) => {
         const own = randomPrefix("first-handoff-again");
@@ -540,6 +577,11 @@ describe("the first pass of a gate call", () => {
         let joined: unknown;
         for (const [at, { name, args }] of again.entries()) {
           if (at === third + 1) joined = await state(replay, own);
+          if (deaf && at === deafAt) {
+            await listener.unsubscribe(
+              ...channels.filter((ch) => ch.endsWith(`:${next}`)).map((ch) => ch.replaceAll(prefix, own)),
+            );
+          }
           if (name === "zadd" || name === "hincrby" || name === "hset") {
             await replay.call(name, ...args.map((x) => x.replaceAll(prefix, own)));
             replies.push("");
@@ -555,8 +597,8 @@ describe("the first pass of a gate call", () => {
         await listener.quit();
         return { replies, state: await state(replay, own), joined };
       };
-      const whole = await replayed(scriptSource("gate"));
-      const rest = await replayed(WITHOUT_FIRST);
+      const whole = await replayed(withTtls(scriptSource("gate")));
+      const rest = await replayed(withTtls(WITHOUT_FIRST));
       const says = await replayed(SAYS_HANDED);
       const saysJoined = await replayed(SAYS_JOINED);
       expect(whole.replies).toEqual(rest.replies);
@@ -565,7 +607,10 @@ describe("the first pass of a gate call", () => {
       // The releases handed on by the first pass (and no other call); their replies carry the
       // grant message to the waiter.
       const handed = says.replies.flatMap((r, i) => (r === '"handed"' ? [i] : []));
-      expect(handed).toEqual(handing.map((call) => again.indexOf(call)));
+      // (The next waiter's process not listening, the first caller's release goes on to the rest,
+      // which passes that waiter over: the second's release then has nobody to hand on to.)
+      expect(handed).toEqual(handing.slice(0, deaf ? 1 : undefined).map((call) => again.indexOf(call)));
+      if (deaf) expect(handed).not.toContain(deafAt);
       for (const i of handed) expect(whole.replies[i]).toMatch(/"g\|/);
       // That try put in line by the first pass (and no other call).
       const joined = saysJoined.replies.flatMap((r, i) => (r === '"joined"' ? [i] : []));
