@@ -1,5 +1,7 @@
+import { isDeepStrictEqual } from "node:util";
 import { isFloodgateError, LeaseLostError } from "floodgate";
 import { type LeaseTicket, type RedisBackendOptions, redis, stageKey } from "floodgate/redis";
+import { FakeClock } from "floodgate/testing";
 import type { Redis } from "ioredis";
 import { afterEach, beforeAll, describe, expect, it } from "vitest";
 import { redisUrl } from "../contract/backends.js";
@@ -89,6 +91,58 @@ describe("Redis leases", () => {
     expect(ticket.fence).toBeGreaterThan(Number(acquired.fence));
     expect(ticket.signal.aborted).toBe(false);
     await ticket.release("success");
+  });
+
+  it("renews each of a stage's leases when its own renewal is due, and none given back", async () => {
+    // (One timer serves all of a stage's leases: taken at different times, each is renewed at
+    // its own time, with half of a 1 s lease to spare; a lease given back is not.)
+    const clock = new FakeClock(50_000);
+    const prefix = randomPrefix("lease-many");
+    const sem = (await backend(prefix, { clock, time: "clock" })).semaphore("sem", {
+      limit: 3,
+      leaseMs: 1_000,
+    });
+    const r = await rawClient();
+    const holders = stageKey(prefix, "sem", "holders");
+    const ends = async () => {
+      const list = await r.zrange(holders, 0, -1, "WITHSCORES");
+      const out: Record<string, number> = {};
+      for (let i = 0; i < list.length; i += 2) out[list[i]!] = Number(list[i + 1]) - 50_000;
+      return out;
+    };
+    const settled = (want: Record<string, number>, message: string) =>
+      until(async () => isDeepStrictEqual(await ends(), want), { timeoutMs: 5_000, message });
+    // (Renewed, once its reply is taken here too: the lease then counts from when it was sent.)
+    const renewed = (t: LeaseTicket, at: number) =>
+      until(() => t.validUntil === 50_000 + at + 1_000, { timeoutMs: 5_000, message: `renewed at ${at} ms` });
+    const a = (await sem.admit()) as LeaseTicket;
+    await clock.advance(300);
+    const b = (await sem.admit()) as LeaseTicket;
+    await settled({ [a.leaseId]: 1_000, [b.leaseId]: 1_300 }, "two leases, as taken");
+    // With half of what is left to spare: the first's renewal is due at 500 ms, the second's at 800.
+    await clock.advance(199);
+    expect(await ends()).toEqual({ [a.leaseId]: 1_000, [b.leaseId]: 1_300 });
+    await clock.advance(1);
+    await settled({ [a.leaseId]: 1_500, [b.leaseId]: 1_300 }, "the first renewed at 500 ms");
+    await renewed(a, 500);
+    await clock.advance(100);
+    const c = (await sem.admit()) as LeaseTicket;
+    await b.release("success");
+    // The second's time (800 ms) passes with nothing of it left; the first's next renewal is due
+    // at 1,000 ms, the third's at 1,100.
+    await clock.advance(399);
+    expect(await ends()).toEqual({ [a.leaseId]: 1_500, [c.leaseId]: 1_600 });
+    await clock.advance(1);
+    await settled({ [a.leaseId]: 2_000, [c.leaseId]: 1_600 }, "the first renewed at 1,000 ms");
+    await renewed(a, 1_000);
+    await clock.advance(100);
+    await settled({ [a.leaseId]: 2_000, [c.leaseId]: 2_100 }, "the third renewed at 1,100 ms");
+    await renewed(c, 1_100);
+    expect(a.signal.aborted || c.signal.aborted).toBe(false);
+    await a.release("success");
+    await c.release("success");
+    expect(await ends()).toEqual({});
+    expect(clock.pendingTimers).toBe(0);
   });
 
   it("keeps a running holder's lease past leaseMs by renewing it", async () => {
