@@ -145,6 +145,38 @@ describe("Redis leases", () => {
     expect(clock.pendingTimers).toBe(0);
   });
 
+  it("renews leases taken together on one timer, for as long as any of them is held", async () => {
+    const clock = new FakeClock(50_000);
+    const prefix = randomPrefix("lease-together");
+    const sem = (await backend(prefix, { clock, time: "clock" })).semaphore("sem", {
+      limit: 4,
+      leaseMs: 1_000,
+    });
+    const r = await rawClient();
+    const holders = stageKey(prefix, "sem", "holders");
+    const before = clock.pendingTimers;
+    // (A turn's admissions, their replies taken together: one renewal timer for the four.)
+    const tickets = (await Promise.all([0, 1, 2, 3].map(() => sem.tryAdmit()))) as LeaseTicket[];
+    expect(tickets.every((t) => t !== undefined)).toBe(true);
+    expect(clock.pendingTimers - before).toBe(1);
+    await tickets[0]!.release("success");
+    await tickets[1]!.release("success");
+    expect(clock.pendingTimers - before).toBe(1);
+    // The two still held renewed at 500 ms, to 1,500 ms; the two given back are gone.
+    await clock.advance(500);
+    await until(
+      async () => {
+        const ends = (await r.zrange(holders, 0, -1, "WITHSCORES")).filter((_, i) => i % 2 === 1);
+        return ends.length === 2 && ends.every((end) => Number(end) === 51_500);
+      },
+      { timeoutMs: 5_000, message: "the two held renewed at 500 ms" },
+    );
+    await tickets[2]!.release("success");
+    await tickets[3]!.release("success");
+    expect(await r.zcard(holders)).toBe(0);
+    expect(clock.pendingTimers).toBe(before);
+  });
+
   it("keeps a running holder's lease past leaseMs by renewing it", async () => {
     const prefix = randomPrefix("lease-renew");
     const leaseMs = 1_000;
