@@ -110,6 +110,12 @@ interface Give {
 
 const NO_TICKETS: readonly Ticket[] = [];
 
+/**
+ * The most lanes (keys and hosts) whose keys a fused gate keeps made (`#laneOf`): past it, they
+ * are made again. One array a call less for the usual few; a bound for a key per user.
+ */
+const MAX_LANES = 1024;
+
 /** Stages that hold a permit while a call runs: a call they refuse waits in the gate's line. */
 const PERMIT_KINDS: ReadonlySet<string> = new Set(["semaphore", "aimd"]);
 
@@ -238,9 +244,18 @@ class FusedGate implements FusedAdmission {
       lane += `${by === "key" ? (o.key ?? "") : (o.host ?? "")}|`;
     }
     if (lane === "") return this.#lane;
-    const prefix = this.#s.prefix;
-    return [stageKey(prefix, this.#id, `lane:${lane}`), stageKey(prefix, this.#id, `lexp:${lane}`)];
+    let keys = this.#lanes.get(lane);
+    if (keys === undefined) {
+      const prefix = this.#s.prefix;
+      keys = [stageKey(prefix, this.#id, `lane:${lane}`), stageKey(prefix, this.#id, `lexp:${lane}`)];
+      if (this.#lanes.size >= MAX_LANES) this.#lanes.clear();
+      this.#lanes.set(lane, keys);
+    }
+    return keys;
   }
+
+  /** The keys of the lanes calls came in lately, by lane (at most MAX_LANES: see `#laneOf`). */
+  readonly #lanes = new Map<string, readonly string[]>();
 
   #head(op: GateHead["op"]): GateHead {
     return { keys: this.#keys, op, waiterTtlMs: this.#s.pollMs * 3, channel: this.#channel };
