@@ -93,17 +93,22 @@ describe("Redis leases", () => {
     await ticket.release("success");
   });
 
-  it("renews each of a stage's leases when its own renewal is due, and none given back", async () => {
-    // (One timer serves all of a stage's leases: taken at different times, each is renewed at
-    // its own time, with half of a 1 s lease to spare; a lease given back is not.)
+  /**
+   * A semaphore of `limit` with 1 s leases, on a fake clock at 50 s that the scripts decide with
+   * too; a raw client, and the key of its holders.
+   */
+  async function onFakeClock(label: string, limit: number) {
     const clock = new FakeClock(50_000);
-    const prefix = randomPrefix("lease-many");
-    const sem = (await backend(prefix, { clock, time: "clock" })).semaphore("sem", {
-      limit: 3,
-      leaseMs: 1_000,
-    });
-    const r = await rawClient();
-    const holders = stageKey(prefix, "sem", "holders");
+    const prefix = randomPrefix(label);
+    const b = await backend(prefix, { clock, time: "clock" });
+    const sem = b.semaphore("sem", { limit, leaseMs: 1_000 });
+    return { clock, sem, r: await rawClient(), holders: stageKey(prefix, "sem", "holders") };
+  }
+
+  it("renews each of a stage's leases when its own renewal is due, and none given back", async () => {
+    // (Leases taken at different times are each renewed at their own time, with half of a 1 s
+    // lease to spare; a lease given back is not.)
+    const { clock, sem, r, holders } = await onFakeClock("lease-many", 3);
     const ends = async () => {
       const list = await r.zrange(holders, 0, -1, "WITHSCORES");
       const out: Record<string, number> = {};
@@ -112,32 +117,43 @@ describe("Redis leases", () => {
     };
     const settled = (want: Record<string, number>, message: string) =>
       until(async () => isDeepStrictEqual(await ends(), want), { timeoutMs: 5_000, message });
-    // (Renewed, once its reply is taken here too: the lease then counts from when it was sent.)
-    const renewed = (t: LeaseTicket, at: number) =>
-      until(() => t.validUntil === 50_000 + at + 1_000, { timeoutMs: 5_000, message: `renewed at ${at} ms` });
+    // (Renewed at `at` ms, not a ms before; and once its reply is taken here too, its lease then
+    // counted from when it was sent.)
+    type Ends = Record<string, number>;
+    const renewsAt = async (t: LeaseTicket, at: number, before: Ends, after: Ends) => {
+      await clock.advanceTo(50_000 + at - 1);
+      expect(await ends()).toEqual(before);
+      await clock.advance(1);
+      await settled(after, `renewed at ${at} ms`);
+      await until(() => t.validUntil === 50_000 + at + 1_000, {
+        timeoutMs: 5_000,
+        message: `reply at ${at} ms`,
+      });
+    };
     const a = (await sem.admit()) as LeaseTicket;
     await clock.advance(300);
     const b = (await sem.admit()) as LeaseTicket;
     await settled({ [a.leaseId]: 1_000, [b.leaseId]: 1_300 }, "two leases, as taken");
     // With half of what is left to spare: the first's renewal is due at 500 ms, the second's at 800.
-    await clock.advance(199);
-    expect(await ends()).toEqual({ [a.leaseId]: 1_000, [b.leaseId]: 1_300 });
-    await clock.advance(1);
-    await settled({ [a.leaseId]: 1_500, [b.leaseId]: 1_300 }, "the first renewed at 500 ms");
-    await renewed(a, 500);
+    const two = { [b.leaseId]: 1_300 };
+    await renewsAt(a, 500, { [a.leaseId]: 1_000, ...two }, { [a.leaseId]: 1_500, ...two });
     await clock.advance(100);
     const c = (await sem.admit()) as LeaseTicket;
     await b.release("success");
     // The second's time (800 ms) passes with nothing of it left; the first's next renewal is due
     // at 1,000 ms, the third's at 1,100.
-    await clock.advance(399);
-    expect(await ends()).toEqual({ [a.leaseId]: 1_500, [c.leaseId]: 1_600 });
-    await clock.advance(1);
-    await settled({ [a.leaseId]: 2_000, [c.leaseId]: 1_600 }, "the first renewed at 1,000 ms");
-    await renewed(a, 1_000);
-    await clock.advance(100);
-    await settled({ [a.leaseId]: 2_000, [c.leaseId]: 2_100 }, "the third renewed at 1,100 ms");
-    await renewed(c, 1_100);
+    await renewsAt(
+      a,
+      1_000,
+      { [a.leaseId]: 1_500, [c.leaseId]: 1_600 },
+      { [a.leaseId]: 2_000, [c.leaseId]: 1_600 },
+    );
+    await renewsAt(
+      c,
+      1_100,
+      { [a.leaseId]: 2_000, [c.leaseId]: 1_600 },
+      { [a.leaseId]: 2_000, [c.leaseId]: 2_100 },
+    );
     expect(a.signal.aborted || c.signal.aborted).toBe(false);
     await a.release("success");
     await c.release("success");
@@ -146,14 +162,7 @@ describe("Redis leases", () => {
   });
 
   it("renews leases taken together on one timer, for as long as any of them is held", async () => {
-    const clock = new FakeClock(50_000);
-    const prefix = randomPrefix("lease-together");
-    const sem = (await backend(prefix, { clock, time: "clock" })).semaphore("sem", {
-      limit: 4,
-      leaseMs: 1_000,
-    });
-    const r = await rawClient();
-    const holders = stageKey(prefix, "sem", "holders");
+    const { clock, sem, r, holders } = await onFakeClock("lease-together", 4);
     const before = clock.pendingTimers;
     // (A turn's admissions, their replies taken together: one renewal timer for the four.)
     const tickets = (await Promise.all([0, 1, 2, 3].map(() => sem.tryAdmit()))) as LeaseTicket[];
@@ -175,6 +184,29 @@ describe("Redis leases", () => {
     await tickets[3]!.release("success");
     expect(await r.zcard(holders)).toBe(0);
     expect(clock.pendingTimers).toBe(before);
+  });
+
+  it("renews a grant's short claim at its own time, though a longer lease was kept in the same ms", async () => {
+    const { clock, sem, r, holders } = await onFakeClock("lease-claim", 2);
+    const [a, h] = (await Promise.all([sem.admit(), sem.admit()])) as LeaseTicket[];
+    const waiting = sem.admit();
+    const queue = holders.replace(/holders$/, "queue");
+    await until(async () => (await r.exists(queue)) === 1, { timeoutMs: 5_000, message: "a waiter in line" });
+    // The grant on h's release, in the same ms as a's lease was kept: its claim (500 ms) is
+    // renewed at 250 ms, not with a's at 500.
+    await h!.release("success");
+    const w = (await within(waiting, 5_000, "the grant")) as LeaseTicket;
+    expect(Number(await r.zscore(holders, w.leaseId)) - 50_000).toBe(500);
+    await clock.advance(249);
+    expect(Number(await r.zscore(holders, w.leaseId)) - 50_000).toBe(500);
+    await clock.advance(1);
+    await until(async () => Number(await r.zscore(holders, w.leaseId)) - 50_000 === 1_250, {
+      timeoutMs: 5_000,
+      message: "the claim renewed at 250 ms",
+    });
+    expect(w.signal.aborted).toBe(false);
+    await w.release("success");
+    await a!.release("success");
   });
 
   it("keeps a running holder's lease past leaseMs by renewing it", async () => {
