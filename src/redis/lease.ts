@@ -126,8 +126,8 @@ export class LeaseKeeper {
   #renewIn(t: LeaseTicket, ms: number): void {
     const now = this.s.clock.now();
     let renewal = this.#open;
-    // (Joined, it is renewed no later than its own time: the renewal was set no earlier, for no
-    // longer. A clock stepped back since is a new ms.)
+    // (Joined, it is renewed no later than its own time: that renewal's timer was set before
+    // now, for no longer. A clock stepped back since is taken as a new ms.)
     const since = renewal === undefined ? -1 : now - renewal.at;
     if (
       renewal === undefined ||
