@@ -10,6 +10,8 @@ export class LeaseTicket extends BaseTicket {
   fence = 0;
   epoch = 0;
   controller: AbortController | undefined = undefined;
+  /** The renewal its lease waits in while kept alive (see `LeaseKeeper`). @internal */
+  renewal: Renewal | undefined = undefined;
   renewing = false;
   /**
    * When the lease ends at the latest, on this process's clock: the lease's end on the server
@@ -45,7 +47,7 @@ export interface LeaseKeeperSettings {
 }
 
 /** Leases renewed together, on one timer set at `at` (this clock's ms) for `ms` later. */
-interface Renewal {
+export interface Renewal {
   at: number;
   ms: number;
   leases: Set<LeaseTicket>;
@@ -72,8 +74,6 @@ export class LeaseKeeper {
   #signedAt = Number.NEGATIVE_INFINITY;
   #heartbeat: ClockTimer | undefined = undefined;
   readonly #every: number;
-  /** The renewal each lease kept alive waits in. */
-  readonly #renewalOf = new Map<LeaseTicket, Renewal>();
   /** The latest renewal set, which leases kept within the same ms may join (see `#renewIn`). */
   #open: Renewal | undefined = undefined;
 
@@ -89,9 +89,9 @@ export class LeaseKeeper {
 
   /** Stop renewing `t` (it is being released). */
   drop(t: LeaseTicket): void {
-    const renewal = this.#renewalOf.get(t);
+    const renewal = t.renewal;
     if (renewal === undefined) return;
-    this.#renewalOf.delete(t);
+    t.renewal = undefined;
     renewal.leases.delete(t);
     // (Its timer goes with its last lease.)
     if (renewal.leases.size === 0) {
@@ -141,14 +141,14 @@ export class LeaseKeeper {
       this.#open = fresh;
     }
     renewal.leases.add(t);
-    this.#renewalOf.set(t, renewal);
+    t.renewal = renewal;
   }
 
   /** A renewal's time has come: renew each of its leases. */
   #fire(renewal: Renewal): void {
     if (this.#open === renewal) this.#open = undefined;
     for (const t of renewal.leases) {
-      this.#renewalOf.delete(t);
+      t.renewal = undefined;
       this.#renew(t);
     }
     renewal.leases.clear();
