@@ -522,21 +522,22 @@ do
         else
           -- Each lease given back as its script gives it back alone, nobody being in line; a
           -- turn's leases of one stage as its script gives back a turn's, with one write (its
-          -- reply is then the list of theirs).
+          -- reply is then the list of theirs in short, as each() in lua/gate.lua answers it:
+          -- nothing granted, nobody taken out of the stage's line).
           local replies = {}
           for i = 1, n do
             local key, g = KEYS[keyAt[i]], argAt[i]
             local member, meta = f[g + 2], KEYS[keyAt[i] + 3]
             if names[i] == 'semaphore-release' then
               -- (Each lease's reply says the permits used once the turn's are all given back.)
-              local answers, freed = {}, 0
+              local flags, freed = {}, 0
               local members = { member }
               for x = 9, argsOf[i], 2 do members[#members + 1] = f[g + x] end
               for x = 1, #members do
                 local m = members[x]
                 local released = redis.call('ZREM', key, m)
                 if released == 1 then freed = freed + floodgate_cost(m) end
-                answers[x] = { released, 0, 0, {} }
+                flags[x] = released
               end
               local used
               if freed > 0 then
@@ -544,8 +545,8 @@ do
               else
                 used = tonumber(redis.call('HGET', meta, 'used')) or 0
               end
-              for x = 1, #answers do answers[x][3] = used end
-              replies[i] = #answers == 1 and answers[1] or answers
+              if #flags == 1 then replies[i] = { flags[1], 0, used, {} }
+              else replies[i] = { 'n', table.concat(flags), used } end
             else
               local s = redis.call('HMGET', meta, 'limit', 'epoch', 'used')
               local maxLimit = tonumber(f[g + 7])
@@ -554,7 +555,7 @@ do
               local used = tonumber(s[3]) or 0
               local minLimit, ratio = tonumber(f[g + 6]), tonumber(f[g + 8])
               -- (Each lease's reply says the limit, epoch and permits used once it is given back.)
-              local answers = {}
+              local flags = {}
               for b = g + 9, g + argsOf[i] - 4, 4 do
                 local m, outcome, ticketEpoch, slow = member, f[g + 4], f[g + 5], f[g + 9]
                 if b > g + 9 then m, outcome, ticketEpoch, slow = f[b + 1], f[b + 2], f[b + 3], f[b + 4] end
@@ -565,10 +566,11 @@ do
                   used = used - floodgate_cost(m)
                 end
                 if used < 0 then used = 0 end
-                answers[#answers + 1] = { released, limit, epoch, used, {} }
+                flags[#flags + 1] = released
               end
               redis.call('HSET', meta, 'used', used, 'limit', limit, 'epoch', epoch)
-              replies[i] = #answers == 1 and answers[1] or answers
+              if #flags == 1 then replies[i] = { flags[1], limit, epoch, used, {} }
+              else replies[i] = { 'n', table.concat(flags), limit, epoch, used } end
             end
           end
           return { { 1, -1, 0, 0, replies } }

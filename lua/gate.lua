@@ -49,8 +49,8 @@
 --                      arguments may come as "~", that step's number and its own arguments (it is
 --                      not numbered either). A turn's releases of one stage's leases may also come
 --                      as one step, their own arguments one after another, as the release scripts
---                      take a turn's (its reply is then the list of theirs): the client sends
---                      releases so. Calls are decided in turn, exactly as if each had come alone.
+--                      take a turn's (its reply is then the list of theirs, or that list in
+--                      short: see short(), below): the client sends releases so. Calls are decided in turn, exactly as if each had come alone.
 --
 -- Returns one reply per call, {status, waitMs, inLine, woken, replies, held}:
 --   status  1: every step admitted (or, for "each", ran); 0: refused, nothing is held anywhere;
@@ -477,9 +477,28 @@ local function repeats(a, b, shared)
     and bit.band((b.touched or 0), shared) == 0
 end
 
+-- A turn's release replies `r` (a list, one per lease, as the release script answers them) in
+-- short, when none of them granted anything or took anyone out of the stage's own line: "n", one
+-- flag a lease ("1": it was still held), then the figures of the last reply (the stage's count
+-- once they were all given back): a semaphore's used; an AIMD limiter's limit, epoch and used.
+-- Else `r` itself. (The client gives each lease the reply its script gives one release, with
+-- those figures: src/redis/link.ts, settleTurn. The first pass answers so too.)
+local function short(name, r)
+  local flags = {}
+  for x = 1, #r do
+    local a = r[x]
+    local grants = a[#a]
+    if type(grants) ~= 'table' or #grants > 0 or (name == 'semaphore-release' and a[2] ~= 0) then return r end
+    flags[x] = a[1]
+  end
+  local last = r[#r]
+  if name == 'semaphore-release' then return { 'n', table.concat(flags), last[3] } end
+  return { 'n', table.concat(flags), last[2], last[3], last[4] }
+end
+
 -- Releases, refunds and settles: every step as alone; freed permits wake the permit line. (The
 -- client sends a turn's releases of one stage's leases as one step, which the release script
--- runs as a turn's, answering the list of their replies.)
+-- runs as a turn's, answering the list of their replies: see short().)
 local function each(call)
   local steps = call.steps
   local replies = {}
@@ -494,6 +513,7 @@ local function each(call)
         for x = 1, #r do
           if r[x][1] == 1 then freed = true end
         end
+        replies[i] = short(s.name, r)
       end
     end
   end

@@ -759,12 +759,41 @@ function oneStep(parts: readonly Step[]): Step {
     args,
     resolve: (replies) => {
       const list = replies as unknown[];
-      for (let x = 0; x < parts.length; x++) parts[x]!.resolve(list[x]);
+      if (list[0] === "n") settleTurn(first.script, list, parts);
+      else for (let x = 0; x < parts.length; x++) parts[x]!.resolve(list[x]);
     },
     reject: (error) => {
       for (const part of parts) part.reject(error);
     },
   };
+}
+
+/** The grants of a release reply that made none. */
+const NO_GRANTS: readonly string[] = [];
+
+/**
+ * Settle `parts`, a turn's releases of one stage's leases sent as one step, with its reply in
+ * short (lua/gate.lua, each()): "n", one flag a lease ("1": it was still held, "0": not), then
+ * what the stage's count was once they were all given back (a semaphore's used; an AIMD
+ * limiter's limit, epoch and used). Each part gets the reply its script gives one release, with
+ * those figures. A reply whose flags do not match the parts rejects them all.
+ */
+function settleTurn(script: GateStep, reply: readonly unknown[], parts: readonly Step[]): void {
+  const flags = reply[1];
+  if (typeof flags !== "string" || flags.length !== parts.length) {
+    const error = new Error(
+      `${script}: a turn's reply has ${String(flags).length} flags for ${parts.length} leases`,
+    );
+    for (const part of parts) part.reject(error);
+    return;
+  }
+  const held =
+    script === "semaphore-release"
+      ? [1, 0, reply[2], NO_GRANTS]
+      : [1, reply[2], reply[3], reply[4], NO_GRANTS];
+  const gone = held.slice();
+  gone[0] = 0;
+  for (let x = 0; x < parts.length; x++) parts[x]!.resolve(flags.charCodeAt(x) === 49 ? held : gone);
 }
 
 /** Whether two calls' lanes (see `GateCall`) are one. */

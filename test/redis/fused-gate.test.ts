@@ -4,6 +4,7 @@ import {
   ClosedError,
   Gate,
   InvalidOptionsError,
+  type Logger,
   memory,
   type Outcome,
   type Stage,
@@ -1520,7 +1521,8 @@ describe("a fused Redis gate", () => {
       const tickets = await Promise.all(Array.from({ length: 64 }, () => gate.admit()));
       await counter.shown();
       expect(counter.calls).toBe(perTurn);
-      await Promise.all(tickets.map((t) => t.release("success")));
+      // The first call was dropped: the AIMD limiter backs off (once: the others' epoch is older).
+      await Promise.all(tickets.map((t, i) => t.release(i === 0 ? "dropped" : "success")));
       await counter.shown();
       expect(counter.calls).toBe(2 * perTurn);
     } finally {
@@ -1579,6 +1581,52 @@ describe("a fused Redis gate", () => {
     } finally {
       feed.disconnect();
     }
+  });
+
+  it("tells each lease of a turn's releases whether it was still held, and each stage its count once they are all back", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-releases-lost");
+    const warned: { stage: unknown; lease?: unknown; msg?: string }[] = [];
+    const logger: Logger = {
+      child: (bindings) => ({
+        ...logger,
+        warn: (obj, msg) => warned.push({ stage: bindings.stage, ...obj, msg }),
+      }),
+      debug: () => {},
+      info: () => {},
+      warn: () => {},
+      error: () => {},
+    } as Logger;
+    const { client, b } = await backend(prefix, clock);
+    const sem = b.semaphore("inflight", { limit: 100, logger });
+    const aimd = b.aimd("adaptive", { initial: 10, max: 100, logger });
+    const gate = new Gate([sem, aimd], { clock });
+    const tickets: Ticket[] = [];
+    for (let i = 0; i < 4; i++) tickets.push(await gate.admit());
+    // The third call's leases are gone (they ran out and a try reaped them: counted no more).
+    for (const name of ["inflight", "adaptive"]) {
+      const members = await client.zrange(`${prefix}{${name}}:holders`, 0, -1);
+      const third = members.find((m) => m.endsWith("-3:1"));
+      expect(third, `the third call's lease at ${name}`).toBeDefined();
+      await client.zrem(`${prefix}{${name}}:holders`, third!);
+      await client.hincrby(`${prefix}{${name}}:meta`, "used", -1);
+    }
+    // The first call was dropped: the AIMD limiter backs off (once: the others' epoch is older).
+    await Promise.all(tickets.map((t, i) => t.release(i === 0 ? "dropped" : "success")));
+    // That lease, at each stage, and no other, was told it had run out.
+    const lost = warned.filter((w) => w.msg === "lease had run out before release");
+    expect(lost.map((w) => w.stage).sort()).toEqual(["adaptive", "inflight"]);
+    for (const w of lost) expect(String(w.lease)).toMatch(/-3:1$/);
+    // Each stage's count as Redis has it once all are back: nothing held; the AIMD limiter's
+    // limit backed off, here as there.
+    const [used, limit] = await client.hmget(`${prefix}{adaptive}:meta`, "used", "limit");
+    expect(Number(used)).toBe(0);
+    expect(Number(await client.hget(`${prefix}{inflight}:meta`, "used"))).toBe(0);
+    expect(Number(limit)).toBeLessThan(10);
+    expect(aimd.snapshot().limit).toBe(Number(limit));
+    expect(sem.snapshot().inFlight).toBe(0);
+    expect(aimd.snapshot().inFlight).toBe(0);
+    await b.close();
   });
 
   it("runs a stage's step and a ticket's release as their own script calls outside a gate's call", async () => {
