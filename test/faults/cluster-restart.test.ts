@@ -1,16 +1,22 @@
-import { Gate } from "floodgate";
+import { Gate, isFloodgateError } from "floodgate";
 import { Redis } from "ioredis";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
-import { randomPrefix, sleep, until } from "../redis/helpers.js";
+import { randomPrefix, sleep, until, within } from "../redis/helpers.js";
 import { dropAny, isReady, LIBRARIES } from "../redis/libraries.js";
 import { RedisCluster } from "../setup/redis-server.js";
 import {
+  type Call,
   describeError,
   expectExactPermits,
   faultBackend,
+  COMMAND_TIMEOUT_MS as HARNESS_TIMEOUT_MS,
+  IN_FLIGHT_BOUND_MS,
   Load,
+  NEW_CALL_BOUND_MS,
+  RECOVERY_BOUND_MS,
   recordUnhandled,
   SLACK_MS,
+  spread,
 } from "./harness.js";
 
 const LIMIT = 3;
@@ -20,11 +26,15 @@ const COMMAND_TIMEOUT_MS = 2_000;
 const CALLERS = 6;
 /** The node is down this long: well under the cluster's node timeout (5 s), so no failover. */
 const DOWN_MS = 500;
+/** A master hangs this long (`DEBUG SLEEP`), as short of the node timeout. */
+const HANG_S = 1.5;
 
 /**
  * One master of a Redis Cluster of this file's own (three masters, no replicas, nothing
- * persisted, shared by its tests) killed and started again, empty, while callers go through a semaphore and a token
- * bucket whose keys live on it. As the single-server restart (scripts-restart.test.ts): calls fail
+ * persisted, `DEBUG` on, shared by its tests) killed and started again, empty, while callers go through a semaphore and a token
+ * bucket whose keys live on it. Or hanging while its connections stay open (`DEBUG SLEEP`), as
+ * a single server's test does (debug-sleep.test.ts): calls fail closed within their command
+ * timeout, and what it ran late is given back. As the single-server restart (scripts-restart.test.ts): calls fail
  * only with `BackendUnavailableError` while it is down (until the cluster says it is ok again on
  * every node), the semaphore holds its grants back for a
  * lease once it is back (it lost its leases), the cap holds throughout, and no lease is left.
@@ -50,7 +60,8 @@ async function ownerOf(seeds: { port: number }[], key: string): Promise<{ port: 
 
 beforeAll(async () => {
   cluster = new RedisCluster();
-  await cluster.start();
+  // (`DEBUG` is off by default since Redis 7.)
+  await cluster.start(3, ["--enable-debug-command", "yes"]);
 }, 60_000);
 
 afterAll(async () => {
@@ -66,8 +77,11 @@ describe.each(LIBRARIES.filter((l) => l.connectCluster !== undefined))(
       for (const cleanup of cleanups.splice(0).reverse()) await cleanup();
     });
 
-    /** Two Cluster clients of the library (one for pub/sub) and a backend on them, on this file's cluster. */
-    async function setup(label: string) {
+    /**
+     * Two Cluster clients of the library (one for pub/sub) and a backend on them, on this file's
+     * cluster, with calls timed out after `commandTimeoutMs`.
+     */
+    async function setup(label: string, commandTimeoutMs = COMMAND_TIMEOUT_MS) {
       const seeds = cluster.nodes.map((node) => ({ host: "127.0.0.1", port: node.port }));
       const connect = async () => {
         const client = await library.connectCluster!(seeds, { reconnect: true });
@@ -76,7 +90,7 @@ describe.each(LIBRARIES.filter((l) => l.connectCluster !== undefined))(
       };
       const [main, subscriber] = await Promise.all([connect(), connect()]);
       const prefix = randomPrefix(`faults-cluster-${label}`);
-      const backend = faultBackend(main, subscriber, prefix, cleanups, COMMAND_TIMEOUT_MS);
+      const backend = faultBackend(main, subscriber, prefix, cleanups, commandTimeoutMs);
       return { seeds, main, subscriber, prefix, backend };
     }
 
@@ -175,6 +189,96 @@ describe.each(LIBRARIES.filter((l) => l.connectCluster !== undefined))(
         `cluster restart (${library.name}): node ${port} down ${DOWN_MS} ms; ${load.calls.length} calls, ` +
           `${failed.length} failed closed (all BackendUnavailableError, all in the down window); ` +
           `restart → first success ${Math.round(recovered)} ms (a lease's quarantine included); peak ${load.oracle.peak}/${LIMIT}`,
+      );
+    }, 60_000);
+
+    it("fails calls closed within the command timeout while a master hangs, recovers when it wakes, and counts exactly", async () => {
+      const unhandled = recordUnhandled();
+      cleanups.push(() => unhandled.stop());
+      // The harness's command timeout (300 ms): a hang is seen as one.
+      const { seeds, prefix, backend } = await setup("hang", HARNESS_TIMEOUT_MS);
+      const sem = backend.semaphore("sem", { limit: LIMIT, leaseMs: 8_000 });
+      const bucket = backend.tokenBucket("rate", { capacity: 10, refillPerSecond: 500 });
+      const gate = new Gate([sem, bucket]);
+      const load = new Load((work) => gate.run(work, { timeoutMs: 10_000 }), CALLERS, 10);
+      cleanups.push(() => load.stop());
+      // The master that holds the semaphore's keys, on a connection of its own.
+      const { port } = await ownerOf(seeds, `${prefix}{sem}:holders`);
+      const { port: bucketPort } = await ownerOf(seeds, `${prefix}{rate}:b:default`);
+      const admin = new Redis({ port, host: "127.0.0.1", lazyConnect: true });
+      admin.on("error", () => {});
+      await admin.connect();
+      cleanups.push(() => admin.disconnect());
+      load.start();
+      await until(() => load.calls.filter((c) => c.ok).length >= 10, {
+        timeoutMs: 5_000,
+        message: "the load never got going",
+      });
+
+      const faultAt = performance.now();
+      const hang = admin.call("DEBUG", "SLEEP", String(HANG_S));
+      // Let the DEBUG command reach the node before the probes go out.
+      await sleep(20);
+      const probes = await Promise.all(
+        (
+          [
+            ["sem.tryAdmit()", () => sem.tryAdmit()],
+            ["sem.admit()", () => sem.admit({ timeoutMs: 5_000 })],
+            ["gate.run()", () => gate.run(() => "sent", { timeoutMs: 5_000 })],
+          ] as const
+        ).map(async ([what, call]) => {
+          const startedAt = performance.now();
+          const error = await within(
+            (call() as Promise<unknown>).then((v) => new Error(`${what} resolved ${String(v)}`)),
+            5_000,
+            what,
+          ).catch((e) => e);
+          const took = performance.now() - startedAt;
+          expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), `${what}: ${describeError(error)}`).toBe(
+            true,
+          );
+          expect(took, `${what} failed closed after ${took.toFixed(0)} ms`).toBeLessThan(NEW_CALL_BOUND_MS);
+          return took;
+        }),
+      );
+      // The bucket's keys hash elsewhere (their own slot): a node that hangs holds up only its own.
+      if (bucketPort !== port) {
+        const took = performance.now();
+        await within(bucket.admit({ timeoutMs: 5_000 }), 5_000, "the bucket on another node").then((t) =>
+          t.release("success"),
+        );
+        expect(performance.now() - took, "the bucket on another node, while this one hangs").toBeLessThan(
+          NEW_CALL_BOUND_MS,
+        );
+      }
+      expect(await within(hang, 10_000, "DEBUG SLEEP")).toBe("OK");
+      const wokeAt = performance.now();
+      const firstOk = await load.firstSuccessAfter(wokeAt, RECOVERY_BOUND_MS + 2_000);
+      await sleep(500);
+      await load.stop();
+
+      expect(load.otherFailures().map((c) => describeError(c.error))).toEqual([]);
+      // Every call that failed did so in time; a call sent during the hang and answered after it
+      // may succeed (the node ran it late), once.
+      const late = (c: Call, bound: number) => !c.ok && c.endedAt - Math.max(c.startedAt, faultAt) > bound;
+      expect(load.between(faultAt, wokeAt).filter((c) => late(c, NEW_CALL_BOUND_MS))).toEqual([]);
+      const outAtFault = load.calls.filter((c) => c.startedAt < faultAt && c.endedAt > faultAt);
+      expect(outAtFault.filter((c) => late(c, IN_FLIGHT_BOUND_MS))).toEqual([]);
+      expect(load.between(faultAt + 20, wokeAt - HANG_S * 1000 * 0.5).filter((c) => c.ok)).toEqual([]);
+      expect(firstOk - wokeAt).toBeLessThan(RECOVERY_BOUND_MS);
+      expect(load.oracle.peak).toBeLessThanOrEqual(LIMIT);
+      // The acquires the node ran late, for callers that had given up, are given back (well before
+      // their lease would have run out), and nothing is counted twice.
+      await expectExactPermits(admin, prefix, "sem", sem, LIMIT, 2_500);
+      expect(gate.snapshot()).toMatchObject({ inFlight: 0, waiting: 0 });
+      expect(unhandled.seen.map(describeError)).toEqual([]);
+
+      const failed = load.calls.filter((c) => !c.ok && c.endedAt > faultAt);
+      console.log(
+        `cluster DEBUG SLEEP ${HANG_S} s (${library.name}): new calls fail closed ${spread(probes)}; ` +
+          `load calls failed ${failed.length}, fault → typed error ` +
+          `${spread(failed.map((c) => c.endedAt - Math.max(c.startedAt, faultAt)))}; ` +
+          `wake → first success ${(firstOk - wokeAt).toFixed(0)} ms; peak ${load.oracle.peak}/${LIMIT}`,
       );
     }, 60_000);
   },

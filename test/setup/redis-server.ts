@@ -220,7 +220,8 @@ export class RedisCluster {
     return this.nodes.map((node) => `127.0.0.1:${node.port}`).join(",");
   }
 
-  async start(size = 3): Promise<void> {
+  /** Start `size` masters, each with `extraArgs` for its `redis-server` too. */
+  async start(size = 3, extraArgs: readonly string[] = []): Promise<void> {
     try {
       const dir = await mkdtemp(join(tmpdir(), "floodgate-cluster-"));
       this.#dir = dir;
@@ -243,6 +244,7 @@ export class RedisCluster {
             String(ports[size + i]!),
             "--dir",
             nodeDir,
+            ...extraArgs,
           ]),
         );
       }
