@@ -252,6 +252,42 @@ export function describeError(error: unknown): string {
   return String(error);
 }
 
+/**
+ * Make each of `probes` (a name, and the call) at once while a fault is on, and expect every one
+ * to fail closed, typed (`BackendUnavailableError`), within NEW_CALL_BOUND_MS. Returns how long
+ * each took, ms.
+ */
+export function expectFailClosed(
+  probes: readonly (readonly [string, () => Promise<unknown>])[],
+): Promise<number[]> {
+  return Promise.all(
+    probes.map(async ([what, call]) => {
+      const startedAt = performance.now();
+      const error = await within(
+        call().then((v) => new Error(`${what} resolved ${String(v)}`)),
+        5_000,
+        what,
+      ).catch((e) => e);
+      const took = performance.now() - startedAt;
+      expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), `${what}: ${describeError(error)}`).toBe(true);
+      expect(took, `${what} failed closed after ${took.toFixed(0)} ms`).toBeLessThan(NEW_CALL_BOUND_MS);
+      return took;
+    }),
+  );
+}
+
+/**
+ * Expect the calls of `load` that failed after a fault began at `faultAt` to have failed in
+ * time: those made while it lasted (up to `endAt`) within NEW_CALL_BOUND_MS of its start or
+ * theirs, those already out when it began within IN_FLIGHT_BOUND_MS.
+ */
+export function expectFailedInTime(load: Load, faultAt: number, endAt: number): void {
+  const late = (c: Call, bound: number) => !c.ok && c.endedAt - Math.max(c.startedAt, faultAt) > bound;
+  expect(load.between(faultAt, endAt).filter((c) => late(c, NEW_CALL_BOUND_MS))).toEqual([]);
+  const outAtFault = load.calls.filter((c) => c.startedAt < faultAt && c.endedAt > faultAt);
+  expect(outAtFault.filter((c) => late(c, IN_FLIGHT_BOUND_MS))).toEqual([]);
+}
+
 /** The Redis server's clock in milliseconds, as the scripts read it. */
 export async function serverNow(client: Redis): Promise<number> {
   const [seconds, micros] = await client.time();
