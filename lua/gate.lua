@@ -50,7 +50,8 @@
 --                      not numbered either). A turn's releases of one stage's leases may also come
 --                      as one step, their own arguments one after another, as the release scripts
 --                      take a turn's (its reply is then the list of theirs, or that list in
---                      short: see short(), below): the client sends releases so. Calls are decided in turn, exactly as if each had come alone.
+--                      short: see short(), below): the client sends releases so. Calls are
+--                      decided in turn, exactly as if each had come alone.
 --
 -- Returns one reply per call, {status, waitMs, inLine, woken, replies, held}:
 --   status  1: every step admitted (or, for "each", ran); 0: refused, nothing is held anywhere;
