@@ -248,9 +248,15 @@ local function first_handoff(f, n, names, keyAt, argAt, argsOf)
     if not first_asks(second, now) then return nil end
     local kept2 = redis.call('HGET', held, 's:' .. second)
     if not kept2 or not first_listens(second) then return nil end
+    -- (Its kept steps searched as cjson wrote them, not decoded: a permit step is its script's
+    -- name, then its keys, the stage's holders first. Inside a string of the record every quote
+    -- is escaped, so the search matches a step and nothing else.)
     local waits = false
-    for _, s in ipairs(cjson.decode(kept2)[4]) do
-      if s[1] == 'semaphore-acquire' and full[s[2][1]] then waits = true end
+    for holders in pairs(full) do
+      if string.find(kept2, '["semaphore-acquire",[' .. cjson.encode(holders), 1, true) then
+        waits = true
+        break
+      end
     end
     if not waits then return nil end
   end

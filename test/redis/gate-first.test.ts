@@ -451,12 +451,15 @@ describe("the first pass of a gate call", () => {
   // the rest would (its reply, its grant message, the state left), both when the next waiter then
   // waits for a permit stage left full and when nobody is next. When the release leaves room for
   // the next waiter too (it frees two permits, or a dead holder's lease there has ended), it goes
-  // on to the rest, which admits both. When the next waiter's process no longer listens (its
-  // steps kept, its subscription gone), it goes on to the rest too, which passes that waiter over.
+  // on to the rest, which admits both; and so when the next waiter takes no permit at the stages
+  // the grant leaves full (a cost of 0 there: none of its kept steps is theirs). When the next
+  // waiter's process no longer listens (its steps kept, its subscription gone), it goes on to the
+  // rest too, which passes that waiter over.
   for (const how of [
     "one permit",
     "one permit, its lease ended",
     "one permit, the next waiter's process not listening",
+    "one permit, the next waiter taking none",
     "two permits",
     "a dead holder's lease ended",
   ] as const) {
@@ -526,7 +529,10 @@ describe("the first pass of a gate call", () => {
       const b = gates[1]!.gate.admit({ costs: { tpm: 200 } });
       await waiting(1);
       const joining = sent.length;
-      const c = gates[2]!.gate.admit({ costs: { tpm: 100 } });
+      const none = how === "one permit, the next waiter taking none";
+      const c = gates[2]!.gate.admit({
+        costs: none ? { tpm: 100, inflight: 0, adaptive: 0 } : { tpm: 100 },
+      });
       await waiting(2);
       // (The process of the caller next in line, by the token its member begins with.)
       const next = (await look.zrange(line, 0, -1))[1]!.split("-")[0]!;
@@ -548,9 +554,9 @@ describe("the first pass of a gate call", () => {
         }
       }
       const releaseA = sent.length;
-      await releaseOf(a, !roomy && !deaf);
+      await releaseOf(a, !roomy && !deaf && !none);
       const tb = await within(b, 5_000, "the first waiter's grant");
-      await releaseOf(tb, !roomy);
+      await releaseOf(tb, !roomy && !none);
       const tc = await within(c, 5_000, "the second waiter's grant");
       expect(await look.zcard(line)).toBe(0);
       const channels = (await look.pubsub("CHANNELS", `${prefix}*`)) as string[];
