@@ -309,18 +309,37 @@ export async function expectExactPermits(
 ): Promise<void> {
   const holders = stageKey(prefix, name, "holders");
   const queue = stageKey(prefix, name, "queue");
-  await until(
-    async () => {
-      const now = await serverNow(raw);
-      const [[, live], [, waiting]] = (await raw
-        .multi()
-        .zcount(holders, `(${now}`, "+inf")
-        .zcard(queue)
-        .exec()) as [[unknown, number], [unknown, number]];
-      return live === 0 && waiting === 0;
-    },
-    { timeoutMs, message: `a lease or a waiter of "${name}" was left behind in Redis after the fault` },
-  );
+  const left = async () => {
+    const now = await serverNow(raw);
+    const [[, live], [, waiting]] = (await raw
+      .multi()
+      .zcount(holders, `(${now}`, "+inf")
+      .zcard(queue)
+      .exec()) as [[unknown, number], [unknown, number]];
+    return { now, live, waiting };
+  };
+  try {
+    await until(
+      async () => {
+        const { live, waiting } = await left();
+        return live === 0 && waiting === 0;
+      },
+      { timeoutMs, message: `a lease or a waiter of "${name}" was left behind in Redis after the fault` },
+    );
+  } catch (error) {
+    // What was left, for the failure: each lease and waiter with the ms to its end (negative:
+    // ended), and the stage's count.
+    const { now } = await left();
+    const ends = (flat: string[]) =>
+      flat.flatMap((x, i) => (i % 2 === 0 ? [`${x} ${Number(flat[i + 1]) - now} ms`] : []));
+    const state = {
+      holders: ends(await raw.zrange(holders, 0, -1, "WITHSCORES")),
+      queue: await raw.zrange(queue, 0, -1),
+      waiterEnds: ends(await raw.zrange(stageKey(prefix, name, "qexp"), 0, -1, "WITHSCORES")),
+      meta: await raw.hgetall(stageKey(prefix, name, "meta")),
+    };
+    throw new Error(`${(error as Error).message}: ${JSON.stringify(state)}`, { cause: error });
+  }
   expect(sem.snapshot()).toMatchObject({ inFlight: 0, waiting: 0 });
   const taken: Ticket[] = [];
   for (let i = 0; i < limit; i++) {
