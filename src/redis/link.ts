@@ -222,12 +222,19 @@ export class RedisLink {
     return this.useClockTime ? String(this.clock.now()) : "";
   }
 
-  /** Run a script. Rejects with `BackendUnavailableError` when Redis cannot answer in time. */
+  /**
+   * Run a script. Rejects with `BackendUnavailableError` when Redis cannot answer in time. `late`
+   * hears the reply of a call that was failed so and ran all the same, later: a client may hold a
+   * command back and send it again by itself (a Cluster client after its connection closed, a
+   * client that resends what was unanswered when it reconnects), after its caller gave back what
+   * it would take.
+   */
   run(
     stage: string,
     script: ScriptName,
     keys: readonly string[],
     args: readonly (string | number)[],
+    late?: (reply: unknown) => void,
   ): Promise<any> {
     const gathering = this.#gathering;
     if (gathering !== undefined && STEPS.has(script)) {
@@ -235,7 +242,7 @@ export class RedisLink {
         gathering.push({ script: script as GateStep, keys, args, resolve, reject });
       });
     }
-    const promise = this.#run(stage, script, keys, args);
+    const promise = this.#run(stage, script, keys, args, late);
     this.clock.track?.(promise);
     return promise;
   }
@@ -252,10 +259,11 @@ export class RedisLink {
     args: readonly (string | number)[],
     resolve: (reply: any) => void,
     reject: (error: unknown) => void,
+    late?: (reply: unknown) => void,
   ): void {
     const gathering = this.#gathering;
     if (gathering !== undefined) gathering.push({ script, keys, args, resolve, reject });
-    else this.run(stage, script, keys, args).then(resolve, reject);
+    else this.run(stage, script, keys, args, late).then(resolve, reject);
   }
 
   /** Script calls made while `gather` runs its function; undefined otherwise. */
@@ -422,6 +430,7 @@ export class RedisLink {
     script: ScriptName,
     keys: readonly string[],
     args: readonly (string | number)[],
+    late?: (reply: unknown) => void,
   ): Promise<any> {
     const client = this.client;
     const status = client.status();
@@ -431,7 +440,7 @@ export class RedisLink {
       // not fails calls at once (the fail-closed promise).
       if (!this.#connected && FIRST_CONNECT.has(status) && !this.#closed) {
         return this.#firstConnection().then((ready) =>
-          ready ? this.#run(stage, script, keys, args) : this.#notConnected(stage),
+          ready ? this.#run(stage, script, keys, args, late) : this.#notConnected(stage),
         );
       }
       return this.#notConnected(stage);
@@ -444,7 +453,11 @@ export class RedisLink {
       if (this.#first !== undefined && this.#corked === undefined && CORKED.has(script)) this.#cork();
       this.#push(call);
       const answered = (value: unknown) => {
-        if (call.done) return;
+        if (call.done) {
+          // Failed when it timed out, and run all the same (see `run`).
+          late?.(value);
+          return;
+        }
         this.#remove(call);
         resolve(value);
       };

@@ -250,8 +250,19 @@ export abstract class RedisPermitStage extends BaseStage {
   /** Acquires of one mode; a crowd of callers goes in one script call per turn. */
   #acquireBatch(mode: "wait" | "try"): ScriptBatch {
     return new ScriptBatch((pairs) =>
-      this.link.run(this.name, "semaphore-acquire", this.keys, this.#acquireArgs(mode, pairs)),
+      this.link.run(this.name, "semaphore-acquire", this.keys, this.#acquireArgs(mode, pairs), () =>
+        this.#ranLate(pairs),
+      ),
     );
+  }
+
+  /**
+   * An acquire of the members in `pairs` (`[id1, again1, id2, …]`) ran after it was failed for
+   * not answering in time: its callers failed closed and gave back what it would take, which was
+   * not there yet. Whatever it took (a lease, a place in line) is given back now.
+   */
+  #ranLate(pairs: readonly string[]): void {
+    for (let i = 0; i < pairs.length; i += 2) this.#forget(pairs[i]!);
   }
 
   /** ARGV of `semaphore-acquire` for members and their "again" flags, `[id1, again1, id2, …]`. */
@@ -532,6 +543,7 @@ export abstract class RedisPermitStage extends BaseStage {
         this.#tryFailed(id, error);
         done(undefined, error);
       },
+      () => this.#ranLate([id, ""]),
     );
   }
 

@@ -5,6 +5,7 @@ import { isFloodgateError, type Ticket } from "floodgate";
 import { redis, stageKey } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { afterEach, describe, expect, it } from "vitest";
+import { commandName } from "../../src/redis/scripts.js";
 import { freePort, haveRedisServer, INSTALL_HINT, RedisProcess } from "../setup/redis-server.js";
 import { connectedClient, randomPrefix, rejectionOf, until, within } from "./helpers.js";
 
@@ -188,6 +189,57 @@ describe("a Redis outage", () => {
     expect(ticket).toBeDefined();
     await ticket!.release("success");
   });
+
+  // A Cluster client (ioredis, iovalkey) sends a command again by itself after its connection
+  // closed, 100 ms later and again up to 16 times: it may run after floodgate gave up on it and
+  // gave back what it would take, which then frees nothing. Here the client holds the acquire
+  // back and sends it once the caller has failed closed; its late reply must give back the lease.
+  for (const mode of ["tryAdmit", "admit"] as const) {
+    it(`gives back a permit whose acquire the client ran after the caller failed closed (${mode})`, async () => {
+      const port = await freePort();
+      const server = await startServer(port);
+      const prefix = randomPrefix("outage-late");
+      const { main, raw, backend } = await setup(server.url, prefix);
+      const sem = backend.semaphore("sem", { limit: 1, leaseMs: 30_000 });
+      // (The client's command for the acquire script, held back the first time.)
+      const command = commandName("semaphore-acquire");
+      const client = main as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
+      const send = client[command]!.bind(main);
+      let release: (() => Promise<unknown>) | undefined;
+      client[command] = (...args: unknown[]) => {
+        client[command] = send;
+        return new Promise((resolve, reject) => {
+          release = () => {
+            const sent = send(...args);
+            sent.then(resolve, reject);
+            return sent;
+          };
+        });
+      };
+      const error = await within(
+        rejectionOf(mode === "admit" ? sem.admit({ timeoutMs: 5_000 }) : sem.tryAdmit()),
+        3_000,
+        `${mode}() with its acquire held back`,
+      );
+      expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
+      // The caller gave up and gave back its lease, which was not there yet; now Redis runs it.
+      await new Promise((resolve) => setTimeout(resolve, COMMAND_TIMEOUT_MS));
+      // (It took the permit: its reply says granted.)
+      expect(((await release!()) as unknown[])[0]).toBe(1);
+      await until(
+        async () =>
+          (await raw.zcard(stageKey(prefix, "sem", "holders"))) === 0 &&
+          (await raw.zcard(stageKey(prefix, "sem", "queue"))) === 0,
+        {
+          timeoutMs: 3_000,
+          message: "a lease taken by an acquire that ran after its caller failed closed stayed held",
+        },
+      );
+      const ticket = await sem.tryAdmit();
+      expect(ticket).toBeDefined();
+      await ticket!.release("success");
+    });
+  }
 
   it("gives back a permit granted after its caller stopped waiting while Redis was frozen", async () => {
     const port = await freePort();
