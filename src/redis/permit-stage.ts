@@ -543,7 +543,8 @@ export abstract class RedisPermitStage extends BaseStage {
         this.#tryFailed(id, error);
         done(undefined, error);
       },
-      () => this.#ranLate([id, ""]),
+      // (Run alone, outside a fused gate's call: see `#ranLate`.)
+      this.link.gatheringFor === undefined ? () => this.#ranLate([id, ""]) : undefined,
     );
   }
 
