@@ -552,7 +552,7 @@ do
                 used = tonumber(redis.call('HGET', meta, 'used')) or 0
               end
               if #flags == 1 then replies[i] = { flags[1], 0, used, {} }
-              else replies[i] = { 'n', table.concat(flags), used } end
+              else replies[i] = floodgate_short(flags, used) end
             else
               local s = redis.call('HMGET', meta, 'limit', 'epoch', 'used')
               local maxLimit = tonumber(f[g + 7])
@@ -576,7 +576,7 @@ do
               end
               redis.call('HSET', meta, 'used', used, 'limit', limit, 'epoch', epoch)
               if #flags == 1 then replies[i] = { flags[1], limit, epoch, used, {} }
-              else replies[i] = { 'n', table.concat(flags), limit, epoch, used } end
+              else replies[i] = floodgate_short(flags, limit, epoch, used) end
             end
           end
           return { { 1, -1, 0, 0, replies } }

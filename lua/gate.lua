@@ -479,11 +479,9 @@ local function repeats(a, b, shared)
 end
 
 -- A turn's release replies `r` (a list, one per lease, as the release script answers them) in
--- short, when none of them granted anything or took anyone out of the stage's own line: "n", one
--- flag a lease ("1": it was still held), then the figures of the last reply (the stage's count
--- once they were all given back): a semaphore's used; an AIMD limiter's limit, epoch and used.
--- Else `r` itself. (The client gives each lease the reply its script gives one release, with
--- those figures: src/redis/link.ts, settleTurn. The first pass answers so too.)
+-- short (floodgate_short), with the figures of the last of them, when none of them granted
+-- anything or took anyone out of the stage's own line; else `r` itself. (The first pass answers
+-- so too.)
 local function short(name, r)
   local flags = {}
   for x = 1, #r do
@@ -493,8 +491,8 @@ local function short(name, r)
     flags[x] = a[1]
   end
   local last = r[#r]
-  if name == 'semaphore-release' then return { 'n', table.concat(flags), last[3] } end
-  return { 'n', table.concat(flags), last[2], last[3], last[4] }
+  if name == 'semaphore-release' then return floodgate_short(flags, last[3]) end
+  return floodgate_short(flags, last[2], last[3], last[4])
 end
 
 -- Releases, refunds and settles: every step as alone; freed permits wake the permit line. (The

@@ -170,6 +170,15 @@ local function floodgate_aimd_moved(limit, epoch, used, outcome, ticketEpoch, sl
   return limit, epoch
 end
 
+-- A turn's releases of one stage's leases answered in short (a fused gate's each(), lua/gate.lua,
+-- and its first pass): "n", one flag a lease (`flags`: 1 when it was still held), then the
+-- stage's figures once they are all given back (a semaphore's used; an AIMD limiter's limit,
+-- epoch and used). The client gives each lease the reply its script gives one release, with
+-- those figures (src/redis/link.ts, settleTurn).
+local function floodgate_short(flags, ...)
+  return { 'n', table.concat(flags), ... }
+end
+
 -- Take `by` permits off a permit stage's count in `meta`; returns the permits still used (never
 -- below zero: a count gone negative is set back to 0).
 local function floodgate_lower_used(meta, by)
