@@ -657,8 +657,11 @@ export abstract class RedisPermitStage extends BaseStage {
     const w = waiter as RedisWaiter;
     this.#clearRetry(w);
     this.#byId.delete(w.id);
-    // An acquire still out will see the waiter gone and give back what it got.
-    if (!w.busy) this.#forget(w.id);
+    // Given back now, on the connection of any acquire still out, so after it in Redis: a
+    // release in between must not grant the place of a caller that is gone, nor this process's
+    // next call find it held until that acquire's reply is read. (That reply gives back again,
+    // in case the acquire ran after all, a resend after NOSCRIPT or a redirection.)
+    this.#forget(w.id);
     this.#leases.quiet();
   }
 

@@ -1,6 +1,7 @@
 import type { Ticket } from "floodgate";
 import { type RedisBackendOptions, redis } from "floodgate/redis";
 import { describe, expect, it } from "vitest";
+import { commandName } from "../../src/redis/scripts.js";
 import { ownRedis, useClients } from "./clients.js";
 import { connectedClient, evalCalls, randomPrefix, until } from "./helpers.js";
 
@@ -169,5 +170,55 @@ describe("waiting across processes", () => {
     });
     await held.release("success");
     await (await next).release("success"); // no stale head holds it up (the poll is a minute)
+  });
+
+  // A waiter that leaves while its acquire is out gives its place back at once, after that
+  // acquire on the same connection, not once the acquire's reply is read: a release in between
+  // would grant the place of a caller that is gone, and this process's next try, which can be
+  // read before that reply, would be refused while the permit sits with nobody.
+  it("gives back the place of a waiter that left while its acquire was out before that acquire's reply is read", async () => {
+    const prefix = randomPrefix("left-held");
+    const [a, b] = await fleet(2, prefix);
+    const semA = a!.semaphore("left", { limit: 1 });
+    const semB = b!.semaphore("left", { limit: 1 });
+    const queue = `${prefix}{left}:queue`;
+    const holders = `${prefix}{left}:holders`;
+    const held = await semA.admit();
+    // B's client runs its first acquire at once but holds its reply back until told.
+    const command = commandName("semaphore-acquire");
+    const client = clients[1] as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
+    const send = client[command]!.bind(clients[1]);
+    let replied = false;
+    let hand: (() => void) | undefined;
+    client[command] = (...args: unknown[]) => {
+      client[command] = send;
+      const sent = send(...args);
+      sent.then(() => {
+        replied = true;
+      });
+      return new Promise((resolve, reject) => {
+        hand = () => void sent.then(resolve, reject);
+      });
+    };
+    const controller = new AbortController();
+    const gone = semB.admit({ signal: controller.signal });
+    await until(() => replied, { timeoutMs: 5000, message: "B's acquire never ran" });
+    expect(await clients[0]!.zcard(queue)).toBe(1); // in line in Redis; the process has not heard
+    controller.abort();
+    await expect(gone).rejects.toBe(controller.signal.reason);
+    await held.release("success");
+    // B's next try comes after its give-back on the same connection: the permit is free for it.
+    const next = await semB.tryAdmit();
+    expect(next, "a permit sat with a waiter that had left").toBeDefined();
+    // The held reply, read now, gives back nothing more: the permit stays with the new holder.
+    hand!();
+    await until(async () => (await clients[0]!.zcard(queue)) === 0, {
+      timeoutMs: 5000,
+      message: "the gone waiter stayed in the line",
+    });
+    expect(await clients[0]!.zcard(holders)).toBe(1);
+    expect(await semA.tryAdmit()).toBeUndefined();
+    await next!.release("success");
+    expect(await clients[0]!.zcard(holders)).toBe(0);
   });
 });
