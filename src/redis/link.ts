@@ -69,7 +69,16 @@ interface Step {
   args: readonly (string | number)[];
   resolve: (reply: unknown) => void;
   reject: (error: unknown) => void;
+  /** Told, with the step's arguments, when its call ran after it was failed (see `step`). */
+  late?: LateStep | undefined;
 }
+
+/**
+ * What a step gives back when the call it went in ran after it was failed for not answering in
+ * time (see `RedisLink.run`): told the step's own arguments, so one function serves every step
+ * of a stage.
+ */
+export type LateStep = (args: readonly (string | number)[]) => void;
 
 /** The reply of a `gate` call to one of its calls (see lua/gate.lua). */
 export interface GateReply {
@@ -239,7 +248,7 @@ export class RedisLink {
     const gathering = this.#gathering;
     if (gathering !== undefined && STEPS.has(script)) {
       return new Promise((resolve, reject) => {
-        gathering.push({ script: script as GateStep, keys, args, resolve, reject });
+        gathering.push({ script: script as GateStep, keys, args, resolve, reject, late: undefined });
       });
     }
     const promise = this.#run(stage, script, keys, args, late);
@@ -251,6 +260,8 @@ export class RedisLink {
    * Run a script that a fused gate can gather, told to `resolve` with its reply or `reject` rather
    * than by a promise: while a `gate` call is gathered (see `gather`), as one of its steps, with
    * no promise made (rejected with `NOT_RUN` when the script did not run it); else as `run`.
+   * `late` is told the step's arguments when its call, alone or the `gate` call, was failed for
+   * not answering in time and ran all the same (see `run`): whatever the call decided for it.
    */
   step(
     stage: string,
@@ -259,11 +270,11 @@ export class RedisLink {
     args: readonly (string | number)[],
     resolve: (reply: any) => void,
     reject: (error: unknown) => void,
-    late?: (reply: unknown) => void,
+    late?: LateStep,
   ): void {
     const gathering = this.#gathering;
-    if (gathering !== undefined) gathering.push({ script, keys, args, resolve, reject });
-    else this.run(stage, script, keys, args, late).then(resolve, reject);
+    if (gathering !== undefined) gathering.push({ script, keys, args, resolve, reject, late });
+    else this.run(stage, script, keys, args, late && (() => late(args))).then(resolve, reject);
   }
 
   /** Script calls made while `gather` runs its function; undefined otherwise. */
@@ -368,7 +379,7 @@ export class RedisLink {
       args.push(callJson(fields));
     }
     const sentAt = this.clock.now();
-    return this.run(stage, "gate", keys, args).then(
+    return this.run(stage, "gate", keys, args, () => ranLate(stepsOf)).then(
       (replies: (GateCallReply | 1 | unknown[])[]) => {
         // Calls admitted in one pass answer 1; their steps' replies follow the last call's reply.
         const flat = replies.length > calls.length ? (replies[calls.length] as unknown[]) : undefined;
@@ -779,6 +790,11 @@ function oneStep(parts: readonly Step[]): Step {
       for (const part of parts) part.reject(error);
     },
   };
+}
+
+/** A `gate` call of `stepsOf` ran after it was failed: each step that says so gives back. */
+function ranLate(stepsOf: readonly (readonly Step[])[]): void {
+  for (const steps of stepsOf) for (const step of steps) step.late?.(step.args);
 }
 
 /** The grants of a release reply that made none. */

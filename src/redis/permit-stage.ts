@@ -265,6 +265,13 @@ export abstract class RedisPermitStage extends BaseStage {
     for (let i = 0; i < pairs.length; i += 2) this.#forget(pairs[i]!);
   }
 
+  /**
+   * An acquire step (`tryStepChecked`), alone or in a fused gate's call, ran after it was failed
+   * for not answering in time: its member is given back, whatever the call decided (a member
+   * that holds nothing frees nothing). One function for every step: `args` are the step's own.
+   */
+  readonly #lateStep = (args: readonly (string | number)[]): void => this.#forget(String(args[1]));
+
   /** ARGV of `semaphore-acquire` for members and their "again" flags, `[id1, again1, id2, …]`. */
   #acquireArgs(mode: "wait" | "try", pairs: readonly string[]): (string | number)[] {
     const args: (string | number)[] = [
@@ -543,8 +550,7 @@ export abstract class RedisPermitStage extends BaseStage {
         this.#tryFailed(id, error);
         done(undefined, error);
       },
-      // (Run alone, outside a fused gate's call: see `#ranLate`.)
-      this.link.gatheringFor === undefined ? () => this.#ranLate([id, ""]) : undefined,
+      this.#lateStep,
     );
   }
 

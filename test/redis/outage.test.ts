@@ -1,7 +1,7 @@
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { isFloodgateError, type Ticket } from "floodgate";
+import { Gate, isFloodgateError, type Ticket } from "floodgate";
 import { redis, stageKey } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { afterEach, describe, expect, it } from "vitest";
@@ -240,6 +240,55 @@ describe("a Redis outage", () => {
       await ticket!.release("success");
     });
   }
+
+  // The same through a fused gate: its one script call takes every stage's permit at once.
+  it("gives back the permits a fused gate's admission took when the client ran it after the caller failed closed", async () => {
+    const port = await freePort();
+    const server = await startServer(port);
+    const prefix = randomPrefix("outage-late-gate");
+    const { main, raw, backend } = await setup(server.url, prefix);
+    const gate = new Gate(
+      [
+        backend.tokenBucket("rate", { capacity: 100, refillPerSecond: 100 }),
+        backend.semaphore("sem", { limit: 1, leaseMs: 30_000 }),
+        backend.aimd("aimd", { initial: 1, min: 1, max: 1, leaseMs: 30_000 }),
+      ],
+      { name: "late", fuse: true },
+    );
+    await (await gate.admit({ timeoutMs: 5_000 })).release("success"); // scripts known, lines heard
+    // (The client's command for the gate script, held back the first time.)
+    const command = commandName("gate");
+    const client = main as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
+    const send = client[command]!.bind(main);
+    let release: (() => Promise<unknown>) | undefined;
+    client[command] = (...args: unknown[]) => {
+      client[command] = send;
+      return new Promise((resolve, reject) => {
+        release = () => {
+          const sent = send(...args);
+          sent.then(resolve, reject);
+          return sent;
+        };
+      });
+    };
+    const error = await within(
+      rejectionOf(gate.tryAdmit()),
+      3_000,
+      "gate.tryAdmit() with its call held back",
+    );
+    expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
+    // Now the client sends it, and Redis runs it after the caller's give-backs: it admits (its
+    // reply says so, one call admitted in one pass) and takes both stages' permits.
+    expect(((await release!()) as unknown[])[0]).toBe(1);
+    const holders = ["sem", "aimd"].map((stage) => stageKey(prefix, stage, "holders"));
+    await until(async () => (await raw.zcard(holders[0]!)) === 0 && (await raw.zcard(holders[1]!)) === 0, {
+      timeoutMs: 3_000,
+      message: "permits taken by a fused gate's call that ran after its caller failed closed stayed held",
+    });
+    const ticket = await gate.tryAdmit();
+    expect(ticket).toBeDefined();
+    await ticket!.release("success");
+  });
 
   it("gives back a permit granted after its caller stopped waiting while Redis was frozen", async () => {
     const port = await freePort();
