@@ -70,15 +70,15 @@ interface Step {
   resolve: (reply: unknown) => void;
   reject: (error: unknown) => void;
   /** Told, with the step's arguments, when its call ran after it was failed (see `step`). */
-  late?: LateStep | undefined;
+  late?: Late | undefined;
 }
 
 /**
- * What a step gives back when the call it went in ran after it was failed for not answering in
- * time (see `RedisLink.run`): told the step's own arguments, so one function serves every step
- * of a stage.
+ * What a script call gives back when it ran after it was failed for not answering in time (see
+ * `RedisLink.run`): told the call's keys and arguments (a step's own, in a `gate` call), so one
+ * function serves every call of a stage.
  */
-export type LateStep = (args: readonly (string | number)[]) => void;
+export type Late = (keys: readonly string[], args: readonly (string | number)[]) => void;
 
 /** The reply of a `gate` call to one of its calls (see lua/gate.lua). */
 export interface GateReply {
@@ -233,17 +233,17 @@ export class RedisLink {
 
   /**
    * Run a script. Rejects with `BackendUnavailableError` when Redis cannot answer in time. `late`
-   * hears the reply of a call that was failed so and ran all the same, later: a client may hold a
-   * command back and send it again by itself (a Cluster client after its connection closed, a
-   * client that resends what was unanswered when it reconnects), after its caller gave back what
-   * it would take.
+   * is told (with the call's keys and arguments) when a call that was failed so ran all the same,
+   * later: a client may hold a command back and send it again by itself (a Cluster client after
+   * its connection closed, a client that resends what was unanswered when it reconnects), after
+   * its caller gave back what it would take.
    */
   run(
     stage: string,
     script: ScriptName,
     keys: readonly string[],
     args: readonly (string | number)[],
-    late?: (reply: unknown) => void,
+    late?: Late,
   ): Promise<any> {
     const gathering = this.#gathering;
     if (gathering !== undefined && STEPS.has(script)) {
@@ -260,8 +260,8 @@ export class RedisLink {
    * Run a script that a fused gate can gather, told to `resolve` with its reply or `reject` rather
    * than by a promise: while a `gate` call is gathered (see `gather`), as one of its steps, with
    * no promise made (rejected with `NOT_RUN` when the script did not run it); else as `run`.
-   * `late` is told the step's arguments when its call, alone or the `gate` call, was failed for
-   * not answering in time and ran all the same (see `run`): whatever the call decided for it.
+   * `late` is told the step's keys and arguments when its call, alone or the `gate` call, was
+   * failed for not answering in time and ran all the same (see `run`), whatever it decided.
    */
   step(
     stage: string,
@@ -270,11 +270,11 @@ export class RedisLink {
     args: readonly (string | number)[],
     resolve: (reply: any) => void,
     reject: (error: unknown) => void,
-    late?: LateStep,
+    late?: Late,
   ): void {
     const gathering = this.#gathering;
     if (gathering !== undefined) gathering.push({ script, keys, args, resolve, reject, late });
-    else this.run(stage, script, keys, args, late && (() => late(args))).then(resolve, reject);
+    else this.run(stage, script, keys, args, late).then(resolve, reject);
   }
 
   /** Script calls made while `gather` runs its function; undefined otherwise. */
@@ -441,7 +441,7 @@ export class RedisLink {
     script: ScriptName,
     keys: readonly string[],
     args: readonly (string | number)[],
-    late?: (reply: unknown) => void,
+    late?: Late,
   ): Promise<any> {
     const client = this.client;
     const status = client.status();
@@ -466,7 +466,7 @@ export class RedisLink {
       const answered = (value: unknown) => {
         if (call.done) {
           // Failed when it timed out, and run all the same (see `run`).
-          late?.(value);
+          late?.(keys, args);
           return;
         }
         this.#remove(call);
@@ -794,7 +794,7 @@ function oneStep(parts: readonly Step[]): Step {
 
 /** A `gate` call of `stepsOf` ran after it was failed: each step that says so gives back. */
 function ranLate(stepsOf: readonly (readonly Step[])[]): void {
-  for (const steps of stepsOf) for (const step of steps) step.late?.(step.args);
+  for (const steps of stepsOf) for (const step of steps) step.late?.(step.keys, step.args);
 }
 
 /** The grants of a release reply that made none. */

@@ -23,7 +23,7 @@ import { ScriptBatch } from "./batch.js";
 import type { RedisContext } from "./context.js";
 import { stageKey } from "./keys.js";
 import { LeaseKeeper, LeaseTicket } from "./lease.js";
-import { type GateHead, maybeSent, type RedisLink } from "./link.js";
+import { type GateHead, type Late, maybeSent, type RedisLink } from "./link.js";
 
 /**
  * A grant message whose grant ends sooner than this (as judged here) is not taken on its word:
@@ -270,7 +270,7 @@ export abstract class RedisPermitStage extends BaseStage {
    * for not answering in time: its member is given back, whatever the call decided (a member
    * that holds nothing frees nothing). One function for every step: `args` are the step's own.
    */
-  readonly #lateStep = (args: readonly (string | number)[]): void => this.#forget(String(args[1]));
+  readonly #lateStep: Late = (_keys, args) => this.#forget(String(args[1]));
 
   /** ARGV of `semaphore-acquire` for members and their "again" flags, `[id1, again1, id2, …]`. */
   #acquireArgs(mode: "wait" | "try", pairs: readonly string[]): (string | number)[] {

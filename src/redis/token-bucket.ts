@@ -10,7 +10,7 @@ import type { AdmitOptions, Outcome, StageKind, Ticket } from "../types.js";
 import { parseOptions, tokenBucketSchema } from "../validate.js";
 import { ScriptBatch } from "./batch.js";
 import { stageKey } from "./keys.js";
-import { maybeSent, type RedisLink } from "./link.js";
+import { type Late, maybeSent, type RedisLink } from "./link.js";
 import type { RedisContext } from "./semaphore.js";
 
 /** A key's reserved waiters, and its takes: those made in one turn go together. */
@@ -180,6 +180,20 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
     if (maybeSent(error)) void this.#refundAt(line.redisKey, cost, grant);
   }
 
+  /**
+   * A take (alone, or a step of a fused gate's call) ran after it was failed for not answering in
+   * time: its caller failed closed, and the refund it sent then ran first and gave back nothing.
+   * The tokens it took (or the place it reserved) are given back now, while it is the key's
+   * latest grant, as that refund would have. One function for every take: `keys` and `args` are
+   * its own (`#takeArgs`: the cost at 4, the grant at 6).
+   */
+  readonly #lateTake: Late = (keys, args) => void this.#refundAt(keys[0]!, args[4]!, String(args[6]));
+
+  /** As `#lateTake`, for a turn's takes in one `token-bucket-take-many` (cost, grant, wait each, from 5). */
+  readonly #lateTakes: Late = (keys, args) => {
+    for (let i = 5; i + 2 < args.length; i += 3) void this.#refundAt(keys[0]!, args[i]!, String(args[i + 1]));
+  };
+
   /** Send takes of `redisKey` (cost, grant, maxWaitMs each): one alone as a plain take, more in one call. */
   #sendTakes(redisKey: string, triples: string[]): Promise<unknown> {
     if (triples.length === 3) {
@@ -188,6 +202,7 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
         "token-bucket-take",
         [redisKey],
         this.#takeArgs(triples[0]!, triples[1]!, triples[2]!),
+        this.#lateTake,
       );
     }
     const args: string[] = [
@@ -198,12 +213,14 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
       this.#initialArg,
       ...triples,
     ];
-    return this.#link.run(this.name, "token-bucket-take-many", [redisKey], args).then((replies: number[]) => {
-      const each = new Array<TakeReply>(triples.length / 3);
-      for (let i = 0; i < each.length; i++)
-        each[i] = [replies[3 * i]!, replies[3 * i + 1]!, replies[3 * i + 2]!];
-      return each;
-    });
+    return this.#link
+      .run(this.name, "token-bucket-take-many", [redisKey], args, this.#lateTakes)
+      .then((replies: number[]) => {
+        const each = new Array<TakeReply>(triples.length / 3);
+        for (let i = 0; i < each.length; i++)
+          each[i] = [replies[3 * i]!, replies[3 * i + 1]!, replies[3 * i + 2]!];
+        return each;
+      });
   }
 
   protected override newTicket(cost: number, key: string, now: number): BaseTicket {
@@ -381,6 +398,7 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
         this.#takeFailed(line, cost, grant, error);
         done(undefined, error);
       },
+      this.#lateTake,
     );
   }
 
@@ -454,7 +472,7 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
     return this.#refundAt(stageKey(this.#prefix, this.name, `b:${key}`), cost, grant);
   }
 
-  #refundAt(redisKey: string, cost: number, grant: string): Promise<unknown> {
+  #refundAt(redisKey: string, cost: number | string, grant: string): Promise<unknown> {
     return this.#link
       .run(this.name, "token-bucket-refund", [redisKey], this.#args(cost, grant))
       .catch((error) => this.log.warn({ err: error }, "refund failed"));

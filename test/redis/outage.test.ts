@@ -249,7 +249,8 @@ describe("a Redis outage", () => {
     const { main, raw, backend } = await setup(server.url, prefix);
     const gate = new Gate(
       [
-        backend.tokenBucket("rate", { capacity: 100, refillPerSecond: 100 }),
+        // Two tokens, none back for an hour: one for the first call, one for the late one.
+        backend.tokenBucket("rate", { capacity: 2, refillPerSecond: 1 / 3_600 }),
         backend.semaphore("sem", { limit: 1, leaseMs: 30_000 }),
         backend.aimd("aimd", { initial: 1, min: 1, max: 1, leaseMs: 30_000 }),
       ],
@@ -278,16 +279,58 @@ describe("a Redis outage", () => {
     );
     expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
     // Now the client sends it, and Redis runs it after the caller's give-backs: it admits (its
-    // reply says so, one call admitted in one pass) and takes both stages' permits.
+    // reply says so, one call admitted in one pass), takes both stages' permits and the token.
     expect(((await release!()) as unknown[])[0]).toBe(1);
     const holders = ["sem", "aimd"].map((stage) => stageKey(prefix, stage, "holders"));
     await until(async () => (await raw.zcard(holders[0]!)) === 0 && (await raw.zcard(holders[1]!)) === 0, {
       timeoutMs: 3_000,
       message: "permits taken by a fused gate's call that ran after its caller failed closed stayed held",
     });
+    // The token came back too (the refill brings none): the next call is admitted.
     const ticket = await gate.tryAdmit();
-    expect(ticket).toBeDefined();
+    expect(ticket, "the token taken by the late call was not given back").toBeDefined();
     await ticket!.release("success");
+  });
+
+  // A token bucket's take run so spends a token of nobody's: it is given back while it is the
+  // key's latest grant, as the caller's own refund would have been.
+  it("gives back the tokens a token bucket's take took when the client ran it after the caller failed closed", async () => {
+    const port = await freePort();
+    const server = await startServer(port);
+    const prefix = randomPrefix("outage-late-bucket");
+    const { main, backend } = await setup(server.url, prefix);
+    const bucket = backend.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 / 3_600 });
+    const command = commandName("token-bucket-take");
+    const client = main as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
+    const send = client[command]!.bind(main);
+    let release: (() => Promise<unknown>) | undefined;
+    client[command] = (...args: unknown[]) => {
+      client[command] = send;
+      return new Promise((resolve, reject) => {
+        release = () => {
+          const sent = send(...args);
+          sent.then(resolve, reject);
+          return sent;
+        };
+      });
+    };
+    const error = await within(rejectionOf(bucket.tryAdmit()), 3_000, "tryAdmit() with its take held back");
+    expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
+    // Sent now, after the caller's refund (which found nothing to give back): it takes the token.
+    expect(Number(((await release!()) as unknown[])[0])).toBe(1);
+    const tickets: Ticket[] = [];
+    await until(
+      async () => {
+        const ticket = await bucket.tryAdmit();
+        if (ticket) tickets.push(ticket);
+        return ticket !== undefined;
+      },
+      {
+        timeoutMs: 3_000,
+        message: "the token taken by a take that ran after its caller failed closed was not given back",
+      },
+    );
+    await tickets[0]!.release("success");
   });
 
   it("gives back a permit granted after its caller stopped waiting while Redis was frozen", async () => {
