@@ -5,11 +5,38 @@ import { Gate, isFloodgateError, type Ticket } from "floodgate";
 import { redis, stageKey } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { afterEach, describe, expect, it } from "vitest";
-import { commandName } from "../../src/redis/scripts.js";
+import { commandName, type ScriptName } from "../../src/redis/scripts.js";
 import { freePort, haveRedisServer, INSTALL_HINT, RedisProcess } from "../setup/redis-server.js";
 import { connectedClient, randomPrefix, rejectionOf, until, within } from "./helpers.js";
 
 type Backend = ReturnType<typeof redis>;
+
+/**
+ * Hold back the client's next command for `script` (as a client holds a command it will send
+ * again by itself): the caller sees no reply; `send()` sends it then and resolves with its reply.
+ */
+function holdBack(client: Redis, script: ScriptName): { send(): Promise<unknown> } {
+  const command = commandName(script);
+  const commands = client as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
+  const original = commands[command]!.bind(client);
+  let send: (() => Promise<unknown>) | undefined;
+  commands[command] = (...args: unknown[]) => {
+    commands[command] = original;
+    return new Promise((resolve, reject) => {
+      send = () => {
+        const sent = original(...args);
+        sent.then(resolve, reject);
+        return sent;
+      };
+    });
+  };
+  return {
+    send: () => {
+      if (send === undefined) throw new Error(`no ${script} command was held back`);
+      return send();
+    },
+  };
+}
 
 const COMMAND_TIMEOUT_MS = 300;
 
@@ -201,21 +228,7 @@ describe("a Redis outage", () => {
       const prefix = randomPrefix("outage-late");
       const { main, raw, backend } = await setup(server.url, prefix);
       const sem = backend.semaphore("sem", { limit: 1, leaseMs: 30_000 });
-      // (The client's command for the acquire script, held back the first time.)
-      const command = commandName("semaphore-acquire");
-      const client = main as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
-      const send = client[command]!.bind(main);
-      let release: (() => Promise<unknown>) | undefined;
-      client[command] = (...args: unknown[]) => {
-        client[command] = send;
-        return new Promise((resolve, reject) => {
-          release = () => {
-            const sent = send(...args);
-            sent.then(resolve, reject);
-            return sent;
-          };
-        });
-      };
+      const held = holdBack(main, "semaphore-acquire");
       const error = await within(
         rejectionOf(mode === "admit" ? sem.admit({ timeoutMs: 5_000 }) : sem.tryAdmit()),
         3_000,
@@ -225,7 +238,7 @@ describe("a Redis outage", () => {
       // The caller gave up and gave back its lease, which was not there yet (that give-back went
       // out before the caller heard): now the client sends the acquire, and Redis runs it after.
       // (It took the permit: its reply says granted.)
-      expect(((await release!()) as unknown[])[0]).toBe(1);
+      expect(((await held.send()) as unknown[])[0]).toBe(1);
       await until(
         async () =>
           (await raw.zcard(stageKey(prefix, "sem", "holders"))) === 0 &&
@@ -257,21 +270,7 @@ describe("a Redis outage", () => {
       { name: "late", fuse: true },
     );
     await (await gate.admit({ timeoutMs: 5_000 })).release("success"); // scripts known, lines heard
-    // (The client's command for the gate script, held back the first time.)
-    const command = commandName("gate");
-    const client = main as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
-    const send = client[command]!.bind(main);
-    let release: (() => Promise<unknown>) | undefined;
-    client[command] = (...args: unknown[]) => {
-      client[command] = send;
-      return new Promise((resolve, reject) => {
-        release = () => {
-          const sent = send(...args);
-          sent.then(resolve, reject);
-          return sent;
-        };
-      });
-    };
+    const held = holdBack(main, "gate");
     const error = await within(
       rejectionOf(gate.tryAdmit()),
       3_000,
@@ -280,7 +279,7 @@ describe("a Redis outage", () => {
     expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
     // Now the client sends it, and Redis runs it after the caller's give-backs: it admits (its
     // reply says so, one call admitted in one pass), takes both stages' permits and the token.
-    expect(((await release!()) as unknown[])[0]).toBe(1);
+    expect(((await held.send()) as unknown[])[0]).toBe(1);
     const holders = ["sem", "aimd"].map((stage) => stageKey(prefix, stage, "holders"));
     await until(async () => (await raw.zcard(holders[0]!)) === 0 && (await raw.zcard(holders[1]!)) === 0, {
       timeoutMs: 3_000,
@@ -300,24 +299,11 @@ describe("a Redis outage", () => {
     const prefix = randomPrefix("outage-late-bucket");
     const { main, backend } = await setup(server.url, prefix);
     const bucket = backend.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 / 3_600 });
-    const command = commandName("token-bucket-take");
-    const client = main as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
-    const send = client[command]!.bind(main);
-    let release: (() => Promise<unknown>) | undefined;
-    client[command] = (...args: unknown[]) => {
-      client[command] = send;
-      return new Promise((resolve, reject) => {
-        release = () => {
-          const sent = send(...args);
-          sent.then(resolve, reject);
-          return sent;
-        };
-      });
-    };
+    const held = holdBack(main, "token-bucket-take");
     const error = await within(rejectionOf(bucket.tryAdmit()), 3_000, "tryAdmit() with its take held back");
     expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
     // Sent now, after the caller's refund (which found nothing to give back): it takes the token.
-    expect(Number(((await release!()) as unknown[])[0])).toBe(1);
+    expect(Number(((await held.send()) as unknown[])[0])).toBe(1);
     const tickets: Ticket[] = [];
     await until(
       async () => {
