@@ -69,7 +69,7 @@ interface Step {
   args: readonly (string | number)[];
   resolve: (reply: unknown) => void;
   reject: (error: unknown) => void;
-  /** Told, with the step's arguments, when its call ran after it was failed (see `step`). */
+  /** Told, with the step's keys and arguments, when its call ran after it was failed (see `step`). */
   late?: Late | undefined;
 }
 
