@@ -379,7 +379,9 @@ export class RedisLink {
       args.push(callJson(fields));
     }
     const sentAt = this.clock.now();
-    return this.run(stage, "gate", keys, args, () => ranLate(stepsOf)).then(
+    // (Only an admission's steps take anything that a call run late must give back.)
+    const late = head.op === "all" ? () => ranLate(stepsOf) : undefined;
+    return this.run(stage, "gate", keys, args, late).then(
       (replies: (GateCallReply | 1 | unknown[])[]) => {
         // Calls admitted in one pass answer 1; their steps' replies follow the last call's reply.
         const flat = replies.length > calls.length ? (replies[calls.length] as unknown[]) : undefined;
@@ -789,6 +791,7 @@ function oneStep(parts: readonly Step[]): Step {
     reject: (error) => {
       for (const part of parts) part.reject(error);
     },
+    late: undefined,
   };
 }
 

@@ -26,6 +26,12 @@ import { LeaseKeeper, LeaseTicket } from "./lease.js";
 import { type GateHead, type Late, maybeSent, type RedisLink } from "./link.js";
 
 /**
+ * How many arguments `semaphore-acquire` takes before the pairs of a turn's other members
+ * (`#acquireArgs`): the first member is at 1, its "again" flag at 9.
+ */
+const ACQUIRE_ARGS = 14;
+
+/**
  * A grant message whose grant ends sooner than this (as judged here) is not taken on its word:
  * the waiter claims it in Redis first, so no ticket goes out whose first renewal could not land.
  */
@@ -250,27 +256,21 @@ export abstract class RedisPermitStage extends BaseStage {
   /** Acquires of one mode; a crowd of callers goes in one script call per turn. */
   #acquireBatch(mode: "wait" | "try"): ScriptBatch {
     return new ScriptBatch((pairs) =>
-      this.link.run(this.name, "semaphore-acquire", this.keys, this.#acquireArgs(mode, pairs), () =>
-        this.#ranLate(pairs),
-      ),
+      this.link.run(this.name, "semaphore-acquire", this.keys, this.#acquireArgs(mode, pairs), this.#ranLate),
     );
   }
 
   /**
-   * An acquire of the members in `pairs` (`[id1, again1, id2, …]`) ran after it was failed for
-   * not answering in time: its callers failed closed and gave back what it would take, which was
-   * not there yet. Whatever it took (a lease, a place in line) is given back now.
+   * An acquire (a turn's, or a step of a fused gate's call) ran after it was failed for not
+   * answering in time: its callers failed closed and gave back what it would take, which was not
+   * there yet. Whatever it took for each of its members (a lease, a place in line) is given back
+   * now, whatever it decided (a member that holds nothing frees nothing). `args` are the
+   * acquire's own (`#acquireArgs`: the first member at 1, the others' pairs from ACQUIRE_ARGS on).
    */
-  #ranLate(pairs: readonly string[]): void {
-    for (let i = 0; i < pairs.length; i += 2) this.#forget(pairs[i]!);
-  }
-
-  /**
-   * An acquire step (`tryStepChecked`), alone or in a fused gate's call, ran after it was failed
-   * for not answering in time: its member is given back, whatever the call decided (a member
-   * that holds nothing frees nothing). One function for every step: `args` are the step's own.
-   */
-  readonly #lateStep: Late = (_keys, args) => this.#forget(String(args[1]));
+  readonly #ranLate: Late = (_keys, args) => {
+    this.#forget(String(args[1]));
+    for (let i = ACQUIRE_ARGS; i < args.length; i += 2) this.#forget(String(args[i]));
+  };
 
   /** ARGV of `semaphore-acquire` for members and their "again" flags, `[id1, again1, id2, …]`. */
   #acquireArgs(mode: "wait" | "try", pairs: readonly string[]): (string | number)[] {
@@ -290,6 +290,7 @@ export abstract class RedisPermitStage extends BaseStage {
       this.claimMs,
       this.classSpec,
     ];
+    // (ACQUIRE_ARGS so far.)
     for (let i = 2; i < pairs.length; i++) args.push(pairs[i]!);
     return args;
   }
@@ -550,7 +551,7 @@ export abstract class RedisPermitStage extends BaseStage {
         this.#tryFailed(id, error);
         done(undefined, error);
       },
-      this.#lateStep,
+      this.#ranLate,
     );
   }
 

@@ -4,13 +4,13 @@ import {
   ClosedError,
   Gate,
   InvalidOptionsError,
-  type Logger,
   memory,
   ShedError,
   type Ticket,
 } from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { describe, expect, it } from "vitest";
+import { recorder } from "../recorder.js";
 import { thrown } from "../thrown.js";
 
 /**
@@ -18,29 +18,6 @@ import { thrown } from "../thrown.js";
  * the exact log records, when idle keys and hosts are forgotten, timers left after `close()`,
  * and the counters that tell a refund, a cost of 0 or a slow call apart.
  */
-
-type Entry = { level: string; msg: string | undefined } & Record<string, unknown>;
-
-/** A logger that records every call, bindings merged in; `debug` says whether debug is on. */
-function recorder(debug = true): { logger: Logger; entries: Entry[] } {
-  const entries: Entry[] = [];
-  const make = (bindings: Record<string, unknown>): Logger => {
-    const at =
-      (level: string) =>
-      (obj: object, msg?: string): void => {
-        entries.push({ ...bindings, ...obj, level, msg });
-      };
-    return {
-      child: (more) => make({ ...bindings, ...more }),
-      debug: at("debug"),
-      info: at("info"),
-      warn: at("warn"),
-      error: at("error"),
-      isLevelEnabled: (level) => debug || level !== "debug",
-    };
-  };
-  return { logger: make({}), entries };
-}
 
 /** Whether `p` has settled after pending promises have run. */
 async function settled(clock: FakeClock, p: Promise<unknown>): Promise<boolean> {

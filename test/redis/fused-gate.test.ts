@@ -4,7 +4,6 @@ import {
   ClosedError,
   Gate,
   InvalidOptionsError,
-  type Logger,
   memory,
   type Outcome,
   type Stage,
@@ -15,6 +14,7 @@ import { FakeClock } from "floodgate/testing";
 import type { Redis } from "ioredis";
 import { describe, expect, it } from "vitest";
 import { TURN_CHUNK } from "../../src/redis/batch.js";
+import { recorder } from "../recorder.js";
 import { ownRedis, useClients } from "./clients.js";
 import { randomPrefix, seeded, until, within } from "./helpers.js";
 
@@ -1585,17 +1585,7 @@ describe("a fused Redis gate", () => {
   it("tells each lease of a turn's releases whether it was still held, and each stage its count once they are all back", async () => {
     const clock = new FakeClock(1000);
     const prefix = randomPrefix("fused-releases-lost");
-    const warned: { stage: unknown; lease?: unknown; msg?: string }[] = [];
-    const logger: Logger = {
-      child: (bindings) => ({
-        ...logger,
-        warn: (obj, msg) => warned.push({ stage: bindings.stage, ...obj, msg }),
-      }),
-      debug: () => {},
-      info: () => {},
-      warn: () => {},
-      error: () => {},
-    } as Logger;
+    const { logger, entries } = recorder(false);
     const { client, b } = await backend(prefix, clock);
     const sem = b.semaphore("inflight", { limit: 100, logger });
     const aimd = b.aimd("adaptive", { initial: 10, max: 100, logger });
@@ -1613,7 +1603,7 @@ describe("a fused Redis gate", () => {
     // The first call was dropped: the AIMD limiter backs off (once: the others' epoch is older).
     await Promise.all(tickets.map((t, i) => t.release(i === 0 ? "dropped" : "success")));
     // That lease, at each stage, and no other, was told it had run out.
-    const lost = warned.filter((w) => w.msg === "lease had run out before release");
+    const lost = entries.filter((w) => w.level === "warn" && w.msg === "lease had run out before release");
     expect(lost.map((w) => w.stage).sort()).toEqual(["adaptive", "inflight"]);
     for (const w of lost) expect(String(w.lease)).toMatch(/-3:1$/);
     // Each stage's count as Redis has it once all are back: nothing held; the AIMD limiter's

@@ -254,6 +254,32 @@ describe("a Redis outage", () => {
     });
   }
 
+  // A turn's tries go in one acquire: each of its members is given back.
+  it("gives back every permit of a turn's acquire the client ran after its callers failed closed", async () => {
+    const port = await freePort();
+    const server = await startServer(port);
+    const prefix = randomPrefix("outage-late-turn");
+    const { main, raw, backend } = await setup(server.url, prefix);
+    const sem = backend.semaphore("sem", { limit: 2, leaseMs: 30_000 });
+    const held = holdBack(main, "semaphore-acquire");
+    const errors = await within(
+      Promise.all([rejectionOf(sem.tryAdmit()), rejectionOf(sem.tryAdmit())]),
+      3_000,
+      "two tryAdmit() in one turn with their acquire held back",
+    );
+    for (const error of errors)
+      expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
+    // Sent now: both members take a permit (one reply each).
+    expect(((await held.send()) as unknown[][]).map((reply) => Number(reply[0]))).toEqual([1, 1]);
+    await until(async () => (await raw.zcard(stageKey(prefix, "sem", "holders"))) === 0, {
+      timeoutMs: 3_000,
+      message: "a permit taken by a turn's acquire that ran after its callers failed closed stayed held",
+    });
+    const tickets = [await sem.tryAdmit(), await sem.tryAdmit()];
+    expect(tickets.every((t) => t !== undefined)).toBe(true);
+    for (const t of tickets) await t!.release("success");
+  });
+
   // The same through a fused gate: its one script call takes every stage's permit at once.
   it("gives back the permits a fused gate's admission took when the client ran it after the caller failed closed", async () => {
     const port = await freePort();
@@ -316,6 +342,39 @@ describe("a Redis outage", () => {
         message: "the token taken by a take that ran after its caller failed closed was not given back",
       },
     );
+    await tickets[0]!.release("success");
+  });
+
+  // A turn's takes go in one take-many: only the latest grant's tokens can come back (the
+  // bucket's rule: a refund is taken only from the key's latest grant).
+  it("gives back the latest grant's tokens of a turn's takes the client ran after their callers failed closed", async () => {
+    const port = await freePort();
+    const server = await startServer(port);
+    const prefix = randomPrefix("outage-late-takes");
+    const { main, backend } = await setup(server.url, prefix);
+    const bucket = backend.tokenBucket("rate", { capacity: 2, refillPerSecond: 1 / 3_600 });
+    const held = holdBack(main, "token-bucket-take-many");
+    const errors = await within(
+      Promise.all([rejectionOf(bucket.tryAdmit()), rejectionOf(bucket.tryAdmit())]),
+      3_000,
+      "two tryAdmit() in one turn with their takes held back",
+    );
+    for (const error of errors)
+      expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
+    // Sent now: both take a token (three figures each, taken first).
+    const replies = (await held.send()) as unknown[];
+    expect([Number(replies[0]), Number(replies[3])]).toEqual([1, 1]);
+    const tickets: Ticket[] = [];
+    await until(
+      async () => {
+        const ticket = await bucket.tryAdmit();
+        if (ticket) tickets.push(ticket);
+        return ticket !== undefined;
+      },
+      { timeoutMs: 3_000, message: "the latest grant's token was not given back" },
+    );
+    // The other stays spent until the refill.
+    expect(await bucket.tryAdmit()).toBeUndefined();
     await tickets[0]!.release("success");
   });
 
