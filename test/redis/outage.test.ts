@@ -1,7 +1,7 @@
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { Gate, isFloodgateError, type Ticket } from "floodgate";
+import { Gate, isFloodgateError, type Stage, type Ticket } from "floodgate";
 import { redis, stageKey } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { afterEach, describe, expect, it } from "vitest";
@@ -10,6 +10,19 @@ import { freePort, haveRedisServer, INSTALL_HINT, RedisProcess } from "../setup/
 import { connectedClient, randomPrefix, rejectionOf, until, within } from "./helpers.js";
 
 type Backend = ReturnType<typeof redis>;
+
+/** The ticket `stage.tryAdmit()` gives once it admits, trying for up to 3 s; fails with `message`. */
+async function admittedSoon(stage: Stage, message: string): Promise<Ticket> {
+  let ticket: Ticket | undefined;
+  await until(
+    async () => {
+      ticket = await stage.tryAdmit();
+      return ticket !== undefined;
+    },
+    { timeoutMs: 3_000, message },
+  );
+  return ticket!;
+}
 
 /**
  * Hold back the client's next command for `script` (as a client holds a command it will send
@@ -330,19 +343,11 @@ describe("a Redis outage", () => {
     expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
     // Sent now, after the caller's refund (which found nothing to give back): it takes the token.
     expect(Number(((await held.send()) as unknown[])[0])).toBe(1);
-    const tickets: Ticket[] = [];
-    await until(
-      async () => {
-        const ticket = await bucket.tryAdmit();
-        if (ticket) tickets.push(ticket);
-        return ticket !== undefined;
-      },
-      {
-        timeoutMs: 3_000,
-        message: "the token taken by a take that ran after its caller failed closed was not given back",
-      },
+    const ticket = await admittedSoon(
+      bucket,
+      "the token taken by a take that ran after its caller failed closed was not given back",
     );
-    await tickets[0]!.release("success");
+    await ticket.release("success");
   });
 
   // A turn's takes go in one take-many: only the latest grant's tokens can come back (the
@@ -364,18 +369,10 @@ describe("a Redis outage", () => {
     // Sent now: both take a token (three figures each, taken first).
     const replies = (await held.send()) as unknown[];
     expect([Number(replies[0]), Number(replies[3])]).toEqual([1, 1]);
-    const tickets: Ticket[] = [];
-    await until(
-      async () => {
-        const ticket = await bucket.tryAdmit();
-        if (ticket) tickets.push(ticket);
-        return ticket !== undefined;
-      },
-      { timeoutMs: 3_000, message: "the latest grant's token was not given back" },
-    );
+    const ticket = await admittedSoon(bucket, "the latest grant's token was not given back");
     // The other stays spent until the refill.
     expect(await bucket.tryAdmit()).toBeUndefined();
-    await tickets[0]!.release("success");
+    await ticket.release("success");
   });
 
   it("gives back a permit granted after its caller stopped waiting while Redis was frozen", async () => {
