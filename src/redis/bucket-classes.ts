@@ -265,8 +265,10 @@ export class RedisClassBucket extends KeyedLineStage<KeyLine> {
         this.#link.sawServerTime(Number(reply[3]), sentAt);
         const status = Number(reply[0]);
         if (!w.list) {
-          // It left while the call was out: give back what it got, or its place in line. One
-          // granted by a message meanwhile keeps its ticket: this reply only found that grant.
+          // It left while the call was out (and left the line then: see afterWaiterGone): give
+          // back what the ask granted it, or leave once more, should the ask have run after that
+          // leave. One granted by a message meanwhile keeps its ticket: this reply only found
+          // that grant.
           if (w.granted) {
             this.#grants(reply[2], sentAt);
             return;
@@ -448,8 +450,11 @@ export class RedisClassBucket extends KeyedLineStage<KeyLine> {
     const w = waiter as ClassWaiter;
     this.#clearPoll(w);
     this.#byId.delete(w.id);
-    // An ask still out sees the waiter gone and gives back what it got.
-    if (!w.busy) void this.#giveBack(w.key, "leave", w.id, "");
+    // It leaves the line now, on the connection of any ask still out, so after it in Redis: a
+    // refund or refill in between must not grant the tokens to a caller that is gone, nor this
+    // process's next try find them taken until that ask's reply is read. (That reply gives back
+    // again what the ask itself granted, or leaves again, in case the ask ran after all.)
+    void this.#giveBack(w.key, "leave", w.id, "");
   }
 
   releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): Promise<void> | undefined {

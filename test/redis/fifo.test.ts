@@ -221,4 +221,59 @@ describe("waiting across processes", () => {
     await next!.release("success");
     expect(await clients[0]!.zcard(holders)).toBe(0);
   });
+
+  // The same for a token bucket with classes: a caller that leaves while its ask is out leaves
+  // its class's line at once, after that ask on the same connection. Were it still in line, the
+  // tokens a refund brings back would be granted to it, a caller that is gone, and this
+  // process's next try refused until the ask's reply is read.
+  it("takes a caller of a bucket with classes that left while its ask was out out of line before that ask's reply is read", async () => {
+    const prefix = randomPrefix("left-classes");
+    // (A call not answered within commandTimeoutMs is failed, and the caller leaves then: far
+    // later than the wait below.)
+    const [a, b] = await fleet(2, prefix, { commandTimeoutMs: 60_000 });
+    // One token, and no refill to speak of: only a refund brings one back.
+    const options = { capacity: 1, refillPerSecond: 0.001, classes: { only: { share: 1 } } };
+    const bucketA = a!.tokenBucket("tb", options);
+    const bucketB = b!.tokenBucket("tb", options);
+    const queue = `${prefix}{tb}:cq:default`;
+    const taken = await bucketA.admit({ class: "only" });
+    // B's client runs its first ask at once but holds its reply back until told.
+    const command = commandName("token-bucket-classes");
+    const client = clients[1] as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
+    const send = client[command]!.bind(clients[1]);
+    let replied = false;
+    let hand: (() => void) | undefined;
+    client[command] = (...args: unknown[]) => {
+      client[command] = send;
+      const sent = send(...args);
+      sent.then(() => {
+        replied = true;
+      });
+      return new Promise((resolve, reject) => {
+        hand = () => void sent.then(resolve, reject);
+      });
+    };
+    const controller = new AbortController();
+    const gone = bucketB.admit({ class: "only", signal: controller.signal });
+    await until(() => replied, { timeoutMs: 5000, message: "B's ask never ran" });
+    expect(await clients[0]!.zcard(queue)).toBe(1); // in line in Redis; the process has not heard
+    controller.abort();
+    await expect(gone).rejects.toBe(controller.signal.reason);
+    // Its leave goes at once, though the ask's reply is still held back.
+    await until(async () => (await clients[0]!.zcard(queue)) === 0, {
+      timeoutMs: 5000,
+      message: "the gone caller stayed in its class's line until its ask's reply was read",
+    });
+    // A's refund brings the token back to the bucket, not to the gone caller.
+    await taken.refund();
+    const next = await bucketB.tryAdmit({ class: "only" });
+    expect(next, "a token went to a caller that had left").toBeDefined();
+    // The held reply, read now, gives back nothing more: the token stays with the new ticket.
+    hand!();
+    await until(async () => (await clients[0]!.zcard(queue)) === 0, {
+      timeoutMs: 5000,
+      message: "the held ask's reply put the gone caller back in line",
+    });
+    expect(await bucketA.tryAdmit({ class: "only" })).toBeUndefined();
+  });
 });
