@@ -12,7 +12,7 @@ import type { AdmitOptions, Outcome, StageKind, Ticket } from "../types.js";
 import { intervalGateSchema, parseOptions } from "../validate.js";
 import { stageKey } from "./keys.js";
 import { type Attempt, RedisLine, RedisLineStage } from "./line-stage.js";
-import type { RedisLink } from "./link.js";
+import type { Late, RedisLink } from "./link.js";
 import type { RedisContext } from "./semaphore.js";
 
 /** A host's line, with the next grant's spacing, drawn once however many times it is asked for. */
@@ -65,9 +65,19 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
 
   #take(line: HostLine): Promise<TakeReply> {
     return this.#link
-      .run(this.name, "interval-gate-take", line.keys, this.#takeArgs(line))
+      .run(this.name, "interval-gate-take", line.keys, this.#takeArgs(line), this.#lateTake)
       .then((reply: TakeReply) => this.#took(line, reply));
   }
+
+  /**
+   * A take the client ran after its caller failed closed (alone, or as a step of a fused gate's
+   * call): the slot it claimed goes back while it is the host's latest, as the caller's own refund
+   * would have. One function for every take: `keys` and `reply` are the take's.
+   */
+  readonly #lateTake: Late = (keys, _args, reply) => {
+    if (!Array.isArray(reply) || Number(reply[0]) !== 1) return;
+    void this.#refundSlot(keys[0]!, String(reply[2] ?? ""), String(reply[1] ?? ""));
+  };
 
   /** ARGV of `interval-gate-take` for `line`'s next grant (its spacing drawn once, until granted). */
   #takeArgs(line: HostLine): (string | number)[] {
@@ -135,6 +145,7 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
       this.#takeArgs(line),
       (reply: TakeReply) => answerWith(done, () => this.#tried(this.#took(line, reply), o, host)),
       (error) => done(undefined, error),
+      this.#lateTake,
     );
   }
 

@@ -69,16 +69,17 @@ interface Step {
   args: readonly (string | number)[];
   resolve: (reply: unknown) => void;
   reject: (error: unknown) => void;
-  /** Told, with the step's keys and arguments, when its call ran after it was failed (see `step`). */
+  /** Told, with the step's keys, arguments and reply, when its call ran after it was failed (see `step`). */
   late?: Late | undefined;
 }
 
 /**
  * What a script call gives back when it ran after it was failed for not answering in time (see
- * `RedisLink.run`): told the call's keys and arguments (a step's own, in a `gate` call), so one
- * function serves every call of a stage.
+ * `RedisLink.run`): told the call's keys and arguments and its reply (a step's own, in a `gate`
+ * call; undefined when that call's reply holds none for the step), so one function serves every
+ * call of a stage.
  */
-export type Late = (keys: readonly string[], args: readonly (string | number)[]) => void;
+export type Late = (keys: readonly string[], args: readonly (string | number)[], reply: unknown) => void;
 
 /** The reply of a `gate` call to one of its calls (see lua/gate.lua). */
 export interface GateReply {
@@ -380,7 +381,8 @@ export class RedisLink {
     }
     const sentAt = this.clock.now();
     // (Only an admission's steps take anything that a call run late must give back.)
-    const late = head.op === "all" ? () => ranLate(stepsOf) : undefined;
+    const late: Late | undefined =
+      head.op === "all" ? (_k, _a, replies) => ranLate(stepsOf, replies) : undefined;
     return this.run(stage, "gate", keys, args, late).then(
       (replies: (GateCallReply | 1 | unknown[])[]) => {
         // Calls admitted in one pass answer 1; their steps' replies follow the last call's reply.
@@ -468,7 +470,7 @@ export class RedisLink {
       const answered = (value: unknown) => {
         if (call.done) {
           // Failed when it timed out, and run all the same (see `run`).
-          late?.(keys, args);
+          late?.(keys, args, value);
           return;
         }
         this.#remove(call);
@@ -795,9 +797,25 @@ function oneStep(parts: readonly Step[]): Step {
   };
 }
 
-/** A `gate` call of `stepsOf` ran after it was failed: each step that says so gives back. */
-function ranLate(stepsOf: readonly (readonly Step[])[]): void {
-  for (const steps of stepsOf) for (const step of steps) step.late?.(step.keys, step.args);
+/**
+ * A `gate` call of `stepsOf` ran after it was failed, and answered `replies`: each step that says
+ * so gives back, told its own reply (read as `gather` reads it; undefined where there is none).
+ */
+function ranLate(stepsOf: readonly (readonly Step[])[], replies: unknown): void {
+  const list = Array.isArray(replies) ? replies : [];
+  const flat = list.length > stepsOf.length ? list[stepsOf.length] : undefined;
+  let at = 0;
+  for (let c = 0; c < stepsOf.length; c++) {
+    const steps = stepsOf[c]!;
+    const reply = list[c];
+    let answers: readonly unknown[] | undefined;
+    if (reply === 1 && Array.isArray(flat)) {
+      const once = new Array<unknown>(steps.length);
+      at = admittedAtOnce(steps, flat, at, once);
+      answers = once;
+    } else if (Array.isArray(reply) && Array.isArray(reply[4])) answers = reply[4];
+    for (let s = 0; s < steps.length; s++) steps[s]!.late?.(steps[s]!.keys, steps[s]!.args, answers?.[s]);
+  }
 }
 
 /** The grants of a release reply that made none. */

@@ -293,8 +293,9 @@ describe("a Redis outage", () => {
     for (const t of tickets) await t!.release("success");
   });
 
-  // The same through a fused gate: its one script call takes every stage's permit at once.
-  it("gives back the permits a fused gate's admission took when the client ran it after the caller failed closed", async () => {
+  // The same through a fused gate: its one script call takes every stage's permit at once, and
+  // the token and the host's slot.
+  it("gives back the permits, tokens and slot a fused gate's admission took when the client ran it after the caller failed closed", async () => {
     const port = await freePort();
     const server = await startServer(port);
     const prefix = randomPrefix("outage-late-gate");
@@ -303,12 +304,15 @@ describe("a Redis outage", () => {
       [
         // Two tokens, none back for an hour: one for the first call, one for the late one.
         backend.tokenBucket("rate", { capacity: 2, refillPerSecond: 1 / 3_600 }),
+        // A call an hour: the first call's slot is handed back by its refund, the late one's
+        // must be too.
+        backend.intervalGate("hosts", { minIntervalMs: 3_600_000, defaultHost: "api.example" }),
         backend.semaphore("sem", { limit: 1, leaseMs: 30_000 }),
         backend.aimd("aimd", { initial: 1, min: 1, max: 1, leaseMs: 30_000 }),
       ],
       { name: "late", fuse: true },
     );
-    await (await gate.admit({ timeoutMs: 5_000 })).release("success"); // scripts known, lines heard
+    await (await gate.admit({ timeoutMs: 5_000 })).refund(); // scripts known, lines heard
     const held = holdBack(main, "gate");
     const error = await within(
       rejectionOf(gate.tryAdmit()),
@@ -324,10 +328,35 @@ describe("a Redis outage", () => {
       timeoutMs: 3_000,
       message: "permits taken by a fused gate's call that ran after its caller failed closed stayed held",
     });
-    // The token came back too (the refill brings none): the next call is admitted.
-    const ticket = await gate.tryAdmit();
-    expect(ticket, "the token taken by the late call was not given back").toBeDefined();
-    await ticket!.release("success");
+    // The token came back too (the refill brings none), and the host's slot (the next is an hour
+    // away): the next call is admitted.
+    const ticket = await admittedSoon(
+      gate,
+      "the token or the slot taken by the late call was not given back",
+    );
+    await ticket.release("success");
+  });
+
+  // An interval gate's take run so claims a slot of nobody's: it is handed back while it is the
+  // host's latest, as the caller's own refund would have been.
+  it("hands back the slot an interval gate's take claimed when the client ran it after the caller failed closed", async () => {
+    const port = await freePort();
+    const server = await startServer(port);
+    const prefix = randomPrefix("outage-late-host");
+    const { main, backend } = await setup(server.url, prefix);
+    const hosts = backend.intervalGate("hosts", { minIntervalMs: 3_600_000, defaultHost: "api.example" });
+    const held = holdBack(main, "interval-gate-take");
+    const error = await within(rejectionOf(hosts.tryAdmit()), 3_000, "tryAdmit() with its take held back");
+    expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
+    // Sent now: it claims the host's slot, the next an hour away.
+    expect(Number(((await held.send()) as unknown[])[0])).toBe(1);
+    const ticket = await admittedSoon(
+      hosts,
+      "the slot claimed by a take that ran after its caller failed closed was not handed back",
+    );
+    await ticket.release("success");
+    // Used by a call that went, the slot stays claimed.
+    expect(await hosts.tryAdmit()).toBeUndefined();
   });
 
   // A token bucket's take run so spends a token of nobody's: it is given back while it is the
