@@ -754,8 +754,12 @@ export abstract class RedisPermitStage extends BaseStage {
   }
 
   #giveBackFailed(t: LeaseTicket, error: unknown): void {
-    this.log.warn({ err: error, lease: t.leaseId }, "release failed; trying again while the lease lasts");
-    if (isFloodgateError(error, "BACKEND_UNAVAILABLE")) this.#forget(t.leaseId);
+    // Redis not answering: the give-back may not have run, and goes again. Any other failure came
+    // with Redis's reply (the give-back ran) or before the call: nothing to try again.
+    const again = isFloodgateError(error, "BACKEND_UNAVAILABLE");
+    const msg = again ? "release failed; trying again while the lease lasts" : "release failed";
+    this.log.warn({ err: error, lease: t.leaseId }, msg);
+    if (again) this.#forget(t.leaseId);
   }
 
   /** Told when a release through a fused gate frees permits here (see `onFreed`): who each is. */

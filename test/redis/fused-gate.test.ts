@@ -14,6 +14,7 @@ import { FakeClock } from "floodgate/testing";
 import type { Redis } from "ioredis";
 import { describe, expect, it } from "vitest";
 import { TURN_CHUNK } from "../../src/redis/batch.js";
+import { commandName } from "../../src/redis/scripts.js";
 import { recorder } from "../recorder.js";
 import { ownRedis, useClients } from "./clients.js";
 import { randomPrefix, seeded, until, within } from "./helpers.js";
@@ -1613,6 +1614,51 @@ describe("a fused Redis gate", () => {
     expect(Number(await client.hget(`${prefix}{inflight}:meta`, "used"))).toBe(0);
     expect(Number(limit)).toBeLessThan(10);
     expect(aimd.snapshot().limit).toBe(Number(limit));
+    expect(sem.snapshot().inFlight).toBe(0);
+    expect(aimd.snapshot().inFlight).toBe(0);
+    await b.close();
+  });
+
+  // A turn's releases of a stage's leases answer in short: one flag a lease. A reply whose flags
+  // do not match the leases it answers for is told to none of them as theirs: each stage says its
+  // releases failed (they ran in Redis: nothing is left held there), and the callers' releases
+  // end as a failed release does, with the warning.
+  it("tells no lease a turn's reply in short that lacks a flag for one of them, and warns", async () => {
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-releases-short");
+    const { logger, entries } = recorder(false);
+    const { client, b } = await backend(prefix, clock);
+    const sem = b.semaphore("inflight", { limit: 100, logger });
+    const aimd = b.aimd("adaptive", { initial: 10, max: 100, logger });
+    const gate = new Gate([sem, aimd], { clock });
+    const tickets = [await gate.admit(), await gate.admit()];
+    // The client's next gate call (the two releases, one step a stage) answers one flag short.
+    const command = commandName("gate");
+    const commands = client as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
+    const original = commands[command]!.bind(client);
+    let cut = 0;
+    commands[command] = async (...args: unknown[]) => {
+      commands[command] = original;
+      const reply = (await original(...args)) as unknown[][];
+      for (const step of reply[0]![4] as unknown[][]) {
+        if (step[0] === "n") {
+          step[1] = String(step[1]).slice(1);
+          cut++;
+        }
+      }
+      return reply;
+    };
+    await Promise.all(tickets.map((t) => t.release("success")));
+    expect(cut, "releases answered in short").toBe(2);
+    const failed = entries.filter((w) => w.level === "warn" && String(w.msg).startsWith("release failed"));
+    expect(failed.map((w) => w.stage).sort()).toEqual(["adaptive", "adaptive", "inflight", "inflight"]);
+    for (const w of failed) expect(String(w.err)).toMatch(/a turn's reply has 1 flags for 2 leases/);
+    // No lease was told it had run out: the reply said nothing of any.
+    expect(entries.some((w) => w.msg === "lease had run out before release")).toBe(false);
+    for (const name of ["inflight", "adaptive"]) {
+      expect(await client.zcard(`${prefix}{${name}}:holders`)).toBe(0);
+      expect(Number(await client.hget(`${prefix}{${name}}:meta`, "used"))).toBe(0);
+    }
     expect(sem.snapshot().inFlight).toBe(0);
     expect(aimd.snapshot().inFlight).toBe(0);
     await b.close();
