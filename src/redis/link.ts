@@ -800,8 +800,9 @@ function oneStep(parts: readonly Step[]): Step {
 /**
  * A `gate` call of `stepsOf` ran after it was failed, and answered `replies`: each step that says
  * so gives back, told its own reply (read as `gather` reads it; undefined where there is none).
+ * @internal Exported for its test.
  */
-function ranLate(stepsOf: readonly (readonly Step[])[], replies: unknown): void {
+export function ranLate(stepsOf: readonly (readonly Step[])[], replies: unknown): void {
   const list = Array.isArray(replies) ? replies : [];
   const flat = list.length > stepsOf.length ? list[stepsOf.length] : undefined;
   let at = 0;
