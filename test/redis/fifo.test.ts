@@ -1,9 +1,47 @@
 import type { Ticket } from "floodgate";
 import { type RedisBackendOptions, redis } from "floodgate/redis";
+import type { Redis } from "ioredis";
 import { describe, expect, it } from "vitest";
-import { commandName } from "../../src/redis/scripts.js";
+import { commandName, type ScriptName } from "../../src/redis/scripts.js";
 import { ownRedis, useClients } from "./clients.js";
 import { connectedClient, evalCalls, randomPrefix, until } from "./helpers.js";
+
+/**
+ * Let `client`'s next command for `script` run at once, but hold its reply back from the caller
+ * until `hand()`: `ran` once Redis has answered it.
+ */
+function holdReply(client: Redis, script: ScriptName): { readonly ran: boolean; hand(): void } {
+  const command = commandName(script);
+  const commands = client as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
+  const send = commands[command]!.bind(client);
+  let sent: Promise<unknown> | undefined;
+  let ran = false;
+  let give: ((value: unknown) => void) | undefined;
+  let fail: ((error: unknown) => void) | undefined;
+  commands[command] = (...args: unknown[]) => {
+    commands[command] = send;
+    sent = send(...args);
+    sent.then(
+      () => {
+        ran = true;
+      },
+      () => {},
+    );
+    return new Promise((resolve, reject) => {
+      give = resolve;
+      fail = reject;
+    });
+  };
+  return {
+    get ran() {
+      return ran;
+    },
+    hand() {
+      if (sent === undefined) throw new Error(`no ${script} command was held`);
+      sent.then(give, fail);
+    },
+  };
+}
 
 /** This file counts the script calls Redis runs: on a server of its own. */
 const redisUrl = ownRedis();
@@ -185,24 +223,10 @@ describe("waiting across processes", () => {
     const holders = `${prefix}{left}:holders`;
     const held = await semA.admit();
     // B's client runs its first acquire at once but holds its reply back until told.
-    const command = commandName("semaphore-acquire");
-    const client = clients[1] as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
-    const send = client[command]!.bind(clients[1]);
-    let replied = false;
-    let hand: (() => void) | undefined;
-    client[command] = (...args: unknown[]) => {
-      client[command] = send;
-      const sent = send(...args);
-      sent.then(() => {
-        replied = true;
-      });
-      return new Promise((resolve, reject) => {
-        hand = () => void sent.then(resolve, reject);
-      });
-    };
+    const reply = holdReply(clients[1]!, "semaphore-acquire");
     const controller = new AbortController();
     const gone = semB.admit({ signal: controller.signal });
-    await until(() => replied, { timeoutMs: 5000, message: "B's acquire never ran" });
+    await until(() => reply.ran, { timeoutMs: 5000, message: "B's acquire never ran" });
     expect(await clients[0]!.zcard(queue)).toBe(1); // in line in Redis; the process has not heard
     controller.abort();
     await expect(gone).rejects.toBe(controller.signal.reason);
@@ -211,7 +235,7 @@ describe("waiting across processes", () => {
     const next = await semB.tryAdmit();
     expect(next, "a permit sat with a waiter that had left").toBeDefined();
     // The held reply, read now, gives back nothing more: the permit stays with the new holder.
-    hand!();
+    reply.hand();
     await until(async () => (await clients[0]!.zcard(queue)) === 0, {
       timeoutMs: 5000,
       message: "the gone waiter stayed in the line",
@@ -238,24 +262,10 @@ describe("waiting across processes", () => {
     const queue = `${prefix}{tb}:cq:default`;
     const taken = await bucketA.admit({ class: "only" });
     // B's client runs its first ask at once but holds its reply back until told.
-    const command = commandName("token-bucket-classes");
-    const client = clients[1] as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
-    const send = client[command]!.bind(clients[1]);
-    let replied = false;
-    let hand: (() => void) | undefined;
-    client[command] = (...args: unknown[]) => {
-      client[command] = send;
-      const sent = send(...args);
-      sent.then(() => {
-        replied = true;
-      });
-      return new Promise((resolve, reject) => {
-        hand = () => void sent.then(resolve, reject);
-      });
-    };
+    const reply = holdReply(clients[1]!, "token-bucket-classes");
     const controller = new AbortController();
     const gone = bucketB.admit({ class: "only", signal: controller.signal });
-    await until(() => replied, { timeoutMs: 5000, message: "B's ask never ran" });
+    await until(() => reply.ran, { timeoutMs: 5000, message: "B's ask never ran" });
     expect(await clients[0]!.zcard(queue)).toBe(1); // in line in Redis; the process has not heard
     controller.abort();
     await expect(gone).rejects.toBe(controller.signal.reason);
@@ -269,7 +279,7 @@ describe("waiting across processes", () => {
     const next = await bucketB.tryAdmit({ class: "only" });
     expect(next, "a token went to a caller that had left").toBeDefined();
     // The held reply, read now, gives back nothing more: the token stays with the new ticket.
-    hand!();
+    reply.hand();
     await until(async () => (await clients[0]!.zcard(queue)) === 0, {
       timeoutMs: 5000,
       message: "the held ask's reply put the gone caller back in line",
