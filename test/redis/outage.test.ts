@@ -51,6 +51,21 @@ function holdBack(client: Redis, script: ScriptName): { send(): Promise<unknown>
   };
 }
 
+/**
+ * `stage.tryAdmit()` with its `script` call held back by `client` until the caller has failed
+ * closed, then sent: Redis runs it after the caller's give-back (which found nothing to give
+ * back) and it admits. What it took must then come back: the next `tryAdmit` is admitted
+ * (fails with `message` if not), and its ticket released.
+ */
+async function ranLate(client: Redis, stage: Stage, script: ScriptName, message: string): Promise<void> {
+  const held = holdBack(client, script);
+  const error = await within(rejectionOf(stage.tryAdmit()), 3_000, `tryAdmit() with its ${script} held back`);
+  expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
+  expect(Number(((await held.send()) as unknown[])[0])).toBe(1);
+  const ticket = await admittedSoon(stage, message);
+  await ticket.release("success");
+}
+
 const COMMAND_TIMEOUT_MS = 300;
 
 /**
@@ -345,16 +360,13 @@ describe("a Redis outage", () => {
     const prefix = randomPrefix("outage-late-host");
     const { main, backend } = await setup(server.url, prefix);
     const hosts = backend.intervalGate("hosts", { minIntervalMs: 3_600_000, defaultHost: "api.example" });
-    const held = holdBack(main, "interval-gate-take");
-    const error = await within(rejectionOf(hosts.tryAdmit()), 3_000, "tryAdmit() with its take held back");
-    expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
-    // Sent now: it claims the host's slot, the next an hour away.
-    expect(Number(((await held.send()) as unknown[])[0])).toBe(1);
-    const ticket = await admittedSoon(
+    // (It claims the host's slot, the next an hour away.)
+    await ranLate(
+      main,
       hosts,
+      "interval-gate-take",
       "the slot claimed by a take that ran after its caller failed closed was not handed back",
     );
-    await ticket.release("success");
     // Used by a call that went, the slot stays claimed.
     expect(await hosts.tryAdmit()).toBeUndefined();
   });
@@ -367,16 +379,12 @@ describe("a Redis outage", () => {
     const prefix = randomPrefix("outage-late-bucket");
     const { main, backend } = await setup(server.url, prefix);
     const bucket = backend.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 / 3_600 });
-    const held = holdBack(main, "token-bucket-take");
-    const error = await within(rejectionOf(bucket.tryAdmit()), 3_000, "tryAdmit() with its take held back");
-    expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
-    // Sent now, after the caller's refund (which found nothing to give back): it takes the token.
-    expect(Number(((await held.send()) as unknown[])[0])).toBe(1);
-    const ticket = await admittedSoon(
+    await ranLate(
+      main,
       bucket,
+      "token-bucket-take",
       "the token taken by a take that ran after its caller failed closed was not given back",
     );
-    await ticket.release("success");
   });
 
   // A turn's takes go in one take-many: only the latest grant's tokens can come back (the
