@@ -754,8 +754,9 @@ export abstract class RedisPermitStage extends BaseStage {
   }
 
   #giveBackFailed(t: LeaseTicket, error: unknown): void {
-    // Redis not answering: the give-back may not have run, and goes again. Any other failure came
-    // with Redis's reply (the give-back ran) or before the call: nothing to try again.
+    // Redis unavailable (not answering, or refusing the script): the give-back may not have run,
+    // and goes again. Any other failure came with Redis's reply (the give-back ran): nothing to
+    // try again.
     const again = isFloodgateError(error, "BACKEND_UNAVAILABLE");
     const msg = again ? "release failed; trying again while the lease lasts" : "release failed";
     this.log.warn({ err: error, lease: t.leaseId }, msg);
