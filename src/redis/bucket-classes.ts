@@ -12,7 +12,7 @@ import type { AdmitOptions, ClassSnapshot, Outcome, Snapshot, StageKind, Ticket 
 import { parseOptions, tokenBucketSchema } from "../validate.js";
 import type { RedisContext } from "./context.js";
 import { stageKey } from "./keys.js";
-import { maybeSent, type RedisLink } from "./link.js";
+import { type Late, maybeSent, type RedisLink } from "./link.js";
 import { LATE_MS } from "./token-bucket.js";
 
 /** A ticket of a class, with its grant (its member), so a refund can tell whether it is the latest. */
@@ -171,8 +171,25 @@ export class RedisClassBucket extends KeyedLineStage<KeyLine> {
   #run(key: string, op: string, member: string, arg: string): Promise<Reply> {
     const args = [this.#link.now(), ...this.#fixed, op, member, arg];
     args.push(String(this.#ctx.livenessMs), this.#channel, String(LATE_MS), key);
-    return this.#link.run(this.name, "token-bucket-classes", this.#line(key).redisKeys, args);
+    return this.#link.run(this.name, "token-bucket-classes", this.#line(key).redisKeys, args, this.#ranLate);
   }
+
+  /**
+   * A call the client ran after its caller failed closed (see `Late`): a try or an ask that
+   * granted its member gives the tokens back while that grant is the key's latest, as the
+   * caller's own refund would have; an ask that put its member in line (or saw it granted since)
+   * takes it out, which gives back such a grant too. One function for every call: `args` are the
+   * call's (its op at 6, its member at 7, its key last), and the member names its cost.
+   */
+  readonly #ranLate: Late = (_keys, args, reply) => {
+    const op = args[6];
+    if (op !== "wait" && op !== "try") return;
+    const member = String(args[7]);
+    const key = String(args[args.length - 1]);
+    if (Array.isArray(reply) && Number(reply[0]) === 1) {
+      void this.#giveBack(key, "refund", member, member.slice(member.lastIndexOf(":") + 1));
+    } else if (op === "wait") void this.#giveBack(key, "leave", member, "");
+  };
 
   /** A ticket of class `cls` that takes nothing (a cost of 0): it goes at once, the bucket untouched. */
   #free(key: string, cls: number): Ticket {

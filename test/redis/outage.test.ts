@@ -387,6 +387,83 @@ describe("a Redis outage", () => {
     );
   });
 
+  // A token bucket with classes asks its own script: a try run so gives its tokens back the same
+  // way, and so does a waiting caller's ask, which its caller had left by then.
+  it("gives back the tokens a bucket with classes granted to a try the client ran after the caller failed closed", async () => {
+    const port = await freePort();
+    const server = await startServer(port);
+    const prefix = randomPrefix("outage-late-classes-try");
+    const { main, backend } = await setup(server.url, prefix);
+    const bucket = backend.tokenBucket("rate", {
+      capacity: 1,
+      refillPerSecond: 1 / 3_600,
+      classes: { only: { share: 1 } },
+      defaultClass: "only",
+    });
+    await ranLate(
+      main,
+      bucket,
+      "token-bucket-classes",
+      "the token granted to a try that ran late was not given back",
+    );
+  });
+
+  it("gives back the tokens a bucket with classes granted to an ask the client ran after its caller failed closed", async () => {
+    const port = await freePort();
+    const server = await startServer(port);
+    const prefix = randomPrefix("outage-late-classes-ask");
+    const { main, backend } = await setup(server.url, prefix);
+    const bucket = backend.tokenBucket("rate", {
+      capacity: 1,
+      refillPerSecond: 1 / 3_600,
+      classes: { only: { share: 1 } },
+      defaultClass: "only",
+    });
+    const held = holdBack(main, "token-bucket-classes");
+    const error = await within(
+      rejectionOf(bucket.admit({ timeoutMs: 2_000 })),
+      3_000,
+      "admit() with its ask held back",
+    );
+    expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
+    // Sent now, after the caller's leave (nothing to leave yet): the token is there, so the ask
+    // takes it for its member, whose caller has gone.
+    expect(Number(((await held.send()) as unknown[])[0])).toBe(1);
+    const ticket = await admittedSoon(bucket, "the token granted to an ask that ran late was not given back");
+    await ticket.release("success");
+  });
+
+  it("takes out of line the member an ask of a bucket with classes put there when the client ran it after its caller failed closed", async () => {
+    const port = await freePort();
+    const server = await startServer(port);
+    const prefix = randomPrefix("outage-late-classes-line");
+    const { main, raw, backend } = await setup(server.url, prefix);
+    const bucket = backend.tokenBucket("rate", {
+      capacity: 1,
+      refillPerSecond: 1 / 3_600,
+      classes: { only: { share: 1 } },
+      defaultClass: "only",
+    });
+    const taken = await bucket.admit();
+    const held = holdBack(main, "token-bucket-classes");
+    const error = await within(
+      rejectionOf(bucket.admit({ timeoutMs: 2_000 })),
+      3_000,
+      "admit() with its ask held back",
+    );
+    expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
+    // Sent now: no token, so it puts its member in line, for a caller that has gone.
+    expect(Number(((await held.send()) as unknown[])[0])).toBe(0);
+    await until(async () => (await raw.zcard(stageKey(prefix, "rate", "cq:default"))) === 0, {
+      timeoutMs: 3_000,
+      message: "the member an ask run late put in line stayed there",
+    });
+    // The token a refund brings back goes to the bucket, not to that member.
+    await taken.refund();
+    const ticket = await admittedSoon(bucket, "the refunded token went to a member whose caller had gone");
+    await ticket.release("success");
+  });
+
   // A turn's takes go in one take-many: only the latest grant's tokens can come back (the
   // bucket's rule: a refund is taken only from the key's latest grant).
   it("gives back the latest grant's tokens of a turn's takes the client ran after their callers failed closed", async () => {
