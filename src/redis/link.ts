@@ -296,8 +296,15 @@ export class RedisLink {
    * call's steps, and send them all as one `gate` call (lua/gate.lua); each stage script call
    * settles with its step's reply. Resolves with one reply per call, or is undefined when no
    * call made a script call (and the op is neither "leave" nor "grant", which need none).
+   * `late`, for an admission, is told the `gate` call's replies should it run after it was
+   * failed (see `Late`), after each step's own handler.
    */
-  gather(stage: string, head: GateHead, calls: readonly GateCall[]): Promise<GateReply[]> | undefined {
+  gather(
+    stage: string,
+    head: GateHead,
+    calls: readonly GateCall[],
+    late?: (replies: unknown) => void,
+  ): Promise<GateReply[]> | undefined {
     const stepsOf: Step[][] = [];
     let total = 0;
     ScriptBatch.direct = true;
@@ -381,9 +388,14 @@ export class RedisLink {
     }
     const sentAt = this.clock.now();
     // (Only an admission's steps take anything that a call run late must give back.)
-    const late: Late | undefined =
-      head.op === "all" ? (_k, _a, replies) => ranLate(stepsOf, replies) : undefined;
-    return this.run(stage, "gate", keys, args, late).then(
+    const ranLateAll: Late | undefined =
+      head.op === "all"
+        ? (_k, _a, replies) => {
+            ranLate(stepsOf, replies);
+            late?.(replies);
+          }
+        : undefined;
+    return this.run(stage, "gate", keys, args, ranLateAll).then(
       (replies: (GateCallReply | 1 | unknown[])[]) => {
         // Calls admitted in one pass answer 1; their steps' replies follow the last call's reply.
         const flat = replies.length > calls.length ? (replies[calls.length] as unknown[]) : undefined;

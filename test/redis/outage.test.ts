@@ -102,9 +102,9 @@ describe("a Redis outage", () => {
     return c;
   }
 
-  async function setup(url: string, prefix: string) {
+  async function setup(url: string, prefix: string, pollMs = 100) {
     const [main, subscriber, raw] = await Promise.all([client(url), client(url), client(url)]);
-    const backend = redis(main, { prefix, subscriber, commandTimeoutMs: COMMAND_TIMEOUT_MS, pollMs: 100 });
+    const backend = redis(main, { prefix, subscriber, commandTimeoutMs: COMMAND_TIMEOUT_MS, pollMs });
     backends.push(backend);
     return { main, subscriber, raw, backend };
   }
@@ -349,6 +349,41 @@ describe("a Redis outage", () => {
       gate,
       "the token or the slot taken by the late call was not given back",
     );
+    await ticket.release("success");
+  });
+
+  // A fused gate's try run so may put its caller, who has gone, in the gate's line, with its steps
+  // kept for a release to admit: it leaves the line once the late reply says so.
+  it("takes out of the gate's line a caller a fused gate's try put there when the client ran it after the caller failed closed", async () => {
+    const port = await freePort();
+    const server = await startServer(port);
+    const prefix = randomPrefix("outage-late-gate-line");
+    // (A waiter's place in line lasts 3 × pollMs without asking: here far longer than the test.)
+    const { main, raw, backend } = await setup(server.url, prefix, 60_000);
+    const stages = [
+      backend.tokenBucket("rate", { capacity: 100, refillPerSecond: 100 }),
+      backend.semaphore("sem", { limit: 1, leaseMs: 30_000 }),
+    ];
+    const gate = new Gate(stages, { name: "late-line", fuse: true });
+    const line = stageKey(prefix, "gate:late-line|rate|sem", "line");
+    const holder = await gate.admit({ timeoutMs: 5_000 });
+    const held = holdBack(main, "gate");
+    const error = await within(
+      rejectionOf(gate.admit({ timeoutMs: 5_000 })),
+      3_000,
+      "gate.admit() with its try held back",
+    );
+    expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
+    // Sent now: the semaphore is full, so the try takes its place in the permit line (inLine 1).
+    const reply = (await held.send()) as unknown[][];
+    expect(Number(reply[0]![2])).toBe(1);
+    await until(async () => (await raw.zcard(line)) === 0, {
+      timeoutMs: 3_000,
+      message: "the caller a try run late put in the gate's line stayed there",
+    });
+    // The holder's release admits nobody that has gone: the permit is free for the next call.
+    await holder.release("success");
+    const ticket = await admittedSoon(gate, "the permit went to a caller that had gone");
     await ticket.release("success");
   });
 
