@@ -52,18 +52,34 @@ function holdBack(client: Redis, script: ScriptName): { send(): Promise<unknown>
 }
 
 /**
- * `stage.tryAdmit()` with its `script` call held back by `client` until the caller has failed
- * closed, then sent: Redis runs it after the caller's give-back (which found nothing to give
- * back) and it admits. What it took must then come back: the next `tryAdmit` is admitted
- * (fails with `message` if not), and its ticket released.
+ * `call` (`stage.tryAdmit()` unless given) with its `script` call held back by `client` until the
+ * caller has failed closed, then sent: Redis runs it after the caller's give-back (which found
+ * nothing to give back) and it admits. What it took must then come back: the next `tryAdmit` is
+ * admitted (fails with `message` if not), and its ticket released.
  */
-async function ranLate(client: Redis, stage: Stage, script: ScriptName, message: string): Promise<void> {
+async function ranLate(
+  client: Redis,
+  stage: Stage,
+  script: ScriptName,
+  message: string,
+  call: () => Promise<unknown> = () => stage.tryAdmit(),
+): Promise<void> {
   const held = holdBack(client, script);
-  const error = await within(rejectionOf(stage.tryAdmit()), 3_000, `tryAdmit() with its ${script} held back`);
+  const error = await within(rejectionOf(call()), 3_000, `a call with its ${script} held back`);
   expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
   expect(Number(((await held.send()) as unknown[])[0])).toBe(1);
   const ticket = await admittedSoon(stage, message);
   await ticket.release("success");
+}
+
+/** A token bucket with classes of one token, none back for an hour, its one class the default. */
+function oneToken(backend: ReturnType<typeof redis>): Stage {
+  return backend.tokenBucket("rate", {
+    capacity: 1,
+    refillPerSecond: 1 / 3_600,
+    classes: { only: { share: 1 } },
+    defaultClass: "only",
+  });
 }
 
 const COMMAND_TIMEOUT_MS = 300;
@@ -429,12 +445,7 @@ describe("a Redis outage", () => {
     const server = await startServer(port);
     const prefix = randomPrefix("outage-late-classes-try");
     const { main, backend } = await setup(server.url, prefix);
-    const bucket = backend.tokenBucket("rate", {
-      capacity: 1,
-      refillPerSecond: 1 / 3_600,
-      classes: { only: { share: 1 } },
-      defaultClass: "only",
-    });
+    const bucket = oneToken(backend);
     await ranLate(
       main,
       bucket,
@@ -448,24 +459,15 @@ describe("a Redis outage", () => {
     const server = await startServer(port);
     const prefix = randomPrefix("outage-late-classes-ask");
     const { main, backend } = await setup(server.url, prefix);
-    const bucket = backend.tokenBucket("rate", {
-      capacity: 1,
-      refillPerSecond: 1 / 3_600,
-      classes: { only: { share: 1 } },
-      defaultClass: "only",
-    });
-    const held = holdBack(main, "token-bucket-classes");
-    const error = await within(
-      rejectionOf(bucket.admit({ timeoutMs: 2_000 })),
-      3_000,
-      "admit() with its ask held back",
+    const bucket = oneToken(backend);
+    // (The token is there, so the ask takes it for its member, whose caller has gone.)
+    await ranLate(
+      main,
+      bucket,
+      "token-bucket-classes",
+      "the token granted to an ask that ran late was not given back",
+      () => bucket.admit({ timeoutMs: 2_000 }),
     );
-    expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
-    // Sent now, after the caller's leave (nothing to leave yet): the token is there, so the ask
-    // takes it for its member, whose caller has gone.
-    expect(Number(((await held.send()) as unknown[])[0])).toBe(1);
-    const ticket = await admittedSoon(bucket, "the token granted to an ask that ran late was not given back");
-    await ticket.release("success");
   });
 
   it("takes out of line the member an ask of a bucket with classes put there when the client ran it after its caller failed closed", async () => {
@@ -473,12 +475,7 @@ describe("a Redis outage", () => {
     const server = await startServer(port);
     const prefix = randomPrefix("outage-late-classes-line");
     const { main, raw, backend } = await setup(server.url, prefix);
-    const bucket = backend.tokenBucket("rate", {
-      capacity: 1,
-      refillPerSecond: 1 / 3_600,
-      classes: { only: { share: 1 } },
-      defaultClass: "only",
-    });
+    const bucket = oneToken(backend);
     const taken = await bucket.admit();
     const held = holdBack(main, "token-bucket-classes");
     const error = await within(
