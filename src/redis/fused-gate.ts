@@ -901,7 +901,6 @@ class FusedGate implements FusedAdmission {
     return { member: this.#token, mode: "try", try: "", held: "", lane: this.#lane, fn };
   }
 
-  /** Take `member` out of the gate's lines in the background (it gave up). */
   /**
    * A turn's `gate` call ran after its tries had failed closed (see `Late`): a try its reply left
    * in a line (the permit line, its steps kept or not, or its lane) leaves it, which also takes
@@ -916,6 +915,7 @@ class FusedGate implements FusedAdmission {
     }
   }
 
+  /** Take `member` out of the gate's lines in the background (it gave up). */
   #leave(member: string, lane: readonly string[]): void {
     const call: GateCall = { member, mode: "try", try: "", held: "", lane, fn: () => {} };
     this.#link.gather(this.#name, this.#leaves, [call])?.then(
