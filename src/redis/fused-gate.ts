@@ -477,9 +477,7 @@ class FusedGate implements FusedAdmission {
         },
       }),
     );
-    const sent = this.#link.gather(this.#name, this.#admits, calls, (replies) =>
-      this.#ranLate(tries, replies),
-    );
+    const sent = this.#link.gather(this.#name, this.#admits, calls, this.#ranLate);
     const each = (reply: (c: number) => GateReply | undefined, failed: boolean, error: unknown) => {
       for (let c = 0; c < tries.length; c++) {
         const t = tries[c]!;
@@ -902,18 +900,18 @@ class FusedGate implements FusedAdmission {
   }
 
   /**
-   * A turn's `gate` call ran after its tries had failed closed (see `Late`): a try its reply left
+   * A turn's `gate` call ran after its tries had failed closed (see `Late`): a try (a call) its reply left
    * in a line (the permit line, its steps kept or not, or its lane) leaves it, which also takes
    * back a grant made to it since; its caller has gone. (Each step gives back what it took
    * itself: see `ranLate` in link.ts.)
    */
-  #ranLate(tries: readonly Try[], replies: unknown): void {
+  readonly #ranLate = (calls: readonly GateCall[], replies: unknown): void => {
     if (!Array.isArray(replies)) return;
-    for (let c = 0; c < tries.length; c++) {
+    for (let c = 0; c < calls.length; c++) {
       const reply = replies[c];
-      if (Array.isArray(reply) && Number(reply[2]) !== 0) this.#leave(tries[c]!.member, tries[c]!.lane);
+      if (Array.isArray(reply) && Number(reply[2]) !== 0) this.#leave(calls[c]!.member, calls[c]!.lane);
     }
-  }
+  };
 
   /** Take `member` out of the gate's lines in the background (it gave up). */
   #leave(member: string, lane: readonly string[]): void {

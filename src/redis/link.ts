@@ -234,7 +234,7 @@ export class RedisLink {
 
   /**
    * Run a script. Rejects with `BackendUnavailableError` when Redis cannot answer in time. `late`
-   * is told (with the call's keys and arguments) when a call that was failed so ran all the same,
+   * is told (with the call's keys, arguments and reply) when a call that was failed so ran all the same,
    * later: a client may hold a command back and send it again by itself (a Cluster client after
    * its connection closed, a client that resends what was unanswered when it reconnects), after
    * its caller gave back what it would take.
@@ -261,8 +261,8 @@ export class RedisLink {
    * Run a script that a fused gate can gather, told to `resolve` with its reply or `reject` rather
    * than by a promise: while a `gate` call is gathered (see `gather`), as one of its steps, with
    * no promise made (rejected with `NOT_RUN` when the script did not run it); else as `run`.
-   * `late` is told the step's keys and arguments when its call, alone or the `gate` call, was
-   * failed for not answering in time and ran all the same (see `run`), whatever it decided.
+   * `late` is told the step's keys, arguments and reply when its call, alone or the `gate` call,
+   * was failed for not answering in time and ran all the same (see `run`), whatever it decided.
    */
   step(
     stage: string,
@@ -296,14 +296,14 @@ export class RedisLink {
    * call's steps, and send them all as one `gate` call (lua/gate.lua); each stage script call
    * settles with its step's reply. Resolves with one reply per call, or is undefined when no
    * call made a script call (and the op is neither "leave" nor "grant", which need none).
-   * `late`, for an admission, is told the `gate` call's replies should it run after it was
-   * failed (see `Late`), after each step's own handler.
+   * `late`, for an admission, is told the calls and the `gate` call's replies should it run after
+   * it was failed (see `Late`), after each step's own handler: one function serves every turn.
    */
   gather(
     stage: string,
     head: GateHead,
     calls: readonly GateCall[],
-    late?: (replies: unknown) => void,
+    late?: (calls: readonly GateCall[], replies: unknown) => void,
   ): Promise<GateReply[]> | undefined {
     const stepsOf: Step[][] = [];
     let total = 0;
@@ -392,7 +392,7 @@ export class RedisLink {
       head.op === "all"
         ? (_k, _a, replies) => {
             ranLate(stepsOf, replies);
-            late?.(replies);
+            late?.(calls, replies);
           }
         : undefined;
     return this.run(stage, "gate", keys, args, ranLateAll).then(

@@ -189,9 +189,19 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
    */
   readonly #lateTake: Late = (keys, args) => void this.#refundAt(keys[0]!, args[4]!, String(args[6]));
 
-  /** As `#lateTake`, for a turn's takes in one `token-bucket-take-many` (cost, grant, wait each, from 5). */
-  readonly #lateTakes: Late = (keys, args) => {
-    for (let i = 5; i + 2 < args.length; i += 3) void this.#refundAt(keys[0]!, args[i]!, String(args[i + 1]));
+  /**
+   * As `#lateTake`, for a turn's takes in one `token-bucket-take-many` (cost, grant, wait each,
+   * from 5; three figures each in its reply, taken first). A refund is taken only from the key's
+   * latest grant, so only the turn's last take that took or reserved anything is refunded (the
+   * last take, when the reply says nothing).
+   */
+  readonly #lateTakes: Late = (keys, args, reply) => {
+    const figures = Array.isArray(reply) ? reply : undefined;
+    for (let i = args.length - 3, n = (args.length - 5) / 3 - 1; i >= 5; i -= 3, n--) {
+      if (figures !== undefined && Number(figures[3 * n]) === 0) continue;
+      void this.#refundAt(keys[0]!, args[i]!, String(args[i + 1]));
+      return;
+    }
   };
 
   /** Send takes of `redisKey` (cost, grant, maxWaitMs each): one alone as a plain take, more in one call. */

@@ -118,6 +118,13 @@ describe("a Redis outage", () => {
     return c;
   }
 
+  /** A server of the test's own, and `setup` on it under a fresh prefix named `name`. */
+  async function onOwnServer(name: string, pollMs?: number) {
+    const server = await startServer(await freePort());
+    const prefix = randomPrefix(name);
+    return { prefix, ...(await setup(server.url, prefix, pollMs)) };
+  }
+
   async function setup(url: string, prefix: string, pollMs = 100) {
     const [main, subscriber, raw] = await Promise.all([client(url), client(url), client(url)]);
     const backend = redis(main, { prefix, subscriber, commandTimeoutMs: COMMAND_TIMEOUT_MS, pollMs });
@@ -267,10 +274,7 @@ describe("a Redis outage", () => {
   // back and sends it once the caller has failed closed; its late reply must give back the lease.
   for (const mode of ["tryAdmit", "admit"] as const) {
     it(`gives back a permit whose acquire the client ran after the caller failed closed (${mode})`, async () => {
-      const port = await freePort();
-      const server = await startServer(port);
-      const prefix = randomPrefix("outage-late");
-      const { main, raw, backend } = await setup(server.url, prefix);
+      const { prefix, main, raw, backend } = await onOwnServer("outage-late");
       const sem = backend.semaphore("sem", { limit: 1, leaseMs: 30_000 });
       const held = holdBack(main, "semaphore-acquire");
       const error = await within(
@@ -300,10 +304,7 @@ describe("a Redis outage", () => {
 
   // A turn's tries go in one acquire: each of its members is given back.
   it("gives back every permit of a turn's acquire the client ran after its callers failed closed", async () => {
-    const port = await freePort();
-    const server = await startServer(port);
-    const prefix = randomPrefix("outage-late-turn");
-    const { main, raw, backend } = await setup(server.url, prefix);
+    const { prefix, main, raw, backend } = await onOwnServer("outage-late-turn");
     const sem = backend.semaphore("sem", { limit: 2, leaseMs: 30_000 });
     const held = holdBack(main, "semaphore-acquire");
     const errors = await within(
@@ -327,10 +328,7 @@ describe("a Redis outage", () => {
   // The same through a fused gate: its one script call takes every stage's permit at once, and
   // the token and the host's slot.
   it("gives back the permits, tokens and slot a fused gate's admission took when the client ran it after the caller failed closed", async () => {
-    const port = await freePort();
-    const server = await startServer(port);
-    const prefix = randomPrefix("outage-late-gate");
-    const { main, raw, backend } = await setup(server.url, prefix);
+    const { prefix, main, raw, backend } = await onOwnServer("outage-late-gate");
     const gate = new Gate(
       [
         // Two tokens, none back for an hour: one for the first call, one for the late one.
@@ -371,11 +369,8 @@ describe("a Redis outage", () => {
   // A fused gate's try run so may put its caller, who has gone, in the gate's line, with its steps
   // kept for a release to admit: it leaves the line once the late reply says so.
   it("takes out of the gate's line a caller a fused gate's try put there when the client ran it after the caller failed closed", async () => {
-    const port = await freePort();
-    const server = await startServer(port);
-    const prefix = randomPrefix("outage-late-gate-line");
     // (A waiter's place in line lasts 3 × pollMs without asking: here far longer than the test.)
-    const { main, raw, backend } = await setup(server.url, prefix, 60_000);
+    const { prefix, main, raw, backend } = await onOwnServer("outage-late-gate-line", 60_000);
     const stages = [
       backend.tokenBucket("rate", { capacity: 100, refillPerSecond: 100 }),
       backend.semaphore("sem", { limit: 1, leaseMs: 30_000 }),
@@ -406,10 +401,7 @@ describe("a Redis outage", () => {
   // An interval gate's take run so claims a slot of nobody's: it is handed back while it is the
   // host's latest, as the caller's own refund would have been.
   it("hands back the slot an interval gate's take claimed when the client ran it after the caller failed closed", async () => {
-    const port = await freePort();
-    const server = await startServer(port);
-    const prefix = randomPrefix("outage-late-host");
-    const { main, backend } = await setup(server.url, prefix);
+    const { main, backend } = await onOwnServer("outage-late-host");
     const hosts = backend.intervalGate("hosts", { minIntervalMs: 3_600_000, defaultHost: "api.example" });
     // (It claims the host's slot, the next an hour away.)
     await ranLate(
@@ -425,10 +417,7 @@ describe("a Redis outage", () => {
   // A token bucket's take run so spends a token of nobody's: it is given back while it is the
   // key's latest grant, as the caller's own refund would have been.
   it("gives back the tokens a token bucket's take took when the client ran it after the caller failed closed", async () => {
-    const port = await freePort();
-    const server = await startServer(port);
-    const prefix = randomPrefix("outage-late-bucket");
-    const { main, backend } = await setup(server.url, prefix);
+    const { main, backend } = await onOwnServer("outage-late-bucket");
     const bucket = backend.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 / 3_600 });
     await ranLate(
       main,
@@ -441,10 +430,7 @@ describe("a Redis outage", () => {
   // A token bucket with classes asks its own script: a try run so gives its tokens back the same
   // way, and so does a waiting caller's ask, which its caller had left by then.
   it("gives back the tokens a bucket with classes granted to a try the client ran after the caller failed closed", async () => {
-    const port = await freePort();
-    const server = await startServer(port);
-    const prefix = randomPrefix("outage-late-classes-try");
-    const { main, backend } = await setup(server.url, prefix);
+    const { main, backend } = await onOwnServer("outage-late-classes-try");
     const bucket = oneToken(backend);
     await ranLate(
       main,
@@ -455,10 +441,7 @@ describe("a Redis outage", () => {
   });
 
   it("gives back the tokens a bucket with classes granted to an ask the client ran after its caller failed closed", async () => {
-    const port = await freePort();
-    const server = await startServer(port);
-    const prefix = randomPrefix("outage-late-classes-ask");
-    const { main, backend } = await setup(server.url, prefix);
+    const { main, backend } = await onOwnServer("outage-late-classes-ask");
     const bucket = oneToken(backend);
     // (The token is there, so the ask takes it for its member, whose caller has gone.)
     await ranLate(
@@ -471,10 +454,7 @@ describe("a Redis outage", () => {
   });
 
   it("takes out of line the member an ask of a bucket with classes put there when the client ran it after its caller failed closed", async () => {
-    const port = await freePort();
-    const server = await startServer(port);
-    const prefix = randomPrefix("outage-late-classes-line");
-    const { main, raw, backend } = await setup(server.url, prefix);
+    const { prefix, main, raw, backend } = await onOwnServer("outage-late-classes-line");
     const bucket = oneToken(backend);
     const taken = await bucket.admit();
     const held = holdBack(main, "token-bucket-classes");
@@ -497,29 +477,33 @@ describe("a Redis outage", () => {
   });
 
   // A turn's takes go in one take-many: only the latest grant's tokens can come back (the
-  // bucket's rule: a refund is taken only from the key's latest grant).
-  it("gives back the latest grant's tokens of a turn's takes the client ran after their callers failed closed", async () => {
-    const port = await freePort();
-    const server = await startServer(port);
-    const prefix = randomPrefix("outage-late-takes");
-    const { main, backend } = await setup(server.url, prefix);
-    const bucket = backend.tokenBucket("rate", { capacity: 2, refillPerSecond: 1 / 3_600 });
-    const held = holdBack(main, "token-bucket-take-many");
-    const errors = await within(
-      Promise.all([rejectionOf(bucket.tryAdmit()), rejectionOf(bucket.tryAdmit())]),
-      3_000,
-      "two tryAdmit() in one turn with their takes held back",
-    );
-    for (const error of errors)
-      expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
-    // Sent now: both take a token (three figures each, taken first).
-    const replies = (await held.send()) as unknown[];
-    expect([Number(replies[0]), Number(replies[3])]).toEqual([1, 1]);
-    const ticket = await admittedSoon(bucket, "the latest grant's token was not given back");
-    // The other stays spent until the refill.
-    expect(await bucket.tryAdmit()).toBeUndefined();
-    await ticket.release("success");
-  });
+  // bucket's rule: a refund is taken only from the key's latest grant), the last take's that
+  // took anything.
+  it.each([
+    { capacity: 2, taken: [1, 1], left: "the other stays spent until the refill" },
+    { capacity: 1, taken: [1, 0], left: "the second took nothing" },
+  ])(
+    "gives back the latest grant's tokens of a turn's takes the client ran after their callers failed closed (capacity $capacity: $left)",
+    async ({ capacity, taken }) => {
+      const { main, backend } = await onOwnServer("outage-late-takes");
+      const bucket = backend.tokenBucket("rate", { capacity, refillPerSecond: 1 / 3_600 });
+      const held = holdBack(main, "token-bucket-take-many");
+      const errors = await within(
+        Promise.all([rejectionOf(bucket.tryAdmit()), rejectionOf(bucket.tryAdmit())]),
+        3_000,
+        "two tryAdmit() in one turn with their takes held back",
+      );
+      for (const error of errors)
+        expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
+      // Sent now (three figures each, taken first).
+      const replies = (await held.send()) as unknown[];
+      expect([Number(replies[0]), Number(replies[3])]).toEqual(taken);
+      const ticket = await admittedSoon(bucket, "the latest grant's token was not given back");
+      // Any other token taken stays spent until the refill.
+      expect(await bucket.tryAdmit()).toBeUndefined();
+      await ticket.release("success");
+    },
+  );
 
   it("gives back a permit granted after its caller stopped waiting while Redis was frozen", async () => {
     const port = await freePort();
