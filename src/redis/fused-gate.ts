@@ -75,12 +75,19 @@ interface Held {
   granted: boolean;
   /** How many steps the try has: a grant's replies are one per step, then the line's rate waits. */
   steps: number;
+  /** A later try run late collected a grant of these steps after `settle` settled them as not run. */
+  collectedLate: (replies: unknown[]) => void;
   /** The line's rate waits when the grant was made (`lineRateMs`, `lineRateKey`), if it said. */
   rate?: LineWait;
 }
 
 /** What a reply, or a grant, says of the permit line's waits (see `#stretch`). */
 type LineWait = Pick<GateReply, "lineRateMs" | "lineRateKey" | "moved">;
+
+/** A try's call in its `gate` call: the earlier try whose steps are kept goes with it (`#ranLate`). */
+interface TryCall extends GateCall {
+  kept: Held | undefined;
+}
 
 /** A try waiting to go with this turn's others. */
 interface Try {
@@ -92,6 +99,8 @@ interface Try {
   /** The try's number, and the number of the call's earlier try whose steps are kept (or ""). */
   try: number;
   held: number | "";
+  /** That earlier try. */
+  kept: Held | undefined;
   resolve: (a: Attempt) => void;
   reject: (error: unknown) => void;
 }
@@ -287,7 +296,7 @@ class FusedGate implements FusedAdmission {
     try {
       for (;;) {
         const at = clock.now();
-        const attempt = await this.#attempt(call, member, lane, lines, ++tries, held?.try ?? "");
+        const attempt = await this.#attempt(call, member, lane, lines, ++tries, held);
         // The stretch up to this try is counted now that its reply says what the line waited for.
         this.#stretch(blame, at - since, rateAt, attempt.reply);
         since = at;
@@ -442,10 +451,10 @@ class FusedGate implements FusedAdmission {
     lane: readonly string[],
     wait: boolean,
     tryNo: number,
-    held: number | "",
+    kept: Held | undefined,
   ): Promise<Attempt> {
     return new Promise<Attempt>((resolve, reject) => {
-      this.#tries.add({ call, member, lane, wait, try: tryNo, held, resolve, reject });
+      this.#tries.add({ call, member, lane, wait, try: tryNo, held: kept?.try ?? "", kept, resolve, reject });
     });
   }
 
@@ -453,7 +462,8 @@ class FusedGate implements FusedAdmission {
     const stages = this.#stages as readonly DirectStage[];
     const answers = tries.map(() => new Answers(stages.length));
     const calls = tries.map(
-      (t, c): GateCall => ({
+      (t, c): TryCall => ({
+        kept: t.kept,
         member: t.member,
         // (Steps are kept only once this process listens for grants: a release passes over a
         // waiter nobody listens for, as one whose process died.)
@@ -519,7 +529,14 @@ class FusedGate implements FusedAdmission {
       result.catch(() => {});
       let steps = 0;
       for (const step of answers.stepOf) if (step >= 0) steps++;
-      const held: Held = { try: t.try, settle: hold, result, granted: false, steps };
+      const held: Held = {
+        try: t.try,
+        settle: hold,
+        collectedLate: reply!.collectedLate!,
+        result,
+        granted: false,
+        steps,
+      };
       const attempt = this.#refused(reply!, answers.stepOf);
       attempt.held = held;
       t.resolve(attempt);
@@ -902,14 +919,18 @@ class FusedGate implements FusedAdmission {
   /**
    * A turn's `gate` call ran after its tries had failed closed (see `Late`): a try (a call) its reply left
    * in a line (the permit line, its steps kept or not, or its lane) leaves it, which also takes
-   * back a grant made to it since; its caller has gone. (Each step gives back what it took
-   * itself: see `ranLate` in link.ts.)
+   * back a grant made to it since; its caller has gone. A try that collected the grant a release
+   * made to its call's kept steps (status 2) gives that grant back, step by step, as each kept
+   * step would have given back its own reply run late. (Each step of the try gives back what it
+   * took itself: see `ranLate` in link.ts.)
    */
   readonly #ranLate = (calls: readonly GateCall[], replies: unknown): void => {
     if (!Array.isArray(replies)) return;
     for (let c = 0; c < calls.length; c++) {
       const reply = replies[c];
-      if (Array.isArray(reply) && Number(reply[2]) !== 0) this.#leave(calls[c]!.member, calls[c]!.lane);
+      if (!Array.isArray(reply)) continue;
+      if (Number(reply[0]) === 2) (calls[c] as TryCall).kept?.collectedLate(grantReplies(String(reply[5])));
+      else if (Number(reply[2]) !== 0) this.#leave(calls[c]!.member, calls[c]!.lane);
     }
   };
 

@@ -104,6 +104,13 @@ export interface GateReply {
    */
   hold?: (replies: unknown[] | undefined) => void;
   /**
+   * With `hold`: a later try of the call, run after it was failed, collected a grant made to the
+   * kept steps (its reply's status 2), though `hold` had settled them as not run (the caller gave
+   * up). Each kept step's late handler is told its reply in the grant, and gives back what the
+   * grant took for it; nothing is done when `hold` settled the steps with a grant.
+   */
+  collectedLate?: (replies: unknown[]) => void;
+  /**
    * A call waiting in the permit line: how long, in all, the line's firsts have kept their place
    * waiting for a rate (ms, growing; those behind them wait for it too), and the first key (as
    * Redis has it) of the step the latest waited for, a token bucket's or interval gate's.
@@ -442,11 +449,15 @@ export class RedisLink {
       if (agoMs >= 0) out.moved = { agoMs, lineRateMs: Number(rate) || 0, key: key.join("|") };
     }
     if (Number(reply[5]) === 1) {
-      let settled = false;
+      let settled: "no" | "granted" | "not run" = "no";
       out.hold = (granted) => {
-        if (settled) return;
-        settled = true;
+        if (settled !== "no") return;
+        settled = granted ? "granted" : "not run";
         settleSteps(steps, granted ?? []);
+      };
+      out.collectedLate = (granted) => {
+        if (settled !== "not run") return;
+        for (let s = 0; s < steps.length; s++) steps[s]!.late?.(steps[s]!.keys, steps[s]!.args, granted[s]);
       };
     } else settleSteps(steps, answers);
     return out;

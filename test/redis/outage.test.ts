@@ -52,6 +52,32 @@ function holdBack(client: Redis, script: ScriptName): { send(): Promise<unknown>
 }
 
 /**
+ * Hold back every command for `script` the client sends from now on, until `sendAll()` sends them
+ * in order (and sends later ones at once); `count()` says how many it holds.
+ */
+function holdBackAll(client: Redis, script: ScriptName): { count(): number; sendAll(): Promise<unknown[]> } {
+  const command = commandName(script);
+  const commands = client as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
+  const original = commands[command]!.bind(client);
+  const held: (() => Promise<unknown>)[] = [];
+  commands[command] = (...args: unknown[]) =>
+    new Promise((resolve, reject) => {
+      held.push(() => {
+        const sent = original(...args);
+        sent.then(resolve, reject);
+        return sent;
+      });
+    });
+  return {
+    count: () => held.length,
+    sendAll: () => {
+      commands[command] = original;
+      return Promise.all(held.map((send) => send()));
+    },
+  };
+}
+
+/**
  * `call` (`stage.tryAdmit()` unless given) with its `script` call held back by `client` until the
  * caller has failed closed, then sent: Redis runs it after the caller's give-back (which found
  * nothing to give back) and it admits. What it took must then come back: the next `tryAdmit` is
@@ -125,9 +151,15 @@ describe("a Redis outage", () => {
     return { prefix, ...(await setup(server.url, prefix, pollMs)) };
   }
 
-  async function setup(url: string, prefix: string, pollMs = 100) {
+  async function setup(url: string, prefix: string, pollMs = 100, claimMs?: number) {
     const [main, subscriber, raw] = await Promise.all([client(url), client(url), client(url)]);
-    const backend = redis(main, { prefix, subscriber, commandTimeoutMs: COMMAND_TIMEOUT_MS, pollMs });
+    const backend = redis(main, {
+      prefix,
+      subscriber,
+      commandTimeoutMs: COMMAND_TIMEOUT_MS,
+      pollMs,
+      claimMs,
+    });
     backends.push(backend);
     return { main, subscriber, raw, backend };
   }
@@ -396,6 +428,60 @@ describe("a Redis outage", () => {
     await holder.release("success");
     const ticket = await admittedSoon(gate, "the permit went to a caller that had gone");
     await ticket.release("success");
+  });
+
+  // A waiter's next try run so may collect the grant a release made to its kept steps, after the
+  // waiter gave up and its leave found nothing left to give back: the grant's permits and tokens
+  // come back once the late reply says so, not when the grant's claim window ends.
+  it("gives back the grant a fused gate's try collected when the client ran it after the caller failed closed", async () => {
+    const server = await startServer(await freePort());
+    const prefix = randomPrefix("outage-late-collect");
+    // The holder's process and the waiter's, on one server; a grant unclaimed for a minute stays
+    // held as long (claimMs), far longer than the test.
+    const [holding, waiting] = await Promise.all([
+      setup(server.url, prefix, 500, 60_000),
+      setup(server.url, prefix, 500, 60_000),
+    ]);
+    const gateOf = (backend: Backend) =>
+      new Gate(
+        [
+          // Two tokens, none back for an hour: the holder's, and the one granted to the waiter.
+          backend.tokenBucket("rate", { capacity: 2, refillPerSecond: 1 / 3_600 }),
+          backend.semaphore("sem", { limit: 1, leaseMs: 60_000 }),
+        ],
+        { name: "late-collect", fuse: true },
+      );
+    const [holderGate, waiterGate] = [gateOf(holding.backend), gateOf(waiting.backend)];
+    const kept = stageKey(prefix, "gate:late-collect|rate|sem", "held");
+    const holder = await holderGate.admit({ timeoutMs: 5_000 });
+    const waiter = rejectionOf(waiterGate.admit({ timeoutMs: 30_000 }));
+    await until(async () => (await holding.raw.hkeys(kept)).some((field) => field.startsWith("s:")), {
+      timeoutMs: 5_000,
+      message: "the waiter's steps were never kept in the gate's line",
+    });
+    // The waiter's process hears no grant (its subscriber reads nothing), and its client holds
+    // back every gate call: its next try, then its leave once it has failed closed.
+    waiting.subscriber.stream.pause();
+    const held = holdBackAll(waiting.main, "gate");
+    await holder.release("success");
+    expect(await holding.raw.hkeys(kept)).toEqual(expect.arrayContaining([expect.stringMatching(/^g:/)]));
+    const error = await within(waiter, 5_000, "the waiter's admit() with its calls held back");
+    expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
+    await until(() => held.count() >= 2, { timeoutMs: 3_000, message: "the waiter's leave was never sent" });
+    // Sent in order: the try collects the grant (status 2), so the leave finds none to give back.
+    const [tried] = (await held.sendAll()) as unknown[][][];
+    expect(Number(tried![0]![0])).toBe(2);
+    await until(async () => (await holding.raw.zcard(stageKey(prefix, "sem", "holders"))) === 0, {
+      timeoutMs: 3_000,
+      message: "the permit of a grant collected by a try run late stayed held",
+    });
+    // The token came back too (the refill brings none): the next call is admitted.
+    const ticket = await admittedSoon(
+      holderGate,
+      "the token of a grant collected by a try run late was not given back",
+    );
+    await ticket.release("success");
+    waiting.subscriber.stream.resume();
   });
 
   // An interval gate's take run so claims a slot of nobody's: it is handed back while it is the
