@@ -98,6 +98,22 @@ async function ranLate(
   await ticket.release("success");
 }
 
+/**
+ * What `what` took came back: the permit stages' `holders` (their keys) empty, and `stage`
+ * admitting the next call (whose ticket is released).
+ */
+async function allBack(raw: Redis, holders: readonly string[], stage: Stage, what: string): Promise<void> {
+  await until(
+    async () => {
+      for (const key of holders) if ((await raw.zcard(key)) !== 0) return false;
+      return true;
+    },
+    { timeoutMs: 3_000, message: `the permits of ${what} stayed held` },
+  );
+  const ticket = await admittedSoon(stage, `the tokens or the slot of ${what} did not come back`);
+  await ticket.release("success");
+}
+
 /** A token bucket with classes of one token, none back for an hour, its one class the default. */
 function oneToken(backend: ReturnType<typeof redis>): Stage {
   return backend.tokenBucket("rate", {
@@ -384,18 +400,14 @@ describe("a Redis outage", () => {
     // Now the client sends it, and Redis runs it after the caller's give-backs: it admits (its
     // reply says so, one call admitted in one pass), takes both stages' permits and the token.
     expect(((await held.send()) as unknown[])[0]).toBe(1);
-    const holders = ["sem", "aimd"].map((stage) => stageKey(prefix, stage, "holders"));
-    await until(async () => (await raw.zcard(holders[0]!)) === 0 && (await raw.zcard(holders[1]!)) === 0, {
-      timeoutMs: 3_000,
-      message: "permits taken by a fused gate's call that ran after its caller failed closed stayed held",
-    });
-    // The token came back too (the refill brings none), and the host's slot (the next is an hour
-    // away): the next call is admitted.
-    const ticket = await admittedSoon(
+    // The token must come back too (the refill brings none), and the host's slot (the next is an
+    // hour away): the next call is admitted.
+    await allBack(
+      raw,
+      ["sem", "aimd"].map((stage) => stageKey(prefix, stage, "holders")),
       gate,
-      "the token or the slot taken by the late call was not given back",
+      "a fused gate's call that ran after its caller failed closed",
     );
-    await ticket.release("success");
   });
 
   // A fused gate's try run so may put its caller, who has gone, in the gate's line, with its steps
@@ -471,16 +483,13 @@ describe("a Redis outage", () => {
     // Sent in order: the try collects the grant (status 2), so the leave finds none to give back.
     const [tried] = (await held.sendAll()) as unknown[][][];
     expect(Number(tried![0]![0])).toBe(2);
-    await until(async () => (await holding.raw.zcard(stageKey(prefix, "sem", "holders"))) === 0, {
-      timeoutMs: 3_000,
-      message: "the permit of a grant collected by a try run late stayed held",
-    });
-    // The token came back too (the refill brings none): the next call is admitted.
-    const ticket = await admittedSoon(
+    // The token must come back too (the refill brings none): the next call is admitted.
+    await allBack(
+      holding.raw,
+      [stageKey(prefix, "sem", "holders")],
       holderGate,
-      "the token of a grant collected by a try run late was not given back",
+      "a grant collected by a try run late",
     );
-    await ticket.release("success");
     waiting.subscriber.stream.resume();
   });
 
