@@ -9,7 +9,8 @@
 -- KEYS[1] line   the gate's permit line
 -- KEYS[2] lexp, KEYS[3] gmeta, KEYS[4] held, KEYS[5] hexp: the gate's other keys (lua/gate.lua),
 --                for a release handed to the first waiter and a try put in line behind it
--- KEYS[6…]       the call's lane, the lane's expiries, then its steps' own keys in order
+-- KEYS[6] lane, KEYS[7] its expiries: the call's lane, for an admission put at its back or taken
+--                out of it as its first; then (KEYS[8…]) the call's steps' own keys in order
 --
 -- ARGV[1] now    ms, or "" for the server's TIME
 -- ARGV[2] op     "all" (admissions) or "each" (releases) are decided here; any other goes on
@@ -31,7 +32,9 @@
 -- tokens there now, the host's slot come), then all taken; it answers as fast() does, {1, flat}.
 -- Any step that would refuse sends the call on to the rest, which decides it as before. Its
 -- first try while someone else is first in the gate's permit line (and nobody in its lane) is
--- not looked at: it takes its place at the back of the permit line here (first_join, below).
+-- not looked at: it takes its place at the back of the permit line here (first_join, below);
+-- and so, while nobody is in the permit line, its first try while someone else is first in its
+-- lane takes its place at the back of the lane (first_lane, below).
 --
 -- A turn of admissions (up to 64 calls, on Redis 6.2 or later: see ZMSCORE below) is decided here
 -- the same way when every call after the first repeats the one before it (the same lane, steps
@@ -85,14 +88,15 @@ end
 -- in lua/gate.lua puts it there (behind() and join()): numbered, its expiry set, the gate's wake
 -- channel put at each of its permit stages, its steps kept ("hold"). Every read comes before the
 -- first write: when any of it does not hold, nothing is written and the call goes on to the rest.
--- Returns the reply of the script call, or nil.
+-- Returns the reply of the script call, or nil; and true when nobody is in the permit line.
 local function first_join(f, n, names, keyAt, argAt, argsOf)
   local member, mode = f[1], f[2]
   if member == '' or f[3] ~= '1' or (mode ~= 'hold' and mode ~= 'wait') then return nil end
   local now = floodgate_now(ARGV[1])
   local line, lexp, gmeta = KEYS[1], KEYS[2], KEYS[3]
   local head = redis.call('ZRANGE', line, 0, 0)[1]
-  if not head or head == member or not first_asks(head, now) then return nil end
+  if not head then return nil, true end
+  if head == member or not first_asks(head, now) then return nil end
   -- (The call's lane, and its expiries: the first of its keys, after the gate's five.)
   local laneAt = 6
   if redis.call('ZRANGE', KEYS[laneAt], 0, 0)[1] or redis.call('ZSCORE', line, member) then return nil end
@@ -123,6 +127,92 @@ local function first_join(f, n, names, keyAt, argAt, argsOf)
   end
   local g = redis.call('HMGET', gmeta, 'fr', 'fru', 'frk')
   return { { 0, -1, 1, 0, replies, mode == 'hold' and 1 or 0, now, floodgate_passed(g, now), g[3] or '' } }
+end
+
+-- A lone admission's first try (op "all", mode "hold" or "wait", no grant held) while nobody is
+-- in the gate's permit line and someone else is first in the call's lane, asking still: nothing is
+-- looked at, and the call takes its place at the back of its lane, as admit() in lua/gate.lua puts
+-- it there (behind() and join()): numbered (its number kept should it be there already), its
+-- expiry set. Every read comes before the first write. `n` is the number of steps. Returns the
+-- reply of the script call, or nil.
+local function first_lane(f, n)
+  local member, mode = f[1], f[2]
+  if member == '' or f[3] ~= '1' or (mode ~= 'hold' and mode ~= 'wait') then return nil end
+  local now = floodgate_now(ARGV[1])
+  -- (The call's lane and its expiries: the first of its keys, after the gate's five.)
+  local lane, laneExp = KEYS[6], KEYS[7]
+  local head = redis.call('ZRANGE', lane, 0, 0)[1]
+  if not head or head == member then return nil end
+  -- (A first whose expiry has passed, or is lost, is taken out by the rest: see prune().)
+  local until_ = tonumber(redis.call('ZSCORE', laneExp, head))
+  if not until_ or until_ <= now then return nil end
+  local ttl = tonumber(ARGV[3])
+  if not redis.call('ZSCORE', lane, member) then
+    redis.call('ZADD', lane, redis.call('HINCRBY', KEYS[3], 'seq', 1), member)
+  end
+  redis.call('ZADD', laneExp, now + ttl, member)
+  redis.call('PEXPIRE', lane, ttl)
+  redis.call('PEXPIRE', laneExp, ttl)
+  redis.call('PEXPIRE', KEYS[3], ttl)
+  local replies = {}
+  for i = 1, n do replies[i] = false end
+  return { { 0, -1, 2, 0, replies, 0, now } }
+end
+
+-- A lone admission's later try (op "all", mode "hold" or "wait", no grant held, asking again)
+-- that is first in its lane, asking still, while nobody is in the gate's permit line or in its
+-- permit stages' own lines (`probe` less the lane), and that the permit line did not take with
+-- its lane (no `j:` record: see admit() in lua/gate.lua). Returns the next in the lane (false
+-- when nobody is next), or nil when any of that does not hold, or the next's expiry has passed or
+-- is lost (the rest takes such a waiter out). Only reads.
+local function first_lane_head(f, probe)
+  local member, mode = f[1], f[2]
+  if member == '' or (tonumber(f[3]) or 0) <= 1 or (mode ~= 'hold' and mode ~= 'wait') then return nil end
+  local others = { probe[1] }
+  for i = 3, #probe do others[#others + 1] = probe[i] end
+  if redis.call('EXISTS', unpack(others)) ~= 0 then return nil end
+  local now = floodgate_now(ARGV[1])
+  local lane, laneExp = KEYS[6], KEYS[7]
+  local firsts = redis.call('ZRANGE', lane, 0, 1)
+  if firsts[1] ~= member then return nil end
+  local until_ = tonumber(redis.call('ZSCORE', laneExp, member))
+  if not until_ or until_ <= now then return nil end
+  local next = firsts[2]
+  if next then
+    local ends = tonumber(redis.call('ZSCORE', laneExp, next))
+    if not ends or ends <= now then return nil end
+  end
+  if redis.call('HEXISTS', KEYS[4], 'j:' .. member) == 1 then return nil end
+  return next or false
+end
+
+-- The lane's first that first_lane_head() let through, admitted (its steps' figures in `flat`,
+-- as the pass below writes them): it leaves its lane and the next there (`next`, or false) is
+-- told to ask, on its process's channel unless it is this call's (leave() and wake() in
+-- lua/gate.lua); the call answers as admit() does, each step's reply as its script gives it.
+local function first_lane_leave(f, n, names, flat, next, now)
+  local member = f[1]
+  redis.call('ZREM', KEYS[6], member)
+  redis.call('ZREM', KEYS[7], member)
+  local woken = 0
+  if next then
+    local token = floodgate_token(next)
+    if token ~= floodgate_token(member) then redis.call('PUBLISH', ARGV[4] .. ':' .. token, next) end
+    woken = { next }
+  end
+  local replies, at = {}, 1
+  for i = 1, n do
+    if names[i] == 'semaphore-acquire' then
+      replies[i] = { 1, flat[at], flat[at + 1], flat[at + 2], flat[at + 3], 0, 0, now }
+      at = at + 4
+    elseif names[i] == 'interval-gate-take' then
+      replies[i] = { 1, flat[at], flat[at + 1] }
+      at = at + 2
+    else
+      replies[i] = { 1, 0 }
+    end
+  end
+  return { { 1, -1, 0, woken, replies, 0, now } }
 end
 
 -- A lone release (op "each") through the gate while callers wait in its permit line, decided here
@@ -400,10 +490,22 @@ do
           clear = nobody
         end
       end
-      -- A lone admission's first try behind someone in the permit line: it takes its place.
+      -- A lone admission's first try behind someone in the permit line, or (nobody there)
+      -- behind someone in its lane: it takes its place. A later try, first in its lane: decided
+      -- below as a call nothing stands in the way of, then taken out of its lane.
+      local laneNext = nil
       if n and not clear and op == 'all' and turn == 1 then
-        local joined = first_join(f, n, names, keyAt, argAt, argsOf)
-        if joined then return joined end
+        if f[3] == '1' then
+          local joined, open = first_join(f, n, names, keyAt, argAt, argsOf)
+          if joined then return joined end
+          if open then
+            local laned = first_lane(f, n)
+            if laned then return laned end
+          end
+        else
+          laneNext = first_lane_head(f, probe)
+          clear = laneNext ~= nil
+        end
       end
       if clear then
         if op == 'all' then
@@ -520,6 +622,7 @@ do
               end
             end
             flat[nf + 1] = now
+            if laneNext ~= nil then return first_lane_leave(f, n, names, flat, laneNext, now) end
             local out = {}
             for c = 1, turn do out[c] = 1 end
             out[turn + 1] = flat

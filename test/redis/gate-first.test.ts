@@ -26,8 +26,9 @@ const WITHOUT_FIRST = scriptSource("gate").replace(FIRST, "local gate_first_call
 
 /**
  * `source` with each key's expiry also written down: every PEXPIRE made (by the gate itself or a
- * step) also sets the key's field of `<the gate's line>:ttls` to the ms it was given, so that two
- * replays' states compare expiries too, exactly (read back, a key's time to live has moved on).
+ * step) also sets the key's field of `<the gate's line>:ttls` to the ms it was given, and counts
+ * itself in the key's field there after a "#", so that two replays' states compare expiries too,
+ * exactly (read back, a key's time to live has moved on), and how often each was set.
  */
 function withTtls(source: string): string {
   const calls = source.split("redis.call('PEXPIRE', ");
@@ -35,6 +36,7 @@ function withTtls(source: string): string {
   return (
     "local function floodgate_ttl_of(key, ttl)\n" +
     "  redis.call('HSET', KEYS[1] .. ':ttls', key, ttl)\n" +
+    "  redis.call('HINCRBY', KEYS[1] .. ':ttls', '#' .. key, 1)\n" +
     "  return redis.call('PEXPIRE', key, ttl)\n" +
     "end\n" +
     calls.join("floodgate_ttl_of(")
@@ -49,6 +51,14 @@ const SAYS_HANDED = scriptSource("gate").replace(HANDED, "  do return 'handed' e
 const JOINED =
   "  return { { 0, -1, 1, 0, replies, mode == 'hold' and 1 or 0, now, floodgate_passed(g, now), g[3] or '' } }\n";
 const SAYS_JOINED = scriptSource("gate").replace(JOINED, "  do return 'joined' end\n");
+
+/** The gate script whose first pass answers "laned" for a first try it puts at the back of a lane. */
+const LANED = "  return { { 0, -1, 2, 0, replies, 0, now } }\n";
+const SAYS_LANED = scriptSource("gate").replace(LANED, "  do return 'laned' end\n");
+
+/** The gate script whose first pass answers "left" for a lane's first it admits. */
+const LEFT = "  return { { 1, -1, 0, woken, replies, 0, now } }\n";
+const SAYS_LEFT = scriptSource("gate").replace(LEFT, "  do return 'left' end\n");
 
 /** One command a client sent, with the reply Redis gave it. */
 interface Sent {
@@ -625,4 +635,145 @@ describe("the first pass of a gate call", () => {
       for (const { b } of gates) await b.close();
     });
   }
+  // A first try while someone else is first in its lane (nobody in the permit line): the first
+  // pass puts it at the back of the lane itself (first_lane), exactly as the rest would; a lane
+  // whose first stopped asking (its expiry passed) goes on to the rest, which takes that one out.
+  // And a later try of the lane's first, whose wait is over: the first pass admits it, takes it
+  // out of the lane and tells the next there to ask (first_lane_head, first_lane_leave).
+  it("puts a first try at the back of its lane, and admits the lane's first, as the rest would", async () => {
+    const clock = new FakeClock(10_000);
+    const prefix = randomPrefix("first-lane");
+    const client = await connect();
+    const sent = record(client);
+    // Two processes' gates (each its own token) on one connection, so that what they sent is
+    // recorded in the order Redis ran it. One token, then one every 100 ms: callers wait in the
+    // lane of their key.
+    const gates = [0, 1].map(() => {
+      const b = redis(client, { prefix, clock, time: "clock" });
+      return {
+        b,
+        gate: new Gate(
+          [
+            b.tokenBucket("rpm", { capacity: 1, refillPerSecond: 10, keyed: true }),
+            b.semaphore("inflight", { limit: 8 }),
+          ],
+          { clock, name: "lanes" },
+        ),
+      };
+    });
+    const look = await connect();
+    const lane = `${prefix}{gate:lanes|rpm|inflight}:lane:a|`;
+    const inLane = (n: number) =>
+      until(async () => (await look.zcard(lane)) === n, { timeoutMs: 5_000, message: `${n} in the lane` });
+    // (The script call each caller's first try made, by where it starts in what was sent.)
+    const firstTry = (from: number) =>
+      sent.slice(from).find((x) => x.name === "evalsha" || x.name === "eval")!;
+    const calls = (g: number) => gates[g]!.gate.admit({ key: "a", timeoutMs: 60_000 });
+    await (await calls(0)).release("success");
+    const b = calls(1);
+    await inLane(1);
+    const laning: Sent[] = [];
+    // (The lane: b's process, then that one, the other, the other: its first admitted, the next is
+    // told in its own process's reply or on the other's channel.)
+    for (const [g, n] of [
+      [1, 2],
+      [0, 3],
+      [0, 4],
+    ] as const) {
+      const from = sent.length;
+      const waiting = calls(g);
+      await inLane(n);
+      laning.push(firstTry(from));
+      void waiting.then((t) => t.release("success"));
+    }
+    // The lane's first stops asking (its expiry passed): the next first try goes on to the rest.
+    const dead = "dead00-1";
+    await client.zadd(lane, 0, dead);
+    await client.zadd(lane.replace(":lane:", ":lexp:"), clock.now() - 1, dead);
+    const from = sent.length;
+    const after = calls(1);
+    await until(async () => (await look.zscore(lane, dead)) === null, {
+      timeoutMs: 5_000,
+      message: "the lane's first that stopped asking was taken out",
+    });
+    const passedOn = firstTry(from);
+    // A waiter second in the lane stops asking too: the first's admission, whose next it is, goes
+    // on to the rest, which takes it out and tells the one after it.
+    const [, firstScore, , secondScore] = await look.zrange(lane, 0, 1, "WITHSCORES");
+    await client.zadd(lane, (Number(firstScore) + Number(secondScore)) / 2, "dead01-1");
+    await client.zadd(lane.replace(":lane:", ":lexp:"), clock.now() - 1, "dead01-1");
+    for (let i = 0; i < 100 && (await look.zcard(lane)) > 0; i++) await clock.advance(50);
+    const tickets = [
+      await within(b, 5_000, "the lane's first caller"),
+      await within(after, 5_000, "the caller behind the one that stopped asking"),
+    ];
+    expect(await look.zcard(lane)).toBe(0);
+    for (const t of tickets) await t.release("success");
+
+    // Every script call (and the dead waiter) again, in order, on keys of their own, through the
+    // whole script, the script without its first pass, and the whole script answering "laned"
+    // where its first pass puts a try at the back of a lane.
+    const again = sent.filter((x) => ["evalsha", "eval", "zadd"].includes(x.name));
+    const gateSha = scriptSha("gate");
+    const replay = await connect();
+    const replayed = async (gateScript: string) => {
+      const own = randomPrefix("first-lane-again");
+      // (What the calls publish, in order: a lane's next told to ask, on its process's channel.)
+      const listener = await connect();
+      const told: string[] = [];
+      listener.on("pmessage", (_p: string, channel: string, message: string) =>
+        told.push(`${channel} ${message}`.replaceAll(own, "<p>")),
+      );
+      await listener.psubscribe(`${own}*`);
+      const sha = (await replay.script("LOAD", gateScript)) as string;
+      const replies: string[] = [];
+      for (const { name, args } of again) {
+        if (name === "zadd") {
+          await replay.call(name, ...args.map((x) => x.replaceAll(prefix, own)));
+          replies.push("");
+          continue;
+        }
+        let digest = name === "eval" ? ((await replay.script("LOAD", args[0]!)) as string) : args[0]!;
+        if (digest === gateSha) digest = sha;
+        const reply = await replay
+          .call("EVALSHA", digest, ...args.slice(1).map((x) => x.replaceAll(prefix, own)))
+          .catch((e: unknown) => ({ error: String(e) }));
+        replies.push(JSON.stringify(reply).replaceAll(own, "<p>"));
+      }
+      // (A message published is read on the listener's connection after the calls' replies.)
+      await listener.ping();
+      await listener.quit();
+      return { replies, state: await state(replay, own), told };
+    };
+    const whole = await replayed(withTtls(scriptSource("gate")));
+    const rest = await replayed(withTtls(WITHOUT_FIRST));
+    const says = await replayed(SAYS_LANED);
+    const saysLeft = await replayed(SAYS_LEFT);
+    expect(whole.replies).toEqual(rest.replies);
+    expect(whole.state).toEqual(rest.state);
+    expect(whole.told).toEqual(rest.told);
+    expect(whole.told.length, "a lane's next in the other process was told").toBeGreaterThan(0);
+    // Every later try admitted as its lane's first by the first pass (and no other call).
+    const later = again.flatMap(({ name, args, reply }, i) => {
+      if (name === "zadd") return [];
+      const argv = args.slice(2 + Number(args[1]));
+      const tryNo = Number((JSON.parse(argv[5]!) as string[])[2]);
+      const r = (reply as unknown[][])[0];
+      return argv[1] === "all" && argv[4] === "1" && tryNo > 1 && Array.isArray(r) && r[0] === 1 ? [i] : [];
+    });
+    expect(later.length).toBeGreaterThanOrEqual(4);
+    // (But the first admitted after the waiter second in line stopped asking: the rest's.)
+    const deadAt = again.findIndex(({ name, args }) => name === "zadd" && args.includes("dead01-1"));
+    const toRest = later.find((i) => i > deadAt)!;
+    expect(toRest).toBeDefined();
+    expect(saysLeft.replies.flatMap((r, i) => (r === '"left"' ? [i] : []))).toEqual(
+      later.filter((i) => i !== toRest),
+    );
+    // Those three first tries put at the back of the lane by the first pass, and no other call:
+    // not the one behind a first that had stopped asking.
+    const laned = says.replies.flatMap((r, i) => (r === '"laned"' ? [i] : []));
+    expect(laned).toEqual(laning.map((call) => again.indexOf(call)));
+    expect(laned).not.toContain(again.indexOf(passedOn));
+    for (const { b } of gates) await b.close();
+  });
 });
