@@ -89,10 +89,9 @@ end
 -- channel put at each of its permit stages, its steps kept ("hold"). Every read comes before the
 -- first write: when any of it does not hold, nothing is written and the call goes on to the rest.
 -- Returns the reply of the script call, or nil; and true when nobody is in the permit line.
-local function first_join(f, n, names, keyAt, argAt, argsOf)
+local function first_join(f, n, names, keyAt, argAt, argsOf, now)
   local member, mode = f[1], f[2]
   if member == '' or f[3] ~= '1' or (mode ~= 'hold' and mode ~= 'wait') then return nil end
-  local now = floodgate_now(ARGV[1])
   local line, lexp, gmeta = KEYS[1], KEYS[2], KEYS[3]
   local head = redis.call('ZRANGE', line, 0, 0)[1]
   if not head then return nil, true end
@@ -133,12 +132,11 @@ end
 -- in the gate's permit line and someone else is first in the call's lane, asking still: nothing is
 -- looked at, and the call takes its place at the back of its lane, as admit() in lua/gate.lua puts
 -- it there (behind() and join()): numbered (its number kept should it be there already), its
--- expiry set. Every read comes before the first write. `n` is the number of steps. Returns the
--- reply of the script call, or nil.
-local function first_lane(f, n)
+-- expiry set. Every read comes before the first write. `n` is the number of steps, `now` the
+-- call's time. Returns the reply of the script call, or nil.
+local function first_lane(f, n, now)
   local member, mode = f[1], f[2]
   if member == '' or f[3] ~= '1' or (mode ~= 'hold' and mode ~= 'wait') then return nil end
-  local now = floodgate_now(ARGV[1])
   -- (The call's lane and its expiries: the first of its keys, after the gate's five.)
   local lane, laneExp = KEYS[6], KEYS[7]
   local head = redis.call('ZRANGE', lane, 0, 0)[1]
@@ -164,14 +162,13 @@ end
 -- permit stages' own lines (`probe` less the lane), and that the permit line did not take with
 -- its lane (no `j:` record: see admit() in lua/gate.lua). Returns the next in the lane (false
 -- when nobody is next), or nil when any of that does not hold, or the next's expiry has passed or
--- is lost (the rest takes such a waiter out). Only reads.
-local function first_lane_head(f, probe)
+-- is lost (the rest takes such a waiter out). Only reads; `now` is the call's time.
+local function first_lane_head(f, probe, now)
   local member, mode = f[1], f[2]
   if member == '' or (tonumber(f[3]) or 0) <= 1 or (mode ~= 'hold' and mode ~= 'wait') then return nil end
   local others = { probe[1] }
   for i = 3, #probe do others[#others + 1] = probe[i] end
   if redis.call('EXISTS', unpack(others)) ~= 0 then return nil end
-  local now = floodgate_now(ARGV[1])
   local lane, laneExp = KEYS[6], KEYS[7]
   local firsts = redis.call('ZRANGE', lane, 0, 1)
   if firsts[1] ~= member then return nil end
@@ -493,23 +490,25 @@ do
       -- A lone admission's first try behind someone in the permit line, or (nobody there)
       -- behind someone in its lane: it takes its place. A later try, first in its lane: decided
       -- below as a call nothing stands in the way of, then taken out of its lane.
-      local laneNext = nil
+      -- (`now`, read once for them, is the decision's below.)
+      local laneNext, now = nil, nil
       if n and not clear and op == 'all' and turn == 1 then
+        now = floodgate_now(ARGV[1])
         if f[3] == '1' then
-          local joined, open = first_join(f, n, names, keyAt, argAt, argsOf)
+          local joined, open = first_join(f, n, names, keyAt, argAt, argsOf, now)
           if joined then return joined end
           if open then
-            local laned = first_lane(f, n)
+            local laned = first_lane(f, n, now)
             if laned then return laned end
           end
         else
-          laneNext = first_lane_head(f, probe)
+          laneNext = first_lane_head(f, probe, now)
           clear = laneNext ~= nil
         end
       end
       if clear then
         if op == 'all' then
-          local now = floodgate_now(ARGV[1])
+          now = now or floodgate_now(ARGV[1])
           -- Each step's state, read once: a permit stage's (not open: nil), a bucket's (reserved
           -- past now: nil), a host's slot.
           local state = {}
