@@ -187,7 +187,7 @@ end
 -- as the pass below writes them): it leaves its lane and the next there (`next`, or false) is
 -- told to ask, on its process's channel unless it is this call's (leave() and wake() in
 -- lua/gate.lua); the call answers as admit() does, each step's reply as its script gives it.
-local function first_lane_leave(f, n, names, flat, next, now)
+local function first_lane_leave(f, names, flat, next, now)
   local member = f[1]
   redis.call('ZREM', KEYS[6], member)
   redis.call('ZREM', KEYS[7], member)
@@ -197,19 +197,7 @@ local function first_lane_leave(f, n, names, flat, next, now)
     if token ~= floodgate_token(member) then redis.call('PUBLISH', ARGV[4] .. ':' .. token, next) end
     woken = { next }
   end
-  local replies, at = {}, 1
-  for i = 1, n do
-    if names[i] == 'semaphore-acquire' then
-      replies[i] = { 1, flat[at], flat[at + 1], flat[at + 2], flat[at + 3], 0, 0, now }
-      at = at + 4
-    elseif names[i] == 'interval-gate-take' then
-      replies[i] = { 1, flat[at], flat[at + 1] }
-      at = at + 2
-    else
-      replies[i] = { 1, 0 }
-    end
-  end
-  return { { 1, -1, 0, woken, replies, 0, now } }
+  return { { 1, -1, 0, woken, floodgate_admitted(names, flat, now), 0, now } }
 end
 
 -- A lone release (op "each") through the gate while callers wait in its permit line, decided here
@@ -621,7 +609,7 @@ do
               end
             end
             flat[nf + 1] = now
-            if laneNext ~= nil then return first_lane_leave(f, n, names, flat, laneNext, now) end
+            if laneNext ~= nil then return first_lane_leave(f, names, flat, laneNext, now) end
             local out = {}
             for c = 1, turn do out[c] = 1 end
             out[turn + 1] = flat

@@ -799,20 +799,9 @@ local function decide(head, kept, full)
     redis.call('ZREM', lexp, head)
     local laneHead = prune(call.lane, call.laneExp)
     if laneHead then leave(head, call.lane, call.laneExp, laneHead) end
-    local replies, at = {}, 1
-    for i = 1, #steps do
-      local name = steps[i].name
-      if PERMIT[name] then
-        replies[i] = { 1, flat[at], flat[at + 1], flat[at + 2], flat[at + 3], 0, 0, now }
-        at = at + 4
-      elseif name == 'interval-gate-take' then
-        replies[i] = { 1, flat[at], flat[at + 1] }
-        at = at + 2
-      else
-        replies[i] = { 1, 0 }
-      end
-    end
-    r = { 1, -1, 0, woken, replies }
+    local names = {}
+    for i = 1, #steps do names[i] = steps[i].name end
+    r = { 1, -1, 0, woken, floodgate_admitted(names, flat, now) }
   else
     r = admit(call, true)
   end

@@ -219,6 +219,26 @@ local function floodgate_encode(v)
   return v == true and '1' or 'null'
 end
 
+-- The replies of the steps named `names` (in order) of a fused gate's call admitted in one pass, as
+-- each step's script answers when it admits, from their figures in `flat` (a permit's fence,
+-- used, limit and epoch; a host's slot replaced and claimed; nothing for a bucket), at `now`:
+-- what src/redis/link.ts (admittedAtOnce) makes of them for a call answered in short.
+local function floodgate_admitted(names, flat, now)
+  local replies, at = {}, 1
+  for i = 1, #names do
+    if names[i] == 'semaphore-acquire' then
+      replies[i] = { 1, flat[at], flat[at + 1], flat[at + 2], flat[at + 3], 0, 0, now }
+      at = at + 4
+    elseif names[i] == 'interval-gate-take' then
+      replies[i] = { 1, flat[at], flat[at + 1] }
+      at = at + 2
+    else
+      replies[i] = { 1, 0 }
+    end
+  end
+  return replies
+end
+
 -- Of a fused gate's permit line's firsts' waits for rates (its gmeta's fr, fru, frk as an HMGET
 -- gives them, `g`), the ms that have passed by `now` (lua/gate.lua, passed()).
 local function floodgate_passed(g, now)

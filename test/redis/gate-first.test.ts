@@ -57,8 +57,16 @@ const LANED = "  return { { 0, -1, 2, 0, replies, 0, now } }\n";
 const SAYS_LANED = scriptSource("gate").replace(LANED, "  do return 'laned' end\n");
 
 /** The gate script whose first pass answers "left" for a lane's first it admits. */
-const LEFT = "  return { { 1, -1, 0, woken, replies, 0, now } }\n";
+const LEFT = "  return { { 1, -1, 0, woken, floodgate_admitted(names, flat, now), 0, now } }\n";
 const SAYS_LEFT = scriptSource("gate").replace(LEFT, "  do return 'left' end\n");
+for (const [what, whole] of [
+  ["LANED", LANED],
+  ["LEFT", LEFT],
+  ["JOINED", JOINED],
+  ["HANDED", HANDED],
+] as const) {
+  if (!scriptSource("gate").includes(whole)) throw new Error(`${what} is no longer in the gate script`);
+}
 
 /** One command a client sent, with the reply Redis gave it. */
 interface Sent {
@@ -118,6 +126,39 @@ async function replayBefore(client: Redis, sent: Sent[], at: number, prefix: str
     const digest = name === "eval" ? ((await client.script("LOAD", args[0]!)) as string) : args[0]!;
     await client.call("EVALSHA", digest, ...args.slice(1).map((a) => a.replaceAll(prefix, own)));
   }
+}
+
+/**
+ * `again`, commands recorded (plain ones run as they were, script calls by their digest, the
+ * gate's through `sha`), run again on `replay` in order, on keys of their own (`prefix` made
+ * `own`), `before(at)` awaited ahead of the one at `at`. Returns each reply as JSON, `own` written
+ * "<p>" ("" for a plain command).
+ */
+async function rerun(
+  replay: Redis,
+  again: readonly Sent[],
+  prefix: string,
+  own: string,
+  sha: string,
+  before?: (at: number) => Promise<void>,
+): Promise<string[]> {
+  const gateSha = scriptSha("gate");
+  const replies: string[] = [];
+  for (const [at, { name, args }] of again.entries()) {
+    await before?.(at);
+    if (name !== "evalsha" && name !== "eval") {
+      await replay.call(name, ...args.map((x) => x.replaceAll(prefix, own)));
+      replies.push("");
+      continue;
+    }
+    let digest = name === "eval" ? ((await replay.script("LOAD", args[0]!)) as string) : args[0]!;
+    if (digest === gateSha) digest = sha;
+    const reply = await replay
+      .call("EVALSHA", digest, ...args.slice(1).map((x) => x.replaceAll(prefix, own)))
+      .catch((e: unknown) => ({ error: String(e) }));
+    replies.push(JSON.stringify(reply).replaceAll(own, "<p>"));
+  }
+  return replies;
 }
 
 /**
@@ -570,7 +611,6 @@ describe("the first pass of a gate call", () => {
       const tc = await within(c, 5_000, "the second waiter's grant");
       expect(await look.zcard(line)).toBe(0);
       const channels = (await look.pubsub("CHANNELS", `${prefix}*`)) as string[];
-      const gateSha = scriptSha("gate");
 
       // Every script call (and the dead holder's lease) again, in order, on keys of their own,
       // with a listener on each wake channel that listened, through the whole script, the script
@@ -587,29 +627,17 @@ describe("the first pass of a gate call", () => {
         const listener = await connect();
         await listener.subscribe(...channels.map((ch) => ch.replaceAll(prefix, own)));
         const sha = (await replay.script("LOAD", gateScript)) as string;
-        const replies: string[] = [];
         // (The state right after that try: its next try, once its process listens, would write
         // its place again.)
         let joined: unknown;
-        for (const [at, { name, args }] of again.entries()) {
+        const replies = await rerun(replay, again, prefix, own, sha, async (at) => {
           if (at === third + 1) joined = await state(replay, own);
           if (deaf && at === deafAt) {
             await listener.unsubscribe(
               ...channels.filter((ch) => ch.endsWith(`:${next}`)).map((ch) => ch.replaceAll(prefix, own)),
             );
           }
-          if (name === "zadd" || name === "hincrby" || name === "hset") {
-            await replay.call(name, ...args.map((x) => x.replaceAll(prefix, own)));
-            replies.push("");
-            continue;
-          }
-          let digest = name === "eval" ? ((await replay.script("LOAD", args[0]!)) as string) : args[0]!;
-          if (digest === gateSha) digest = sha;
-          const reply = await replay
-            .call("EVALSHA", digest, ...args.slice(1).map((x) => x.replaceAll(prefix, own)))
-            .catch((e: unknown) => ({ error: String(e) }));
-          replies.push(JSON.stringify(reply).replaceAll(own, "<p>"));
-        }
+        });
         await listener.quit();
         return { replies, state: await state(replay, own), joined };
       };
@@ -714,7 +742,6 @@ describe("the first pass of a gate call", () => {
     // whole script, the script without its first pass, and the whole script answering "laned"
     // where its first pass puts a try at the back of a lane.
     const again = sent.filter((x) => ["evalsha", "eval", "zadd"].includes(x.name));
-    const gateSha = scriptSha("gate");
     const replay = await connect();
     const replayed = async (gateScript: string) => {
       const own = randomPrefix("first-lane-again");
@@ -726,20 +753,7 @@ describe("the first pass of a gate call", () => {
       );
       await listener.psubscribe(`${own}*`);
       const sha = (await replay.script("LOAD", gateScript)) as string;
-      const replies: string[] = [];
-      for (const { name, args } of again) {
-        if (name === "zadd") {
-          await replay.call(name, ...args.map((x) => x.replaceAll(prefix, own)));
-          replies.push("");
-          continue;
-        }
-        let digest = name === "eval" ? ((await replay.script("LOAD", args[0]!)) as string) : args[0]!;
-        if (digest === gateSha) digest = sha;
-        const reply = await replay
-          .call("EVALSHA", digest, ...args.slice(1).map((x) => x.replaceAll(prefix, own)))
-          .catch((e: unknown) => ({ error: String(e) }));
-        replies.push(JSON.stringify(reply).replaceAll(own, "<p>"));
-      }
+      const replies = await rerun(replay, again, prefix, own, sha);
       // (A message published is read on the listener's connection after the calls' replies.)
       await listener.ping();
       await listener.quit();
