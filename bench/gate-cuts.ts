@@ -69,7 +69,7 @@ const LONE: Cuts = [
   ["+ its steps checked", "      local clear = n and redis.call('EXISTS', unpack(probe)) == 0"],
   [
     "+ the lines looked at (EXISTS)",
-    "          local now = floodgate_now(ARGV[1])\n          -- Each step's state",
+    "          now = now or floodgate_now(ARGV[1])\n          -- Each step's state",
   ],
   ["+ TIME", "          -- Each step's state, read once"],
   ["+ each stage's state read", "          -- Each call in turn, on what the ones before it took"],
