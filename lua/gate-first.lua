@@ -89,9 +89,9 @@ end
 -- channel put at each of its permit stages, its steps kept ("hold"). Every read comes before the
 -- first write: when any of it does not hold, nothing is written and the call goes on to the rest.
 -- Returns the reply of the script call, or nil; and true when nobody is in the permit line.
+-- (The caller has seen that the call is a first try that waits, by a member: see below.)
 local function first_join(f, n, names, keyAt, argAt, argsOf, now)
   local member, mode = f[1], f[2]
-  if member == '' or f[3] ~= '1' or (mode ~= 'hold' and mode ~= 'wait') then return nil end
   local line, lexp, gmeta = KEYS[1], KEYS[2], KEYS[3]
   local head = redis.call('ZRANGE', line, 0, 0)[1]
   if not head then return nil, true end
@@ -133,10 +133,10 @@ end
 -- looked at, and the call takes its place at the back of its lane, as admit() in lua/gate.lua puts
 -- it there (behind() and join()): numbered (its number kept should it be there already), its
 -- expiry set. Every read comes before the first write. `n` is the number of steps, `now` the
--- call's time. Returns the reply of the script call, or nil.
+-- call's time. Returns the reply of the script call, or nil. (The caller has seen the call is
+-- a first try that waits, by a member, and first_join() that nobody is in the permit line.)
 local function first_lane(f, n, now)
-  local member, mode = f[1], f[2]
-  if member == '' or f[3] ~= '1' or (mode ~= 'hold' and mode ~= 'wait') then return nil end
+  local member = f[1]
   -- (The call's lane and its expiries: the first of its keys, after the gate's five.)
   local lane, laneExp = KEYS[6], KEYS[7]
   local head = redis.call('ZRANGE', lane, 0, 0)[1]
@@ -162,10 +162,10 @@ end
 -- permit stages' own lines (`probe` less the lane), and that the permit line did not take with
 -- its lane (no `j:` record: see admit() in lua/gate.lua). Returns the next in the lane (false
 -- when nobody is next), or nil when any of that does not hold, or the next's expiry has passed or
--- is lost (the rest takes such a waiter out). Only reads; `now` is the call's time.
+-- is lost (the rest takes such a waiter out). Only reads; `now` is the call's time. (The caller
+-- has seen the call is a later try that waits, by a member.)
 local function first_lane_head(f, probe, now)
-  local member, mode = f[1], f[2]
-  if member == '' or (tonumber(f[3]) or 0) <= 1 or (mode ~= 'hold' and mode ~= 'wait') then return nil end
+  local member = f[1]
   local others = { probe[1] }
   for i = 3, #probe do others[#others + 1] = probe[i] end
   if redis.call('EXISTS', unpack(others)) ~= 0 then return nil end
@@ -478,9 +478,11 @@ do
       -- A lone admission's first try behind someone in the permit line, or (nobody there)
       -- behind someone in its lane: it takes its place. A later try, first in its lane: decided
       -- below as a call nothing stands in the way of, then taken out of its lane.
-      -- (`now`, read once for them, is the decision's below.)
+      -- (Each of those is a call that waits, by a member: checked here for them all. `now`, read
+      -- once for them, is the decision's below.)
       local laneNext, now = nil, nil
-      if n and not clear and op == 'all' and turn == 1 then
+      if n and not clear and op == 'all' and turn == 1 and f[1] ~= '' and (f[2] == 'hold' or f[2] == 'wait')
+          and (tonumber(f[3]) or 0) >= 1 then
         now = floodgate_now(ARGV[1])
         if f[3] == '1' then
           local joined, open = first_join(f, n, names, keyAt, argAt, argsOf, now)

@@ -96,10 +96,9 @@ interface Try {
   /** The call's lane and its expiries (`#laneOf`). */
   lane: readonly string[];
   wait: boolean;
-  /** The try's number, and the number of the call's earlier try whose steps are kept (or ""). */
+  /** The try's number. */
   try: number;
-  held: number | "";
-  /** That earlier try. */
+  /** The call's earlier try whose steps are kept, if any. */
   kept: Held | undefined;
   resolve: (a: Attempt) => void;
   reject: (error: unknown) => void;
@@ -454,7 +453,7 @@ class FusedGate implements FusedAdmission {
     kept: Held | undefined,
   ): Promise<Attempt> {
     return new Promise<Attempt>((resolve, reject) => {
-      this.#tries.add({ call, member, lane, wait, try: tryNo, held: kept?.try ?? "", kept, resolve, reject });
+      this.#tries.add({ call, member, lane, wait, try: tryNo, kept, resolve, reject });
     });
   }
 
@@ -469,7 +468,7 @@ class FusedGate implements FusedAdmission {
         // waiter nobody listens for, as one whose process died.)
         mode: t.wait ? (this.#heard ? "hold" : "wait") : "try",
         try: t.try,
-        held: t.held,
+        held: t.kept?.try ?? "",
         lane: t.lane,
         fn: (count) => {
           const a = answers[c]!;

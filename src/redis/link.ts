@@ -456,8 +456,7 @@ export class RedisLink {
         settleSteps(steps, granted ?? []);
       };
       out.collectedLate = (granted) => {
-        if (settled !== "not run") return;
-        for (let s = 0; s < steps.length; s++) steps[s]!.late?.(steps[s]!.keys, steps[s]!.args, granted[s]);
+        if (settled === "not run") tellLate(steps, granted);
       };
     } else settleSteps(steps, answers);
     return out;
@@ -838,8 +837,13 @@ export function ranLate(stepsOf: readonly (readonly Step[])[], replies: unknown)
       at = admittedAtOnce(steps, flat, at, once);
       answers = once;
     } else if (Array.isArray(reply) && Array.isArray(reply[4])) answers = reply[4];
-    for (let s = 0; s < steps.length; s++) steps[s]!.late?.(steps[s]!.keys, steps[s]!.args, answers?.[s]);
+    tellLate(steps, answers);
   }
+}
+
+/** Tell each of `steps` that says so that its call ran late, with its reply in `answers` (if any). */
+function tellLate(steps: readonly Step[], answers: readonly unknown[] | undefined): void {
+  for (let s = 0; s < steps.length; s++) steps[s]!.late?.(steps[s]!.keys, steps[s]!.args, answers?.[s]);
 }
 
 /** The grants of a release reply that made none. */
