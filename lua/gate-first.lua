@@ -82,31 +82,54 @@ local function first_stage(meta, write)
     seq = tonumber(v[4]) or 0, quarantine = tonumber(v[5]) or 0, write = write }
 end
 
--- A lone admission's first try (op "all", mode "hold" or "wait", no grant held) while someone
--- else is first in the gate's permit line, asking still, and nobody waits in the call's lane:
--- nothing is looked at, and the call takes its place at the back of the permit line, as admit()
--- in lua/gate.lua puts it there (behind() and join()): numbered, its expiry set, the gate's wake
--- channel put at each of its permit stages, its steps kept ("hold"). Every read comes before the
--- first write: when any of it does not hold, nothing is written and the call goes on to the rest.
--- Returns the reply of the script call, or nil; and true when nobody is in the permit line.
--- (The caller has seen that the call is a first try that waits, by a member: see below.)
-local function first_join(f, n, names, keyAt, argAt, argsOf, now)
-  local member, mode = f[1], f[2]
+-- An admission's first try (op "all", mode "hold" or "wait", no grant held), or a turn's first
+-- tries (each a repeat of the call before it), while someone else is first in the gate's permit
+-- line, asking still, and nobody waits in the calls' lane: nothing is looked at, and each call
+-- takes its place at the back of the permit line in turn, as admit() in lua/gate.lua puts it
+-- there (behind() and join()): numbered, its expiry set, the gate's wake channel put at each of
+-- its permit stages, its steps kept ("hold": a repeat's are the first call's with its own
+-- arguments, as lua/gate.lua builds them). The calls share one instant, so what the rest sets once
+-- per call with the same value (an expiry, the wake channel's place) is set once here. Every read
+-- comes before the first write: when any of it does not hold, nothing is written and the calls
+-- go on to the rest. Returns the reply of the script call, or nil; and true when nobody is in the
+-- permit line. (The caller has seen that every call is a first try that waits, by a member.)
+local function first_join(f, n, names, keyAt, argAt, argsOf, now, turn)
   local line, lexp, gmeta = KEYS[1], KEYS[2], KEYS[3]
   local head = redis.call('ZRANGE', line, 0, 0)[1]
   if not head then return nil, true end
-  if head == member or not first_asks(head, now) then return nil end
-  -- (The call's lane, and its expiries: the first of its keys, after the gate's five.)
+  local members, seen = {}, {}
+  for c = 1, turn do
+    local m = gate_first_calls[c][1]
+    if m == head or seen[m] then return nil end
+    seen[m] = true
+    members[c] = m
+  end
+  if not first_asks(head, now) then return nil end
+  -- (The calls' lane, and its expiries: the first of their keys, after the gate's five.)
   local laneAt = 6
-  if redis.call('ZRANGE', KEYS[laneAt], 0, 0)[1] or redis.call('ZSCORE', line, member) then return nil end
+  if redis.call('ZRANGE', KEYS[laneAt], 0, 0)[1] then return nil end
+  if turn == 1 then
+    if redis.call('ZSCORE', line, members[1]) then return nil end
+  else
+    local had = redis.call('ZMSCORE', line, unpack(members))
+    for c = 1, turn do if had[c] then return nil end end
+  end
   local ttl = tonumber(ARGV[3])
   local ends = now + ttl
-  redis.call('ZADD', line, redis.call('HINCRBY', gmeta, 'seq', 1), member)
-  redis.call('ZADD', lexp, ends, member)
+  -- Numbered in turn: the numbers the rest would give one call after another.
+  local last = redis.call('HINCRBY', gmeta, 'seq', turn)
+  local places, expiries = {}, {}
+  for c = 1, turn do
+    places[2 * c - 1], places[2 * c] = last - turn + c, members[c]
+    expiries[2 * c - 1], expiries[2 * c] = ends, members[c]
+  end
+  redis.call('ZADD', line, unpack(places))
+  redis.call('ZADD', lexp, unpack(expiries))
   redis.call('PEXPIRE', line, ttl)
   redis.call('PEXPIRE', lexp, ttl)
   redis.call('PEXPIRE', gmeta, ttl)
-  -- Its steps as the rest reads them (a step's keys, and its arguments with this call's `now`).
+  -- The first call's steps as the rest reads them (a step's keys, and its arguments with this
+  -- call's `now`); a repeat's, those with its own arguments in their places (OWN in lua/gate.lua).
   local at = floodgate_num(now)
   local steps, replies = {}, {}
   for i = 1, n do
@@ -120,12 +143,37 @@ local function first_join(f, n, names, keyAt, argAt, argsOf, now)
       redis.call('PEXPIRE', gates, ttl)
     end
   end
-  if mode == 'hold' then
-    redis.call('HSET', KEYS[4], 's:' .. member, cjson.encode({ f[3], KEYS[laneAt], KEYS[laneAt + 1], steps }))
+  local kept = {}
+  local own = { ['semaphore-acquire'] = { 2, 9, 10 }, ['token-bucket-take'] = { 5, 7, 8 }, ['interval-gate-take'] = { 2 } }
+  for c = 1, turn do
+    local v = gate_first_calls[c]
+    if v[2] == 'hold' then
+      local mine = steps
+      if c > 1 then
+        mine = {}
+        local from = 6
+        for i = 1, n do
+          local args = { unpack(steps[i][3]) }
+          for x, j in ipairs(own[names[i]]) do args[j] = v[from + x - 1] end
+          from = from + #own[names[i]]
+          mine[i] = { names[i], steps[i][2], args }
+        end
+      end
+      kept[#kept + 1] = 's:' .. v[1]
+      kept[#kept + 1] = cjson.encode({ v[3], KEYS[laneAt], KEYS[laneAt + 1], mine })
+    end
+  end
+  if #kept > 0 then
+    redis.call('HSET', KEYS[4], unpack(kept))
     redis.call('PEXPIRE', KEYS[4], ttl)
   end
   local g = redis.call('HMGET', gmeta, 'fr', 'fru', 'frk')
-  return { { 0, -1, 1, 0, replies, mode == 'hold' and 1 or 0, now, floodgate_passed(g, now), g[3] or '' } }
+  local passed, key = floodgate_passed(g, now), g[3] or ''
+  local out = {}
+  for c = 1, turn do
+    out[c] = { 0, -1, 1, 0, replies, gate_first_calls[c][2] == 'hold' and 1 or 0, now, passed, key }
+  end
+  return out
 end
 
 -- A lone admission's first try (op "all", mode "hold" or "wait", no grant held) while nobody is
@@ -213,7 +261,7 @@ end
 -- stage the grant left with no permit free and no lease there ended. Every read comes before the
 -- first write: when any of it does not hold, nothing is written and the call goes on to the rest.
 -- Returns the reply of the script call, or nil; and true when nobody waits in the permit line.
-local function first_handoff(f, n, names, keyAt, argAt, argsOf)
+local function first_handoff(f, n, names, keyAt, argAt, argsOf, queues)
   local line, lexp, held, hexp = KEYS[1], KEYS[2], KEYS[4], KEYS[5]
   -- The first in the permit line, and the one after it.
   local firsts = redis.call('ZRANGE', line, 0, 1)
@@ -257,6 +305,9 @@ local function first_handoff(f, n, names, keyAt, argAt, argsOf)
   -- Its kept steps at this instant (as decide() gives them to fast()), each looked at on the
   -- state the releases leave.
   local at = floodgate_num(now)
+  -- (The releases' stages' own lines, seen empty by the caller: not looked at again.)
+  local empty = {}
+  for x = 1, #queues do empty[queues[x]] = true end
   -- (`permits`: each permit step's holders, and its stage's count and limit once it is taken.)
   local steps, grants, adds, buckets, hosts, permits = h[4], {}, {}, {}, {}, {}
   for i = 1, #steps do
@@ -270,7 +321,9 @@ local function first_handoff(f, n, names, keyAt, argAt, argsOf)
       if tonumber(args[13]) < tonumber(args[4]) then args[4] = args[13] end
       args[9] = '0'
       if #args ~= 14 or args[14] ~= '' or args[10] == '1' then return nil end
-      if redis.call('EXISTS', keys[2]) == 1 or redis.call('ZSCORE', keys[1], args[2]) then return nil end
+      if (not empty[keys[2]] and redis.call('EXISTS', keys[2]) == 1) or redis.call('ZSCORE', keys[1], args[2]) then
+        return nil
+      end
       local st = stages[keys[4]]
       if not st then
         st = first_stage(keys[4], {})
@@ -470,7 +523,7 @@ do
           end
         end
         if not others then
-          local handed, nobody = first_handoff(f, n, names, keyAt, argAt, argsOf)
+          local handed, nobody = first_handoff(f, n, names, keyAt, argAt, argsOf, queues)
           if handed then return handed end
           clear = nobody
         end
@@ -481,11 +534,22 @@ do
       -- (Each of those is a call that waits, by a member: checked here for them all. `now`, read
       -- once for them, is the decision's below.)
       local laneNext, now = nil, nil
+      -- (A turn's calls all first tries that wait, by a member: see first_join.)
+      local firsts = n and turn > 1
+      for c = 1, firsts and turn or 0 do
+        local v = gate_first_calls[c]
+        if v[1] == '' or (v[2] ~= 'hold' and v[2] ~= 'wait') or v[3] ~= '1' then firsts = false end
+      end
+      if firsts and not clear and op == 'all' then
+        now = floodgate_now(ARGV[1])
+        local joined = first_join(f, n, names, keyAt, argAt, argsOf, now, turn)
+        if joined then return joined end
+      end
       if n and not clear and op == 'all' and turn == 1 and f[1] ~= '' and (f[2] == 'hold' or f[2] == 'wait')
           and (tonumber(f[3]) or 0) >= 1 then
         now = floodgate_now(ARGV[1])
         if f[3] == '1' then
-          local joined, open = first_join(f, n, names, keyAt, argAt, argsOf, now)
+          local joined, open = first_join(f, n, names, keyAt, argAt, argsOf, now, 1)
           if joined then return joined end
           if open then
             local laned = first_lane(f, n, now)

@@ -26,17 +26,23 @@ const WITHOUT_FIRST = scriptSource("gate").replace(FIRST, "local gate_first_call
 
 /**
  * `source` with each key's expiry also written down: every PEXPIRE made (by the gate itself or a
- * step) also sets the key's field of `<the gate's line>:ttls` to the ms it was given, and counts
- * itself in the key's field there after a "#", so that two replays' states compare expiries too,
- * exactly (read back, a key's time to live has moved on), and how often each was set.
+ * step) also sets the key's field of `<the gate's line>:ttls` to the ms it was given, and each
+ * script call that sets it counts itself once in the key's field there after a "#", so that two
+ * replays' states compare expiries too, exactly (read back, a key's time to live has moved on),
+ * and in which calls each was set. (Once per call: the calls of a turn share one instant, so the
+ * first pass sets an expiry once for a turn where the rest sets the same one call after call.)
  */
 function withTtls(source: string): string {
   const calls = source.split("redis.call('PEXPIRE', ");
   expect(calls.length, "the script sets expiries").toBeGreaterThan(5);
   return (
+    "local floodgate_ttl_set = {}\n" +
     "local function floodgate_ttl_of(key, ttl)\n" +
     "  redis.call('HSET', KEYS[1] .. ':ttls', key, ttl)\n" +
-    "  redis.call('HINCRBY', KEYS[1] .. ':ttls', '#' .. key, 1)\n" +
+    "  if not floodgate_ttl_set[key] then\n" +
+    "    floodgate_ttl_set[key] = true\n" +
+    "    redis.call('HINCRBY', KEYS[1] .. ':ttls', '#' .. key, 1)\n" +
+    "  end\n" +
     "  return redis.call('PEXPIRE', key, ttl)\n" +
     "end\n" +
     calls.join("floodgate_ttl_of(")
@@ -49,8 +55,8 @@ const SAYS_HANDED = scriptSource("gate").replace(HANDED, "  do return 'handed' e
 
 /** The gate script whose first pass answers "joined" for a first try it puts behind the line's first. */
 const JOINED =
-  "  return { { 0, -1, 1, 0, replies, mode == 'hold' and 1 or 0, now, floodgate_passed(g, now), g[3] or '' } }\n";
-const SAYS_JOINED = scriptSource("gate").replace(JOINED, "  do return 'joined' end\n");
+  "    out[c] = { 0, -1, 1, 0, replies, gate_first_calls[c][2] == 'hold' and 1 or 0, now, passed, key }\n";
+const SAYS_JOINED = scriptSource("gate").replace(JOINED, "    do return 'joined' end\n");
 
 /** The gate script whose first pass answers "laned" for a first try it puts at the back of a lane. */
 const LANED = "  return { { 0, -1, 2, 0, replies, 0, now } }\n";
@@ -788,6 +794,111 @@ describe("the first pass of a gate call", () => {
     const laned = says.replies.flatMap((r, i) => (r === '"laned"' ? [i] : []));
     expect(laned).toEqual(laning.map((call) => again.indexOf(call)));
     expect(laned).not.toContain(again.indexOf(passedOn));
+    for (const { b } of gates) await b.close();
+  });
+
+  // A turn of first tries while someone else is first in the permit line: the first pass puts
+  // them all at its back itself (first_join), in turn, exactly as the rest would, their steps kept
+  // (each with its own arguments) when their process listens, not kept when it does not yet; a
+  // turn with a try that does not wait goes on to the rest.
+  it("puts a turn of first tries at the back of the permit line, each as the rest would", async () => {
+    const clock = new FakeClock(10_000);
+    const prefix = randomPrefix("first-join-turn");
+    const client = await connect();
+    const sent = record(client);
+    // Four processes' gates (each its own token and wake channel) on one connection, so that what
+    // they sent is recorded in the order Redis ran it.
+    const gates = [0, 1, 2, 3].map(() => {
+      const b = redis(client, { prefix, clock, time: "clock" });
+      return {
+        b,
+        gate: new Gate(
+          [
+            b.tokenBucket("rpm", { capacity: 100, refillPerSecond: 10 }),
+            b.tokenBucket("tpm", { capacity: 10_000, refillPerSecond: 1_000 }),
+            b.semaphore("inflight", { limit: 1 }),
+            b.aimd("adaptive", { initial: 1, max: 2 }),
+            b.intervalGate("hosts", { minIntervalMs: 0, defaultHost: "x" }),
+          ],
+          { clock, name: "llm" },
+        ),
+      };
+    });
+    const look = await connect();
+    const line = `${prefix}{gate:llm|rpm|tpm|inflight|adaptive|hosts}:line`;
+    const inLine = (n: number) =>
+      until(async () => (await look.zcard(line)) === n, { timeoutMs: 5_000, message: `${n} in line` });
+    const admit = (g: number, tpm: number) => gates[g]!.gate.admit({ costs: { tpm } });
+    // The third process waits once first, so that it listens for grants when its turn comes.
+    const warm = await admit(0, 100);
+    const warming = admit(2, 100);
+    await inLine(1);
+    await warm.release("success");
+    await (await within(warming, 5_000, "the first wait's grant")).release("success");
+    const a = await admit(0, 100);
+    const waiting: Promise<Ticket>[] = [admit(1, 100)];
+    await inLine(1);
+    // Each turn: its calls in one tick, so in one `gate` call (the script call that follows).
+    const turns: { call: Sent; joins: boolean }[] = [];
+    const turn = async (calls: () => Promise<Ticket | undefined>[], inLineAfter: number, joins: boolean) => {
+      const from = sent.length;
+      const made = calls();
+      await inLine(inLineAfter);
+      const call = sent.slice(from).find((x) => x.name === "evalsha" || x.name === "eval")!;
+      const argv = call.args.slice(2 + Number(call.args[1]));
+      expect(argv[4], "the turn went as one gate call").toBe(String(made.length));
+      turns.push({ call, joins });
+      return made;
+    };
+    // A listening process's turn of three, each with a cost of its own (steps kept); a new
+    // process's turn of two (it listens only once it waits: steps not kept); a turn with a try
+    // that does not wait (refused), which goes on to the rest.
+    waiting.push(
+      ...((await turn(() => [100, 200, 300].map((tpm) => admit(2, tpm)), 4, true)) as Promise<Ticket>[]),
+    );
+    waiting.push(...((await turn(() => [50, 60].map((tpm) => admit(3, tpm)), 6, true)) as Promise<Ticket>[]));
+    const mixed = await turn(() => [admit(1, 70), gates[1]!.gate.tryAdmit({ costs: { tpm: 80 } })], 7, false);
+    expect(await mixed[1]).toBeUndefined();
+    waiting.push(mixed[0] as Promise<Ticket>);
+    const channels = (await look.pubsub("CHANNELS", `${prefix}*`)) as string[];
+    // Everyone admitted in line order, one at a time, each released once in.
+    await a.release("success");
+    for (const [i, w] of waiting.entries()) await (await within(w, 5_000, `waiter ${i}`)).release("success");
+    expect(await look.zcard(line)).toBe(0);
+
+    // Every script call again, in order, on keys of their own, with a listener on each wake
+    // channel that listened, through the whole script, the script without its first pass, and
+    // the whole script answering "joined" where its first pass puts calls in line itself.
+    const again = sent.filter((x) => x.name === "evalsha" || x.name === "eval");
+    // (The first turn's call run twice, as a client that sends a command again by itself would:
+    // its calls are in line already the second time, which the rest decides.)
+    const resent = again.indexOf(turns[0]!.call) + 1;
+    again.splice(resent, 0, turns[0]!.call);
+    const replay = await connect();
+    const replayed = async (gateScript: string) => {
+      const own = randomPrefix("first-join-turn-again");
+      const listener = await connect();
+      await listener.subscribe(...channels.map((ch) => ch.replaceAll(prefix, own)));
+      const sha = (await replay.script("LOAD", gateScript)) as string;
+      const replies = await rerun(replay, again, prefix, own, sha);
+      await listener.quit();
+      return { replies, state: await state(replay, own) };
+    };
+    const whole = await replayed(withTtls(scriptSource("gate")));
+    const rest = await replayed(withTtls(WITHOUT_FIRST));
+    const says = await replayed(SAYS_JOINED);
+    expect(whole.replies).toEqual(rest.replies);
+    expect(whole.state).toEqual(rest.state);
+    // Each turn of first tries that wait, put in line by the first pass (kept steps or not); not
+    // the turn with a try in it.
+    const joined = says.replies.flatMap((r, i) => (r === '"joined"' ? [i] : []));
+    for (const t of turns) expect(joined.includes(again.indexOf(t.call))).toBe(t.joins);
+    expect(joined).not.toContain(resent);
+    // (The first turn's steps kept, each call's with its own cost; the second's not kept.)
+    const kept = (t: number) =>
+      (JSON.parse(whole.replies[again.indexOf(turns[t]!.call)]!) as unknown[][]).map((r) => r[5]);
+    expect(kept(0)).toEqual([1, 1, 1]);
+    expect(kept(1)).toEqual([0, 0]);
     for (const { b } of gates) await b.close();
   });
 });
