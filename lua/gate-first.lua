@@ -144,7 +144,9 @@ local function first_join(f, n, names, keyAt, argAt, argsOf, now, turn)
     end
   end
   local kept = {}
-  local own = { ['semaphore-acquire'] = { 2, 9, 10 }, ['token-bucket-take'] = { 5, 7, 8 }, ['interval-gate-take'] = { 2 } }
+  -- (Each step's own arguments in a repeat, by its script: OWN in lua/gate.lua.)
+  local own = turn > 1 and { ['semaphore-acquire'] = { 2, 9, 10 }, ['token-bucket-take'] = { 5, 7, 8 },
+    ['interval-gate-take'] = { 2 } }
   for c = 1, turn do
     local v = gate_first_calls[c]
     if v[2] == 'hold' then
