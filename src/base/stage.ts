@@ -36,6 +36,7 @@ import { messageOf } from "../validate.js";
 import { noClasses } from "./classes.js";
 import { Flow, turn } from "./flow.js";
 import { callWith, RESOLVED } from "./run.js";
+import { SignalWaits } from "./signal-waits.js";
 import { WaitEntry, Waiter, type WaiterOwner, type WaitList } from "./wait-list.js";
 
 /** A wait list of any kind of entry. */
@@ -231,6 +232,8 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   #debug = false;
   /** Waiters lined up so far: each one's `seq`. */
   #arrivals = 0;
+  /** Its waiters' abort listeners: one per caller's signal (see `SignalWaits`). */
+  readonly #signalWaits = new SignalWaits();
 
   /** Aborts when the stage closes; every ticket's `signal`. */
   get closedSignal(): AbortSignal {
@@ -732,7 +735,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     if (this.waitsInLine) this.markWaiting(w);
     if (signal) {
       try {
-        signal.addEventListener("abort", w, { once: true });
+        this.#signalWaits.add(signal, w);
         w.signal = signal;
       } catch (error) {
         // A signal that cannot be listened to: the wait ends at once, as if aborted, with an
@@ -786,11 +789,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     if (w.signal) {
       const signal = w.signal;
       w.signal = undefined;
-      try {
-        signal.removeEventListener("abort", w);
-      } catch {
-        // A signal whose removeEventListener throws keeps a listener that finds no waiter.
-      }
+      this.#signalWaits.remove(signal, w);
     }
     if (w.timer !== undefined) {
       this.clock.clearTimeout(w.timer);

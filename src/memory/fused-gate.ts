@@ -6,6 +6,7 @@
  * lane (the call's key and host) for its rates, each in arrival order.
  */
 import { endTurn, startTurn } from "../base/flow.js";
+import { SignalWaits } from "../base/signal-waits.js";
 import type { BaseStage, StageWatcher } from "../base/stage.js";
 import type { Clock, ClockTimer } from "../clock.js";
 import { AdmitTimeoutError, ClosedError } from "../errors.js";
@@ -114,6 +115,8 @@ class MemoryFusedGate implements FusedAdmission {
   #arrivals = 0;
   /** Calls waiting in any line: the gate watches its stages while there are any. */
   #waiting = 0;
+  /** Waiting calls' abort listeners: one per caller's signal (see `SignalWaits`). */
+  readonly #signalWaits = new SignalWaits();
   #serveQueued = false;
   #closedBy: unknown;
   /** The stage the latest `#probe` found refusing. */
@@ -232,7 +235,7 @@ class MemoryFusedGate implements FusedAdmission {
       if (signal) {
         w.onAbort = () => this.#giveUp(w, signal.reason);
         try {
-          signal.addEventListener("abort", w.onAbort, { once: true });
+          this.#signalWaits.add(signal, w.onAbort);
         } catch (error) {
           w.onAbort = undefined;
           reject(badSignal(this.#name, error));
@@ -423,7 +426,7 @@ class MemoryFusedGate implements FusedAdmission {
   /** `w` has left the lines: its timer and listener go, and the watch when nobody waits. */
   #done(w: Waiter): void {
     if (w.timer !== undefined) this.#clock.clearTimeout(w.timer);
-    if (w.onAbort) w.call.signal?.removeEventListener("abort", w.onAbort);
+    if (w.onAbort && w.call.signal) this.#signalWaits.remove(w.call.signal, w.onAbort);
     if (--this.#waiting === 0) for (const s of this.#stages) s.unwatch(this.#onChange);
   }
 

@@ -4,6 +4,7 @@
  * call too. A call a permit stage refuses waits in the gate's line in Redis, holding nothing.
  */
 import { randomBytes } from "node:crypto";
+import { SignalWaits } from "../base/signal-waits.js";
 import type { BaseStage, StepDone } from "../base/stage.js";
 import type { Clock, ClockTimer } from "../clock.js";
 import { AdmitTimeoutError } from "../errors.js";
@@ -201,6 +202,8 @@ class FusedGate implements FusedAdmission {
   /** This gate in this process, as lua/gate.lua names a gate that frees permits (floodgate_freed). */
   readonly #from: string;
   readonly #wakes = new Map<string, Wake>();
+  /** Sleeping calls' abort listeners: one per caller's signal (see `SignalWaits`). */
+  readonly #signalWaits = new SignalWaits();
   #listening: Promise<void> | undefined;
 
   constructor(name: string, stages: readonly Stage[], settings: FusionSettings) {
@@ -754,11 +757,7 @@ class FusedGate implements FusedAdmission {
       const end = (error?: unknown) => {
         if (timer !== undefined) clock.clearTimeout(timer);
         this.#wakes.delete(member);
-        try {
-          call.signal?.removeEventListener("abort", onAbort);
-        } catch {
-          // A signal that cannot be listened to was never listened to.
-        }
+        if (call.signal) this.#signalWaits.remove(call.signal, onAbort);
         if (error === undefined) resolve();
         else reject(error);
       };
@@ -773,7 +772,7 @@ class FusedGate implements FusedAdmission {
       );
       this.#wakes.set(member, end);
       try {
-        call.signal?.addEventListener("abort", onAbort, { once: true });
+        if (call.signal) this.#signalWaits.add(call.signal, onAbort);
       } catch (error) {
         end(badSignal(this.#name, error));
       }

@@ -1,4 +1,5 @@
 import { AsyncLocalStorage } from "node:async_hooks";
+import { getEventListeners } from "node:events";
 import { AdmitTimeoutError, ClosedError, Gate, type Stage } from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { beforeEach, describe, expect, it } from "vitest";
@@ -120,6 +121,37 @@ describe.each(backends)("Gate on $name", (backend) => {
     expect(waiting.error).toBeInstanceOf(AdmitTimeoutError);
     expect(await bucket.tryAdmit({ key: "k" })).toBeDefined();
     await blocker.release();
+  });
+
+  it("listens once to a signal its waiting calls share, and rejects each when it aborts", async () => {
+    const b = backend.make(clock);
+    const bucket = b.tokenBucket("rate", { capacity: 100, refillPerSecond: 100 });
+    const sem = b.semaphore("inflight", { limit: 1 });
+    const gate = new Gate([bucket, sem], { clock });
+    const blocker = await gate.admit();
+    const controller = new AbortController();
+    const warnings: string[] = [];
+    const onWarning = (w: Error) => warnings.push(w.name);
+    process.on("warning", onWarning);
+    try {
+      const waiting = Array.from({ length: 25 }, () =>
+        gate.admit({ signal: controller.signal }).catch((e: unknown) => e),
+      );
+      await clock.flush();
+      expect(gate.snapshot().waiting).toBe(25);
+      // (One listener for the gate's calls, or for its stages' waits when taken stage by stage.)
+      expect(getEventListeners(controller.signal, "abort").length).toBeLessThanOrEqual(2);
+      const reason = new Error("worker shutting down");
+      controller.abort(reason);
+      for (const outcome of await Promise.all(waiting)) expect(outcome).toBe(reason);
+      expect(gate.snapshot()).toMatchObject({ waiting: 0, aborted: 25 });
+      expect(getEventListeners(controller.signal, "abort")).toHaveLength(0);
+      await blocker.release();
+      await new Promise((resolve) => setImmediate(resolve));
+      expect(warnings).not.toContain("MaxListenersExceededWarning");
+    } finally {
+      process.off("warning", onWarning);
+    }
   });
 
   it("refunds what it holds when the caller aborts part-way", async () => {

@@ -1,5 +1,6 @@
 import { AsyncLocalStorage } from "node:async_hooks";
-import { AdmitTimeoutError, ClosedError, InvalidOptionsError } from "floodgate";
+import { getEventListeners } from "node:events";
+import { AdmitTimeoutError, ClosedError, InvalidOptionsError, type Ticket } from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { beforeEach, describe, expect, it } from "vitest";
 import { backends, track, useBackend } from "./backends.js";
@@ -115,6 +116,55 @@ describe.each(backends)("semaphore on $name", (backend) => {
     expect(sem.snapshot()).toMatchObject({ waiting: 0, aborted: 1, inFlight: 1 });
     await held.release();
     expect(sem.snapshot().inFlight).toBe(0);
+  });
+
+  it("listens once to a signal many waits share, and tells each of them, in order, when it aborts", async () => {
+    const sem = make(1);
+    const held = await sem.admit();
+    const controller = new AbortController();
+    const warnings: string[] = [];
+    const onWarning = (w: Error) => warnings.push(w.name);
+    process.on("warning", onWarning);
+    try {
+      const order: number[] = [];
+      const waiting = Array.from({ length: 30 }, (_, i) =>
+        sem.admit({ signal: controller.signal }).then(
+          (t) => t,
+          (e: unknown) => {
+            order.push(i);
+            return e;
+          },
+        ),
+      );
+      await clock.flush();
+      expect(sem.snapshot().waiting).toBe(30);
+      expect(getEventListeners(controller.signal, "abort")).toHaveLength(1);
+      // The first is granted before the abort: the listener stays for the others, and goes with the last.
+      await held.release();
+      const first = await waiting[0]!;
+      expect(first).not.toBeInstanceOf(Error);
+      expect(getEventListeners(controller.signal, "abort")).toHaveLength(1);
+      const reason = new Error("worker shutting down");
+      controller.abort(reason);
+      const outcomes = await Promise.all(waiting.slice(1));
+      for (const outcome of outcomes) expect(outcome).toBe(reason);
+      expect(order).toEqual(Array.from({ length: 29 }, (_, i) => i + 1));
+      expect(sem.snapshot()).toMatchObject({ waiting: 0, aborted: 29, inFlight: 1 });
+      await (first as Ticket).release();
+      await new Promise((resolve) => setImmediate(resolve));
+      expect(warnings).not.toContain("MaxListenersExceededWarning");
+      // Waits that all end otherwise take the listener with the last of them.
+      const other = new AbortController();
+      const again = await sem.admit();
+      const more = Array.from({ length: 12 }, () => sem.admit({ signal: other.signal }));
+      await clock.flush();
+      expect(getEventListeners(other.signal, "abort")).toHaveLength(1);
+      await again.release();
+      for (const p of more) await (await p).release();
+      expect(getEventListeners(other.signal, "abort")).toHaveLength(0);
+    } finally {
+      process.off("warning", onWarning);
+    }
   });
 
   it("rejects at once when the signal is already aborted", async () => {
