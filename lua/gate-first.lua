@@ -43,7 +43,10 @@
 -- them (each on what the ones before it took), then, when every call admits and none of their
 -- leases is there already, all of it written once, each stage's leases in one ZADD. It answers
 -- as fast() does, {1, …, 1, flat}. A call that would be refused sends the whole turn on to the
--- rest, with nothing written; the rest decides the calls before it as this pass would have.
+-- rest, with nothing written; the rest decides the calls before it as this pass would have. A
+-- turn of first tries that all wait, while someone else is first in the permit line and nobody
+-- in their lane, is not looked at: its calls take their places at the line's back here, in turn
+-- (first_join, below).
 --
 -- A release (op "each", one call) is run here when every step gives back leases of a semaphore
 -- or an AIMD limiter without classes (one, or a turn's as one step: every one a lease, "lease",
