@@ -132,7 +132,7 @@ local function first_join(f, n, names, keyAt, argAt, argsOf, now, turn)
   redis.call('PEXPIRE', lexp, ttl)
   redis.call('PEXPIRE', gmeta, ttl)
   -- The first call's steps as the rest reads them (a step's keys, and its arguments with this
-  -- call's `now`); a repeat's, those with its own arguments in their places (OWN in lua/gate.lua).
+  -- call's `now`); a repeat's, those with its own arguments in their places (floodgate_own).
   local at = floodgate_num(now)
   local steps, replies = {}, {}
   for i = 1, n do
@@ -147,9 +147,7 @@ local function first_join(f, n, names, keyAt, argAt, argsOf, now, turn)
     end
   end
   local kept = {}
-  -- (Each step's own arguments in a repeat, by its script: OWN in lua/gate.lua.)
-  local own = turn > 1 and { ['semaphore-acquire'] = { 2, 9, 10 }, ['token-bucket-take'] = { 5, 7, 8 },
-    ['interval-gate-take'] = { 2 } }
+  local own = turn > 1 and floodgate_own()
   for c = 1, turn do
     local v = gate_first_calls[c]
     if v[2] == 'hold' then
@@ -539,24 +537,20 @@ do
       -- (Each of those is a call that waits, by a member: checked here for them all. `now`, read
       -- once for them, is the decision's below.)
       local laneNext, now = nil, nil
-      -- (A turn's calls all first tries that wait, by a member: see first_join.)
-      local firsts = n and turn > 1
-      for c = 1, firsts and turn or 0 do
+      -- (Every call waits, by a member, asking for the first time or again; `firsts`: every one
+      -- for the first time. A turn is looked at here only when all are first tries.)
+      local waits, firsts = n and not clear and op == 'all', true
+      for c = 1, waits and turn or 0 do
         local v = gate_first_calls[c]
-        if v[1] == '' or (v[2] ~= 'hold' and v[2] ~= 'wait') or v[3] ~= '1' then firsts = false end
+        if v[1] == '' or (v[2] ~= 'hold' and v[2] ~= 'wait') or (tonumber(v[3]) or 0) < 1 then waits = false end
+        if v[3] ~= '1' then firsts = false end
       end
-      if firsts and not clear and op == 'all' then
+      if waits and (firsts or turn == 1) then
         now = floodgate_now(ARGV[1])
-        local joined = first_join(f, n, names, keyAt, argAt, argsOf, now, turn)
-        if joined then return joined end
-      end
-      if n and not clear and op == 'all' and turn == 1 and f[1] ~= '' and (f[2] == 'hold' or f[2] == 'wait')
-          and (tonumber(f[3]) or 0) >= 1 then
-        now = floodgate_now(ARGV[1])
-        if f[3] == '1' then
-          local joined, open = first_join(f, n, names, keyAt, argAt, argsOf, now, 1)
+        if firsts then
+          local joined, open = first_join(f, n, names, keyAt, argAt, argsOf, now, turn)
           if joined then return joined end
-          if open then
+          if open and turn == 1 then
             local laned = first_lane(f, n, now)
             if laned then return laned end
           end

@@ -187,13 +187,7 @@ end
 local OWN, REPEAT, REPEAT_STEP
 
 local function repeating()
-  OWN = {
-    ['semaphore-acquire'] = { 2, 9, 10 },
-    ['token-bucket-take'] = { 5, 7, 8 },
-    ['interval-gate-take'] = { 2 },
-    ['semaphore-release'] = { 2, 5 },
-    ['aimd-release'] = { 2, 4, 5, 9 },
-  }
+  OWN = floodgate_own()
   -- The arguments of a step that repeats `base` with its own arguments (OWN) as they came, from
   -- `vals[at]` on; and `touched` (see the parsing of "=" steps) with the places that changed.
   local function withOwn(base, vals, at)

@@ -219,6 +219,20 @@ local function floodgate_encode(v)
   return v == true and '1' or 'null'
 end
 
+-- Where a fused gate's step that repeats an earlier one (the same script, keys and arguments but
+-- its own) carries its own arguments, by its script's name: their places among the step's
+-- arguments, in the order a repeat sends them (src/redis/link.ts, OWN). Made when asked for: a
+-- script call pays for every table it makes.
+local function floodgate_own()
+  return {
+    ['semaphore-acquire'] = { 2, 9, 10 },
+    ['token-bucket-take'] = { 5, 7, 8 },
+    ['interval-gate-take'] = { 2 },
+    ['semaphore-release'] = { 2, 5 },
+    ['aimd-release'] = { 2, 4, 5, 9 },
+  }
+end
+
 -- The replies of the steps named `names` (in order) of a fused gate's call admitted in one pass, as
 -- each step's script answers when it admits, from their figures in `flat` (a permit's fence,
 -- used, limit and epoch; a host's slot replaced and claimed; nothing for a bucket), at `now`:

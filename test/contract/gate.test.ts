@@ -3,6 +3,7 @@ import { getEventListeners } from "node:events";
 import { AdmitTimeoutError, ClosedError, Gate, type Stage } from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { beforeEach, describe, expect, it } from "vitest";
+import { warningsDuring } from "../warnings.js";
 import { backends, track, useBackend } from "./backends.js";
 
 describe.each(backends)("Gate on $name", (backend) => {
@@ -130,10 +131,7 @@ describe.each(backends)("Gate on $name", (backend) => {
     const gate = new Gate([bucket, sem], { clock });
     const blocker = await gate.admit();
     const controller = new AbortController();
-    const warnings: string[] = [];
-    const onWarning = (w: Error) => warnings.push(w.name);
-    process.on("warning", onWarning);
-    try {
+    const warnings = await warningsDuring(async () => {
       const waiting = Array.from({ length: 25 }, () =>
         gate.admit({ signal: controller.signal }).catch((e: unknown) => e),
       );
@@ -147,11 +145,8 @@ describe.each(backends)("Gate on $name", (backend) => {
       expect(gate.snapshot()).toMatchObject({ waiting: 0, aborted: 25 });
       expect(getEventListeners(controller.signal, "abort")).toHaveLength(0);
       await blocker.release();
-      await new Promise((resolve) => setImmediate(resolve));
-      expect(warnings).not.toContain("MaxListenersExceededWarning");
-    } finally {
-      process.off("warning", onWarning);
-    }
+    });
+    expect(warnings).not.toContain("MaxListenersExceededWarning");
   });
 
   it("refunds what it holds when the caller aborts part-way", async () => {

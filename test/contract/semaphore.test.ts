@@ -3,6 +3,7 @@ import { getEventListeners } from "node:events";
 import { AdmitTimeoutError, ClosedError, InvalidOptionsError, type Ticket } from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { beforeEach, describe, expect, it } from "vitest";
+import { warningsDuring } from "../warnings.js";
 import { backends, track, useBackend } from "./backends.js";
 
 describe.each(backends)("semaphore on $name", (backend) => {
@@ -122,10 +123,7 @@ describe.each(backends)("semaphore on $name", (backend) => {
     const sem = make(1);
     const held = await sem.admit();
     const controller = new AbortController();
-    const warnings: string[] = [];
-    const onWarning = (w: Error) => warnings.push(w.name);
-    process.on("warning", onWarning);
-    try {
+    const warnings = await warningsDuring(async () => {
       const order: number[] = [];
       const waiting = Array.from({ length: 30 }, (_, i) =>
         sem.admit({ signal: controller.signal }).then(
@@ -151,8 +149,6 @@ describe.each(backends)("semaphore on $name", (backend) => {
       expect(order).toEqual(Array.from({ length: 29 }, (_, i) => i + 1));
       expect(sem.snapshot()).toMatchObject({ waiting: 0, aborted: 29, inFlight: 1 });
       await (first as Ticket).release();
-      await new Promise((resolve) => setImmediate(resolve));
-      expect(warnings).not.toContain("MaxListenersExceededWarning");
       // Waits that all end otherwise take the listener with the last of them.
       const other = new AbortController();
       const again = await sem.admit();
@@ -162,9 +158,8 @@ describe.each(backends)("semaphore on $name", (backend) => {
       await again.release();
       for (const p of more) await (await p).release();
       expect(getEventListeners(other.signal, "abort")).toHaveLength(0);
-    } finally {
-      process.off("warning", onWarning);
-    }
+    });
+    expect(warnings).not.toContain("MaxListenersExceededWarning");
   });
 
   it("rejects at once when the signal is already aborted", async () => {

@@ -16,6 +16,7 @@ import { describe, expect, it } from "vitest";
 import { TURN_CHUNK } from "../../src/redis/batch.js";
 import { commandName } from "../../src/redis/scripts.js";
 import { recorder } from "../recorder.js";
+import { warningsDuring } from "../warnings.js";
 import { ownRedis, useClients } from "./clients.js";
 import { randomPrefix, seeded, until, within } from "./helpers.js";
 
@@ -799,10 +800,7 @@ describe("a fused Redis gate", () => {
       [b.semaphore("inflight", { limit: 1 }), b.tokenBucket("rate", { capacity: 10, refillPerSecond: 10 })],
       { clock },
     );
-    const warnings: string[] = [];
-    const onWarning = (w: Error) => warnings.push(w.name);
-    process.on("warning", onWarning);
-    try {
+    const warnings = await warningsDuring(async () => {
       const holder = await gate.admit();
       const waiting = Array.from({ length: 30 }, () => gate.admit().catch((e: unknown) => e));
       await clock.advance(10);
@@ -810,11 +808,8 @@ describe("a fused Redis gate", () => {
       await gate.close();
       for (const outcome of await Promise.all(waiting)) expect(outcome).toBeInstanceOf(ClosedError);
       await holder.release("success");
-      await new Promise((resolve) => setImmediate(resolve));
-      expect(warnings).not.toContain("MaxListenersExceededWarning");
-    } finally {
-      process.off("warning", onWarning);
-    }
+    });
+    expect(warnings).not.toContain("MaxListenersExceededWarning");
   });
 
   it("passes a waiter that stopped asking once its place in line expires", async () => {
