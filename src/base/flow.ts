@@ -6,23 +6,29 @@
 import type { FlowSnapshot } from "../types.js";
 
 /**
- * A time read once for every stage of a fused memory gate (they share one clock) while it takes
- * or releases them all in one go, so each stage does not read the clock again; NaN otherwise.
+ * A time read once for every stage of a fused gate while it takes or releases them all in one
+ * go (a memory gate's stages, which share one clock; a Redis gate's turn, as it builds its script
+ * call or reads the reply), so each stage does not read the clock again: `now`, read from
+ * `clock`, for the stages on that clock; NaN and undefined otherwise.
  */
-export const turn = { now: Number.NaN };
+export const turn: { now: number; clock: unknown } = { now: Number.NaN, clock: undefined };
 
 /**
- * Set `turn.now` from `clock` unless it is set already; returns what to restore (`endTurn`).
+ * Set `turn.now` from `clock` unless a turn is on already; returns what to restore (`endTurn`).
  */
 export function startTurn(clock: { now(): number }): number {
   const before = turn.now;
-  if (Number.isNaN(before)) turn.now = clock.now();
+  if (Number.isNaN(before)) {
+    turn.now = clock.now();
+    turn.clock = clock;
+  }
   return before;
 }
 
 /** Restore what `startTurn` returned. */
 export function endTurn(before: number): void {
   turn.now = before;
+  if (Number.isNaN(before)) turn.clock = undefined;
 }
 
 /** The window every stage measures its flow over, in ms. */

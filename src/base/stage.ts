@@ -216,10 +216,9 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   /** Little's law over the last window: see `Snapshot.flow`. */
   protected readonly flow: Flow;
 
-  /** The clock's time, or the one a fused memory gate read for all its stages at once. */
+  /** The clock's time, or the one a fused gate read from it for all its stages at once (`turn`). */
   protected time(): number {
-    const now = turn.now;
-    return Number.isNaN(now) ? this.clock.now() : now;
+    return turn.clock === this.clock ? turn.now : this.clock.now();
   }
 
   /** Call at the end of the subclass constructor, once `kind` is set. */

@@ -78,7 +78,9 @@ export class RedisAimd extends RedisPermitStage {
 
   /** A release of `t`'s lease: its script's arguments, and what its reply is judged by. */
   #release(t: LeaseTicket, outcome: Outcome, refund: boolean): AimdRelease {
-    const slow = this.clock.now() - t.admittedAt > this.#slowCallMs;
+    // (Read once for a fused gate's whole turn: no later than the call is sent.)
+    const now = this.time();
+    const slow = now - t.admittedAt > this.#slowCallMs;
     const args = [
       this.link.now(),
       t.leaseId,
@@ -94,7 +96,7 @@ export class RedisAimd extends RedisPermitStage {
       this.#initial,
       this.classSpec,
     ];
-    return { args, outcome, slow, before: this.limit, sentAt: this.clock.now() };
+    return { args, outcome, slow, before: this.limit, sentAt: now };
   }
 
   /** What the reply to `release` says: the new limit (logged when it moved); true when the lease was still held. */

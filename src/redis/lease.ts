@@ -111,20 +111,20 @@ export class LeaseKeeper {
    * event loop, while a long lease is still renewed rarely.
    */
   #schedule(t: LeaseTicket): void {
-    const leftMs = t.validUntil - this.s.clock.now();
+    const now = this.s.clock.now();
+    const leftMs = t.validUntil - now;
     const spareMs = Math.max(leftMs * 0.2, Math.min(leftMs * 0.5, 1000));
-    this.#renewIn(t, Math.max(1, Math.floor(leftMs - spareMs)));
+    this.#renewIn(t, Math.max(1, Math.floor(leftMs - spareMs)), now);
   }
 
   /**
-   * Renew `t` in `ms` (at least 1): with the leases kept within the same ms whose renewal is due as
-   * soon, or up to RENEW_TOGETHER_MS sooner (renewed a little early, never late), else on a timer
-   * of its own.
+   * Renew `t` in `ms` (at least 1), counted from `now` (the clock's time, read by the caller when
+   * it has it): with the leases kept within the same ms whose renewal is due as soon, or up to
+   * RENEW_TOGETHER_MS sooner (renewed a little early, never late), else on a timer of its own.
    * (Timers are set by delays, never by this clock's time of day, so that a clock stepped while
    * they run moves no renewal.)
    */
-  #renewIn(t: LeaseTicket, ms: number): void {
-    const now = this.s.clock.now();
+  #renewIn(t: LeaseTicket, ms: number, now = this.s.clock.now()): void {
     let renewal = this.#open;
     // (Joined, it is renewed no later than its own time: that renewal's timer was set before
     // now, for no longer. A clock stepped back since is taken as a new ms.)

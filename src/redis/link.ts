@@ -4,6 +4,7 @@
  * every call goes through its one queue of pending replies, which these parts share.
  */
 
+import { endTurn, startTurn } from "../base/flow.js";
 import { backendErrorChannel } from "../channels.js";
 import type { Clock, ClockTimer } from "../clock.js";
 import { BackendUnavailableError } from "../errors.js";
@@ -316,6 +317,8 @@ export class RedisLink {
     let total = 0;
     ScriptBatch.direct = true;
     this.#gatheringFor = head;
+    // (The stages on this link's clock read it once for the whole turn: before it is sent.)
+    const turnBefore = startTurn(this.clock);
     try {
       for (const call of calls) {
         const steps: Step[] = [];
@@ -331,6 +334,7 @@ export class RedisLink {
     } finally {
       ScriptBatch.direct = false;
       this.#gatheringFor = undefined;
+      endTurn(turnBefore);
     }
     if (total === 0 && head.op !== "leave" && head.op !== "grant") return undefined;
     if (head.op === "each") for (let c = 0; c < stepsOf.length; c++) stepsOf[c] = together(stepsOf[c]!);
@@ -408,16 +412,22 @@ export class RedisLink {
         const flat = replies.length > calls.length ? (replies[calls.length] as unknown[]) : undefined;
         let at = 0;
         if (flat) this.sawServerTime(Number(flat[flat.length - 1]), sentAt);
-        return stepsOf.map((steps, c): GateReply => {
-          const reply = replies[c]!;
-          if (reply === 1) {
-            const answers = new Array<unknown>(steps.length);
-            at = admittedAtOnce(steps, flat!, at, answers);
-            settleSteps(steps, answers);
-            return { status: 1, waitMs: -1, inLine: undefined, woken: NO_ONE, replies: answers };
-          }
-          return this.#gateReply(reply as GateCallReply, steps, sentAt);
-        });
+        // (The stages the replies settle read the clock once for them all.)
+        const turnBefore = startTurn(this.clock);
+        try {
+          return stepsOf.map((steps, c): GateReply => {
+            const reply = replies[c]!;
+            if (reply === 1) {
+              const answers = new Array<unknown>(steps.length);
+              at = admittedAtOnce(steps, flat!, at, answers);
+              settleSteps(steps, answers);
+              return { status: 1, waitMs: -1, inLine: undefined, woken: NO_ONE, replies: answers };
+            }
+            return this.#gateReply(reply as GateCallReply, steps, sentAt);
+          });
+        } finally {
+          endTurn(turnBefore);
+        }
       },
       (error: unknown) => {
         for (const steps of stepsOf) for (const step of steps) step.reject(error);

@@ -540,7 +540,8 @@ export abstract class RedisPermitStage extends BaseStage {
     }
     const cls = this.#classOf(o, cost);
     const id = this.#memberId(cost, cls);
-    const sentAt = this.clock.now();
+    // (Read once for a fused gate's whole turn: no later than the call is sent.)
+    const sentAt = this.time();
     this.link.step(
       this.name,
       "semaphore-acquire",
@@ -819,7 +820,7 @@ export abstract class RedisPermitStage extends BaseStage {
     released: (held: boolean) => void,
     failed: (error: unknown) => void,
   ): void {
-    const sentAt = this.clock.now();
+    const sentAt = this.time();
     this.link.step(
       this.name,
       "semaphore-release",

@@ -70,4 +70,23 @@ describe("fleet-wide figures of Redis permit stages", () => {
     await one.close();
     await two.close();
   });
+  it("a fused gate times each stage's flow on that stage's clock, one on a clock of its own too", async () => {
+    const client = await connect();
+    const clock = new FakeClock(1_000);
+    const own = new FakeClock(5_000_000);
+    const backend = redis(client, { prefix: randomPrefix("flow-clocks"), clock, time: "clock" });
+    const sem = backend.semaphore("sem", { limit: 4 });
+    const bucket = backend.tokenBucket("bucket", { capacity: 100, refillPerSecond: 100, clock: own });
+    const gate = new Gate([sem, bucket]);
+    for (let i = 0; i < 5; i++) {
+      // 20 ms pass on the bucket's clock while the call runs, none on the backend's.
+      await gate.run(() => own.advance(20));
+    }
+    // (Read on the backend's clock, at 1,000, the bucket's releases at 5,000,020 and later would be
+    // none of its window; read on its own, they all are.)
+    expect(bucket.snapshot().flow).toMatchObject({ released: 5, serviceMs: 20 });
+    expect(sem.snapshot().flow).toMatchObject({ released: 5, serviceMs: 0 });
+    await gate.close();
+    await backend.close();
+  });
 });
