@@ -9,26 +9,24 @@ import type { FlowSnapshot } from "../types.js";
  * A time read once for every stage of a fused gate while it takes or releases them all in one
  * go (a memory gate's stages, which share one clock; a Redis gate's turn, as it builds its script
  * call or reads the reply), so each stage does not read the clock again: `now`, read from
- * `clock`, for the stages on that clock; NaN and undefined otherwise.
+ * `clock`, for the stages on that clock; `clock` undefined when no turn is on.
  */
-export const turn: { now: number; clock: unknown } = { now: Number.NaN, clock: undefined };
+export const turn: { now: number; clock: unknown } = { now: 0, clock: undefined };
 
 /**
- * Set `turn.now` from `clock` unless a turn is on already; returns what to restore (`endTurn`).
+ * Start a turn on `clock` at its time `now` (read here unless the caller has it), unless one is
+ * on already; returns whether it started one, for `endTurn`.
  */
-export function startTurn(clock: { now(): number }): number {
-  const before = turn.now;
-  if (Number.isNaN(before)) {
-    turn.now = clock.now();
-    turn.clock = clock;
-  }
-  return before;
+export function startTurn(clock: { now(): number }, now?: number): boolean {
+  if (turn.clock !== undefined) return false;
+  turn.now = now ?? clock.now();
+  turn.clock = clock;
+  return true;
 }
 
-/** Restore what `startTurn` returned. */
-export function endTurn(before: number): void {
-  turn.now = before;
-  if (Number.isNaN(before)) turn.clock = undefined;
+/** End the turn `startTurn` started, if it did. */
+export function endTurn(started: boolean): void {
+  if (started) turn.clock = undefined;
 }
 
 /** The window every stage measures its flow over, in ms. */

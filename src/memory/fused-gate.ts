@@ -176,7 +176,7 @@ class MemoryFusedGate implements FusedAdmission {
   #take(o: AdmitOptions): Ticket[] {
     const stages = this.#stages;
     const tickets = new Array<Ticket>(stages.length);
-    const before = startTurn(this.#clock);
+    const started = startTurn(this.#clock);
     try {
       for (let i = 0; i < stages.length; i++) {
         const stage = stages[i]!;
@@ -189,7 +189,7 @@ class MemoryFusedGate implements FusedAdmission {
         tickets[i] = ticket;
       }
     } finally {
-      endTurn(before);
+      endTurn(started);
     }
     return tickets;
   }
@@ -197,14 +197,14 @@ class MemoryFusedGate implements FusedAdmission {
   admitNow(o: AdmitOptions): Ticket[] | undefined {
     if (this.#closedBy !== undefined || this.#permitLine.size > 0) return undefined;
     if (this.#lanes.size > 0 && this.#lanes.has(this.#laneOf(o))) return undefined;
-    const before = startTurn(this.#clock);
+    const started = startTurn(this.#clock);
     try {
       return this.#probe(o) === 0 ? this.#take(o) : undefined;
     } catch {
       // `admit` says why, with the stage's own error.
       return undefined;
     } finally {
-      endTurn(before);
+      endTurn(started);
     }
   }
 
@@ -448,11 +448,11 @@ class MemoryFusedGate implements FusedAdmission {
 
   together(fn: () => Promise<void>): Promise<void> {
     // Memory releases are done before `fn` returns: every stage reads the one time.
-    const before = startTurn(this.#clock);
+    const started = startTurn(this.#clock);
     try {
       return fn();
     } finally {
-      endTurn(before);
+      endTurn(started);
     }
   }
 

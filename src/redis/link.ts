@@ -317,8 +317,10 @@ export class RedisLink {
     let total = 0;
     ScriptBatch.direct = true;
     this.#gatheringFor = head;
-    // (The stages on this link's clock read it once for the whole turn: before it is sent.)
-    const turnBefore = startTurn(this.clock);
+    // (The stages on this link's clock read it once for the whole turn, as it is sent: what is
+    // judged by when a call was sent then errs early, never late.)
+    const sentAt = this.clock.now();
+    const turnStarted = startTurn(this.clock, sentAt);
     try {
       for (const call of calls) {
         const steps: Step[] = [];
@@ -334,7 +336,7 @@ export class RedisLink {
     } finally {
       ScriptBatch.direct = false;
       this.#gatheringFor = undefined;
-      endTurn(turnBefore);
+      endTurn(turnStarted);
     }
     if (total === 0 && head.op !== "leave" && head.op !== "grant") return undefined;
     if (head.op === "each") for (let c = 0; c < stepsOf.length; c++) stepsOf[c] = together(stepsOf[c]!);
@@ -397,7 +399,6 @@ export class RedisLink {
       }
       args.push(callJson(fields));
     }
-    const sentAt = this.clock.now();
     // (Only an admission's steps take anything that a call run late must give back.)
     const ranLateAll: Late | undefined =
       head.op === "all"
@@ -413,7 +414,7 @@ export class RedisLink {
         let at = 0;
         if (flat) this.sawServerTime(Number(flat[flat.length - 1]), sentAt);
         // (The stages the replies settle read the clock once for them all.)
-        const turnBefore = startTurn(this.clock);
+        const turnStarted = startTurn(this.clock);
         try {
           return stepsOf.map((steps, c): GateReply => {
             const reply = replies[c]!;
@@ -426,7 +427,7 @@ export class RedisLink {
             return this.#gateReply(reply as GateCallReply, steps, sentAt);
           });
         } finally {
-          endTurn(turnBefore);
+          endTurn(turnStarted);
         }
       },
       (error: unknown) => {
