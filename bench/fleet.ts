@@ -2,13 +2,15 @@
  * The fleet: 12 worker processes × 2 callers share a cap of 8 on a local provider (127.0.0.1)
  * that holds each request for the service time and answers 429 above 8 in flight. Service time
  * 50 ms and 5 ms, each without and with client-side think time equal to the service time after
- * every job. Contenders: floodgate's Redis semaphore, the llm scenario's five-stage gate (fused),
- * redis-semaphore (default 10 ms poll), a
+ * every job. Contenders: floodgate's Redis semaphore, the llm scenario's five-stage gate (fused,
+ * and its stages taken one after another), redis-semaphore (default 10 ms poll), a
  * lease semaphore polling every 200 ms, a handoff floor (a Redis list of 8 tokens taken with BLPOP:
  * the fastest way for a process to learn of another's release through Redis, with none of a
  * limiter's safety), and no gate; the ceiling is exactly 8 ungated callers.
  * Admission waits are compared with those of a perfect FIFO queue fed the same service and think
- * times (a simulation of 24 callers on 8 permits with zero handoff cost).
+ * times (a simulation of 24 callers on 8 permits with zero handoff cost). The handoff is the time
+ * from a release to the grant it lets in: with every permit busy, the k-th release of the run
+ * (in any process) lets in its (k + 8)-th grant, on the monotonic clock all processes share.
  *
  * With `--chart FILE.svg` (see `drawFleetChart`) it draws the first round of the first variant,
  * one line per contender: the provider's requests in flight against the cap and its 429s over
@@ -130,6 +132,23 @@ export function perfectFifo(
   return sorted(waits);
 }
 
+/**
+ * Release-to-grant times (ms, sorted) of a run on `cap` permits: the k-th release (in time, in
+ * any process) against the (k + cap)-th grant. While every permit is busy and callers wait, each
+ * grant after the first `cap` is let in by the release before it in that order; a permit idle
+ * with nobody waiting counts its idle time too, so the median is the figure to read.
+ */
+export function handoffs(grants: readonly number[], releases: readonly number[], cap: number): number[] {
+  const g = sorted(grants);
+  const r = sorted(releases);
+  const out: number[] = [];
+  for (let k = 0; k + cap < g.length && k < r.length; k++) {
+    const gap = g[k + cap]! - r[k]!;
+    if (gap >= 0) out.push(gap);
+  }
+  return sorted(out);
+}
+
 interface Variant {
   serviceMs: number;
   thinkMs: number;
@@ -142,6 +161,9 @@ interface RunStats {
   errors: number;
   waitP99: number;
   fifoP99: number;
+  /** Release to the grant it lets in (see `handoffs`), ms: median and mean. */
+  handoffP50: number;
+  handoffMean: number;
   jobs: number;
   cutOff: number;
   /** Callers that got no job done in the run, and the fewest jobs any caller got. */
@@ -153,6 +175,7 @@ const MODES: { mode: Mode; name: string }[] = [
   { mode: "ceiling", name: "ceiling: 8 ungated callers, no think" },
   { mode: "floodgate", name: "floodgate redis semaphore" },
   { mode: "floodgate-gate", name: "floodgate fused gate (llm: 2 buckets, semaphore, AIMD, interval)" },
+  { mode: "floodgate-chained", name: "floodgate gate, the same stages taken in turn (not fused)" },
   { mode: "redis-semaphore", name: "redis-semaphore (10 ms poll)" },
   { mode: "poll200", name: "200 ms-polling lease semaphore" },
   { mode: "blpop", name: "handoff floor: BLPOP token list (no lease)" },
@@ -252,6 +275,11 @@ export const fleet: Benchmark = {
             const thinks = reports.flatMap((r) => r.thinks);
             const callers = mode === "ceiling" ? CAP : WORKERS * PER_WORKER;
             const fifo = perfectFifo(callers, CAP, durationMs, services, thinks, v.thinkMs);
+            const gaps = handoffs(
+              reports.flatMap((r) => r.grants),
+              reports.flatMap((r) => r.releases),
+              CAP,
+            );
             const s: RunStats = {
               throughput: ok / (durationMs / 1000),
               peak: p.peak,
@@ -259,6 +287,8 @@ export const fleet: Benchmark = {
               errors: reports.reduce((n, r) => n + r.errors, 0),
               waitP99: mode === "none" || mode === "ceiling" ? Number.NaN : percentile(waits, 99),
               fifoP99: mode === "none" || mode === "ceiling" ? Number.NaN : percentile(fifo, 99),
+              handoffP50: gaps.length === 0 ? Number.NaN : percentile(gaps, 50),
+              handoffMean: gaps.length === 0 ? Number.NaN : gaps.reduce((a, b) => a + b, 0) / gaps.length,
               jobs: ok,
               cutOff: reports.reduce((n, r) => n + r.cutOff, 0),
               starved: reports.reduce((n, r) => n + r.perCaller.filter((x) => x === 0).length, 0),
@@ -280,7 +310,7 @@ export const fleet: Benchmark = {
                 title:
                   `fleet: ${WORKERS} processes × ${PER_WORKER} callers, cap ${CAP}, ${v.serviceMs} ms ` +
                   `service, ${v.thinkMs} ms think (round 1)`,
-                subtitle: [0, 3].map((i) => chartTotals.slice(i, i + 3).join(" · ")),
+                subtitle: [0, 3, 6].map((i) => chartTotals.slice(i, i + 3).join(" · ")),
                 legend: "contender",
                 points: chartPoints,
                 cap: CAP,
@@ -302,6 +332,8 @@ export const fleet: Benchmark = {
             const waitP99 = median(s.map((x) => x.waitP99));
             const fifoP99 = median(s.map((x) => x.fifoP99));
             const vsFifo = median(s.map((x) => x.waitP99 / x.fifoP99));
+            const handoffP50 = median(s.map((x) => x.handoffP50));
+            const handoffMean = median(s.map((x) => x.handoffMean));
             const starved = Math.max(...s.map((x) => x.starved));
             const fewest = Math.min(...s.map((x) => x.fewest));
             rows.push([
@@ -314,6 +346,7 @@ export const fleet: Benchmark = {
               mode === "ceiling" || mode === "none" ? "—" : ms(waitP99, 1),
               mode === "ceiling" || mode === "none" ? "—" : ms(fifoP99, 1),
               mode === "ceiling" || mode === "none" ? "—" : times(vsFifo),
+              mode === "ceiling" || mode === "none" ? "—" : `${ms(handoffP50, 2)} / ${ms(handoffMean, 2)}`,
               `${fewest} / ${starved}`,
             ]);
             if (mode === "floodgate-gate") {
@@ -354,6 +387,7 @@ export const fleet: Benchmark = {
               "admission wait p99",
               "perfect FIFO p99",
               "p99 ÷ FIFO",
+              "handoff p50 / mean",
               "fewest jobs of a caller / callers with none",
             ],
             rows,
@@ -364,7 +398,10 @@ export const fleet: Benchmark = {
                 "Jobs count when answered 200 before the run's end. Waits are measured from asking to grant in " +
                 "each worker; a wait still going at the end counts as the time it had waited. The perfect FIFO " +
                 "queue is simulated with the same number of callers, the run's measured request and think times, " +
-                "and no handoff cost. The last column is per run (worst run): a caller that never got in was starved.",
+                "and no handoff cost. The handoff is from a release (as called) to the grant it lets in: the k-th " +
+                "release of the run, in any process, against its (k + 8)-th grant, on the monotonic clock the " +
+                "processes share (a permit that sat idle counts its idle time: read the median). " +
+                "The last column is per run (worst run): a caller that never got in was starved.",
             ],
           );
         } finally {
