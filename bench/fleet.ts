@@ -400,7 +400,9 @@ export const fleet: Benchmark = {
                 "queue is simulated with the same number of callers, the run's measured request and think times, " +
                 "and no handoff cost. The handoff is from a release (as called) to the grant it lets in: the k-th " +
                 "release of the run, in any process, against its (k + 8)-th grant, on the monotonic clock the " +
-                "processes share (a permit that sat idle counts its idle time: read the median). " +
+                "processes share (a permit that sat idle counts its idle time: read the median). A semaphore " +
+                "with no line (the polling ones) can give a freed permit straight back to the caller that freed " +
+                "it, which makes its handoff short and its waits long. " +
                 "The last column is per run (worst run): a caller that never got in was starved.",
             ],
           );
