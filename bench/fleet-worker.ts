@@ -201,6 +201,8 @@ async function run(m: RunMessage): Promise<RunReport> {
     releases: [],
   };
   const gate = admission(m);
+  // (Ungated callers have no admission to wait for, and no handoff.)
+  const gated = m.mode !== "none" && m.mode !== "ceiling";
   const deadline = m.startAt + m.durationMs;
   const stop = new AbortController();
   await sleep(Math.max(0, m.startAt - nowMs()));
@@ -230,7 +232,7 @@ async function run(m: RunMessage): Promise<RunReport> {
         waiting--;
       }
       const granted = nowMs();
-      if (m.mode !== "none" && m.mode !== "ceiling") {
+      if (gated) {
         report.waits.push(granted - asked);
         if (granted <= deadline) report.grants.push(granted);
       }
@@ -243,7 +245,7 @@ async function run(m: RunMessage): Promise<RunReport> {
         report.errors++;
       }
       const done = nowMs();
-      report.releases.push(done);
+      if (gated) report.releases.push(done);
       await release(status);
       if (done <= deadline) {
         if (status === 200) {
