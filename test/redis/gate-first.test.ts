@@ -102,6 +102,17 @@ function record(client: Redis): Sent[] {
   return sent;
 }
 
+/**
+ * The first script call in `sent` from `from` on, once its reply has been read: what it did can
+ * show on another connection (a line's length, say) before this one reads that reply.
+ */
+function scriptCallFrom(sent: readonly Sent[], from: number): Promise<Sent> {
+  return until(() => sent.slice(from).find((x) => x.name === "evalsha" || x.name === "eval"), {
+    timeoutMs: 5_000,
+    message: "the script call's reply",
+  });
+}
+
 /** Every key under `prefix` and what it holds (its name and content with `prefix` taken out). */
 async function state(client: Redis, prefix: string): Promise<Record<string, unknown>> {
   const keys = (await client.keys(`${prefix}*`)).sort();
@@ -700,8 +711,7 @@ describe("the first pass of a gate call", () => {
     const inLane = (n: number) =>
       until(async () => (await look.zcard(lane)) === n, { timeoutMs: 5_000, message: `${n} in the lane` });
     // (The script call each caller's first try made, by where it starts in what was sent.)
-    const firstTry = (from: number) =>
-      sent.slice(from).find((x) => x.name === "evalsha" || x.name === "eval")!;
+    const firstTry = (from: number) => scriptCallFrom(sent, from);
     const calls = (g: number) => gates[g]!.gate.admit({ key: "a", timeoutMs: 60_000 });
     await (await calls(0)).release("success");
     const b = calls(1);
@@ -717,7 +727,7 @@ describe("the first pass of a gate call", () => {
       const from = sent.length;
       const waiting = calls(g);
       await inLane(n);
-      laning.push(firstTry(from));
+      laning.push(await firstTry(from));
       void waiting.then((t) => t.release("success"));
     }
     // The lane's first stops asking (its expiry passed): the next first try goes on to the rest.
@@ -730,7 +740,7 @@ describe("the first pass of a gate call", () => {
       timeoutMs: 5_000,
       message: "the lane's first that stopped asking was taken out",
     });
-    const passedOn = firstTry(from);
+    const passedOn = await firstTry(from);
     // A waiter second in the lane stops asking too: the first's admission, whose next it is, goes
     // on to the rest, which takes it out and tells the one after it.
     const [, firstScore, , secondScore] = await look.zrange(lane, 0, 1, "WITHSCORES");
@@ -844,7 +854,7 @@ describe("the first pass of a gate call", () => {
       const from = sent.length;
       const made = calls();
       await inLine(inLineAfter);
-      const call = sent.slice(from).find((x) => x.name === "evalsha" || x.name === "eval")!;
+      const call = await scriptCallFrom(sent, from);
       const argv = call.args.slice(2 + Number(call.args[1]));
       expect(argv[4], "the turn went as one gate call").toBe(String(made.length));
       turns.push({ call, joins });
