@@ -191,17 +191,25 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
 
   /**
    * As `#lateTake`, for a turn's takes in one `token-bucket-take-many` (cost, grant, wait each,
-   * from 5; three figures each in its reply, taken first). A refund is taken only from the key's
-   * latest grant, so only the turn's last take that took or reserved anything is refunded (the
-   * last take, when the reply says nothing).
+   * from 5; three figures each in its reply, taken first). The turn's takes are one stretch of
+   * the key's line: while the last that took or reserved anything is still the key's latest
+   * grant, nothing was taken after any of them, so their tokens all go back in one refund of
+   * their sum, as if each had been refunded in turn from the last. (Without a reply to say which
+   * took, only the last take is refunded: a refund of one that took nothing would give too much.)
    */
   readonly #lateTakes: Late = (keys, args, reply) => {
-    const figures = Array.isArray(reply) ? reply : undefined;
-    for (let i = args.length - 3, n = (args.length - 5) / 3 - 1; i >= 5; i -= 3, n--) {
-      if (figures !== undefined && Number(figures[3 * n]) === 0) continue;
-      void this.#refundAt(keys[0]!, args[i]!, String(args[i + 1]));
+    if (!Array.isArray(reply)) {
+      void this.#refundAt(keys[0]!, args[args.length - 3]!, String(args[args.length - 2]));
       return;
     }
+    let cost = 0;
+    let grant: string | undefined;
+    for (let i = 5, n = 0; i + 1 < args.length; i += 3, n++) {
+      if (Number(reply[3 * n]) === 0) continue;
+      cost += Number(args[i]);
+      grant = String(args[i + 1]);
+    }
+    if (grant !== undefined) void this.#refundAt(keys[0]!, cost, grant);
   };
 
   /** Send takes of `redisKey` (cost, grant, maxWaitMs each): one alone as a plain take, more in one call. */

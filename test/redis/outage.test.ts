@@ -571,17 +571,21 @@ describe("a Redis outage", () => {
     await ticket.release("success");
   });
 
-  // A turn's takes go in one take-many: only the latest grant's tokens can come back (the
-  // bucket's rule: a refund is taken only from the key's latest grant), the last take's that
-  // took anything.
+  // A turn's takes go in one take-many: one stretch of the key's line. While the last that took
+  // is the key's latest grant, every take's tokens come back (one refund of their sum); a take
+  // that took nothing gives nothing back.
   it.each([
-    { capacity: 2, taken: [1, 1], left: "the other stays spent until the refill" },
-    { capacity: 1, taken: [1, 0], left: "the second took nothing" },
+    { capacity: 2, taken: [1, 1], back: 2, left: "both tokens come back" },
+    { capacity: 3, taken: [1, 1], back: 2, left: "two of three come back, one was never taken" },
+    { capacity: 1, taken: [1, 0], back: 1, left: "the second took nothing" },
   ])(
-    "gives back the latest grant's tokens of a turn's takes the client ran after their callers failed closed (capacity $capacity: $left)",
-    async ({ capacity, taken }) => {
+    "gives back every token of a turn's takes the client ran after their callers failed closed (capacity $capacity: $left)",
+    async ({ capacity, taken, back }) => {
       const { main, backend } = await onOwnServer("outage-late-takes");
       const bucket = backend.tokenBucket("rate", { capacity, refillPerSecond: 1 / 3_600 });
+      // (With three tokens, one is taken first, by a caller that keeps it.)
+      const kept = capacity === 3 ? await bucket.tryAdmit() : undefined;
+      if (capacity === 3) expect(kept).toBeDefined();
       const held = holdBack(main, "token-bucket-take-many");
       const errors = await within(
         Promise.all([rejectionOf(bucket.tryAdmit()), rejectionOf(bucket.tryAdmit())]),
@@ -593,10 +597,16 @@ describe("a Redis outage", () => {
       // Sent now (three figures each, taken first).
       const replies = (await held.send()) as unknown[];
       expect([Number(replies[0]), Number(replies[3])]).toEqual(taken);
-      const ticket = await admittedSoon(bucket, "the latest grant's token was not given back");
-      // Any other token taken stays spent until the refill.
+      const tickets = [await admittedSoon(bucket, "the turn's tokens were not given back")];
+      for (let i = 1; i < back; i++) {
+        const ticket = await bucket.tryAdmit();
+        expect(ticket, `token ${i + 1} of the ${back} the turn took did not come back`).toBeDefined();
+        tickets.push(ticket!);
+      }
+      // No more than the turn took: the token kept before it stays spent.
       expect(await bucket.tryAdmit()).toBeUndefined();
-      await ticket.release("success");
+      for (const ticket of tickets) await ticket.release("success");
+      await kept?.release("success");
     },
   );
 
