@@ -205,7 +205,9 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
     let cost = 0;
     let grant: string | undefined;
     for (let i = 5, n = 0; i + 1 < args.length; i += 3, n++) {
-      if (Number(reply[3 * n]) === 0) continue;
+      // (Taken, 1, or reserved, 2: anything else took nothing.)
+      const flag = Number(reply[3 * n]);
+      if (flag !== 1 && flag !== 2) continue;
       cost += Number(args[i]);
       grant = String(args[i + 1]);
     }
