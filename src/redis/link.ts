@@ -510,7 +510,16 @@ export class RedisLink {
         resolve(value);
       };
       const failed = (error: unknown) => {
-        if (call.done) return;
+        if (call.done) {
+          // Failed when it timed out, and failed by the client later: a client that held it back
+          // gives up on it in the end (a Cluster client sends a command again after a closed
+          // connection, up to its redirections, then rejects it), and one of its sends may have
+          // run, after the give-back its caller sent when it failed closed. Given back again,
+          // as for a reply that came late, without the reply (what was taken is given back by
+          // name, or while it is the latest: never more than the call took).
+          late?.(keys, args, undefined);
+          return;
+        }
         this.#remove(call);
         // Anything else Redis answers instead of a reply (a replica after a failover, out of
         // memory, a busy or failing script) fails closed too, typed, with Redis's error as cause.

@@ -52,6 +52,35 @@ function holdBack(client: Redis, script: ScriptName): { send(): Promise<unknown>
 }
 
 /**
+ * Hold back the client's next command for `script`, as `holdBack`; `sendAndLose()` sends it then
+ * and, once Redis has run it, fails it to the caller as a closed connection would (a client that
+ * sent it again after its connection closed, and gave up on it before the reply was read).
+ * Resolves with the reply the caller never saw.
+ */
+function holdBackAndLose(client: Redis, script: ScriptName): { sendAndLose(): Promise<unknown> } {
+  const command = commandName(script);
+  const commands = client as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
+  const original = commands[command]!.bind(client);
+  let send: (() => Promise<unknown>) | undefined;
+  commands[command] = (...args: unknown[]) => {
+    commands[command] = original;
+    return new Promise((_resolve, reject) => {
+      send = async () => {
+        const reply = await original(...args);
+        reject(new Error("Connection is closed."));
+        return reply;
+      };
+    });
+  };
+  return {
+    sendAndLose: () => {
+      if (send === undefined) throw new Error(`no ${script} command was held back`);
+      return send();
+    },
+  };
+}
+
+/**
  * Hold back every command for `script` the client sends from now on, until `sendAll()` sends them
  * in order (and sends later ones at once); `count()` says how many it holds.
  */
@@ -344,6 +373,35 @@ describe("a Redis outage", () => {
           message: "a lease taken by an acquire that ran after its caller failed closed stayed held",
         },
       );
+      const ticket = await sem.tryAdmit();
+      expect(ticket).toBeDefined();
+      await ticket!.release("success");
+    });
+  }
+
+  // A Cluster client that sends a command again after its connection closed gives up on it in the
+  // end (after its redirections) and rejects it: one of its sends may have run all the same,
+  // after the caller failed closed and gave back what it would take. Here the client holds the
+  // acquire back, sends it once the caller has failed closed, and then fails it instead of
+  // answering: the lease it took must come back all the same.
+  for (const mode of ["tryAdmit", "admit"] as const) {
+    it(`gives back a permit whose acquire the client ran after the caller failed closed, then failed (${mode})`, async () => {
+      const { prefix, main, raw, backend } = await onOwnServer("outage-late-lost");
+      const sem = backend.semaphore("sem", { limit: 1, leaseMs: 30_000 });
+      const held = holdBackAndLose(main, "semaphore-acquire");
+      const error = await within(
+        rejectionOf(mode === "admit" ? sem.admit({ timeoutMs: 5_000 }) : sem.tryAdmit()),
+        3_000,
+        `${mode}() with its acquire held back`,
+      );
+      expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
+      // Redis runs it after the caller's give-back, and takes the permit; the caller never hears.
+      expect(((await held.sendAndLose()) as unknown[])[0]).toBe(1);
+      await until(async () => (await raw.zcard(stageKey(prefix, "sem", "holders"))) === 0, {
+        timeoutMs: 3_000,
+        message:
+          "a lease taken by an acquire the client ran after its caller failed closed, then failed, stayed held",
+      });
       const ticket = await sem.tryAdmit();
       expect(ticket).toBeDefined();
       await ticket!.release("success");
