@@ -920,10 +920,14 @@ class FusedGate implements FusedAdmission {
    * back a grant made to it since; its caller has gone. A try that collected the grant a release
    * made to its call's kept steps (status 2) gives that grant back, step by step, as each kept
    * step would have given back its own reply run late. (Each step of the try gives back what it
-   * took itself: see `ranLate` in link.ts.)
+   * took itself: see `ranLate` in link.ts.) Without replies (the client failed the call later,
+   * and it may have run: see `Late`), each try that could have taken a place in line leaves it.
    */
   readonly #ranLate = (calls: readonly GateCall[], replies: unknown): void => {
-    if (!Array.isArray(replies)) return;
+    if (!Array.isArray(replies)) {
+      for (const call of calls) if (call.mode !== "try") this.#leave(call.member, call.lane);
+      return;
+    }
     for (let c = 0; c < calls.length; c++) {
       const reply = replies[c];
       if (!Array.isArray(reply)) continue;

@@ -500,6 +500,36 @@ describe("a Redis outage", () => {
     await ticket.release("success");
   });
 
+  // The same when the client then fails the try instead of answering (see the acquire's case):
+  // without a reply to say where it went, the caller leaves the gate's lines all the same.
+  it("takes out of the gate's line a caller a fused gate's try put there when the client ran it after the caller failed closed, then failed it", async () => {
+    const { prefix, main, raw, backend } = await onOwnServer("outage-late-gate-line-lost", 60_000);
+    const stages = [
+      backend.tokenBucket("rate", { capacity: 100, refillPerSecond: 100 }),
+      backend.semaphore("sem", { limit: 1, leaseMs: 30_000 }),
+    ];
+    const gate = new Gate(stages, { name: "late-line-lost", fuse: true });
+    const line = stageKey(prefix, "gate:late-line-lost|rate|sem", "line");
+    const holder = await gate.admit({ timeoutMs: 5_000 });
+    const held = holdBackAndLose(main, "gate");
+    const error = await within(
+      rejectionOf(gate.admit({ timeoutMs: 5_000 })),
+      3_000,
+      "gate.admit() with its try held back",
+    );
+    expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
+    // Run now, and failed to the caller: the try took its place in the permit line (inLine 1).
+    const reply = (await held.sendAndLose()) as unknown[][];
+    expect(Number(reply[0]![2])).toBe(1);
+    await until(async () => (await raw.zcard(line)) === 0, {
+      timeoutMs: 3_000,
+      message: "the caller a try run late, then failed, put in the gate's line stayed there",
+    });
+    await holder.release("success");
+    const ticket = await admittedSoon(gate, "the permit went to a caller that had gone");
+    await ticket.release("success");
+  });
+
   // A waiter's next try run so may collect the grant a release made to its kept steps, after the
   // waiter gave up and its leave found nothing left to give back: the grant's permits and tokens
   // come back once the late reply says so, not when the grant's claim window ends.
