@@ -78,7 +78,8 @@ interface Step {
  * What a script call gives back when it ran after it was failed for not answering in time (see
  * `RedisLink.run`): told the call's keys and arguments and its reply (a step's own, in a `gate`
  * call; undefined when that call's reply holds none for the step), so one function serves every
- * call of a stage.
+ * call of a stage. Told too, with no reply, when the client fails such a call by itself later: it
+ * may have run, and gives back what can be given back without knowing what it took.
  */
 export type Late = (keys: readonly string[], args: readonly (string | number)[], reply: unknown) => void;
 
