@@ -81,9 +81,13 @@ export class MemoryIntervalGate extends MemoryLineStage<HostSlot> {
     return new HostSlot(now);
   }
 
+  /**
+   * Every waiter whose slot has come, in order: after each, the host's next slot is one spacing
+   * on, so with a spacing of 0 the next goes at the same instant, as on Redis (and before a
+   * timeout due at that instant, which counts capacity free then as in time).
+   */
   protected grantReady(h: HostSlot, _host: string, now: number): void {
-    const w = h.head;
-    if (w && h.nextAt <= now) {
+    for (let w = h.head; w && h.nextAt <= now; w = h.head) {
       const previous = this.#claim(h, now);
       this.#mark(this.grant(w, "token"), previous, h);
     }
