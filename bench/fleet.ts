@@ -25,6 +25,7 @@ import {
   type BenchArgs,
   type Benchmark,
   type Contender,
+  mean,
   median,
   ms,
   pairedRatio,
@@ -147,6 +148,11 @@ export function handoffs(grants: readonly number[], releases: readonly number[],
     if (gap >= 0) out.push(gap);
   }
   return sorted(out);
+}
+
+/** Whether callers of `mode` wait for an admission (the ceiling and no gate do not). */
+function gated(mode: Mode): boolean {
+  return mode !== "none" && mode !== "ceiling";
 }
 
 interface Variant {
@@ -285,10 +291,10 @@ export const fleet: Benchmark = {
               peak: p.peak,
               r429: p.rejected429,
               errors: reports.reduce((n, r) => n + r.errors, 0),
-              waitP99: mode === "none" || mode === "ceiling" ? Number.NaN : percentile(waits, 99),
-              fifoP99: mode === "none" || mode === "ceiling" ? Number.NaN : percentile(fifo, 99),
+              waitP99: gated(mode) ? percentile(waits, 99) : Number.NaN,
+              fifoP99: gated(mode) ? percentile(fifo, 99) : Number.NaN,
               handoffP50: gaps.length === 0 ? Number.NaN : percentile(gaps, 50),
-              handoffMean: gaps.length === 0 ? Number.NaN : gaps.reduce((a, b) => a + b, 0) / gaps.length,
+              handoffMean: mean(gaps),
               jobs: ok,
               cutOff: reports.reduce((n, r) => n + r.cutOff, 0),
               starved: reports.reduce((n, r) => n + r.perCaller.filter((x) => x === 0).length, 0),
@@ -343,10 +349,10 @@ export const fleet: Benchmark = {
               mode === "ceiling" ? "—" : pct(vs),
               String(peak),
               String(r429),
-              mode === "ceiling" || mode === "none" ? "—" : ms(waitP99, 1),
-              mode === "ceiling" || mode === "none" ? "—" : ms(fifoP99, 1),
-              mode === "ceiling" || mode === "none" ? "—" : times(vsFifo),
-              mode === "ceiling" || mode === "none" ? "—" : `${ms(handoffP50, 2)} / ${ms(handoffMean, 2)}`,
+              gated(mode) ? ms(waitP99, 1) : "—",
+              gated(mode) ? ms(fifoP99, 1) : "—",
+              gated(mode) ? times(vsFifo) : "—",
+              gated(mode) ? `${ms(handoffP50, 2)} / ${ms(handoffMean, 2)}` : "—",
               `${fewest} / ${starved}`,
             ]);
             if (mode === "floodgate-gate") {

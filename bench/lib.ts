@@ -51,6 +51,14 @@ export function sorted(values: readonly number[]): number[] {
   return [...values].sort((a, b) => a - b);
 }
 
+/** The mean of `values`; NaN when there are none. */
+export function mean(values: readonly number[]): number {
+  if (values.length === 0) return Number.NaN;
+  let sum = 0;
+  for (const v of values) sum += v;
+  return sum / values.length;
+}
+
 export function median(values: readonly number[]): number {
   const s = sorted(values);
   if (s.length === 0) return Number.NaN;

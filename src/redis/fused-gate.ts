@@ -374,7 +374,7 @@ class FusedGate implements FusedAdmission {
       // Its wait until it gave up (timed out, aborted, closed) counts too.
       this.#charge(blame, clock.now() - since);
       if (held) this.#drop(held);
-      if (inLine) this.#leave(member, lane);
+      if (inLine) this.#leave([{ member, lane }]);
       throw error;
     } finally {
       this.#forPermits.delete(member);
@@ -925,22 +925,29 @@ class FusedGate implements FusedAdmission {
    */
   readonly #ranLate = (calls: readonly GateCall[], replies: unknown): void => {
     if (!Array.isArray(replies)) {
-      for (const call of calls) if (call.mode !== "try") this.#leave(call.member, call.lane);
+      this.#leave(calls.filter((call) => call.mode !== "try"));
       return;
     }
+    const leaving: GateCall[] = [];
     for (let c = 0; c < calls.length; c++) {
       const reply = replies[c];
       if (!Array.isArray(reply)) continue;
       if (Number(reply[0]) === 2) (calls[c] as TryCall).kept?.collectedLate(grantReplies(String(reply[5])));
-      else if (Number(reply[2]) !== 0) this.#leave(calls[c]!.member, calls[c]!.lane);
+      else if (Number(reply[2]) !== 0) leaving.push(calls[c]!);
     }
+    this.#leave(leaving);
   };
 
-  /** Take `member` out of the gate's lines in the background (it gave up). */
-  #leave(member: string, lane: readonly string[]): void {
-    const call: GateCall = { member, mode: "try", try: "", held: "", lane, fn: () => {} };
-    this.#link.gather(this.#name, this.#leaves, [call])?.then(
-      (replies) => this.#wakeAll(replies[0]!.woken),
+  /** Take each of `leavers` out of the gate's lines in the background (they gave up), in one call. */
+  #leave(leavers: readonly Pick<GateCall, "member" | "lane">[]): void {
+    if (leavers.length === 0) return;
+    const calls = leavers.map(
+      ({ member, lane }): GateCall => ({ member, mode: "try", try: "", held: "", lane, fn: () => {} }),
+    );
+    this.#link.gather(this.#name, this.#leaves, calls)?.then(
+      (replies) => {
+        for (const reply of replies) this.#wakeAll(reply.woken);
+      },
       () => {},
     );
   }
