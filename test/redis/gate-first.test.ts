@@ -807,6 +807,67 @@ describe("the first pass of a gate call", () => {
     for (const { b } of gates) await b.close();
   });
 
+  // A lane's first that the permit line took with its lane since its latest try (a `j:` record in
+  // `held`, see admit() in lua/gate.lua) is the rest's to admit: its reply says when it moved.
+  // (The gate's own calls never leave such a record on a lane's first: it is made here.)
+  it("hands on a lane's first that the permit line took with its lane, as the rest would", async () => {
+    const clock = new FakeClock(10_000);
+    const prefix = randomPrefix("first-lane-moved");
+    const client = await connect();
+    const sent = record(client);
+    const b = redis(client, { prefix, clock, time: "clock" });
+    const gate = new Gate(
+      [
+        b.tokenBucket("rpm", { capacity: 1, refillPerSecond: 10, keyed: true }),
+        b.semaphore("inflight", { limit: 8 }),
+      ],
+      { clock, name: "moved" },
+    );
+    const lane = `${prefix}{gate:moved|rpm|inflight}:lane:a|`;
+    const held = await gate.admit({ key: "a" });
+    const waiting = gate.admit({ key: "a", timeoutMs: 60_000 });
+    await until(async () => (await client.zcard(lane)) === 1, {
+      timeoutMs: 5_000,
+      message: "one in the lane",
+    });
+    for (let i = 0; i < 50 && (await client.zcard(lane)) > 0; i++) await clock.advance(50);
+    await (await within(waiting, 5_000, "the lane's first")).release("success");
+    await held.release("success");
+    // Its later try, admitted as its lane's first by the first pass.
+    const argvOf = (args: string[]) => args.slice(2 + Number(args[1]));
+    const at = sent.findIndex(({ name, args, reply }) => {
+      const argv = argvOf(args);
+      return (
+        name === "evalsha" &&
+        argv[1] === "all" &&
+        argv[4] === "1" &&
+        Number((JSON.parse(argv[5]!) as string[])[2]) > 1 &&
+        (reply as unknown[][])[0]?.[0] === 1
+      );
+    });
+    expect(at, "the lane's first was admitted on a later try").toBeGreaterThanOrEqual(0);
+    const later = sent[at]!;
+    const member = (JSON.parse(argvOf(later.args)[5]!) as string[])[0]!;
+    const replayed = async (sha: string) => {
+      const own = randomPrefix("first-lane-moved-again");
+      await replayBefore(client, sent, at, prefix, own);
+      await client.hset(`${own}{gate:moved|rpm|inflight}:held`, `j:${member}`, `${clock.now() - 40}|0|x`);
+      const reply = await client.call(
+        "EVALSHA",
+        sha,
+        ...later.args.slice(1).map((a) => a.replaceAll(prefix, own)),
+      );
+      return { reply, state: await state(client, own), own };
+    };
+    const whole = await alike(client, replayed);
+    // Admitted, its reply saying when it moved, and the record gone.
+    const reply = (whole.reply as unknown[][])[0]!;
+    expect(reply[0]).toBe(1);
+    expect(reply[9]).toBe(`${clock.now() - 40}|0|x`);
+    expect(JSON.stringify(whole.state)).not.toContain(`j:${member}`);
+    await b.close();
+  });
+
   // A turn of first tries while someone else is first in the permit line: the first pass puts
   // them all at its back itself (first_join), in turn, exactly as the rest would, their steps kept
   // (each with its own arguments) when their process listens, not kept when it does not yet; a
@@ -884,6 +945,17 @@ describe("the first pass of a gate call", () => {
     // its calls are in line already the second time, which the rest decides.)
     const resent = again.indexOf(turns[0]!.call) + 1;
     again.splice(resent, 0, turns[0]!.call);
+    // (And the second turn again, made one member's twice, behind the mixed turn: no client sends
+    // that, and the rest keeps a member's place once, so the first pass hands it on.)
+    const twice = structuredClone(turns[1]!.call);
+    const firstCall = 2 + Number(twice.args[1]) + 5;
+    for (const at of [firstCall, firstCall + 1]) {
+      const fields = JSON.parse(twice.args[at]!) as string[];
+      fields[0] = "feed00-1";
+      twice.args[at] = JSON.stringify(fields);
+    }
+    const doubled = again.indexOf(turns[2]!.call) + 1;
+    again.splice(doubled, 0, twice);
     const replay = await connect();
     const replayed = async (gateScript: string) => {
       const own = randomPrefix("first-join-turn-again");
@@ -904,6 +976,8 @@ describe("the first pass of a gate call", () => {
     const joined = says.replies.flatMap((r, i) => (r === '"joined"' ? [i] : []));
     for (const t of turns) expect(joined.includes(again.indexOf(t.call))).toBe(t.joins);
     expect(joined).not.toContain(resent);
+    expect(joined).not.toContain(doubled);
+    expect(JSON.parse(whole.replies[doubled]!)).toHaveLength(2);
     // (The first turn's steps kept, each call's with its own cost; the second's not kept.)
     const kept = (t: number) =>
       (JSON.parse(whole.replies[again.indexOf(turns[t]!.call)]!) as unknown[][]).map((r) => r[5]);
