@@ -11,8 +11,9 @@ import type { TokenBucketOptions } from "../options.js";
 import type { AdmitOptions, ClassSnapshot, Outcome, Snapshot, StageKind, Ticket } from "../types.js";
 import { parseOptions, tokenBucketSchema } from "../validate.js";
 import type { RedisContext } from "./context.js";
+import type { Late } from "./gate-call.js";
 import { stageKey } from "./keys.js";
-import { type Late, maybeSent, type RedisLink } from "./link.js";
+import { maybeSent, type RedisLink } from "./link.js";
 import { LATE_MS } from "./token-bucket.js";
 
 /** A ticket of a class, with its grant (its member), so a refund can tell whether it is the latest. */

@@ -12,16 +12,10 @@ import { badSignal, type FusedAdmission, type FusedCall, type FusionHost } from 
 import { settleAll, settleSteps } from "../gate-ticket.js";
 import type { Outcome, Stage, Ticket } from "../types.js";
 import { TurnQueue } from "./batch.js";
+import { type GateCall, type GateHead, type GateReply, NOT_RUN, onWire } from "./gate-call.js";
+import { grantReplies } from "./gate-reply.js";
 import { stageKey } from "./keys.js";
-import {
-  type GateCall,
-  type GateHead,
-  type GateReply,
-  grantReplies,
-  NOT_RUN,
-  onWire,
-  type RedisLink,
-} from "./link.js";
+import type { RedisLink } from "./link.js";
 import type { RedisPermitStage } from "./permit-stage.js";
 
 /** What the fused gates of one Redis backend share. */

@@ -10,9 +10,10 @@ import { draw } from "../memory/interval-gate.js";
 import type { IntervalGateOptions } from "../options.js";
 import type { AdmitOptions, Outcome, StageKind, Ticket } from "../types.js";
 import { intervalGateSchema, parseOptions } from "../validate.js";
+import type { Late } from "./gate-call.js";
 import { stageKey } from "./keys.js";
 import { type Attempt, RedisLine, RedisLineStage } from "./line-stage.js";
-import type { Late, RedisLink } from "./link.js";
+import type { RedisLink } from "./link.js";
 import type { RedisContext } from "./semaphore.js";
 
 /** A host's line, with the next grant's spacing, drawn once however many times it is asked for. */

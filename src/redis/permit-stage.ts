@@ -21,9 +21,10 @@ import { fusable } from "../fuse.js";
 import type { AdmitOptions, Logger, Outcome, Snapshot, Ticket } from "../types.js";
 import { ScriptBatch } from "./batch.js";
 import type { RedisContext } from "./context.js";
+import type { GateHead, Late } from "./gate-call.js";
 import { stageKey } from "./keys.js";
 import { LeaseKeeper, LeaseTicket } from "./lease.js";
-import { type GateHead, type Late, maybeSent, type RedisLink } from "./link.js";
+import { maybeSent, type RedisLink } from "./link.js";
 
 /**
  * How many arguments `semaphore-acquire` takes before the pairs of a turn's other members

@@ -9,8 +9,9 @@ import type { TokenBucketOptions } from "../options.js";
 import type { AdmitOptions, Outcome, StageKind, Ticket } from "../types.js";
 import { parseOptions, tokenBucketSchema } from "../validate.js";
 import { ScriptBatch } from "./batch.js";
+import type { Late } from "./gate-call.js";
 import { stageKey } from "./keys.js";
-import { type Late, maybeSent, type RedisLink } from "./link.js";
+import { maybeSent, type RedisLink } from "./link.js";
 import type { RedisContext } from "./semaphore.js";
 
 /** A key's reserved waiters, and its takes: those made in one turn go together. */

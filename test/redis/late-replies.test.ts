@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { ranLate } from "../../src/redis/link.js";
+import { ranLate } from "../../src/redis/gate-reply.js";
 
 type Steps = Parameters<typeof ranLate>[0];
 

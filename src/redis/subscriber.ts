@@ -1,0 +1,142 @@
+/**
+ * A link's pub/sub: the channels its stages listen on, over one connection per subscriber client,
+ * shared by every backend given that client (a `duplicate()` of the link's client, made on first
+ * need, when none was given).
+ */
+
+import type { Clock } from "../clock.js";
+import { BackendUnavailableError } from "../errors.js";
+import type { Logger } from "../types.js";
+import type { RedisConnection } from "./clients/index.js";
+import { onWire } from "./gate-call.js";
+
+/** Waiter ids are delivered to every handler registered for the channel. */
+export type WakeHandler = (id: string) => void;
+
+/** One pub/sub connection and the handlers of every backend that uses it. */
+class Subscriber {
+  readonly handlers = new Map<string, Set<WakeHandler>>();
+  readonly subscribing = new Map<string, Promise<unknown>>();
+  constructor(
+    readonly connection: RedisConnection,
+    log: Logger,
+  ) {
+    connection.onMessage((channel: string, id: string) => {
+      const set = this.handlers.get(channel);
+      if (set) for (const handler of set) handler(id);
+    });
+    connection.on("error", (error: unknown) => log.warn({ err: error }, "pub/sub connection error"));
+    if (connection.resubscribes) return;
+    // A connection that does not subscribe again by itself after a reconnect: every channel
+    // listened to, again, on each `ready` after the first (the first subscribes as it is asked).
+    let before = connection.status() === "ready";
+    connection.on("ready", () => {
+      if (!before) {
+        before = true;
+        return;
+      }
+      for (const [channel, set] of this.handlers) {
+        if (set.size === 0) continue;
+        connection.subscribe(channel).catch((error: unknown) => {
+          log.warn({ err: error, channel }, "pub/sub: could not subscribe again; waiters poll until it does");
+        });
+      }
+    });
+  }
+}
+
+/** The pub/sub connection of each subscriber client, shared by the backends given it. */
+const subscribers = new WeakMap<object, Subscriber>();
+
+/** The channels one link listens on, and the subscriber connection it listens through. */
+export class Listening {
+  #subscriber: Subscriber | undefined;
+  readonly #mine = new Map<string, WakeHandler>();
+
+  constructor(
+    /** The link's client: its `duplicate()` is the subscriber when none is `given`. */
+    readonly client: RedisConnection,
+    /** A connection for pub/sub the caller owns, if any. */
+    readonly given: RedisConnection | undefined,
+    readonly log: Logger,
+    readonly clock: Clock,
+    /** How long a subscription may take to be made, ms (the link's command timeout). */
+    readonly timeoutMs: number,
+  ) {}
+
+  /** Call `handler` with every message on channel `name`; resolves once subscribed. */
+  async listen(name: string, handler: WakeHandler): Promise<void> {
+    // Messages come named as Redis has the channel: a lone surrogate in a stage's name is U+FFFD.
+    const channel = onWire(name);
+    if (!this.#subscriber) {
+      const connection = this.given ?? this.client.duplicate();
+      let sub = subscribers.get(connection.client);
+      if (!sub) {
+        sub = new Subscriber(connection, this.log);
+        subscribers.set(connection.client, sub);
+      }
+      this.#subscriber = sub;
+    }
+    const sub = this.#subscriber;
+    this.#mine.set(channel, handler);
+    let set = sub.handlers.get(channel);
+    if (!set) {
+      set = new Set();
+      sub.handlers.set(channel, set);
+    }
+    set.add(handler);
+    let pending = sub.subscribing.get(channel);
+    if (!pending) {
+      pending = this.#subscribe(sub, channel);
+      sub.subscribing.set(channel, pending);
+      pending.catch(() => sub.subscribing.delete(channel));
+    }
+    this.clock.track?.(pending);
+    await pending;
+  }
+
+  /**
+   * Subscribe once the connection is ready (a fresh `duplicate()` is still connecting, and with
+   * no offline queue a command sent now would fail). Gives up after the command timeout; the
+   * waiters' slow poll covers the gap and the next waiter tries again.
+   */
+  #subscribe(sub: Subscriber, channel: string): Promise<unknown> {
+    const connection = sub.connection;
+    return new Promise((resolve, reject) => {
+      let done = false;
+      const finish = (error?: unknown) => {
+        if (done) return;
+        done = true;
+        this.clock.clearTimeout(timer);
+        connection.off("ready", onReady);
+        if (error) reject(error);
+        else resolve(undefined);
+      };
+      const timer = this.clock.setTimeout(
+        () => finish(new BackendUnavailableError(undefined, `pub/sub not ready within ${this.timeoutMs} ms`)),
+        this.timeoutMs,
+      );
+      const onReady = () => connection.subscribe(channel).then(() => finish(), finish);
+      if (connection.status() === "ready") onReady();
+      else {
+        connection.on("ready", onReady);
+        // A duplicate of a `lazyConnect` client (or any node-redis duplicate) waits to be told to connect.
+        if (connection.status() === "wait") connection.connect().catch(() => {});
+      }
+    });
+  }
+
+  /** Stop listening; quit the pub/sub connection when it was made here. */
+  async close(): Promise<void> {
+    const sub = this.#subscriber;
+    this.#subscriber = undefined;
+    if (!sub) return;
+    for (const [channel, handler] of this.#mine) sub.handlers.get(channel)?.delete(handler);
+    if (this.given) return;
+    try {
+      await sub.connection.quit();
+    } catch {
+      sub.connection.disconnect();
+    }
+  }
+}
