@@ -7,14 +7,14 @@
 
 import type { GateStep } from "./scripts.js";
 
-/** A script call gathered by `gather`, sent as one step of a `gate` call. */
+/** A stage's script call gathered by `RedisLink.gather`, sent as one step of a `gate` call. */
 export interface Step {
   script: GateStep;
   keys: readonly string[];
   args: readonly (string | number)[];
   resolve: (reply: unknown) => void;
   reject: (error: unknown) => void;
-  /** Told, with the step's keys, arguments and reply, when its call ran after it was failed (see `step`). */
+  /** Told, with the step's keys, arguments and reply, when its call ran after it was failed (see `RedisLink.step`). */
   late?: Late | undefined;
 }
 
@@ -95,11 +95,12 @@ export interface GateCall {
   fn: (steps: () => number) => void;
 }
 
+/** What a step the gate script did not run is rejected with (someone is ahead in the gate's line). */
 export const NOT_RUN = new Error("not run: another caller is ahead in the gate's line");
 
 /**
  * The keys and arguments of the `gate` script call for `calls` under `head`, each call's steps
- * (the stage script calls `gather` collected for it) in `stepsOf`; `now` is its ARGV[1].
+ * (the stage script calls `RedisLink.gather` collected for it) in `stepsOf`; `now` is its ARGV[1].
  */
 export function encodeGateCall(
   head: GateHead,

@@ -107,7 +107,8 @@ function gateReply(
 
 /**
  * A `gate` call of `stepsOf` ran after it was failed, and answered `replies`: each step that says
- * so gives back, told its own reply (read as `gather` reads it; undefined where there is none).
+ * so gives back, told its own reply (read as `readGateReplies` reads it; undefined where there is
+ * none).
  * @internal Exported for its test.
  */
 export function ranLate(stepsOf: readonly (readonly Step[])[], replies: unknown): void {
