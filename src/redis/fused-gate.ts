@@ -12,6 +12,7 @@ import { badSignal, type FusedAdmission, type FusedCall, type FusionHost } from 
 import { settleAll, settleSteps } from "../gate-ticket.js";
 import type { Outcome, Stage, Ticket } from "../types.js";
 import { TurnQueue } from "./batch.js";
+import { FusedWaits, type LineWait, PERMIT_KINDS } from "./fused-waits.js";
 import { type GateCall, type GateHead, type GateReply, NOT_RUN, onWire } from "./gate-call.js";
 import { grantReplies } from "./gate-reply.js";
 import { stageKey } from "./keys.js";
@@ -44,7 +45,7 @@ type Wake = (error?: unknown) => void;
 interface Attempt {
   tickets: Ticket[] | undefined;
   reply: GateReply | undefined;
-  /** Index of the stage a refused call waits for (see `#blame`), or -1. */
+  /** Index of the stage a refused call waits for (see `FusedWaits.blame`), or -1. */
   blame: number;
   /**
    * Refused permits with its steps run (first in the permit line): ms until a permit stage that
@@ -75,9 +76,6 @@ interface Held {
   /** The line's rate waits when the grant was made (`lineRateMs`, `lineRateKey`), if it said. */
   rate?: LineWait;
 }
-
-/** What a reply, or a grant, says of the permit line's waits (see `#stretch`). */
-type LineWait = Pick<GateReply, "lineRateMs" | "lineRateKey" | "moved">;
 
 /** A try's call in its `gate` call: the earlier try whose steps are kept goes with it (`#ranLate`). */
 interface TryCall extends GateCall {
@@ -118,9 +116,6 @@ const NO_TICKETS: readonly Ticket[] = [];
  * are made again. One array a call less for the usual few; a bound for a key per user.
  */
 const MAX_LANES = 1024;
-
-/** Stages that hold a permit while a call runs: a call they refuse waits in the gate's line. */
-const PERMIT_KINDS: ReadonlySet<string> = new Set(["semaphore", "aimd"]);
 
 /** A stage of a fused gate: it admits by gathering its step into the gate's call (`tryStep`). */
 type DirectStage = Stage & Pick<BaseStage, "tryStep">;
@@ -213,8 +208,11 @@ class FusedGate implements FusedAdmission {
     this.#channel = stageKey(settings.prefix, id, "gwake");
     this.#onWire = onWire(this.#channel);
     this.#from = `${this.#onWire}|${this.#token}`;
-    // (Each stage's keys begin so, as Redis names them: see `#stretch`.)
-    this.#keysOf = stages.map((stage) => onWire(stageKey(settings.prefix, stage.name, "")));
+    // (Each stage's keys begin so, as Redis names them: see `FusedWaits.stretch`.)
+    this.#waits = new FusedWaits(
+      stages,
+      stages.map((stage) => onWire(stageKey(settings.prefix, stage.name, ""))),
+    );
     this.#admits = this.#head("all");
     this.#releases = this.#head("each");
     this.#leaves = this.#head("leave");
@@ -230,8 +228,8 @@ class FusedGate implements FusedAdmission {
     }
   }
 
-  /** How each stage's keys begin, as Redis names them. */
-  readonly #keysOf: readonly string[];
+  /** The stage each call waits for, and each stretch of its wait counted against a stage. */
+  readonly #waits: FusedWaits;
 
   /** Stop being told of permits freed outside the gate, one per permit stage. */
   readonly #unhook: (() => void)[] = [];
@@ -278,11 +276,11 @@ class FusedGate implements FusedAdmission {
     let inLine = false;
     this.#trying.add(member);
     // The stage the call waited for since its previous try, and when that try went out; the
-    // permit line's firsts' rate waits in all, as that try's reply said (see `#stretch`).
+    // permit line's firsts' rate waits in all, as that try's reply said (see `FusedWaits.stretch`).
     let blame = -1;
     let since = 0;
     let rateAt = -1;
-    // Refused permits, first in line: ms until a permit could free by itself (see `#refused`).
+    // Refused permits, first in line: ms until a permit could free by itself (see `FusedWaits.refused`).
     let soonest = -1;
     // A call with no time left to wait (`timeoutMs: 0`) only tries: it never takes a place in line.
     const lines = wait && call.deadline > clock.now();
@@ -294,7 +292,7 @@ class FusedGate implements FusedAdmission {
         const at = clock.now();
         const attempt = await this.#attempt(call, member, lane, lines, ++tries, held);
         // The stretch up to this try is counted now that its reply says what the line waited for.
-        this.#stretch(blame, at - since, rateAt, attempt.reply);
+        this.#waits.stretch(blame, at - since, rateAt, attempt.reply);
         since = at;
         rateAt = attempt.reply?.lineRateMs ?? -1;
         if (held) {
@@ -336,7 +334,7 @@ class FusedGate implements FusedAdmission {
             const result = await granted.result;
             // The wait since its last try ended with the grant: counted as a try's would be.
             const now = clock.now();
-            this.#stretch(blame, now - since, rateAt, granted.rate);
+            this.#waits.stretch(blame, now - since, rateAt, granted.rate);
             since = now;
             if (result.tickets) return result.tickets;
             break;
@@ -366,7 +364,7 @@ class FusedGate implements FusedAdmission {
       }
     } catch (error) {
       // Its wait until it gave up (timed out, aborted, closed) counts too.
-      this.#charge(blame, clock.now() - since);
+      this.#waits.charge(blame, clock.now() - since);
       if (held) this.#drop(held);
       if (inLine) this.#leave([{ member, lane }]);
       throw error;
@@ -533,7 +531,11 @@ class FusedGate implements FusedAdmission {
         granted: false,
         steps,
       };
-      const attempt = this.#refused(reply!, answers.stepOf);
+      const attempt: Attempt = {
+        tickets: undefined,
+        reply: reply!,
+        ...this.#waits.refused(reply!, answers.stepOf),
+      };
       attempt.held = held;
       t.resolve(attempt);
       return;
@@ -583,122 +585,14 @@ class FusedGate implements FusedAdmission {
         const again = { ...reply, status: 0, waitMs: Math.min(5, this.#s.pollMs) };
         return { tickets: undefined, reply: again, blame: -1 };
       }
-      return reply ? this.#refused(reply, answers.stepOf) : { tickets: undefined, reply, blame: -1 };
+      return reply
+        ? { tickets: undefined, reply, ...this.#waits.refused(reply, answers.stepOf) }
+        : { tickets: undefined, reply, blame: -1 };
     };
     // Not all admitted: give back what did (a stage that refused on its own, before Redis).
     const admitted = answers.admitted();
     if (admitted.length > 0) return this.together(() => settleAll(admitted, undefined)).then(rest);
     return rest();
-  }
-
-  /**
-   * The stage a refused call waits for: in the permit line, the first permit stage that refused
-   * it (or the first, when someone ahead kept the steps from running); else the metering stage
-   * with the longest wait (or the first, when someone ahead in its lane did). -1 when none.
-   * `stepOf` is each stage's step in the attempt (-1: its stage made no script call).
-   */
-  #blame(reply: GateReply, stepOf: readonly number[]): number {
-    // First in the permit line and refused by a rate only, a call waits for that rate.
-    const forPermits = reply.inLine === "permits" && reply.waitMs < 0;
-    let best = -1;
-    let longest = -1;
-    for (let i = 0; i < this.#stages.length; i++) {
-      if (PERMIT_KINDS.has(this.#stages[i]!.kind) !== forPermits) continue;
-      const step = stepOf[i]!;
-      const r = step < 0 ? undefined : reply.replies[step];
-      if ((r === false || r === null) && best < 0) best = i;
-      if (!Array.isArray(r) || Number(r[0]) !== 0) continue;
-      if (forPermits) return i;
-      if (Number(r[1]) > longest) {
-        longest = Number(r[1]);
-        best = i;
-      }
-    }
-    return best;
-  }
-
-  /**
-   * A refused try: the stage it waits for (`#blame`); whether it is the first in the permit line
-   * (it waits there, and its permit steps ran); and then, ms until the first of the permit stages
-   * that refused it could have room without a release (the soonest of their nearest lease ends
-   * and quarantines, as each acquire's reply says), so that it asks again then, as a stage's own
-   * waiter does, rather than at its next poll: a holder that died frees nothing until its lease
-   * runs out, and tells nobody (-1 when none says, or a rate is what it waits for).
-   */
-  #refused(reply: GateReply, stepOf: readonly number[]): Attempt {
-    let first = false;
-    let soonest = -1;
-    if (reply.inLine === "permits") {
-      for (let i = 0; i < this.#stages.length; i++) {
-        const step = stepOf[i]!;
-        if (!PERMIT_KINDS.has(this.#stages[i]!.kind) || step < 0) continue;
-        const r = reply.replies[step];
-        if (!Array.isArray(r)) continue;
-        first = true;
-        const ms = Number(r[1]);
-        if (reply.waitMs < 0 && Number(r[0]) === 0 && ms >= 0 && (soonest < 0 || ms < soonest)) soonest = ms;
-      }
-    }
-    return { tickets: undefined, reply, blame: this.#blame(reply, stepOf), soonest, first };
-  }
-
-  /**
-   * Count a stretch of `ms` of waiting, up to a try whose reply (or grant) is `reply`, as the
-   * wait of stage `i` (see `#blame`); but for its part while the permit line's firsts kept their
-   * place waiting for a rate (they wait for it, and so does everyone behind them, as in a fused
-   * memory gate, where the first steps aside into its lane and those behind follow it there),
-   * which counts at that rate's stage: the growth of their rate waits in all since the call's
-   * previous reply (`rateAt`, -1 when that reply did not say), at most the stretch. When the
-   * permit line took the call with its lane meanwhile (`moved`), its part from then on counts at
-   * the permit stage that refused its lane's first, as in memory, but for the line's rate waits
-   * since then.
-   */
-  #stretch(i: number, ms: number, rateAt: number, reply: LineWait | undefined): void {
-    const moved = reply?.moved;
-    if (moved !== undefined && ms > 0) {
-      // The permit line took it with its lane meanwhile: its lane's wait up to then; from then on,
-      // it waited for the permit stage that refused its lane's first (but for the line's rates).
-      const after = Math.min(ms, moved.agoMs);
-      this.#charge(i, ms - after);
-      const permit = this.#stageOfKey(moved.key, true);
-      this.#inLine(permit < 0 ? i : permit, after, moved.lineRateMs, reply!);
-      return;
-    }
-    if (rateAt < 0 || reply?.lineRateMs === undefined || !(ms > 0)) {
-      this.#charge(i, ms);
-      return;
-    }
-    this.#inLine(i, ms, rateAt, reply);
-  }
-
-  /**
-   * Count `ms` waited in the permit line as the wait of stage `i`, but for the growth of its
-   * firsts' rate waits since `rateAt` (at most `ms`), at that rate's stage (see `#stretch`).
-   */
-  #inLine(i: number, ms: number, rateAt: number, reply: LineWait): void {
-    const total = reply.lineRateMs ?? rateAt;
-    const stage = this.#stageOfKey(reply.lineRateKey ?? "", false);
-    const rate = stage < 0 ? 0 : Math.min(ms, Math.max(0, total - rateAt));
-    if (rate > 0) this.#charge(stage, rate);
-    this.#charge(i, ms - rate);
-  }
-
-  /** The permit stage (`permits`) or metering stage whose keys `key` is one of (the longest match), or -1. */
-  #stageOfKey(key: string, permits: boolean): number {
-    let best = -1;
-    for (let i = 0; i < this.#stages.length; i++) {
-      const start = this.#keysOf[i]!;
-      if (PERMIT_KINDS.has(this.#stages[i]!.kind) !== permits || !key.startsWith(start)) continue;
-      if (best < 0 || start.length > this.#keysOf[best]!.length) best = i;
-    }
-    return best;
-  }
-
-  /** Count `ms` of waiting as the wait of stage `i` (see `#blame`). */
-  #charge(i: number, ms: number): void {
-    if (i < 0 || !(ms > 0)) return;
-    const stage = this.#stages[i] as Partial<BaseStage>;
-    stage.countWait?.(PERMIT_KINDS.has(stage.kind!) ? "permit" : "token", ms);
   }
 
   /** Releases: with this turn's others in one `gate` call. */
