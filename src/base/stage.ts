@@ -819,7 +819,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     if (!w.list) return;
     w.timer = undefined;
     // Capacity that becomes free at this very instant still counts as in time.
-    const due = this.grantDue(w.list, w.key);
+    const due = this.grantDue(w.list, w.key, w);
     if (due) void due.then(() => this.expire(w, timeoutMs));
     else this.expire(w, timeoutMs);
   }
@@ -836,9 +836,9 @@ export abstract class BaseStage implements Stage, WaiterOwner {
 
   /**
    * Grant whatever on `list` is due now; time-driven stages override it. A promise means the
-   * answer is on its way (a Redis call); the timeout waits for it.
+   * answer is on its way (a Redis call); the timeout of `_waiter` (on `list`) waits for it.
    */
-  protected grantDue(_list: AnyList, _key: string): Promise<void> | undefined {
+  protected grantDue(_list: AnyList, _key: string, _waiter?: WaitEntry): Promise<void> | undefined {
     return undefined;
   }
 

@@ -99,8 +99,23 @@ export abstract class RedisLineStage<L extends RedisLine> extends KeyedLineStage
     return line.busy;
   }
 
-  protected override grantDue(list: WaitList, key: string): Promise<void> | undefined {
-    return this.serveLine(list as L, key);
+  /**
+   * What is due on `list` now, for the timeout of `waiter`: the head asked for, and each head after
+   * it that a grant goes on to at once (`serveLine`), while `waiter` is still in line. Its own
+   * place may come at this same instant (a spacing of 0 after a pause), as in memory, where every
+   * waiter whose slot has come goes at once.
+   */
+  protected override grantDue(list: WaitList, key: string, waiter?: WaitEntry): Promise<void> | undefined {
+    const line = list as L;
+    const busy = this.serveLine(line, key);
+    return busy?.then(() => this.#stillDue(line, waiter));
+  }
+
+  /** The call out for `line`'s next head, made as the one before was granted, while `waiter` waits there. */
+  #stillDue(line: L, waiter: WaitEntry | undefined): Promise<void> | undefined {
+    const busy = line.busy;
+    if (waiter === undefined || waiter.list !== line || busy === undefined) return undefined;
+    return busy.then(() => this.#stillDue(line, waiter));
   }
 
   protected afterWaiterGone(list: WaitList, waiter: Waiter): void {

@@ -758,6 +758,19 @@ const KNOWN: Partial<Record<Kind, Run[]>> = {
       ],
       random: 0,
     },
+    // A spacing of 0 and two callers waiting out a pause that a jump ends at the instant the
+    // second one's timeout is due: memory let both go; Redis let the head go, then timed the
+    // second out while its own call, made as the head's grant came back, was still out.
+    {
+      spec: { kind: "intervalGate", options: { minIntervalMs: 0 }, maxCost: 2147483647 },
+      ops: [
+        { op: "pause", ms: 1 },
+        { op: "admit", cost: 0, timeoutMs: 50 },
+        { op: "admit", cost: 0, timeoutMs: 1 },
+        { op: "step", ms: 1e9 },
+      ],
+      random: 0,
+    },
   ],
   tokenBucket: [
     // Rejected every call on Redis with ERR value is not an integer or out of range (PEXPIRE
