@@ -201,10 +201,22 @@ export class RedisProcess {
   }
 }
 
-/** Runs `redis-cli` against 127.0.0.1 and returns its output. */
+/**
+ * Runs `redis-cli` against 127.0.0.1 and returns its output. A failure says why: killed at
+ * `timeoutMs`, or its exit code, with the end of what it printed.
+ */
 async function cli(args: string[], timeoutMs = 10_000): Promise<string> {
-  const { stdout } = await run("redis-cli", args, { timeout: timeoutMs });
-  return stdout;
+  try {
+    const { stdout } = await run("redis-cli", args, { timeout: timeoutMs });
+    return stdout;
+  } catch (error) {
+    const e = error as { killed?: boolean; code?: unknown; stdout?: string; stderr?: string };
+    const why = e.killed ? `killed after ${timeoutMs} ms` : `exit code ${String(e.code)}`;
+    const said = `${e.stdout ?? ""}${e.stderr ?? ""}`.trim().split("\n").slice(-5).join(" | ");
+    throw new Error(`redis-cli ${args.join(" ")}: ${why}${said ? `; it said: ${said}` : ""}`, {
+      cause: error,
+    });
+  }
 }
 
 /**
@@ -249,14 +261,18 @@ export class RedisCluster {
         );
       }
       await Promise.all(this.nodes.map((node) => node.start()));
-      await cli([
-        "--cluster",
-        "create",
-        ...this.nodes.map((node) => `127.0.0.1:${node.port}`),
-        "--cluster-replicas",
-        "0",
-        "--cluster-yes",
-      ]);
+      // (It waits for the nodes to agree, polling once a second: room for a loaded machine.)
+      await cli(
+        [
+          "--cluster",
+          "create",
+          ...this.nodes.map((node) => `127.0.0.1:${node.port}`),
+          "--cluster-replicas",
+          "0",
+          "--cluster-yes",
+        ],
+        30_000,
+      );
       await this.waitForOk();
     } catch (error) {
       await this.stop();
