@@ -45,7 +45,7 @@ type Wake = (error?: unknown) => void;
 interface Attempt {
   tickets: Ticket[] | undefined;
   reply: GateReply | undefined;
-  /** Index of the stage a refused call waits for (see `FusedWaits.blame`), or -1. */
+  /** Index of the stage a refused call waits for (see `FusedWaits.refused`), or -1. */
   blame: number;
   /**
    * Refused permits with its steps run (first in the permit line): ms until a permit stage that
@@ -531,11 +531,7 @@ class FusedGate implements FusedAdmission {
         granted: false,
         steps,
       };
-      const attempt: Attempt = {
-        tickets: undefined,
-        reply: reply!,
-        ...this.#waits.refused(reply!, answers.stepOf),
-      };
+      const attempt = this.#refused(reply!, answers.stepOf);
       attempt.held = held;
       t.resolve(attempt);
       return;
@@ -585,14 +581,17 @@ class FusedGate implements FusedAdmission {
         const again = { ...reply, status: 0, waitMs: Math.min(5, this.#s.pollMs) };
         return { tickets: undefined, reply: again, blame: -1 };
       }
-      return reply
-        ? { tickets: undefined, reply, ...this.#waits.refused(reply, answers.stepOf) }
-        : { tickets: undefined, reply, blame: -1 };
+      return reply ? this.#refused(reply, answers.stepOf) : { tickets: undefined, reply, blame: -1 };
     };
     // Not all admitted: give back what did (a stage that refused on its own, before Redis).
     const admitted = answers.admitted();
     if (admitted.length > 0) return this.together(() => settleAll(admitted, undefined)).then(rest);
     return rest();
+  }
+
+  /** A refused try, as its reply says (`FusedWaits.refused`): the stage it waits for, and more. */
+  #refused(reply: GateReply, stepOf: readonly number[]): Attempt {
+    return { tickets: undefined, reply, ...this.#waits.refused(reply, stepOf) };
   }
 
   /** Releases: with this turn's others in one `gate` call. */

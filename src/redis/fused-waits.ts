@@ -16,7 +16,7 @@ export type LineWait = Pick<GateReply, "lineRateMs" | "lineRateKey" | "moved">;
 
 /** What a refused try says of its wait (see `FusedWaits.refused`). */
 export interface Refusal {
-  /** Index of the stage the call waits for (see `FusedWaits.blame`), or -1. */
+  /** Index of the stage the call waits for (see `FusedWaits.refused`), or -1. */
   blame: number;
   /**
    * First in the permit line: ms until a permit stage that refused it could have room by itself
@@ -41,7 +41,7 @@ export class FusedWaits {
    * with the longest wait (or the first, when someone ahead in its lane did). -1 when none.
    * `stepOf` is each stage's step in the attempt (-1: its stage made no script call).
    */
-  blame(reply: GateReply, stepOf: readonly number[]): number {
+  #blame(reply: GateReply, stepOf: readonly number[]): number {
     // First in the permit line and refused by a rate only, a call waits for that rate.
     const forPermits = reply.inLine === "permits" && reply.waitMs < 0;
     let best = -1;
@@ -62,7 +62,7 @@ export class FusedWaits {
   }
 
   /**
-   * A refused try: the stage it waits for (`blame`); whether it is the first in the permit line
+   * A refused try: the stage it waits for (`#blame`); whether it is the first in the permit line
    * (it waits there, and its permit steps ran); and then, ms until the first of the permit stages
    * that refused it could have room without a release (the soonest of their nearest lease ends
    * and quarantines, as each acquire's reply says), so that it asks again then, as a stage's own
@@ -83,12 +83,12 @@ export class FusedWaits {
         if (reply.waitMs < 0 && Number(r[0]) === 0 && ms >= 0 && (soonest < 0 || ms < soonest)) soonest = ms;
       }
     }
-    return { blame: this.blame(reply, stepOf), soonest, first };
+    return { blame: this.#blame(reply, stepOf), soonest, first };
   }
 
   /**
    * Count a stretch of `ms` of waiting, up to a try whose reply (or grant) is `reply`, as the
-   * wait of stage `i` (see `blame`); but for its part while the permit line's firsts kept their
+   * wait of stage `i` (see `#blame`); but for its part while the permit line's firsts kept their
    * place waiting for a rate (they wait for it, and so does everyone behind them, as in a fused
    * memory gate, where the first steps aside into its lane and those behind follow it there),
    * which counts at that rate's stage: the growth of their rate waits in all since the call's
@@ -138,7 +138,7 @@ export class FusedWaits {
     return best;
   }
 
-  /** Count `ms` of waiting as the wait of stage `i` (see `blame`). */
+  /** Count `ms` of waiting as the wait of stage `i` (see `#blame`). */
   charge(i: number, ms: number): void {
     if (i < 0 || !(ms > 0)) return;
     const stage = this.stages[i] as Partial<BaseStage>;
