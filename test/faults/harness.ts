@@ -30,10 +30,19 @@ export const IN_FLIGHT_BOUND_MS = POLL_MS * 1.5 + 2 * COMMAND_TIMEOUT_MS + SLACK
 /** From the fault's end to the first admitted call: a reconnect (50 ms apart) and one round trip, plus slack. */
 export const RECOVERY_BOUND_MS = 3_000;
 
-/** How many NOSCRIPT replies Redis has sent since it started (its error statistics). */
+/**
+ * How many NOSCRIPT replies Redis has sent since it started (its error statistics, Redis 6.2 and
+ * later). A server without error statistics (Redis 6.0) cannot count them: there it is how many
+ * scripts were sent by their body (`EVAL`), which a client does after NOSCRIPT, and once for
+ * each script on each new connection. Take it after every script has run once, then again.
+ */
 export async function noscriptReplies(admin: Redis): Promise<number> {
   const info = await admin.info("errorstats");
-  return Number(/errorstat_NOSCRIPT:count=(\d+)/.exec(info)?.[1] ?? 0);
+  if (/^# Errorstats/m.test(info)) {
+    return Number(/errorstat_NOSCRIPT:count=(\d+)/.exec(info)?.[1] ?? 0);
+  }
+  const stats = await admin.info("commandstats");
+  return Number(/^cmdstat_eval:calls=(\d+)/m.exec(stats)?.[1] ?? 0);
 }
 
 /** A redis-server of this file's own on a free loopback port; fails with an install hint when there is none. */

@@ -29,6 +29,9 @@ describe("script cache flushed without a pause", () => {
     const backend = redis(client, { prefix: randomPrefix("noscript"), commandTimeoutMs: 5000 });
     const bucket = backend.tokenBucket("b", { keyed: true, capacity: 1000, refillPerSecond: 1000 });
     const sem = backend.semaphore("s", { limit: 1000 });
+    // Each script run once first, so that only a flush makes the client send it again.
+    await bucket.tryAdmit({ key: "k0" });
+    await (await sem.admit()).release("success");
     const before = await noscriptReplies(admin);
     let flushing = true;
     const flusher = (async () => {

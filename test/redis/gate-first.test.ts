@@ -15,7 +15,7 @@ import type { Redis } from "ioredis";
 import { describe, expect, it } from "vitest";
 import { scriptSha, scriptSource } from "../../src/redis/scripts.js";
 import { useClients } from "./clients.js";
-import { ROOT, randomPrefix, seeded, until, within } from "./helpers.js";
+import { ROOT, randomPrefix, scriptsKnowVersion, seeded, until, within } from "./helpers.js";
 
 /**
  * The gate script as it was before its first pass: the same text with that pass left out, but
@@ -972,9 +972,11 @@ describe("the first pass of a gate call", () => {
     expect(whole.replies).toEqual(rest.replies);
     expect(whole.state).toEqual(rest.state);
     // Each turn of first tries that wait, put in line by the first pass (kept steps or not); not
-    // the turn with a try in it.
+    // the turn with a try in it. (Before Redis 7.0 a script cannot tell whether the server has
+    // ZMSCORE, and the first pass takes lone calls only: every turn goes on to the rest.)
+    const turnsFirst = await scriptsKnowVersion(look);
     const joined = says.replies.flatMap((r, i) => (r === '"joined"' ? [i] : []));
-    for (const t of turns) expect(joined.includes(again.indexOf(t.call))).toBe(t.joins);
+    for (const t of turns) expect(joined.includes(again.indexOf(t.call))).toBe(t.joins && turnsFirst);
     expect(joined).not.toContain(resent);
     expect(joined).not.toContain(doubled);
     expect(JSON.parse(whole.replies[doubled]!)).toHaveLength(2);

@@ -260,3 +260,15 @@ export async function evalCallsReach(client: Redis, n: number, what: string): Pr
   await until(async () => (await evalCalls(client)) === n, { timeoutMs: 5000, message: what });
   return n;
 }
+
+/**
+ * Whether `client`'s server gives scripts its version (`redis.REDIS_VERSION_NUM`, Redis 7.0 and
+ * later): a gate's script decides a turn of alike admissions in its first pass, and puts a turn's
+ * leases into a permit stage with one command, only where it can tell the server has `ZMSCORE`.
+ */
+export async function scriptsKnowVersion(client: Redis): Promise<boolean> {
+  const info = await client.info("server");
+  const major = Number(/^redis_version:(\d+)\./m.exec(info)?.[1]);
+  if (!Number.isInteger(major)) throw new Error(`no redis_version in INFO server: ${info.slice(0, 200)}`);
+  return major >= 7;
+}

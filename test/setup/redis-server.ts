@@ -39,6 +39,42 @@ export async function freePorts(count: number): Promise<number[]> {
   }
 }
 
+/**
+ * `count` free TCP ports on 127.0.0.1 whose port + 10000 is free too (each held open while the
+ * next is found, then all released): the cluster bus ports of servers before Redis 7.0, which
+ * cannot be given one (`--cluster-port`).
+ */
+async function freePortsWithBus(count: number): Promise<number[]> {
+  const held: Server[] = [];
+  const hold = async (port: number): Promise<boolean> => {
+    const server = createServer();
+    server.listen(port, "127.0.0.1");
+    const ok = await Promise.race([
+      once(server, "listening").then(() => true),
+      once(server, "error").then(() => false),
+    ]);
+    if (ok) held.push(server);
+    return ok;
+  };
+  const found: number[] = [];
+  try {
+    for (let tries = 0; found.length < count; tries++) {
+      if (tries > 200) throw new Error(`no ${count} free loopback ports with port + 10000 free`);
+      const port = 20_000 + Math.floor(Math.random() * 35_000);
+      if (!(await hold(port))) continue;
+      if (await hold(port + 10_000)) found.push(port);
+    }
+    return found;
+  } finally {
+    await Promise.all(
+      held.map(async (server) => {
+        server.close();
+        await once(server, "close");
+      }),
+    );
+  }
+}
+
 /** Resolves once something answers PING on the port, or throws after `timeoutMs`. */
 export async function waitForRedis(port: number, timeoutMs = 10_000): Promise<void> {
   const deadline = Date.now() + timeoutMs;
@@ -82,6 +118,31 @@ function have(binary: string): boolean {
   } catch {
     return false;
   }
+}
+
+/** The major version of the `redis-server` on the PATH (7 for 7.0.15), read once. */
+let major: number | undefined;
+export function redisServerMajor(): number {
+  if (major === undefined) {
+    const said = execFileSync("redis-server", ["--version"], { encoding: "utf8" });
+    major = Number(/\bv=(\d+)\./.exec(said)?.[1]);
+    if (!Number.isInteger(major)) throw new Error(`redis-server --version said no version: ${said}`);
+  }
+  return major;
+}
+
+/**
+ * `args` as a `redis-server` before 7.0 takes them: without `--enable-debug-command` (it has
+ * `DEBUG` always), which it would refuse to start with.
+ */
+function argsFor(args: readonly string[]): string[] {
+  if (redisServerMajor() >= 7) return [...args];
+  const out: string[] = [];
+  for (let i = 0; i < args.length; i++) {
+    if (args[i] === "--enable-debug-command") i++;
+    else out.push(args[i]!);
+  }
+  return out;
 }
 
 /** True when a `redis-server` binary is on the PATH. */
@@ -178,7 +239,7 @@ export class RedisProcess {
         "no",
         "--protected-mode",
         "yes",
-        ...this.extraArgs,
+        ...argsFor(this.extraArgs),
       ],
       { stdio: "ignore" },
     );
@@ -238,8 +299,10 @@ export class RedisCluster {
       const dir = await mkdtemp(join(tmpdir(), "floodgate-cluster-"));
       this.#dir = dir;
       // A data port and a cluster bus port per node: the default bus port (port + 10000) may not
-      // exist for an ephemeral port, or may be taken.
-      const ports = await freePorts(size * 2);
+      // exist for an ephemeral port, or may be taken. (Before Redis 7.0 it is always port + 10000:
+      // ports are chosen so that it is free.)
+      const busPort = redisServerMajor() >= 7;
+      const ports = busPort ? await freePorts(size * 2) : await freePortsWithBus(size);
       for (let i = 0; i < size; i++) {
         const port = ports[i]!;
         const nodeDir = join(dir, String(port));
@@ -252,8 +315,7 @@ export class RedisCluster {
             join(dir, `nodes-${port}.conf`),
             "--cluster-node-timeout",
             "5000",
-            "--cluster-port",
-            String(ports[size + i]!),
+            ...(busPort ? ["--cluster-port", String(ports[size + i]!)] : []),
             "--dir",
             nodeDir,
             ...extraArgs,
