@@ -36,7 +36,7 @@
 -- and so, while nobody is in the permit line, its first try while someone else is first in its
 -- lane takes its place at the back of the lane (first_lane, below).
 --
--- A turn of admissions (up to 64 calls, on Redis 6.2 or later: see ZMSCORE below) is decided here
+-- A turn of admissions (up to 64 calls, on Redis 7.0 or later: see ZMSCORE below) is decided here
 -- the same way when every call after the first repeats the one before it (the same lane, steps
 -- and keys, with arguments of its own only: lua/gate.lua, ARGV[5]) and none holds a grant or asks
 -- again for one: each stage's state read once, the calls looked at in turn as fast() looks at

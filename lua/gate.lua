@@ -1068,8 +1068,8 @@ fast = function(list, flat, granting, careful)
   local first = list[1]
   if not first then return 0 end
   -- The leases of two calls or more go in with one command per permit stage, once every member
-  -- is known to be new (ZMSCORE, Redis 6.2; older servers take them one by one, `careful`, as
-  -- when one is not).
+  -- is known to be new (ZMSCORE, Redis 6.2; scripts are told the server's version from 7.0, so
+  -- older servers take them one by one, `careful`, as when one is not).
   local batch = not careful and list[2] ~= nil and (redis.REDIS_VERSION_NUM or 0) >= 0x060200
   local nflat = #flat
   -- The gate's line, the first call's lane and its permit stages' lines, looked at in one
