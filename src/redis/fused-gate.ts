@@ -12,7 +12,7 @@ import { badSignal, type FusedAdmission, type FusedCall, type FusionHost } from 
 import { settleAll, settleSteps } from "../gate-ticket.js";
 import type { Outcome, Stage, Ticket } from "../types.js";
 import { TurnQueue } from "./batch.js";
-import { FusedWaits, type LineWait, PERMIT_KINDS } from "./fused-waits.js";
+import { FusedWaits, type LineWait, PERMIT_KINDS, type Refusal } from "./fused-waits.js";
 import { type GateCall, type GateHead, type GateReply, NOT_RUN, onWire } from "./gate-call.js";
 import { grantReplies } from "./gate-reply.js";
 import { stageKey } from "./keys.js";
@@ -41,19 +41,13 @@ export class RedisFusion implements FusionHost {
 /** A waiting call's way to be woken early: with no error by a wake message, with one on close. */
 type Wake = (error?: unknown) => void;
 
-/** What one try of every stage gave: all tickets, or the reply and the stage the call waits for. */
-interface Attempt {
+/**
+ * What one try of every stage gave: all tickets, or the reply and what it says of the wait
+ * (`Refusal`: the stage the call waits for, -1 when admitted or none; the rest when refused).
+ */
+interface Attempt extends Pick<Refusal, "blame">, Partial<Omit<Refusal, "blame">> {
   tickets: Ticket[] | undefined;
   reply: GateReply | undefined;
-  /** Index of the stage a refused call waits for (see `FusedWaits.refused`), or -1. */
-  blame: number;
-  /**
-   * Refused permits with its steps run (first in the permit line): ms until a permit stage that
-   * refused it could have room by itself (its nearest lease ends, or its quarantine), or -1.
-   */
-  soonest?: number;
-  /** It is the first in the permit line (its permit steps ran, and it waits there). */
-  first?: boolean;
   /** The call waits in the permit line with this try's steps kept, for a release to admit. */
   held?: Held;
   /** The replies to the kept steps of the call's earlier try, which a release admitted. */

@@ -29,11 +29,14 @@ export interface Refusal {
 
 /** The waits of one fused gate's calls, read from their replies and counted against its stages. */
 export class FusedWaits {
-  constructor(
-    readonly stages: readonly Stage[],
-    /** How each stage's keys begin, as Redis names them. */
-    readonly keysOf: readonly string[],
-  ) {}
+  readonly #stages: readonly Stage[];
+  /** How each stage's keys begin, as Redis names them. */
+  readonly #keysOf: readonly string[];
+
+  constructor(stages: readonly Stage[], keysOf: readonly string[]) {
+    this.#stages = stages;
+    this.#keysOf = keysOf;
+  }
 
   /**
    * The stage a refused call waits for: in the permit line, the first permit stage that refused
@@ -46,8 +49,8 @@ export class FusedWaits {
     const forPermits = reply.inLine === "permits" && reply.waitMs < 0;
     let best = -1;
     let longest = -1;
-    for (let i = 0; i < this.stages.length; i++) {
-      if (PERMIT_KINDS.has(this.stages[i]!.kind) !== forPermits) continue;
+    for (let i = 0; i < this.#stages.length; i++) {
+      if (PERMIT_KINDS.has(this.#stages[i]!.kind) !== forPermits) continue;
       const step = stepOf[i]!;
       const r = step < 0 ? undefined : reply.replies[step];
       if ((r === false || r === null) && best < 0) best = i;
@@ -73,9 +76,9 @@ export class FusedWaits {
     let first = false;
     let soonest = -1;
     if (reply.inLine === "permits") {
-      for (let i = 0; i < this.stages.length; i++) {
+      for (let i = 0; i < this.#stages.length; i++) {
         const step = stepOf[i]!;
-        if (!PERMIT_KINDS.has(this.stages[i]!.kind) || step < 0) continue;
+        if (!PERMIT_KINDS.has(this.#stages[i]!.kind) || step < 0) continue;
         const r = reply.replies[step];
         if (!Array.isArray(r)) continue;
         first = true;
@@ -130,10 +133,10 @@ export class FusedWaits {
   /** The permit stage (`permits`) or metering stage whose keys `key` is one of (the longest match), or -1. */
   #stageOfKey(key: string, permits: boolean): number {
     let best = -1;
-    for (let i = 0; i < this.stages.length; i++) {
-      const start = this.keysOf[i]!;
-      if (PERMIT_KINDS.has(this.stages[i]!.kind) !== permits || !key.startsWith(start)) continue;
-      if (best < 0 || start.length > this.keysOf[best]!.length) best = i;
+    for (let i = 0; i < this.#stages.length; i++) {
+      const start = this.#keysOf[i]!;
+      if (PERMIT_KINDS.has(this.#stages[i]!.kind) !== permits || !key.startsWith(start)) continue;
+      if (best < 0 || start.length > this.#keysOf[best]!.length) best = i;
     }
     return best;
   }
@@ -141,7 +144,7 @@ export class FusedWaits {
   /** Count `ms` of waiting as the wait of stage `i` (see `#blame`). */
   charge(i: number, ms: number): void {
     if (i < 0 || !(ms > 0)) return;
-    const stage = this.stages[i] as Partial<BaseStage>;
+    const stage = this.#stages[i] as Partial<BaseStage>;
     stage.countWait?.(PERMIT_KINDS.has(stage.kind!) ? "permit" : "token", ms);
   }
 }

@@ -14,28 +14,43 @@ export async function freePort(): Promise<number> {
   return port!;
 }
 
+/** Listen on `port` (0: any free one) on 127.0.0.1 into `held`; the port, or undefined when taken. */
+async function hold(port: number, held: Server[]): Promise<number | undefined> {
+  const server = createServer();
+  server.listen(port, "127.0.0.1");
+  const ok = await Promise.race([
+    once(server, "listening").then(() => true),
+    once(server, "error").then(() => false),
+  ]);
+  if (!ok) return undefined;
+  held.push(server);
+  const address = server.address();
+  return typeof address === "object" && address ? address.port : undefined;
+}
+
+/** Close every server in `held`. */
+async function release(held: readonly Server[]): Promise<void> {
+  await Promise.all(
+    held.map(async (server) => {
+      server.close();
+      await once(server, "close");
+    }),
+  );
+}
+
 /** `count` distinct free TCP ports on 127.0.0.1 (all held open at once, then released). */
 export async function freePorts(count: number): Promise<number[]> {
-  const servers: Server[] = [];
+  const held: Server[] = [];
   try {
+    const ports: number[] = [];
     for (let i = 0; i < count; i++) {
-      const server = createServer();
-      servers.push(server);
-      server.listen(0, "127.0.0.1");
-      await once(server, "listening");
+      const port = await hold(0, held);
+      if (port === undefined) throw new Error("no free loopback port");
+      ports.push(port);
     }
-    return servers.map((server) => {
-      const address = server.address();
-      return typeof address === "object" && address ? address.port : 0;
-    });
+    return ports;
   } finally {
-    await Promise.all(
-      servers.map(async (server) => {
-        if (!server.listening) return;
-        server.close();
-        await once(server, "close");
-      }),
-    );
+    await release(held);
   }
 }
 
@@ -46,32 +61,17 @@ export async function freePorts(count: number): Promise<number[]> {
  */
 async function freePortsWithBus(count: number): Promise<number[]> {
   const held: Server[] = [];
-  const hold = async (port: number): Promise<boolean> => {
-    const server = createServer();
-    server.listen(port, "127.0.0.1");
-    const ok = await Promise.race([
-      once(server, "listening").then(() => true),
-      once(server, "error").then(() => false),
-    ]);
-    if (ok) held.push(server);
-    return ok;
-  };
   const found: number[] = [];
   try {
     for (let tries = 0; found.length < count; tries++) {
       if (tries > 200) throw new Error(`no ${count} free loopback ports with port + 10000 free`);
       const port = 20_000 + Math.floor(Math.random() * 35_000);
-      if (!(await hold(port))) continue;
-      if (await hold(port + 10_000)) found.push(port);
+      if ((await hold(port, held)) === undefined) continue;
+      if ((await hold(port + 10_000, held)) !== undefined) found.push(port);
     }
     return found;
   } finally {
-    await Promise.all(
-      held.map(async (server) => {
-        server.close();
-        await once(server, "close");
-      }),
-    );
+    await release(held);
   }
 }
 
@@ -122,7 +122,7 @@ function have(binary: string): boolean {
 
 /** The major version of the `redis-server` on the PATH (7 for 7.0.15), read once. */
 let major: number | undefined;
-export function redisServerMajor(): number {
+function redisServerMajor(): number {
   if (major === undefined) {
     const said = execFileSync("redis-server", ["--version"], { encoding: "utf8" });
     major = Number(/\bv=(\d+)\./.exec(said)?.[1]);
