@@ -294,9 +294,7 @@ export class RedisLink {
           published(
             new BackendUnavailableError(
               stage,
-              isConnectionError(error)
-                ? `Redis failed: ${message(error)}`
-                : `Redis refused ${script}: ${message(error)}`,
+              isConnectionError(error) ? `Redis failed: ${message(error)}` : refused(script, error),
               { cause: error },
             ),
           ),
@@ -445,4 +443,18 @@ export function maybeSent(error: unknown): boolean {
 
 function message(error: unknown): string {
   return error instanceof Error ? error.message : String(error);
+}
+
+/**
+ * What a call fails with when Redis answers `script` with `error` instead of a reply; with what
+ * to do about it when that is known: a server whose Lua has no `cjson` (Debian 11's packaged
+ * `redis-server` is built so) cannot run a fused gate's script, ever.
+ */
+export function refused(script: string, error: unknown): string {
+  const text = message(error);
+  const hint = /nonexistent global variable 'cjson'/.test(text)
+    ? " (this server's Lua has no cjson, which a fused gate's script needs: build the gate with" +
+      ' `fuse: false`, or run a Redis built with its own Lua; see docs/redis.md, "Which Redis")'
+    : "";
+  return `Redis refused ${script}: ${text}${hint}`;
 }

@@ -2,6 +2,7 @@ import { BackendUnavailableError } from "floodgate";
 import { redis } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { refused } from "../../src/redis/link.js";
 import { redisUrl } from "../contract/backends.js";
 import { closeClient, connectedClient, randomPrefix } from "./helpers.js";
 
@@ -33,5 +34,33 @@ describe("a script Redis refuses to run", () => {
     }
     expect(sem.snapshot()).toMatchObject({ waiting: 0, inFlight: 0 });
     await backend.close();
+  });
+});
+
+describe("what a refused script call says", () => {
+  // As Debian 11's packaged redis-server 6.0.16 answers a fused gate's script (its Lua has no cjson).
+  const noCjson = new Error(
+    "ERR Error running script (call to f_7816f10f8c0fae440aadd34ee5affc30a358af10): @enable_strict_lua:15: " +
+      "user_script:2628: Script attempted to access nonexistent global variable 'cjson'",
+  );
+
+  it("says what to do when the server's Lua has no cjson", () => {
+    const text = refused("gate", noCjson);
+    expect(text).toMatch(/^Redis refused gate: ERR Error running script/);
+    expect(text).toContain("nonexistent global variable 'cjson'");
+    expect(text).toContain("this server's Lua has no cjson");
+    expect(text).toContain("`fuse: false`");
+  });
+
+  it("passes any other error on as Redis said it", () => {
+    const wrongType = new Error("WRONGTYPE Operation against a key holding the wrong kind of value");
+    expect(refused("semaphore-acquire", wrongType)).toBe(
+      `Redis refused semaphore-acquire: ${wrongType.message}`,
+    );
+    expect(refused("gate", "a string")).toBe("Redis refused gate: a string");
+    // Another global missing is not the cjson case.
+    expect(
+      refused("gate", new Error("Script attempted to access nonexistent global variable 'bit'")),
+    ).not.toContain("fuse: false");
   });
 });
