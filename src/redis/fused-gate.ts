@@ -4,20 +4,20 @@
  * call too. A call a permit stage refuses waits in the gate's line in Redis, holding nothing.
  */
 import { randomBytes } from "node:crypto";
-import { SignalWaits } from "../base/signal-waits.js";
 import type { BaseStage, StepDone } from "../base/stage.js";
-import type { Clock, ClockTimer } from "../clock.js";
-import { AdmitTimeoutError } from "../errors.js";
-import { badSignal, type FusedAdmission, type FusedCall, type FusionHost } from "../fuse.js";
+import type { Clock } from "../clock.js";
+import type { FusedAdmission, FusedCall, FusionHost } from "../fuse.js";
 import { settleAll, settleSteps } from "../gate-ticket.js";
 import type { Outcome, Stage, Ticket } from "../types.js";
 import { TurnQueue } from "./batch.js";
-import { FusedWaits, type LineWait, PERMIT_KINDS, type Refusal } from "./fused-waits.js";
+import { FreedPermits } from "./fused-freed.js";
+import { type Attempt, type Held, KeptTries } from "./fused-kept.js";
+import { FusedSleeps } from "./fused-sleeps.js";
+import { FusedWaits } from "./fused-waits.js";
 import { type GateCall, type GateHead, type GateReply, NOT_RUN, onWire } from "./gate-call.js";
 import { grantReplies } from "./gate-reply.js";
 import { stageKey } from "./keys.js";
 import type { RedisLink } from "./link.js";
-import type { RedisPermitStage } from "./permit-stage.js";
 
 /** What the fused gates of one Redis backend share. */
 export interface FusionSettings {
@@ -36,39 +36,6 @@ export class RedisFusion implements FusionHost {
   fuse(gate: string, stages: readonly Stage[]): FusedAdmission {
     return new FusedGate(gate, stages, this.settings);
   }
-}
-
-/** A waiting call's way to be woken early: with no error by a wake message, with one on close. */
-type Wake = (error?: unknown) => void;
-
-/**
- * What one try of every stage gave: all tickets, or the reply and what it says of the wait
- * (`Refusal`: the stage the call waits for, -1 when admitted or none; the rest when refused).
- */
-interface Attempt extends Pick<Refusal, "blame">, Partial<Omit<Refusal, "blame">> {
-  tickets: Ticket[] | undefined;
-  reply: GateReply | undefined;
-  /** The call waits in the permit line with this try's steps kept, for a release to admit. */
-  held?: Held;
-  /** The replies to the kept steps of the call's earlier try, which a release admitted. */
-  collected?: unknown[];
-}
-
-/** A try whose steps Redis keeps while its call waits in the permit line (lua/gate.lua, grants). */
-interface Held {
-  try: number;
-  /** Settle the try's steps: with a grant's replies, or with none (they did not run). Once. */
-  settle: (replies: unknown[] | undefined) => void;
-  /** What the try gives once settled. */
-  result: Promise<Attempt>;
-  /** A grant settled it. */
-  granted: boolean;
-  /** How many steps the try has: a grant's replies are one per step, then the line's rate waits. */
-  steps: number;
-  /** A later try run late collected a grant of these steps after `settle` settled them as not run. */
-  collectedLate: (replies: unknown[]) => void;
-  /** The line's rate waits when the grant was made (`lineRateMs`, `lineRateKey`), if it said. */
-  rate?: LineWait;
 }
 
 /** A try's call in its `gate` call: the earlier try whose steps are kept goes with it (`#ranLate`). */
@@ -180,13 +147,10 @@ class FusedGate implements FusedAdmission {
   readonly #lane: readonly string[];
   readonly #id: string;
   readonly #channel: string;
-  /** The wake channel as Redis names it (a lone surrogate as U+FFFD). */
-  readonly #onWire: string;
-  /** This gate in this process, as lua/gate.lua names a gate that frees permits (floodgate_freed). */
-  readonly #from: string;
-  readonly #wakes = new Map<string, Wake>();
-  /** Sleeping calls' abort listeners: one per caller's signal (see `SignalWaits`). */
-  readonly #signalWaits = new SignalWaits();
+  /** Where this process's callers wait between tries. */
+  readonly #sleeps: FusedSleeps;
+  /** Permits freed at the gate's permit stages outside the gate, heard while callers wait. */
+  readonly #freed: FreedPermits;
   #listening: Promise<void> | undefined;
 
   constructor(name: string, stages: readonly Stage[], settings: FusionSettings) {
@@ -200,8 +164,6 @@ class FusedGate implements FusedAdmission {
     this.#keys = ["line", "lexp", "gmeta", "held", "hexp"].map((part) => stageKey(settings.prefix, id, part));
     this.#lane = ["lane:", "lexp:"].map((part) => stageKey(settings.prefix, id, part));
     this.#channel = stageKey(settings.prefix, id, "gwake");
-    this.#onWire = onWire(this.#channel);
-    this.#from = `${this.#onWire}|${this.#token}`;
     // (Each stage's keys begin so, as Redis names them: see `FusedWaits.stretch`.)
     this.#waits = new FusedWaits(
       stages,
@@ -211,22 +173,26 @@ class FusedGate implements FusedAdmission {
     this.#releases = this.#head("each");
     this.#leaves = this.#head("leave");
     this.#grants = this.#head("grant");
-    // Permits another gate of this process frees here are told to it. (In any process, a stage's
-    // script run alone, or another gate, says so on the stage's `wake:freed` channel: see
-    // `#hearFreed`.)
-    for (const stage of stages) {
-      const permits = stage as Partial<Pick<RedisPermitStage, "onFreed">>;
-      if (PERMIT_KINDS.has(stage.kind) && permits.onFreed) {
-        this.#unhook.push(permits.onFreed((by) => this.#freedElsewhere(by), this.#from));
-      }
-    }
+    this.#sleeps = new FusedSleeps(name, settings.clock);
+    // (The wake channel as Redis names it, a lone surrogate as U+FFFD, names this gate where
+    // lua/gate.lua says who freed permits: floodgate_freed.)
+    const wire = onWire(this.#channel);
+    this.#freed = new FreedPermits({
+      stages,
+      link: this.#link,
+      onWire: wire,
+      from: `${wire}|${this.#token}`,
+      releases: this.#releases,
+      grant: () =>
+        this.#link.gather(name, this.#grants, [this.#ownCall(() => {})])!.then((replies) => {
+          this.#wakeAll(replies[0]!.woken);
+        }),
+      closed: () => this.#sleeps.closedBy !== undefined,
+    });
   }
 
   /** The stage each call waits for, and each stretch of its wait counted against a stage. */
   readonly #waits: FusedWaits;
-
-  /** Stop being told of permits freed outside the gate, one per permit stage. */
-  readonly #unhook: (() => void)[] = [];
 
   /**
    * The keys of a call's lane (and its expiries): its key at stages keyed by key, its host at
@@ -268,7 +234,7 @@ class FusedGate implements FusedAdmission {
     const lane = this.#laneOf(call);
     const clock = this.#s.clock;
     let inLine = false;
-    this.#trying.add(member);
+    this.#sleeps.begin(member);
     // The stage the call waited for since its previous try, and when that try went out; the
     // permit line's firsts' rate waits in all, as that try's reply said (see `FusedWaits.stretch`).
     let blame = -1;
@@ -293,7 +259,7 @@ class FusedGate implements FusedAdmission {
           // This try's reply says whether a release admitted the kept steps (collected), unless
           // the grant's message said so first; else they are done with.
           const before = held;
-          held = this.#unhold(member);
+          held = this.#kept.unhold(member);
           before.settle(attempt.collected);
           const earlier = await before.result;
           if (earlier.tickets) {
@@ -307,24 +273,16 @@ class FusedGate implements FusedAdmission {
         blame = attempt.blame;
         soonest = attempt.soonest ?? -1;
         inLine = reply?.inLine !== undefined;
-        if (reply?.inLine === "permits") this.#forPermits.add(member);
-        else this.#forPermits.delete(member);
-        if (attempt.first) {
-          this.#firsts.add(member);
-          this.#hearFreed();
-        } else this.#firsts.delete(member);
+        this.#freed.placed(member, reply?.inLine === "permits", attempt.first === true);
         if (!wait) return undefined;
         if (attempt.held) {
           held = attempt.held;
-          this.#holds.set(member, held);
-          const early = this.#early.get(member);
-          this.#early.delete(member);
-          if (early?.try === held.try) this.#grant(held, early.replies);
+          this.#kept.keep(member, held);
         }
         for (;;) {
           if (held?.granted) {
             const granted = held;
-            held = this.#unhold(member);
+            held = this.#kept.unhold(member);
             const result = await granted.result;
             // The wait since its last try ended with the grant: counted as a try's would be.
             const now = clock.now();
@@ -347,12 +305,12 @@ class FusedGate implements FusedAdmission {
             }
           }
           // Told to ask again while this try was out: ask at once.
-          if (this.#woken.delete(member)) break;
+          if (this.#sleeps.takeWoken(member)) break;
           // Whole ms, as Redis counts waits: a wake-up between two ms would find the wait not over.
           const poll = Math.ceil(this.#s.pollMs * (0.5 + this.#s.random()));
           const waitMs = reply?.waitMs ?? -1;
           const until = waitMs >= 0 ? waitMs : soonest >= 0 ? soonest + 1 : -1;
-          await this.#sleep(member, until >= 0 ? Math.min(until, poll) : poll, call);
+          await this.#sleeps.sleep(member, until >= 0 ? Math.min(until, poll) : poll, call);
           if (!held?.granted) break;
         }
       }
@@ -363,19 +321,10 @@ class FusedGate implements FusedAdmission {
       if (inLine) this.#leave([{ member, lane }]);
       throw error;
     } finally {
-      this.#forPermits.delete(member);
-      this.#firsts.delete(member);
-      this.#holds.delete(member);
-      this.#early.delete(member);
-      this.#trying.delete(member);
-      this.#woken.delete(member);
+      this.#freed.gone(member);
+      this.#kept.end(member);
+      this.#sleeps.end(member);
     }
-  }
-
-  /** Forget `member`'s kept try here; returns undefined, for its variable. */
-  #unhold(member: string): undefined {
-    this.#holds.delete(member);
-    return undefined;
   }
 
   /** A kept try given up: its steps are done with; tickets a grant gave it go back. */
@@ -387,20 +336,8 @@ class FusedGate implements FusedAdmission {
     );
   }
 
-  /** The kept try of each member waiting here, by member. */
-  readonly #holds = new Map<string, Held>();
-  /** Grants that came before the reply that said their try was kept, by member. */
-  readonly #early = new Map<string, { try: number; replies: unknown[] }>();
-
-  #grant(held: Held, replies: unknown[]): void {
-    if (held.granted) return;
-    held.granted = true;
-    const rate = replies[held.steps];
-    if (Array.isArray(rate) && replies.length === held.steps + 1) {
-      held.rate = { lineRateMs: Number(rate[0]), lineRateKey: String(rate[1] ?? "") };
-    }
-    held.settle(replies);
-  }
+  /** Tries of this process's callers whose steps Redis keeps while they wait. */
+  readonly #kept = new KeptTries();
 
   /**
    * A message on the wake channel, or in a reply: a member told to ask again, or a grant
@@ -408,21 +345,11 @@ class FusedGate implements FusedAdmission {
    */
   #onWake(message: string): void {
     if (!message.startsWith("g|")) {
-      this.#wakeLocal(message);
+      this.#sleeps.wake(message);
       return;
     }
-    const a = message.indexOf("|", 2);
-    const b = message.indexOf("|", a + 1);
-    if (a < 0 || b < 0) return;
-    const member = message.slice(2, a);
-    const tryNo = Number(message.slice(a + 1, b));
-    const held = this.#holds.get(member);
-    if (held?.try === tryNo) {
-      this.#grant(held, grantReplies(message.slice(b + 1)));
-      this.#wakeLocal(member);
-    } else if (held === undefined && this.#trying.has(member)) {
-      this.#early.set(member, { try: tryNo, replies: grantReplies(message.slice(b + 1)) });
-    }
+    const woken = this.#kept.granted(message, (member) => this.#sleeps.trying(member));
+    if (woken !== undefined) this.#sleeps.wake(woken);
   }
 
   /** Tries: with this turn's others in one `gate` call. */
@@ -623,74 +550,10 @@ class FusedGate implements FusedAdmission {
     return sent;
   }
 
-  /**
-   * Sleep `ms`, or until woken; rejects when the caller gives up or the gate closes (`close`
-   * ends every sleeper: one listener per gate, not one per waiting call on its closed signal).
-   */
-  #sleep(member: string, ms: number, call: FusedCall): Promise<void> {
-    const clock = this.#s.clock;
-    const left = call.deadline - clock.now();
-    if (left <= 0) return Promise.reject(this.#timeout(call));
-    if (call.signal?.aborted) return Promise.reject(call.signal.reason);
-    if (this.#closedBy !== undefined) return Promise.reject(this.#closedBy);
-    return new Promise<void>((resolve, reject) => {
-      let timer: ClockTimer | undefined;
-      const end = (error?: unknown) => {
-        if (timer !== undefined) clock.clearTimeout(timer);
-        this.#wakes.delete(member);
-        if (call.signal) this.#signalWaits.remove(call.signal, onAbort);
-        if (error === undefined) resolve();
-        else reject(error);
-      };
-      const onAbort = () => end(call.signal!.reason);
-      const timedOut = ms >= left;
-      timer = clock.setTimeout(
-        () => {
-          timer = undefined;
-          end(timedOut ? this.#timeout(call) : undefined);
-        },
-        Math.min(ms, left),
-      );
-      this.#wakes.set(member, end);
-      try {
-        if (call.signal) this.#signalWaits.add(call.signal, onAbort);
-      } catch (error) {
-        end(badSignal(this.#name, error));
-      }
-    });
-  }
-
-  /** Why the gate closed, once it has: sleepers and later sleeps reject with it. */
-  #closedBy: unknown;
-
   close(reason: unknown): void {
-    this.#closedBy = reason;
-    for (const stop of this.#unhook.splice(0)) stop();
-    for (const end of [...this.#wakes.values()]) end(reason);
+    this.#freed.close();
+    this.#sleeps.close(reason);
   }
-
-  #timeout(call: FusedCall): AdmitTimeoutError {
-    return new AdmitTimeoutError(
-      this.#name,
-      `gate "${this.#name}": not admitted within timeoutMs (${call.timeoutMs})`,
-    );
-  }
-
-  /**
-   * Wake `member` if it sleeps; if its try is out, remember the wake-up for when the try's reply
-   * comes (the wake-up travels on the pub/sub connection, the reply on another: either can come
-   * first), so it asks again at once instead of sleeping through it.
-   */
-  #wakeLocal(member: string): void {
-    const wake = this.#wakes.get(member);
-    if (wake) wake();
-    else if (this.#trying.has(member)) this.#woken.add(member);
-  }
-
-  /** Members of this process whose call is in its admission (asking or sleeping). */
-  readonly #trying = new Set<string>();
-  /** Members told to ask again while their try was out. */
-  readonly #woken = new Set<string>();
 
   #wakeAll(messages: readonly string[]): void {
     for (const m of messages) this.#onWake(m);
@@ -712,79 +575,6 @@ class FusedGate implements FusedAdmission {
         },
       );
     return this.#listening;
-  }
-
-  /** Members of this process waiting in the gate's permit line. */
-  readonly #forPermits = new Set<string>();
-  /** Members of this process first in the gate's permit line (see `#hearFreed`). */
-  readonly #firsts = new Set<string>();
-  /** Whether this process listens for permits freed at the gate's permit stages by any process. */
-  #hearing = false;
-
-  /**
-   * Listen, from the first time a caller of this process is first in the permit line, for permits
-   * freed at the gate's permit stages in any process, by their own scripts or by another gate
-   * (lua/prelude.lua, floodgate_freed): while a caller of this process is first, each such message
-   * sends one `grant` call, unless it was dealt with already (`#toldAlready`). (Without a
-   * subscription, the first finds them at its next poll.)
-   */
-  #hearFreed(): void {
-    if (this.#hearing) return;
-    this.#hearing = true;
-    for (const stage of this.#stages) {
-      const permits = stage as Partial<Pick<RedisPermitStage, "freedChannel" | "toldHere">>;
-      const channel = permits.freedChannel;
-      if (!PERMIT_KINDS.has(stage.kind) || channel === undefined) continue;
-      this.#link
-        .listen(channel, (by) => {
-          if (this.#firsts.size === 0 || (by !== "" && this.#toldAlready(by, permits))) return;
-          this.#freedElsewhere(undefined);
-        })
-        .catch(() => {
-          this.#hearing = false;
-        });
-    }
-  }
-
-  /**
-   * Whether permits a gate freed (`by`: "<its wake channel>|<token>", lua/gate.lua) were dealt
-   * with already: by this gate's own release, in any process, which decided its line itself; or
-   * by another gate of this process that shares the stage, which told this one (`onFreed`).
-   */
-  #toldAlready(by: string, stage: Partial<Pick<RedisPermitStage, "toldHere">>): boolean {
-    const bar = by.lastIndexOf("|");
-    return by.slice(0, bar) === this.#onWire || stage.toldHere?.(by) === true;
-  }
-
-  /** A `grant` call is out; another is due once it is back. */
-  #granting = false;
-  #grantAgain = false;
-
-  /**
-   * Permits freed at one of the gate's permit stages outside the gate: in this process by a
-   * release through the gate of `by`, or (undefined) as the stage's `wake:freed` channel says, by
-   * its script run alone or by another gate, in any process. A release through this gate decided
-   * its line already. Otherwise, while a caller of this process waits in the permit line, a
-   * `grant` call decides the line's first there and then, as a release through the gate would:
-   * without it, the line would wait for its next poll.
-   */
-  #freedElsewhere(by: GateHead | undefined): void {
-    if (by === this.#releases || this.#forPermits.size === 0 || this.#closedBy !== undefined) return;
-    if (this.#granting) {
-      this.#grantAgain = true;
-      return;
-    }
-    this.#granting = true;
-    const done = () => {
-      this.#granting = false;
-      if (!this.#grantAgain) return;
-      this.#grantAgain = false;
-      this.#freedElsewhere(undefined);
-    };
-    this.#link.gather(this.#name, this.#grants, [this.#ownCall(() => {})])!.then((replies) => {
-      this.#wakeAll(replies[0]!.woken);
-      done();
-    }, done);
   }
 
   /**

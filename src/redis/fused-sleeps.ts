@@ -1,0 +1,120 @@
+/**
+ * Where a fused gate's callers in this process wait between their tries: asleep until woken (a
+ * message on the gate's wake channel, or a reply that names them), their wait's end, the poll,
+ * or the caller giving up; and the gate's close, which ends every sleeper at once.
+ */
+import { SignalWaits } from "../base/signal-waits.js";
+import type { Clock, ClockTimer } from "../clock.js";
+import { AdmitTimeoutError } from "../errors.js";
+import { badSignal, type FusedCall } from "../fuse.js";
+
+/** A sleeping call's way to be woken early: with no error by a wake message, with one on close. */
+type Wake = (error?: unknown) => void;
+
+/** The sleeps of one fused gate's callers in this process, by member. */
+export class FusedSleeps {
+  readonly #name: string;
+  readonly #clock: Clock;
+  readonly #wakes = new Map<string, Wake>();
+  /** Sleeping calls' abort listeners: one per caller's signal (see `SignalWaits`). */
+  readonly #signalWaits = new SignalWaits();
+  /** Members of this process whose call is in its admission (asking or sleeping). */
+  readonly #trying = new Set<string>();
+  /** Members told to ask again while their try was out. */
+  readonly #woken = new Set<string>();
+  /** Why the gate closed, once it has: sleepers and later sleeps reject with it. */
+  #closedBy: unknown;
+
+  constructor(name: string, clock: Clock) {
+    this.#name = name;
+    this.#clock = clock;
+  }
+
+  /** `member`'s call begins its admission. */
+  begin(member: string): void {
+    this.#trying.add(member);
+  }
+
+  /** `member`'s call is done with its admission, admitted or not. */
+  end(member: string): void {
+    this.#trying.delete(member);
+    this.#woken.delete(member);
+  }
+
+  /** Whether `member`'s call is in its admission here. */
+  trying(member: string): boolean {
+    return this.#trying.has(member);
+  }
+
+  /**
+   * Wake `member` if it sleeps; if its try is out, remember the wake-up for when the try's reply
+   * comes (the wake-up travels on the pub/sub connection, the reply on another: either can come
+   * first), so it asks again at once instead of sleeping through it.
+   */
+  wake(member: string): void {
+    const wake = this.#wakes.get(member);
+    if (wake) wake();
+    else if (this.#trying.has(member)) this.#woken.add(member);
+  }
+
+  /** Whether `member` was told to ask again while its try was out; forgets it. */
+  takeWoken(member: string): boolean {
+    return this.#woken.delete(member);
+  }
+
+  /** Why the gate closed, or undefined while it is open. */
+  get closedBy(): unknown {
+    return this.#closedBy;
+  }
+
+  /**
+   * Sleep `ms`, or until woken; rejects when the caller gives up or the gate closes (`close`
+   * ends every sleeper: one listener per gate, not one per waiting call on its closed signal).
+   */
+  sleep(member: string, ms: number, call: FusedCall): Promise<void> {
+    const clock = this.#clock;
+    const left = call.deadline - clock.now();
+    if (left <= 0) return Promise.reject(this.timeout(call));
+    if (call.signal?.aborted) return Promise.reject(call.signal.reason);
+    if (this.#closedBy !== undefined) return Promise.reject(this.#closedBy);
+    return new Promise<void>((resolve, reject) => {
+      let timer: ClockTimer | undefined;
+      const end = (error?: unknown) => {
+        if (timer !== undefined) clock.clearTimeout(timer);
+        this.#wakes.delete(member);
+        if (call.signal) this.#signalWaits.remove(call.signal, onAbort);
+        if (error === undefined) resolve();
+        else reject(error);
+      };
+      const onAbort = () => end(call.signal!.reason);
+      const timedOut = ms >= left;
+      timer = clock.setTimeout(
+        () => {
+          timer = undefined;
+          end(timedOut ? this.timeout(call) : undefined);
+        },
+        Math.min(ms, left),
+      );
+      this.#wakes.set(member, end);
+      try {
+        if (call.signal) this.#signalWaits.add(call.signal, onAbort);
+      } catch (error) {
+        end(badSignal(this.#name, error));
+      }
+    });
+  }
+
+  /** The gate closed with `reason`: every sleeper, and every later sleep, rejects with it. */
+  close(reason: unknown): void {
+    this.#closedBy = reason;
+    for (const end of [...this.#wakes.values()]) end(reason);
+  }
+
+  /** What a call that could wait no longer rejects with. */
+  timeout(call: FusedCall): AdmitTimeoutError {
+    return new AdmitTimeoutError(
+      this.#name,
+      `gate "${this.#name}": not admitted within timeoutMs (${call.timeoutMs})`,
+    );
+  }
+}
