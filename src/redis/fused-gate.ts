@@ -10,11 +10,12 @@ import type { FusedAdmission, FusedCall, FusionHost } from "../fuse.js";
 import { settleAll, settleSteps } from "../gate-ticket.js";
 import type { Outcome, Stage, Ticket } from "../types.js";
 import { TurnQueue } from "./batch.js";
+import { Answers, TryOutcomes } from "./fused-answers.js";
 import { FreedPermits } from "./fused-freed.js";
 import { type Attempt, type Held, KeptTries } from "./fused-kept.js";
 import { FusedSleeps } from "./fused-sleeps.js";
 import { FusedWaits } from "./fused-waits.js";
-import { type GateCall, type GateHead, type GateReply, NOT_RUN, onWire } from "./gate-call.js";
+import { type GateCall, type GateHead, type GateReply, onWire } from "./gate-call.js";
 import { grantReplies } from "./gate-reply.js";
 import { stageKey } from "./keys.js";
 import type { RedisLink } from "./link.js";
@@ -81,57 +82,6 @@ const MAX_LANES = 1024;
 /** A stage of a fused gate: it admits by gathering its step into the gate's call (`tryStep`). */
 type DirectStage = Stage & Pick<BaseStage, "tryStep">;
 
-/** What the stages of one try answer (`tryStep`), as they do. */
-class Answers {
-  /** Each stage's ticket, in order, once it has answered (undefined: refused, or failed). */
-  readonly tickets: (Ticket | undefined)[];
-  /** Each stage's step in the try's `gate` call (-1: it made no script call). */
-  readonly stepOf: number[];
-  /** Stages yet to answer. */
-  #left: number;
-  readonly #answered: boolean[];
-  /** A stage refused, failed, or did not run. */
-  refused = false;
-  /** The first failure a stage answered with, but for not having run (`NOT_RUN`). */
-  failure: unknown = undefined;
-  /** A stage's step did not run. */
-  notRun = false;
-  #whenAll: (() => void) | undefined = undefined;
-
-  constructor(n: number) {
-    this.tickets = new Array<Ticket | undefined>(n);
-    this.stepOf = new Array<number>(n);
-    this.#answered = new Array<boolean>(n).fill(false);
-    this.#left = n;
-  }
-
-  /** Stage `i` answered (`StepDone`); once only. */
-  answer(i: number, ticket: Ticket | undefined, error: unknown): void {
-    if (this.#answered[i]) return;
-    this.#answered[i] = true;
-    if (error !== undefined) {
-      if (error === NOT_RUN) this.notRun = true;
-      else this.failure ??= error;
-      this.refused = true;
-    } else if (ticket === undefined) this.refused = true;
-    else this.tickets[i] = ticket;
-    if (--this.#left === 0 && this.#whenAll) this.#whenAll();
-  }
-
-  /** Call `fn` once every stage has answered (at once if all have). */
-  whenAll(fn: () => void): void {
-    if (this.#left === 0) fn();
-    else this.#whenAll = fn;
-  }
-
-  /** The tickets of the stages that admitted, in order. */
-  admitted(): Ticket[] {
-    const out: Ticket[] = [];
-    for (const t of this.tickets) if (t !== undefined) out.push(t);
-    return out;
-  }
-}
-
 /** One gate's fused stages on one Redis backend, in this process. */
 class FusedGate implements FusedAdmission {
   readonly #name: string;
@@ -151,6 +101,8 @@ class FusedGate implements FusedAdmission {
   readonly #sleeps: FusedSleeps;
   /** Permits freed at the gate's permit stages outside the gate, heard while callers wait. */
   readonly #freed: FreedPermits;
+  /** What each try gave, told to its caller. */
+  readonly #outcomes: TryOutcomes;
   #listening: Promise<void> | undefined;
 
   constructor(name: string, stages: readonly Stage[], settings: FusionSettings) {
@@ -174,6 +126,13 @@ class FusedGate implements FusedAdmission {
     this.#leaves = this.#head("leave");
     this.#grants = this.#head("grant");
     this.#sleeps = new FusedSleeps(name, settings.clock);
+    this.#outcomes = new TryOutcomes({
+      name,
+      pollMs: settings.pollMs,
+      waits: this.#waits,
+      together: (fn) => this.together(fn),
+      wakeAll: (messages) => this.#wakeAll(messages),
+    });
     // (The wake channel as Redis names it, a lone surrogate as U+FFFD, names this gate where
     // lua/gate.lua says who freed permits: floodgate_freed.)
     const wire = onWire(this.#channel);
@@ -407,7 +366,7 @@ class FusedGate implements FusedAdmission {
       for (let c = 0; c < tries.length; c++) {
         const t = tries[c]!;
         try {
-          this.#answered(reply(c), failed, error, answers[c]!, t);
+          this.#outcomes.answered(reply(c), failed, error, answers[c]!, t);
         } catch (e) {
           t.reject(e);
         }
@@ -421,98 +380,6 @@ class FusedGate implements FusedAdmission {
       );
     }
     return sent;
-  }
-
-  /**
-   * A try's `gate` call is back (with `reply`, or `failed` with `error`, or undefined: not sent,
-   * no stage made a step): tell `t` what it gave, once its stages have answered; for a try whose
-   * steps Redis keeps, at once, with what they give once settled (`held`).
-   */
-  #answered(reply: GateReply | undefined, failed: boolean, error: unknown, answers: Answers, t: Try): void {
-    if (reply) this.#wakeAll(reply.woken);
-    const hold = reply?.hold;
-    if (hold) {
-      const result = new Promise<Attempt>((resolve, reject) => {
-        answers.whenAll(() => {
-          try {
-            resolve(this.#settled(reply, failed, error, answers));
-          } catch (e) {
-            reject(e);
-          }
-        });
-      });
-      result.catch(() => {});
-      let steps = 0;
-      for (const step of answers.stepOf) if (step >= 0) steps++;
-      const held: Held = {
-        try: t.try,
-        settle: hold,
-        collectedLate: reply!.collectedLate!,
-        result,
-        granted: false,
-        steps,
-      };
-      const attempt = this.#refused(reply!, answers.stepOf);
-      attempt.held = held;
-      t.resolve(attempt);
-      return;
-    }
-    answers.whenAll(() => {
-      let attempt: Attempt | Promise<Attempt>;
-      try {
-        attempt = this.#settled(reply, failed, error, answers);
-      } catch (e) {
-        t.reject(e);
-        return;
-      }
-      const collected = reply?.collected;
-      if (attempt instanceof Promise) {
-        attempt.then((a) => {
-          if (collected) a.collected = collected;
-          t.resolve(a);
-        }, t.reject);
-        return;
-      }
-      if (collected) attempt.collected = collected;
-      t.resolve(attempt);
-    });
-  }
-
-  /**
-   * What one try gave once its stages have answered: all their tickets, or the reply and the
-   * stage it waits for; a promise when tickets that did admit go back first. Throws a stage's
-   * failure, or the `gate` call's.
-   */
-  #settled(
-    reply: GateReply | undefined,
-    failed: boolean,
-    error: unknown,
-    answers: Answers,
-  ): Attempt | Promise<Attempt> {
-    if (!answers.refused) return { tickets: answers.tickets as Ticket[], reply, blame: -1 };
-    const rest = (): Attempt => {
-      if (answers.failure !== undefined) throw answers.failure;
-      if (failed) throw error;
-      if (reply && reply.status === 1 && answers.notRun) {
-        throw new Error(`gate "${this.#name}": the gate script admitted a call without running every step`);
-      }
-      if (reply && reply.status === 1) {
-        // Redis admitted them all but a stage refused here (its own callers wait ahead in this
-        // process): ask again shortly.
-        const again = { ...reply, status: 0, waitMs: Math.min(5, this.#s.pollMs) };
-        return { tickets: undefined, reply: again, blame: -1 };
-      }
-      return reply ? this.#refused(reply, answers.stepOf) : { tickets: undefined, reply, blame: -1 };
-    };
-    // Not all admitted: give back what did (a stage that refused on its own, before Redis).
-    const admitted = answers.admitted();
-    if (admitted.length > 0) return this.together(() => settleAll(admitted, undefined)).then(rest);
-    return rest();
-  }
-
-  /** A refused try, as its reply says (`FusedWaits.refused`): the stage it waits for, and more. */
-  #refused(reply: GateReply, stepOf: readonly number[]): Attempt {
-    return { tickets: undefined, reply, ...this.#waits.refused(reply, stepOf) };
   }
 
   /** Releases: with this turn's others in one `gate` call. */
