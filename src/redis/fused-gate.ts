@@ -4,19 +4,18 @@
  * call too. A call a permit stage refuses waits in the gate's line in Redis, holding nothing.
  */
 import { randomBytes } from "node:crypto";
-import type { BaseStage, StepDone } from "../base/stage.js";
 import type { Clock } from "../clock.js";
 import type { FusedAdmission, FusedCall, FusionHost } from "../fuse.js";
 import { settleAll, settleSteps } from "../gate-ticket.js";
 import type { Outcome, Stage, Ticket } from "../types.js";
 import { TurnQueue } from "./batch.js";
-import { Answers, TryOutcomes } from "./fused-answers.js";
+import { TryOutcomes } from "./fused-answers.js";
 import { FreedPermits } from "./fused-freed.js";
-import { type Attempt, type Held, KeptTries } from "./fused-kept.js";
+import { type Held, KeptTries } from "./fused-kept.js";
 import { FusedSleeps } from "./fused-sleeps.js";
+import { FusedTries } from "./fused-tries.js";
 import { FusedWaits } from "./fused-waits.js";
-import { type GateCall, type GateHead, type GateReply, onWire } from "./gate-call.js";
-import { grantReplies } from "./gate-reply.js";
+import { type GateCall, type GateHead, onWire } from "./gate-call.js";
 import { stageKey } from "./keys.js";
 import type { RedisLink } from "./link.js";
 
@@ -39,26 +38,6 @@ export class RedisFusion implements FusionHost {
   }
 }
 
-/** A try's call in its `gate` call: the earlier try whose steps are kept goes with it (`#ranLate`). */
-interface TryCall extends GateCall {
-  kept: Held | undefined;
-}
-
-/** A try waiting to go with this turn's others. */
-interface Try {
-  call: FusedCall;
-  member: string;
-  /** The call's lane and its expiries (`#laneOf`). */
-  lane: readonly string[];
-  wait: boolean;
-  /** The try's number. */
-  try: number;
-  /** The call's earlier try whose steps are kept, if any. */
-  kept: Held | undefined;
-  resolve: (a: Attempt) => void;
-  reject: (error: unknown) => void;
-}
-
 /**
  * Releases waiting to go with this turn's others: a function that makes them (`together`), or
  * tickets to release with an outcome or refund without (`settle`).
@@ -79,9 +58,6 @@ const NO_TICKETS: readonly Ticket[] = [];
  */
 const MAX_LANES = 1024;
 
-/** A stage of a fused gate: it admits by gathering its step into the gate's call (`tryStep`). */
-type DirectStage = Stage & Pick<BaseStage, "tryStep">;
-
 /** One gate's fused stages on one Redis backend, in this process. */
 class FusedGate implements FusedAdmission {
   readonly #name: string;
@@ -101,8 +77,8 @@ class FusedGate implements FusedAdmission {
   readonly #sleeps: FusedSleeps;
   /** Permits freed at the gate's permit stages outside the gate, heard while callers wait. */
   readonly #freed: FreedPermits;
-  /** What each try gave, told to its caller. */
-  readonly #outcomes: TryOutcomes;
+  /** The tries of this process's callers, sent in turns. */
+  readonly #tries: FusedTries;
   #listening: Promise<void> | undefined;
 
   constructor(name: string, stages: readonly Stage[], settings: FusionSettings) {
@@ -126,12 +102,22 @@ class FusedGate implements FusedAdmission {
     this.#leaves = this.#head("leave");
     this.#grants = this.#head("grant");
     this.#sleeps = new FusedSleeps(name, settings.clock);
-    this.#outcomes = new TryOutcomes({
+    const wakeAll = (messages: readonly string[]) => this.#wakeAll(messages);
+    this.#tries = new FusedTries({
       name,
-      pollMs: settings.pollMs,
-      waits: this.#waits,
-      together: (fn) => this.together(fn),
-      wakeAll: (messages) => this.#wakeAll(messages),
+      stages,
+      link: this.#link,
+      admits: this.#admits,
+      leaves: this.#leaves,
+      heard: () => this.#heard,
+      outcomes: new TryOutcomes({
+        name,
+        pollMs: settings.pollMs,
+        waits: this.#waits,
+        together: (fn) => this.together(fn),
+        wakeAll,
+      }),
+      wakeAll,
     });
     // (The wake channel as Redis names it, a lone surrogate as U+FFFD, names this gate where
     // lua/gate.lua says who freed permits: floodgate_freed.)
@@ -209,7 +195,7 @@ class FusedGate implements FusedAdmission {
     try {
       for (;;) {
         const at = clock.now();
-        const attempt = await this.#attempt(call, member, lane, lines, ++tries, held);
+        const attempt = await this.#tries.attempt(call, member, lane, lines, ++tries, held);
         // The stretch up to this try is counted now that its reply says what the line waited for.
         this.#waits.stretch(blame, at - since, rateAt, attempt.reply);
         since = at;
@@ -277,7 +263,7 @@ class FusedGate implements FusedAdmission {
       // Its wait until it gave up (timed out, aborted, closed) counts too.
       this.#waits.charge(blame, clock.now() - since);
       if (held) this.#drop(held);
-      if (inLine) this.#leave([{ member, lane }]);
+      if (inLine) this.#tries.leave([{ member, lane }]);
       throw error;
     } finally {
       this.#freed.gone(member);
@@ -309,77 +295,6 @@ class FusedGate implements FusedAdmission {
     }
     const woken = this.#kept.granted(message, (member) => this.#sleeps.trying(member));
     if (woken !== undefined) this.#sleeps.wake(woken);
-  }
-
-  /** Tries: with this turn's others in one `gate` call. */
-  readonly #tries = new TurnQueue<Try>((tries) => this.#send(tries));
-
-  /**
-   * One try of every stage, in a `gate` call with this turn's other tries (decided in turn, as
-   * if each had come alone). Each stage runs its own `tryAdmit`, whose script call the link
-   * gathers as a step.
-   */
-  #attempt(
-    call: FusedCall,
-    member: string,
-    lane: readonly string[],
-    wait: boolean,
-    tryNo: number,
-    kept: Held | undefined,
-  ): Promise<Attempt> {
-    return new Promise<Attempt>((resolve, reject) => {
-      this.#tries.add({ call, member, lane, wait, try: tryNo, kept, resolve, reject });
-    });
-  }
-
-  #send(tries: Try[]): Promise<unknown> | undefined {
-    const stages = this.#stages as readonly DirectStage[];
-    const answers = tries.map(() => new Answers(stages.length));
-    const calls = tries.map(
-      (t, c): TryCall => ({
-        kept: t.kept,
-        member: t.member,
-        // (Steps are kept only once this process listens for grants: a release passes over a
-        // waiter nobody listens for, as one whose process died.)
-        mode: t.wait ? (this.#heard ? "hold" : "wait") : "try",
-        try: t.try,
-        held: t.kept?.try ?? "",
-        lane: t.lane,
-        fn: (count) => {
-          const a = answers[c]!;
-          for (let i = 0; i < stages.length; i++) {
-            const stage = stages[i]!;
-            const before = count();
-            const done: StepDone = (ticket, error) => a.answer(i, ticket, error);
-            try {
-              stage.tryStep(t.call.optionsFor(stage), done);
-            } catch (error) {
-              done(undefined, error);
-            }
-            a.stepOf[i] = count() > before ? before : -1;
-          }
-        },
-      }),
-    );
-    const sent = this.#link.gather(this.#name, this.#admits, calls, this.#ranLate);
-    const each = (reply: (c: number) => GateReply | undefined, failed: boolean, error: unknown) => {
-      for (let c = 0; c < tries.length; c++) {
-        const t = tries[c]!;
-        try {
-          this.#outcomes.answered(reply(c), failed, error, answers[c]!, t);
-        } catch (e) {
-          t.reject(e);
-        }
-      }
-    };
-    if (sent === undefined) each(() => undefined, false, undefined);
-    else {
-      sent.then(
-        (replies) => each((c) => replies[c], false, undefined),
-        (error: unknown) => each(() => undefined, true, error),
-      );
-    }
-    return sent;
   }
 
   /** Releases: with this turn's others in one `gate` call. */
@@ -450,43 +365,5 @@ class FusedGate implements FusedAdmission {
    */
   #ownCall(fn: GateCall["fn"]): GateCall {
     return { member: this.#token, mode: "try", try: "", held: "", lane: this.#lane, fn };
-  }
-
-  /**
-   * A turn's `gate` call ran after its tries had failed closed (see `Late`): a try (a call) its reply left
-   * in a line (the permit line, its steps kept or not, or its lane) leaves it, which also takes
-   * back a grant made to it since; its caller has gone. A try that collected the grant a release
-   * made to its call's kept steps (status 2) gives that grant back, step by step, as each kept
-   * step would have given back its own reply run late. (Each step of the try gives back what it
-   * took itself: see `ranLate` in link.ts.) Without replies (the client failed the call later,
-   * and it may have run: see `Late`), each try that could have taken a place in line leaves it.
-   */
-  readonly #ranLate = (calls: readonly GateCall[], replies: unknown): void => {
-    if (!Array.isArray(replies)) {
-      this.#leave(calls.filter((call) => call.mode !== "try"));
-      return;
-    }
-    const leaving: GateCall[] = [];
-    for (let c = 0; c < calls.length; c++) {
-      const reply = replies[c];
-      if (!Array.isArray(reply)) continue;
-      if (Number(reply[0]) === 2) (calls[c] as TryCall).kept?.collectedLate(grantReplies(String(reply[5])));
-      else if (Number(reply[2]) !== 0) leaving.push(calls[c]!);
-    }
-    this.#leave(leaving);
-  };
-
-  /** Take each of `leavers` out of the gate's lines in the background (they gave up), in one call. */
-  #leave(leavers: readonly Pick<GateCall, "member" | "lane">[]): void {
-    if (leavers.length === 0) return;
-    const calls = leavers.map(
-      ({ member, lane }): GateCall => ({ member, mode: "try", try: "", held: "", lane, fn: () => {} }),
-    );
-    this.#link.gather(this.#name, this.#leaves, calls)?.then(
-      (replies) => {
-        for (const reply of replies) this.#wakeAll(reply.woken);
-      },
-      () => {},
-    );
   }
 }
