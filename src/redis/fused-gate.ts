@@ -2,16 +2,21 @@
  * A Gate of Redis stages decided in one script call (lua/gate.lua): each stage's own script runs
  * as a step, at one instant of server time, all or nothing; a release of the whole gate is one
  * call too. A call a permit stage refuses waits in the gate's line in Redis, holding nothing.
+ * Here is a call's admission, try after try; its parts are in the fused-*.ts files beside it: the
+ * tries sent in turns (fused-tries.ts) and what each gave (fused-answers.ts), the steps Redis keeps
+ * for a waiter (fused-kept.ts), its sleeps (fused-sleeps.ts), the stage it waits for
+ * (fused-waits.ts), permits freed outside the gate (fused-freed.ts) and the releases
+ * (fused-releases.ts).
  */
 import { randomBytes } from "node:crypto";
 import type { Clock } from "../clock.js";
 import type { FusedAdmission, FusedCall, FusionHost } from "../fuse.js";
-import { settleAll, settleSteps } from "../gate-ticket.js";
+import { settleAll } from "../gate-ticket.js";
 import type { Outcome, Stage, Ticket } from "../types.js";
-import { TurnQueue } from "./batch.js";
 import { TryOutcomes } from "./fused-answers.js";
 import { FreedPermits } from "./fused-freed.js";
 import { type Held, KeptTries } from "./fused-kept.js";
+import { FusedReleases } from "./fused-releases.js";
 import { FusedSleeps } from "./fused-sleeps.js";
 import { FusedTries } from "./fused-tries.js";
 import { FusedWaits } from "./fused-waits.js";
@@ -37,20 +42,6 @@ export class RedisFusion implements FusionHost {
     return new FusedGate(gate, stages, this.settings);
   }
 }
-
-/**
- * Releases waiting to go with this turn's others: a function that makes them (`together`), or
- * tickets to release with an outcome or refund without (`settle`).
- */
-interface Give {
-  fn: (() => Promise<void>) | undefined;
-  tickets: readonly Ticket[];
-  outcome: Outcome | undefined;
-  resolve: () => void;
-  reject: (error: unknown) => void;
-}
-
-const NO_TICKETS: readonly Ticket[] = [];
 
 /**
  * The most lanes (keys and hosts) whose keys a fused gate keeps made (`#laneOf`): past it, they
@@ -79,6 +70,8 @@ class FusedGate implements FusedAdmission {
   readonly #freed: FreedPermits;
   /** The tries of this process's callers, sent in turns. */
   readonly #tries: FusedTries;
+  /** The releases of this process's callers, sent in turns. */
+  readonly #gives: FusedReleases;
   #listening: Promise<void> | undefined;
 
   constructor(name: string, stages: readonly Stage[], settings: FusionSettings) {
@@ -103,6 +96,13 @@ class FusedGate implements FusedAdmission {
     this.#grants = this.#head("grant");
     this.#sleeps = new FusedSleeps(name, settings.clock);
     const wakeAll = (messages: readonly string[]) => this.#wakeAll(messages);
+    this.#gives = new FusedReleases({
+      name,
+      link: this.#link,
+      releases: this.#releases,
+      ownCall: (fn) => this.#ownCall(fn),
+      wakeAll,
+    });
     this.#tries = new FusedTries({
       name,
       stages,
@@ -297,39 +297,16 @@ class FusedGate implements FusedAdmission {
     if (woken !== undefined) this.#sleeps.wake(woken);
   }
 
-  /** Releases: with this turn's others in one `gate` call. */
-  readonly #gives = new TurnQueue<Give>((gives) => this.#give(gives));
-
   /**
    * Run `fn` (releases, refunds, settles of this gate's stages) with its script calls gathered
    * into one `gate` call with this turn's others.
    */
   together(fn: () => Promise<void>): Promise<void> {
-    return new Promise<void>((resolve, reject) => {
-      this.#gives.add({ fn, tickets: NO_TICKETS, outcome: undefined, resolve, reject });
-    });
+    return this.#gives.together(fn);
   }
 
   settle(tickets: readonly Ticket[], outcome: Outcome | undefined): Promise<void> {
-    return new Promise<void>((resolve, reject) => {
-      this.#gives.add({ fn: undefined, tickets, outcome, resolve, reject });
-    });
-  }
-
-  /** Run the `fn` of each of `gives` with their script calls gathered into one `gate` call. */
-  #give(gives: Give[]): Promise<unknown> | undefined {
-    const call = this.#ownCall(() => {
-      for (const g of gives) {
-        if (g.fn) g.fn().then(g.resolve, g.reject);
-        else settleSteps(g.tickets, g.outcome, g.resolve, g.reject);
-      }
-    });
-    const sent = this.#link.gather(this.#name, this.#releases, [call]);
-    sent?.then(
-      (replies) => this.#wakeAll(replies[0]!.woken),
-      () => {},
-    );
-    return sent;
+    return this.#gives.settle(tickets, outcome);
   }
 
   close(reason: unknown): void {
