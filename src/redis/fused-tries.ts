@@ -13,13 +13,13 @@ import type { GateCall, GateHead, GateReply } from "./gate-call.js";
 import { grantReplies } from "./gate-reply.js";
 import type { RedisLink } from "./link.js";
 
-/** A try's call in its `gate` call: the earlier try whose steps are kept goes with it (`ranLate`). */
-export interface TryCall extends GateCall {
+/** A try's call in its `gate` call: the earlier try whose steps are kept goes with it (`#ranLate`). */
+interface TryCall extends GateCall {
   kept: Held | undefined;
 }
 
 /** A try waiting to go with this turn's others. */
-export interface Try {
+interface Try {
   call: FusedCall;
   member: string;
   /** The call's lane and its expiries (the fused gate's `#laneOf`). */
