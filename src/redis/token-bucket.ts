@@ -1,4 +1,3 @@
-import { randomBytes } from "node:crypto";
 import { KeyedLineStage, TimedLine } from "../base/line-stage.js";
 import { answerWith, BaseTicket, type StepDone } from "../base/stage.js";
 import { type WaitEntry, Waiter, type WaitList } from "../base/wait-list.js";
@@ -9,9 +8,8 @@ import type { TokenBucketOptions } from "../options.js";
 import type { AdmitOptions, Outcome, StageKind, Ticket } from "../types.js";
 import { parseOptions, tokenBucketSchema } from "../validate.js";
 import { ScriptBatch } from "./batch.js";
-import type { Late } from "./gate-call.js";
-import { stageKey } from "./keys.js";
-import { maybeSent, type RedisLink } from "./link.js";
+import { BucketScripts, type TakeReply } from "./bucket-scripts.js";
+import type { RedisLink } from "./link.js";
 import type { RedisContext } from "./semaphore.js";
 
 /** A key's reserved waiters, and its takes: those made in one turn go together. */
@@ -55,21 +53,12 @@ interface Place {
 }
 
 /**
- * A take's reply: 1 taken now; 2 reserved (go in `waitMs`, the place began `fromMs` from now); 0
- * refused (`waitMs` is above the caller's wait).
- */
-type TakeReply = [taken: number, waitMs: number, fromMs?: number];
-
-/**
  * How late (ms) a reserved caller may still take its place whatever its cost: a timer on a busy
  * machine fires a few milliseconds late, and a place lost for that goes unused. Going that late
  * can pass the cap by at most this long's refill, less the room the bucket has above the cost
  * (nothing for a bucket whose capacity holds the cost and 20 ms of refill). See `#due`.
  */
 export const LATE_MS = 20;
-
-const GRANT_PREFIX = `${randomBytes(6).toString("hex")}:`;
-let grants = 0;
 
 /**
  * `redis(...).tokenBucket(name, options)`: one bucket per key in Redis, refilled by the server's
@@ -86,59 +75,33 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
   readonly kind: StageKind = "tokenBucket";
   override readonly backend = "redis";
   readonly #link: RedisLink;
-  readonly #prefix: string;
   readonly #capacity: number;
   readonly #refill: number;
-  readonly #recoveryMs: number;
-  readonly #initial: number;
   readonly #penaltyFactor: number | undefined;
-  readonly #minFactor: number;
   readonly #keyed: boolean;
-  /** ARGV[2..4] of every bucket script and the fresh key's tokens, as sent (ioredis sends `String(n)`). */
-  readonly #capacityArg: string;
-  readonly #refillArg: string;
-  readonly #recoveryArg: string;
-  readonly #initialArg: string;
+  /** Its script calls. */
+  readonly #scripts: BucketScripts;
 
   constructor(name: string, options: TokenBucketOptions, ctx: RedisContext) {
     super(name, ctx.clock, 10_000);
     const o = parseOptions(tokenBucketSchema, "tokenBucket", name, options);
     this.#link = ctx.link;
-    this.#prefix = ctx.prefix;
     fusable(this, ctx.fusion);
     this.#capacity = o.capacity;
     this.#refill = o.refillPerSecond;
-    this.#recoveryMs = o.penalty?.recoveryMs ?? DEFAULTS.tokenBucket.penalty.recoveryMs;
-    this.#initial = o.initialTokens ?? o.capacity;
     this.#penaltyFactor = o.penalty ? (o.penalty.factor ?? DEFAULTS.tokenBucket.penalty.factor) : undefined;
-    this.#minFactor = o.penalty?.minFactor ?? DEFAULTS.tokenBucket.penalty.minFactor;
     this.#keyed = o.keyed ?? false;
     this.callRule = bucketRule(this.#keyed);
-    this.#capacityArg = String(this.#capacity);
-    this.#refillArg = String(this.#refill);
-    this.#recoveryArg = String(this.#recoveryMs);
-    this.#initialArg = String(this.#initial);
+    const settings = {
+      capacity: o.capacity,
+      refillPerSecond: o.refillPerSecond,
+      recoveryMs: o.penalty?.recoveryMs ?? DEFAULTS.tokenBucket.penalty.recoveryMs,
+      initial: o.initialTokens ?? o.capacity,
+      penaltyFactor: this.#penaltyFactor,
+      minFactor: o.penalty?.minFactor ?? DEFAULTS.tokenBucket.penalty.minFactor,
+    };
+    this.#scripts = new BucketScripts(this.name, ctx.link, ctx.prefix, settings, () => this.log);
     this.init(o.logger ?? ctx.logger);
-  }
-
-  /** The arguments of a take or a refund: now, the bucket's settings, `cost`, the fresh key's tokens, `grant`. */
-  #args(cost: number | string, grant: string): string[] {
-    return [
-      this.#link.now(),
-      this.#capacityArg,
-      this.#refillArg,
-      this.#recoveryArg,
-      String(cost),
-      this.#initialArg,
-      grant,
-    ];
-  }
-
-  /** ARGV of one `token-bucket-take`: `cost` for `grant`, waiting up to `maxWaitMs` ("0": not at all). */
-  #takeArgs(cost: number | string, grant: string, maxWaitMs: string): string[] {
-    const args = this.#args(cost, grant);
-    args.push(maxWaitMs);
-    return args;
   }
 
   protected isIdle(line: BucketLine): boolean {
@@ -149,16 +112,11 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
   #line(key: string): BucketLine {
     let line = this.lines.get(key);
     if (!line) {
-      const redisKey = stageKey(this.#prefix, this.name, `b:${key}`);
-      line = new BucketLine(redisKey, new ScriptBatch((args) => this.#sendTakes(redisKey, args), 3));
+      const redisKey = this.#scripts.redisKey(key);
+      line = new BucketLine(redisKey, new ScriptBatch((args) => this.#scripts.sendTakes(redisKey, args), 3));
       this.lines.set(key, line);
     }
     return line;
-  }
-
-  /** A fresh grant id: this process's random prefix and a counter. */
-  #grantId(): string {
-    return `${GRANT_PREFIX}${++grants}`;
   }
 
   /**
@@ -168,80 +126,9 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
    */
   #take(line: BucketLine, cost: number, grant: string, maxWaitMs: string): Promise<TakeReply> {
     return line.takes.run(String(cost), grant, maxWaitMs).catch((error: unknown) => {
-      this.#takeFailed(line, cost, grant, error);
+      this.#scripts.takeFailed(line.redisKey, cost, grant, error);
       throw error;
     });
-  }
-
-  /**
-   * A take failed: it may still run once Redis answers; the refund then undoes it (and does
-   * nothing if it never ran, or if another grant came after it).
-   */
-  #takeFailed(line: BucketLine, cost: number, grant: string, error: unknown): void {
-    if (maybeSent(error)) void this.#refundAt(line.redisKey, cost, grant);
-  }
-
-  /**
-   * A take (alone, or a step of a fused gate's call) ran after it was failed for not answering in
-   * time: its caller failed closed, and the refund it sent then ran first and gave back nothing.
-   * The tokens it took (or the place it reserved) are given back now, while it is the key's
-   * latest grant, as that refund would have. One function for every take: `keys` and `args` are
-   * its own (`#takeArgs`: the cost at 4, the grant at 6).
-   */
-  readonly #lateTake: Late = (keys, args) => void this.#refundAt(keys[0]!, args[4]!, String(args[6]));
-
-  /**
-   * As `#lateTake`, for a turn's takes in one `token-bucket-take-many` (cost, grant, wait each,
-   * from 5; three figures each in its reply, taken first). The turn's takes are one stretch of
-   * the key's line: while the last that took or reserved anything is still the key's latest
-   * grant, nothing was taken after any of them, so their tokens all go back in one refund of
-   * their sum, as if each had been refunded in turn from the last. (Without a reply to say which
-   * took, only the last take is refunded: a refund of one that took nothing would give too much.)
-   */
-  readonly #lateTakes: Late = (keys, args, reply) => {
-    if (!Array.isArray(reply)) {
-      void this.#refundAt(keys[0]!, args[args.length - 3]!, String(args[args.length - 2]));
-      return;
-    }
-    let cost = 0;
-    let grant: string | undefined;
-    for (let i = 5, n = 0; i + 1 < args.length; i += 3, n++) {
-      // (Taken, 1, or reserved, 2: anything else took nothing.)
-      const flag = Number(reply[3 * n]);
-      if (flag !== 1 && flag !== 2) continue;
-      cost += Number(args[i]);
-      grant = String(args[i + 1]);
-    }
-    if (grant !== undefined) void this.#refundAt(keys[0]!, cost, grant);
-  };
-
-  /** Send takes of `redisKey` (cost, grant, maxWaitMs each): one alone as a plain take, more in one call. */
-  #sendTakes(redisKey: string, triples: string[]): Promise<unknown> {
-    if (triples.length === 3) {
-      return this.#link.run(
-        this.name,
-        "token-bucket-take",
-        [redisKey],
-        this.#takeArgs(triples[0]!, triples[1]!, triples[2]!),
-        this.#lateTake,
-      );
-    }
-    const args: string[] = [
-      this.#link.now(),
-      this.#capacityArg,
-      this.#refillArg,
-      this.#recoveryArg,
-      this.#initialArg,
-      ...triples,
-    ];
-    return this.#link
-      .run(this.name, "token-bucket-take-many", [redisKey], args, this.#lateTakes)
-      .then((replies: number[]) => {
-        const each = new Array<TakeReply>(triples.length / 3);
-        for (let i = 0; i < each.length; i++)
-          each[i] = [replies[3 * i]!, replies[3 * i + 1]!, replies[3 * i + 2]!];
-        return each;
-      });
   }
 
   protected override newTicket(cost: number, key: string, now: number): BaseTicket {
@@ -274,7 +161,7 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
    */
   async #admit(key: string, cost: number, o: AdmitOptions): Promise<Ticket> {
     const startedAt = this.clock.now();
-    const grant = this.#grantId();
+    const grant = this.#scripts.grantId();
     const timeoutMs = o.timeoutMs;
     const bounded = timeoutMs !== undefined && timeoutMs !== Number.POSITIVE_INFINITY;
     const reply = await this.#take(this.#line(key), cost, grant, bounded ? String(timeoutMs) : "-1");
@@ -282,7 +169,7 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
     const waitMs = Number(reply[1]);
     if (taken === 1) {
       if (o.signal?.aborted) {
-        void this.#refund(key, cost, grant);
+        void this.#scripts.refund(key, cost, grant);
         throw o.signal.reason;
       }
       return this.#granted(cost, key, grant);
@@ -291,7 +178,7 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
     const elapsed = this.clock.now() - startedAt;
     if (!reserved || this.closed || o.signal?.aborted || (bounded && elapsed + waitMs > timeoutMs)) {
       // Given back only while it is the key's latest; otherwise its place goes unused.
-      if (reserved) void this.#refund(key, cost, grant);
+      if (reserved) void this.#scripts.refund(key, cost, grant);
       if (o.signal?.aborted) throw o.signal.reason;
       if (this.closed) throw this.closedSignal.reason;
       this.timedOut++;
@@ -349,7 +236,7 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
       "a reserved caller came too late for its place; it asks again",
     );
     const line = this.#line(w.key);
-    const grant = this.#grantId();
+    const grant = this.#scripts.grantId();
     const left = w.deadline - this.clock.now();
     const maxWait = w.deadline === Number.POSITIVE_INFINITY ? "-1" : String(Math.max(0, left));
     this.#take(line, w.cost, grant, maxWait).then(
@@ -357,7 +244,7 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
         const taken = Number(reply[0]);
         if (!w.list) {
           // It left while the take was out: what was taken goes back (while the latest).
-          if (taken !== 0) void this.#refund(w.key, w.cost, grant);
+          if (taken !== 0) void this.#scripts.refund(w.key, w.cost, grant);
           return;
         }
         w.asking = false;
@@ -381,7 +268,7 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
 
   #granted(cost: number, key: string, grant: string): Ticket {
     if (this.closed) {
-      void this.#refund(key, cost, grant);
+      void this.#scripts.refund(key, cost, grant);
       throw this.closedSignal.reason;
     }
     const ticket = this.issue(cost, key, undefined, "token") as GrantTicket;
@@ -393,7 +280,7 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
     const cost = o.cost ?? 1;
     const key = this.#keyed ? o.key! : UNKEYED;
     if (cost === 0) return Promise.resolve(this.issue(0, key, undefined, "token"));
-    const grant = this.#grantId();
+    const grant = this.#scripts.grantId();
     return this.#take(this.#line(key), cost, grant, "0").then(([taken]) =>
       Number(taken) === 1 ? this.#granted(cost, key, grant) : undefined,
     );
@@ -406,20 +293,20 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
       return;
     }
     const key = this.#keyed ? o.key! : UNKEYED;
-    const grant = this.#grantId();
+    const grant = this.#scripts.grantId();
     const line = this.#line(key);
     this.#link.step(
       this.name,
       "token-bucket-take",
       line.keys,
-      this.#takeArgs(cost, grant, "0"),
+      this.#scripts.takeArgs(cost, grant, "0"),
       (reply: TakeReply) =>
         answerWith(done, () => (Number(reply[0]) === 1 ? this.#granted(cost, key, grant) : undefined)),
       (error) => {
-        this.#takeFailed(line, cost, grant, error);
+        this.#scripts.takeFailed(line.redisKey, cost, grant, error);
         done(undefined, error);
       },
-      this.#lateTake,
+      this.#scripts.lateTake,
     );
   }
 
@@ -452,7 +339,7 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
       if (w.timer !== undefined) this.clock.clearTimeout(w.timer);
       this.#due(w);
     }
-    void this.#refundAt(line.redisKey, place.cost, place.grant);
+    void this.#scripts.refundAt(line.redisKey, place.cost, place.grant);
   }
 
   /**
@@ -482,21 +369,10 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
     if (!this.closed) {
       for (const line of this.lines.map.values()) {
         const last = line.tail as Reservation | null;
-        if (last) void this.#refundAt(line.redisKey, last.cost, last.grant);
+        if (last) void this.#scripts.refundAt(line.redisKey, last.cost, last.grant);
       }
     }
     return super.close();
-  }
-
-  /** Give `cost` back for `grant` (a grant or a reservation), which Redis does only for the key's latest. */
-  #refund(key: string, cost: number, grant: string): Promise<unknown> {
-    return this.#refundAt(stageKey(this.#prefix, this.name, `b:${key}`), cost, grant);
-  }
-
-  #refundAt(redisKey: string, cost: number | string, grant: string): Promise<unknown> {
-    return this.#link
-      .run(this.name, "token-bucket-refund", [redisKey], this.#args(cost, grant))
-      .catch((error) => this.log.warn({ err: error }, "refund failed"));
   }
 
   releaseTicket(ticket: BaseTicket, outcome: Outcome, refund: boolean): Promise<void> | undefined {
@@ -506,29 +382,9 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
       // is: its refund ends its claim to be the key's latest, as in memory.
       const grant = (ticket as GrantTicket).grant;
       if (grant === "") return undefined;
-      return this.#refund(key, ticket.cost, grant).then(() => undefined);
+      return this.#scripts.refund(key, ticket.cost, grant).then(() => undefined);
     }
-    if (outcome === "dropped" && this.#penaltyFactor !== undefined) {
-      return this.#link
-        .run(
-          this.name,
-          "token-bucket-penalize",
-          [stageKey(this.#prefix, this.name, `b:${key}`)],
-          [
-            this.#link.now(),
-            this.#capacity,
-            this.#refill,
-            this.#recoveryMs,
-            this.#penaltyFactor,
-            this.#minFactor,
-            this.#initial,
-          ],
-        )
-        .then(
-          (factor) => this.log.warn({ key, rateFactor: Number(factor) / 1000 }, "key penalised after drop"),
-          (error) => this.log.warn({ err: error, key }, "penalty failed"),
-        );
-    }
+    if (outcome === "dropped" && this.#penaltyFactor !== undefined) return this.#scripts.penalize(key);
     return undefined;
   }
 
@@ -537,22 +393,6 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
     const estimated = ticket.cost;
     if (actual === estimated) return undefined;
     ticket.cost = actual;
-    const key = ticket.key;
-    return this.#link
-      .run(
-        this.name,
-        "token-bucket-settle",
-        [stageKey(this.#prefix, this.name, `b:${key}`)],
-        [
-          this.#link.now(),
-          this.#capacity,
-          this.#refill,
-          this.#recoveryMs,
-          actual - estimated,
-          this.#initial,
-          (ticket as GrantTicket).grant,
-        ],
-      )
-      .then(() => undefined);
+    return this.#scripts.settle(ticket.key, actual - estimated, (ticket as GrantTicket).grant);
   }
 }
