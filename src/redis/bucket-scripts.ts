@@ -66,7 +66,7 @@ export class BucketScripts {
     return `${GRANT_PREFIX}${++grants}`;
   }
 
-  /** The arguments of a take or a refund: now, the bucket's settings, `cost`, the fresh key's tokens, `grant`. */
+  /** The arguments of a take, a refund or a settle: now, the bucket's settings, `cost`, the fresh key's tokens, `grant`. */
   #args(cost: number | string, grant: string): string[] {
     return [
       this.#link.now(),
@@ -194,14 +194,8 @@ export class BucketScripts {
 
   /** Charge `delta` more tokens for `grant` at `key` (less, when negative: given back while the latest). */
   settle(key: string, delta: number, grant: string): Promise<void> {
-    const s = this.#s;
     return this.#link
-      .run(
-        this.#name,
-        "token-bucket-settle",
-        [this.redisKey(key)],
-        [this.#link.now(), s.capacity, s.refillPerSecond, s.recoveryMs, delta, s.initial, grant],
-      )
+      .run(this.#name, "token-bucket-settle", [this.redisKey(key)], this.#args(delta, grant))
       .then(() => undefined);
   }
 }
