@@ -233,6 +233,18 @@ local function floodgate_own()
   }
 end
 
+-- A fused gate's call that came as its name alone (lua/gate.lua, ARGV[5]): the call before it,
+-- `before` (a repeat, as decoded), with `name` wherever `before` had its own name (its member,
+-- and each own argument, a lease's or a grant's, that was that member).
+local function floodgate_renamed(before, name)
+  local was = before[1]
+  local call = { unpack(before) }
+  for x = 1, #call do
+    if call[x] == was then call[x] = name end
+  end
+  return call
+end
+
 -- The replies of the steps named `names` (in order) of a fused gate's call admitted in one pass, as
 -- each step's script answers when it admits, from their figures in `flat` (a permit's fence,
 -- used, limit and epoch; a host's slot replaced and claimed; nothing for a bucket), at `now`:

@@ -269,9 +269,12 @@ export abstract class BaseStage implements Stage, WaiterOwner {
   /**
    * `tryAdmit` for a fused Redis gate, told to `done` rather than by a promise: at once when the
    * stage decides by itself (bad options, a cost of 0, callers of its own ahead), else when the
-   * step it gathers into the gate's call is answered. `done` is called once. @internal
+   * step it gathers into the gate's call is answered. `done` is called once. `name` is the fused
+   * call's name for this try, unique to it: a stage whose step takes a name of its own (a lease,
+   * a grant) takes this one when it can, so that a turn's calls differ in one name alone
+   * (src/redis/gate-call.ts). @internal
    */
-  tryStep(options: TryAdmitOptions | undefined, done: StepDone): void {
+  tryStep(options: TryAdmitOptions | undefined, done: StepDone, name?: string): void {
     let o: AdmitOptions;
     try {
       o = this.check(options, "tryAdmit");
@@ -279,14 +282,14 @@ export abstract class BaseStage implements Stage, WaiterOwner {
       done(undefined, error);
       return;
     }
-    this.tryStepChecked(o, done);
+    this.tryStepChecked(o, done, name);
   }
 
   /**
    * The stage's own `tryStep`, for options `check` has passed; it must not throw. By default its
    * `tryAdmit`, whose promise tells `done`; a Redis stage gathers its step with no promise made.
    */
-  protected tryStepChecked(o: AdmitOptions, done: StepDone): void {
+  protected tryStepChecked(o: AdmitOptions, done: StepDone, _name?: string): void {
     let admitted: Promise<Ticket | undefined>;
     try {
       admitted = this.tryAdmitChecked(o);

@@ -97,12 +97,15 @@ export class FusedTries {
         lane: t.lane,
         fn: (count) => {
           const a = answers[c]!;
+          // The try's name, which its stages give their leases and grants when they can: the
+          // member on a first try, so that a turn's first tries differ in it alone (gate-call.ts).
+          const name = t.try === 1 ? t.member : `${t.member}.${t.try}`;
           for (let i = 0; i < stages.length; i++) {
             const stage = stages[i]!;
             const before = count();
             const done: StepDone = (ticket, error) => a.answer(i, ticket, error);
             try {
-              stage.tryStep(t.call.optionsFor(stage), done);
+              stage.tryStep(t.call.optionsFor(stage), done, name);
             } catch (error) {
               done(undefined, error);
             }

@@ -114,6 +114,8 @@ export function encodeGateCall(
   // one key): a step that repeats one is sent as the arguments that differ (lua/gate.lua).
   const earlier = new Map<string, Map<unknown, number>>();
   const all: Step[] = [];
+  // The fields of the call before this one when it went as a repeat ("*"), else undefined.
+  let before: string[] | undefined;
   for (let c = 0; c < calls.length; c++) {
     const call = calls[c]!;
     const steps = stepsOf[c]!;
@@ -125,9 +127,12 @@ export function encodeGateCall(
     if (c > 0 && sameLane(call.lane, calls[c - 1]!.lane) && repeats(steps, stepsOf[c - 1]!)) {
       fields.push("*");
       for (const step of steps) for (const i of OWN[step.script]!) fields.push(String(step.args[i]!));
-      args.push(callJson(fields));
+      // One that differs from that repeat in its name alone goes as the name (lua/gate.lua).
+      args.push(before !== undefined && renames(fields, before) ? call.member : callJson(fields));
+      before = fields;
       continue;
     }
+    before = undefined;
     keys.push(call.lane[0]!, call.lane[1]!);
     fields.push(String(steps.length));
     for (const step of steps) {
@@ -310,6 +315,27 @@ function settleTurn(script: GateStep, reply: readonly unknown[], parts: readonly
   const gone = held.slice();
   gone[0] = 0;
   for (let x = 0; x < parts.length; x++) parts[x]!.resolve(flags.charCodeAt(x) === 49 ? held : gone);
+}
+
+/** A name a call may go by alone (see `renames`): never a JSON list, nor a string Redis would change. */
+const NAME = /^[\w.-]+$/;
+
+/**
+ * Whether a repeat's fields (`fields`) are those of the repeat before it (`before`) with its
+ * name, `fields[0]`, wherever `before` had its own: it may then go as that name alone, which
+ * lua/gate.lua reads back so (floodgate_renamed, lua/prelude.lua). A fused call's stages give
+ * their leases and grants its name when they can (`BaseStage.tryStep`), so a turn's first tries
+ * mostly do.
+ */
+function renames(fields: readonly string[], before: readonly string[]): boolean {
+  const name = fields[0]!;
+  const was = before[0]!;
+  if (fields.length !== before.length || !NAME.test(name)) return false;
+  for (let x = 1; x < fields.length; x++) {
+    const y = before[x]!;
+    if (fields[x] !== (y === was ? name : y)) return false;
+  }
+  return true;
 }
 
 /** Whether two calls' lanes (see `GateCall`) are one. */

@@ -533,14 +533,16 @@ export abstract class RedisPermitStage extends BaseStage {
     return this.#tryOnce(cost, cls);
   }
 
-  protected override tryStepChecked(o: AdmitOptions, done: StepDone): void {
+  protected override tryStepChecked(o: AdmitOptions, done: StepDone, name?: string): void {
     const cost = o.cost ?? 1;
     if (cost === 0) {
       super.tryStepChecked(o, done);
       return;
     }
     const cls = this.#classOf(o, cost);
-    const id = this.#memberId(cost, cls);
+    // (A lease of one permit and no class takes the fused call's name, which carries no cost: a
+    // member without ":<cost>" costs 1, lua/prelude.lua.)
+    const id = name !== undefined && cost === 1 && cls < 0 ? name : this.#memberId(cost, cls);
     // (Read once for a fused gate's whole turn: no later than the call is sent.)
     const sentAt = this.time();
     this.link.step(

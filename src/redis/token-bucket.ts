@@ -286,14 +286,15 @@ export class RedisTokenBucket extends KeyedLineStage<BucketLine> {
     );
   }
 
-  protected override tryStepChecked(o: AdmitOptions, done: StepDone): void {
+  protected override tryStepChecked(o: AdmitOptions, done: StepDone, name?: string): void {
     const cost = o.cost ?? 1;
     if (cost === 0) {
       super.tryStepChecked(o, done);
       return;
     }
     const key = this.#keyed ? o.key! : UNKEYED;
-    const grant = this.#scripts.grantId();
+    // (A fused call's name is unique to its try, as a grant must be.)
+    const grant = name ?? this.#scripts.grantId();
     const line = this.#line(key);
     this.#link.step(
       this.name,

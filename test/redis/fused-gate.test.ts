@@ -354,11 +354,12 @@ describe("a fused Redis gate", () => {
     const holders = `${prefix}{inflight}:holders`;
     const used = async () => await client.hget(`${prefix}{inflight}:meta`, "used");
     const held = await gate.admit();
-    // Leases' members are "<token>-<n>:<cost>", n counting up. Some are there already, as a
-    // client that sent a call twice would leave them: the script writes them again uncounted.
+    // A lease of one permit takes its call's name, "<token>-<n>", n counting up the gate's calls.
+    // Some are there already, as a client that sent a call twice would leave them: the script
+    // writes them again uncounted.
     const [member] = await client.zrange(holders, 0, 0);
-    const [, token, n] = /^(.+)-(\d+):1$/.exec(member!)!;
-    const next = (k: number) => `${token}-${Number(n) + k}:1`;
+    const [, token, n] = /^([0-9a-f]+)-(\d+)$/.exec(member!)!;
+    const next = (k: number) => `${token}-${Number(n) + k}`;
     await client.zadd(holders, 2000, next(2), 2000, next(3));
     // Three at one instant: the first goes alone (new), the other two in one call (both there;
     // counted as new, the two would fill the limit).
@@ -1572,7 +1573,7 @@ describe("a fused Redis gate", () => {
       expect(all![4]).toBe("2");
       expect(all!.filter((f) => f === "aimd-release" || f === "semaphore-release")).toHaveLength(2);
       expect(all!.filter((f) => f === "~")).toHaveLength(0);
-      expect(all!.filter((f) => /-\d+:1$/.test(f))).toHaveLength(16);
+      expect(all!.filter((f) => /^[0-9a-f]+-\d+$/.test(f))).toHaveLength(16);
     } finally {
       feed.disconnect();
     }
@@ -1591,7 +1592,7 @@ describe("a fused Redis gate", () => {
     // The third call's leases are gone (they ran out and a try reaped them: counted no more).
     for (const name of ["inflight", "adaptive"]) {
       const members = await client.zrange(`${prefix}{${name}}:holders`, 0, -1);
-      const third = members.find((m) => m.endsWith("-3:1"));
+      const third = members.find((m) => m.endsWith("-3"));
       expect(third, `the third call's lease at ${name}`).toBeDefined();
       await client.zrem(`${prefix}{${name}}:holders`, third!);
       await client.hincrby(`${prefix}{${name}}:meta`, "used", -1);
@@ -1601,7 +1602,7 @@ describe("a fused Redis gate", () => {
     // That lease, at each stage, and no other, was told it had run out.
     const lost = entries.filter((w) => w.level === "warn" && w.msg === "lease had run out before release");
     expect(lost.map((w) => w.stage).sort()).toEqual(["adaptive", "inflight"]);
-    for (const w of lost) expect(String(w.lease)).toMatch(/-3:1$/);
+    for (const w of lost) expect(String(w.lease)).toMatch(/-3$/);
     // Each stage's count as Redis has it once all are back: nothing held; the AIMD limiter's
     // limit backed off, here as there.
     const [used, limit] = await client.hmget(`${prefix}{adaptive}:meta`, "used", "limit");

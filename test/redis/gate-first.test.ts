@@ -198,6 +198,22 @@ async function alike<T extends { reply: unknown; state: unknown; own: string }>(
 }
 
 /**
+ * A gate call's calls (its ARGV from the sixth on) as lists of fields: a call that came as its
+ * name alone, the repeat before it with that name wherever that one had its own (lua/gate.lua).
+ */
+function decoded(argv: readonly string[]): string[][] {
+  const calls: string[][] = [];
+  for (const arg of argv) {
+    if (arg.startsWith("[")) calls.push(JSON.parse(arg) as string[]);
+    else {
+      const before = calls[calls.length - 1]!;
+      calls.push(before.map((f) => (f === before[0] ? arg : f)));
+    }
+  }
+  return calls;
+}
+
+/**
  * A four-stage gate with room for all (a bucket, an interval gate, a semaphore, an AIMD limiter)
  * on `client`, every command recorded, its script loaded by a first call; then `size` tries at one
  * instant, every one admitted.
@@ -265,17 +281,22 @@ describe("the first pass of a gate call", () => {
           // key and host (a turn the first pass decides whole) or each pick their own.
           const many = rnd() < 0.65 ? 1 : 2 + Math.floor(rnd() * 4);
           const alike = rnd() < 0.6;
+          // (Calls alike in their costs too differ in their names alone: from the third on, each
+          // goes as its name.)
+          const same = alike && rnd() < 0.5 ? 1 + Math.floor(rnd() * 29) : 0;
           const key = rnd() < 0.5 ? "a" : "b";
           const host = rnd() < 0.5 ? "x" : "y";
           const tickets = await Promise.all(
             Array.from({ length: many }, () =>
               gate.tryAdmit({
-                costs: {
-                  rpm: 1 + Math.floor(rnd() * 2),
-                  // (A cost of 0 leaves the step out: such a call repeats no other.)
-                  tpm: alike ? 1 + Math.floor(rnd() * 29) : Math.floor(rnd() * 30),
-                  inflight: rnd() < 0.2 ? 2 : 1,
-                },
+                costs: same
+                  ? { rpm: 1, tpm: same, inflight: 1 }
+                  : {
+                      rpm: 1 + Math.floor(rnd() * 2),
+                      // (A cost of 0 leaves the step out: such a call repeats no other.)
+                      tpm: alike ? 1 + Math.floor(rnd() * 29) : Math.floor(rnd() * 30),
+                      inflight: rnd() < 0.2 ? 2 : 1,
+                    },
                 key: alike ? key : rnd() < 0.5 ? "a" : "b",
                 host: alike ? host : rnd() < 0.5 ? "x" : "y",
               }),
@@ -323,6 +344,7 @@ describe("the first pass of a gate call", () => {
       let firstReleases = 0;
       let firstTurns = 0;
       let releaseTurns = 0;
+      let named = 0;
       const replayAll = async (gateScript: string, own: string, count: boolean) => {
         const digest = (await replay.script("LOAD", gateScript)) as string;
         for (const { name, args, reply } of sent) {
@@ -345,9 +367,14 @@ describe("the first pass of a gate call", () => {
                 argv[1] === "all" &&
                 turn > 1 &&
                 (reply as unknown[]).slice(0, turn).every((r) => r === 1) &&
-                argv.slice(6, 5 + turn).every((call) => JSON.parse(call)[4] === "*")
+                decoded(argv.slice(5, 5 + turn))
+                  .slice(1)
+                  .every((call) => call[4] === "*")
               )
                 firstTurns++;
+              // (Calls that went as their names alone, admitted or not.)
+              if (argv[1] === "all")
+                named += argv.slice(5, 5 + turn).filter((c) => !c.startsWith("[")).length;
               if (
                 argv[4] === "1" &&
                 argv[1] === "each" &&
@@ -375,6 +402,7 @@ describe("the first pass of a gate call", () => {
       const whole = await replayAll(withTtls(scriptSource("gate")), randomPrefix("again"), false);
       expect(firstAdmits).toBeGreaterThan(10);
       if (roomy) expect(firstTurns).toBeGreaterThan(5);
+      expect(named, "calls that went as their names").toBeGreaterThan(5);
       expect(releaseTurns).toBeGreaterThan(roomy ? 10 : 1);
       expect(firstReleases).toBeGreaterThan(10);
       expect(whole).toEqual(rest);
@@ -393,6 +421,26 @@ describe("the first pass of a gate call", () => {
         else expect(expiring.has(key), `${key}: in one state only, with no expiry`).toBe(true);
       }
       await b.close();
+    });
+  }
+
+  // A call may go as its name alone only after a repeat: as the first call, or after a call sent
+  // whole, it is refused with nothing written, by the first pass and by the rest alike.
+  for (const [how, calls] of [
+    ["the first call", ["0abc-1"]],
+    ["after a call sent whole", ['["0abc-1","try","1","","0"]', "0abc-2"]],
+  ] as const) {
+    it(`refuses a call that goes as its name ${how}, writing nothing`, async () => {
+      const client = await connect();
+      const own = randomPrefix("first-named");
+      const keys = ["line", "lexp", "gmeta", "held", "hexp", "lane:", "lexp:"].map((k) => `${own}{g}:${k}`);
+      const argv = ["", "all", "3000", `${own}{g}:gwake`, String(calls.length), ...calls];
+      for (const script of [scriptSource("gate"), WITHOUT_FIRST]) {
+        await expect(client.eval(script, keys.length, ...keys, ...argv)).rejects.toThrow(
+          /gate: a call comes as a name with no repeat before it/,
+        );
+      }
+      expect(await client.keys(`${own}*`)).toEqual([]);
     });
   }
 
@@ -422,15 +470,18 @@ describe("the first pass of a gate call", () => {
       );
       expect(at, "the tries went as one script call").toBeGreaterThanOrEqual(0);
       const turn = sent[at]!;
-      const calls = argvOf(turn.args)
-        .slice(5)
-        .map((c) => JSON.parse(c) as string[]);
+      const calls = decoded(argvOf(turn.args).slice(5));
       expect(calls.slice(1).every((c) => c[4] === "*")).toBe(true);
+      // From the third on, each goes as its name alone.
+      for (const c of argvOf(turn.args).slice(7)) expect(c).toMatch(/^[0-9a-f]+-\d+$/);
       expect(turn.reply).toEqual([...tickets.map(() => 1), expect.any(Array)]);
-      // The semaphore's lease of call 2, or of the lone call (its steps: the bucket's, the host's,
-      // then this one).
-      const lease = (c: string[]) => c.find((f) => /-\d+:1$/.test(f))!;
-      const second = lease(calls[size === 1 ? 0 : 1]!);
+      // The semaphore's lease of call 2, or of the lone call: a first try's leases take its
+      // name. (A call's steps: the bucket's, the host's, then the semaphore's; a repeat's own
+      // arguments: the bucket's three, the host's one, then the semaphore's lease.)
+      const lease = (c: string[]) => (c[4] === "*" ? 9 : c.indexOf("semaphore-acquire") + 3);
+      const first = calls[size === 1 ? 0 : 1]!;
+      const second = first[lease(first)]!;
+      expect(second).toBe(first[0]);
 
       // Each script call before the turn again, on keys of their own, then the turn (changed so),
       // through the whole script and through the script without its first pass.
@@ -443,10 +494,10 @@ describe("the first pass of a gate call", () => {
           await client.zadd(holders, 60_000 + 10_000, second);
           await client.hincrby(`${own}{inflight}:meta`, "used", 1);
         } else {
-          // (Call 3's semaphore lease made call 2's.)
+          // (Call 3's semaphore lease made call 2's, the call sent whole.)
           const third = 2 + Number(args[1]) + 5 + 2;
-          const fields = JSON.parse(args[third]!) as string[];
-          fields[fields.indexOf(lease(fields))] = second;
+          const fields = [...calls[2]!];
+          fields[lease(fields)] = second;
           args[third] = JSON.stringify(fields);
         }
         const reply = await client.call("EVALSHA", sha, ...args.slice(1));
@@ -483,11 +534,19 @@ describe("the first pass of a gate call", () => {
       expect(call[5]).toBe("aimd-release");
       expect(call.indexOf("semaphore-release")).toBeGreaterThan(0);
       expect(call[call.indexOf("semaphore-release") + 2]).toBe(String(8 + 2 * 3));
-      // Each stage's leases, by the token their members begin with (its first lease's).
-      const tokenOf = (script: string) => call[call.indexOf(script) + 3]!.split("-")[0]!;
+      // Each stage's leases, where its step names them: its first lease after its first
+      // arguments, each other's among its own (a member and what it gives back, "lease", for a
+      // semaphore; a member, outcome, epoch and slow flag for an AIMD limiter).
+      const leasesOf = (fields: string[], script: string) => {
+        const at = fields.indexOf(script) + 3;
+        const [first, own] = script === "semaphore-release" ? [7, 2] : [12, 4];
+        const places = [at];
+        for (let x = at + first; x < at + Number(fields[at - 1]) - 1; x += own) places.push(x);
+        return places;
+      };
       const stages = [
-        { name: "inflight", token: tokenOf("semaphore-release") },
-        { name: "adaptive", token: tokenOf("aimd-release") },
+        { name: "inflight", script: "semaphore-release" },
+        { name: "adaptive", script: "aimd-release" },
       ];
 
       // Each script call before the releases again, on keys of their own, then the releases
@@ -497,14 +556,16 @@ describe("the first pass of a gate call", () => {
         await replayBefore(client, sent, at, prefix, own);
         const args = turn.args.map((a) => a.replaceAll(prefix, own));
         const fields = JSON.parse(args[2 + Number(args[1]) + 5]!) as string[];
-        for (const { name, token } of stages) {
-          const mine = fields.filter((f) => f.startsWith(token) && /-\d+:1$/.test(f));
-          expect(mine).toHaveLength(4);
+        for (const { name, script } of stages) {
+          const places = leasesOf(fields, script);
+          const mine = places.map((x) => fields[x]!);
+          expect(mine).toEqual(tickets.map(() => expect.stringMatching(/^[0-9a-f]+-\d+$/)));
+          expect(new Set(mine).size).toBe(4);
           if (how === "one of its leases is gone") {
             // (Its lease ended and a try reaped it: out of the holders, its permit counted no more.)
             await client.zrem(`${own}{${name}}:holders`, mine[2]!);
             await client.hincrby(`${own}{${name}}:meta`, "used", -1);
-          } else fields[fields.indexOf(mine[2]!)] = mine[1]!;
+          } else fields[places[2]!] = mine[1]!;
         }
         args[2 + Number(args[1]) + 5] = JSON.stringify(fields);
         const reply = await client.call("EVALSHA", sha, ...args.slice(1));
