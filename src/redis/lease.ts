@@ -36,7 +36,10 @@ export interface LeaseKeeperSettings {
   keys: readonly string[];
   /** Length of a full lease, ms. */
   leaseMs: number;
-  /** Names this process in Redis: its members are `<token>-<n>:<cost>`. */
+  /**
+   * Names this process in Redis, for its sign of life: the stage's own members are
+   * `<token>-<n>:<cost>` (a fused gate's leases take its call's name instead).
+   */
   token: string;
   /** How long a sign of life lasts, ms. */
   livenessMs: number;
