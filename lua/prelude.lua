@@ -174,7 +174,7 @@ end
 -- and its first pass): "n", one flag a lease (`flags`: 1 when it was still held), then the
 -- stage's figures once they are all given back (a semaphore's used; an AIMD limiter's limit,
 -- epoch and used). The client gives each lease the reply its script gives one release, with
--- those figures (src/redis/link.ts, settleTurn).
+-- those figures (src/redis/turn-releases.ts, settleTurn).
 local function floodgate_short(flags, ...)
   return { 'n', table.concat(flags), ... }
 end
@@ -221,7 +221,7 @@ end
 
 -- Where a fused gate's step that repeats an earlier one (the same script, keys and arguments but
 -- its own) carries its own arguments, by its script's name: their places among the step's
--- arguments, in the order a repeat sends them (src/redis/link.ts, OWN). Made when asked for: a
+-- arguments, in the order a repeat sends them (src/redis/gate-call.ts, OWN). Made when asked for: a
 -- script call pays for every table it makes.
 local function floodgate_own()
   return {
@@ -248,7 +248,7 @@ end
 -- The replies of the steps named `names` (in order) of a fused gate's call admitted in one pass, as
 -- each step's script answers when it admits, from their figures in `flat` (a permit's fence,
 -- used, limit and epoch; a host's slot replaced and claimed; nothing for a bucket), at `now`:
--- what src/redis/link.ts (admittedAtOnce) makes of them for a call answered in short.
+-- what src/redis/gate-reply.ts (admittedAtOnce) makes of them for a call answered in short.
 local function floodgate_admitted(names, flat, now)
   local replies, at = {}, 1
   for i = 1, #names do

@@ -1,3 +1,9 @@
+/**
+ * The public shape every stage and gate shares: outcomes, tickets, stages, the options of one
+ * admission and the snapshots, each with the TSDoc a user reads in an editor. Over 350 lines
+ * because it is mostly that documentation, and a type is read beside its neighbours; each
+ * stage's own options are in options.ts.
+ */
 import type {
   AimdOptions,
   IntervalGateOptions,

@@ -1,3 +1,10 @@
+/**
+ * The checks of everything a user builds with: each stage's options as a schema whose every rule
+ * names its field and what it must be, and the helpers that turn a failed check into an
+ * `InvalidOptionsError` saying so (`parseOptions`, `show`, `got`). Over 350 lines because the
+ * schemas are read side by side, field against field; the checks of one admission's options are
+ * in admit.ts.
+ */
 import { z } from "zod";
 import type { Clock } from "./clock.js";
 import { InvalidOptionsError } from "./errors.js";

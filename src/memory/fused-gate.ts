@@ -3,7 +3,9 @@
  * would admit the call now (`fuseProbe`), and only when every one would are they all taken
  * (`admitNow`), with no promise in between. A call refused waits holding nothing, in the gate's
  * lines, as a fused Redis gate's callers wait in Redis: one line for its permits, and one per
- * lane (the call's key and host) for its rates, each in arrival order.
+ * lane (the call's key and host) for its rates, each in arrival order. Over 350 lines because
+ * those lines, their serving whenever a stage changes, and each caller's wait share the gate's
+ * state; what each stage would admit is the stage's own (`fuseProbe`, `admitNow`).
  */
 import { endTurn, startTurn } from "../base/flow.js";
 import { SignalWaits } from "../base/signal-waits.js";

@@ -1,3 +1,8 @@
+/**
+ * The memory token bucket (described at `MemoryTokenBucket`). Over 350 lines because its plain
+ * and classed lines share each key's bucket, its one timer and the stage's tickets; the
+ * arithmetic is src/algorithms/token-bucket.ts, the class rule src/algorithms/bucket-classes.ts.
+ */
 import { LONGEST_MS } from "../admit.js";
 import {
   type BucketClassLine,

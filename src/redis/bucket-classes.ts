@@ -1,3 +1,9 @@
+/**
+ * The Redis token bucket with traffic classes (described at `RedisClassBucket`). Over 350 lines
+ * because a key's lines per class, the grants its callers are told and the asking again that is
+ * also the process's sign of life share one line state per key; the class rule is
+ * src/algorithms/bucket-classes.ts, and its twin in Redis lua/token-bucket-classes.lua.
+ */
 import { randomBytes } from "node:crypto";
 import { type BucketShares, bucketShares } from "../algorithms/bucket-classes.js";
 import { type ClassBook, classBook, classRule } from "../base/classes.js";

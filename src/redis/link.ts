@@ -1,9 +1,10 @@
 /**
  * The Redis link: scripts by SHA with the NOSCRIPT fallback, command timeouts, corked batches,
  * the first connection, the server's clock, a fused gate's stage script calls gathered into one
- * `gate` call (its encoding in gate-call.ts, its replies read in gate-reply.ts), and pub/sub
- * (subscriber.ts). Over 350 lines because every call goes through its one queue of pending
- * replies, which these parts share.
+ * `gate` call (its encoding in gate-call.ts, a turn's releases made one step in
+ * turn-releases.ts, its replies read in gate-reply.ts), and pub/sub (subscriber.ts). Over 350
+ * lines because every call goes through its one queue of pending replies, which these parts
+ * share.
  */
 
 import { endTurn, startTurn } from "../base/flow.js";
@@ -21,11 +22,11 @@ import {
   type Late,
   NOT_RUN,
   type Step,
-  together,
 } from "./gate-call.js";
 import { ranLate, readGateReplies } from "./gate-reply.js";
 import { GATE_STEPS, type GateStep, SCRIPTS, type ScriptName } from "./scripts.js";
 import { Listening, type WakeHandler } from "./subscriber.js";
+import { together } from "./turn-releases.js";
 
 export { isConnectionError } from "./clients/index.js";
 

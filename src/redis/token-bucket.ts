@@ -1,3 +1,9 @@
+/**
+ * The Redis token bucket without classes (the stage is described at `RedisTokenBucket`). Over
+ * 350 lines because a reservation's life (taken, slept on, due, given up, its place passed on to
+ * the next caller of this process) runs through the key's line, its places and the stage's
+ * waiting together; the script calls are bucket-scripts.ts, the classed bucket bucket-classes.ts.
+ */
 import { KeyedLineStage, TimedLine } from "../base/line-stage.js";
 import { answerWith, BaseTicket, type StepDone } from "../base/stage.js";
 import { type WaitEntry, Waiter, type WaitList } from "../base/wait-list.js";

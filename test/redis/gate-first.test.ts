@@ -1003,6 +1003,12 @@ describe("the first pass of a gate call", () => {
     const mixed = await turn(() => [admit(1, 70), gates[1]!.gate.tryAdmit({ costs: { tpm: 80 } })], 7, false);
     expect(await mixed[1]).toBeUndefined();
     waiting.push(mixed[0] as Promise<Ticket>);
+    // A listening process's turn of three alike calls: the third goes as its name alone.
+    waiting.push(
+      ...((await turn(() => [90, 90, 90].map((tpm) => admit(2, tpm)), 10, true)) as Promise<Ticket>[]),
+    );
+    const named = turns[3]!.call.args.slice(2 + Number(turns[3]!.call.args[1]));
+    expect(named.slice(5).map((c) => c.startsWith("["))).toEqual([true, true, false]);
     const channels = (await look.pubsub("CHANNELS", `${prefix}*`)) as string[];
     // Everyone admitted in line order, one at a time, each released once in.
     await a.release("success");
@@ -1057,6 +1063,7 @@ describe("the first pass of a gate call", () => {
       (JSON.parse(whole.replies[again.indexOf(turns[t]!.call)]!) as unknown[][]).map((r) => r[5]);
     expect(kept(0)).toEqual([1, 1, 1]);
     expect(kept(1)).toEqual([0, 0]);
+    expect(kept(3)).toEqual([1, 1, 1]);
     for (const { b } of gates) await b.close();
   });
 });
