@@ -32,12 +32,14 @@ function make<S>(kind: StageKind, name: string, build: () => S): S {
 }
 
 /**
- * The stages a backend built, one per kind and name: asking again for the same kind and name
- * returns the same stage (as two processes naming one Redis stage share it), asking with other
- * options throws, and a closed backend builds nothing more.
+ * The stages a backend built, one per name: asking again for the same kind and name returns the
+ * same stage (as two processes naming one Redis stage share it), asking with other options, or
+ * for another kind under a name taken, throws (on Redis a semaphore, a bounded queue and an AIMD
+ * limiter of one name would share their keys, and in every backend a name is what metrics,
+ * snapshots and a gate's `costs` know a stage by), and a closed backend builds nothing more.
  */
 export class StageRegistry {
-  readonly #stages = new Map<string, { stage: Stage; fingerprint: string }>();
+  readonly #stages = new Map<string, { kind: StageKind; stage: Stage; fingerprint: string }>();
   #closed = false;
 
   build<O extends object, S extends Stage>(kind: StageKind, name: string, options: O, build: () => S): S {
@@ -50,7 +52,14 @@ export class StageRegistry {
         `${kind} "${name}": options must be an object, ${got(options)}`,
       );
     }
-    const id = `${kind}:${name}`;
+    const taken = this.#stages.get(name);
+    if (taken !== undefined && taken.kind !== kind) {
+      throw new InvalidOptionsError(
+        name,
+        "name",
+        `${kind} "${name}": this backend has a ${taken.kind} of that name already; one name, one stage (give each its own name)`,
+      );
+    }
     const print = fingerprint(options);
     if (print === undefined) {
       // Not data: building says which option is wrong; options it somehow accepts are still refused.
@@ -58,19 +67,18 @@ export class StageRegistry {
       void stage.close();
       throw new InvalidOptionsError(name, "options", `${kind} "${name}": options must be plain data`);
     }
-    const existing = this.#stages.get(id);
-    if (existing) {
-      if (existing.fingerprint !== print) {
+    if (taken) {
+      if (taken.fingerprint !== print) {
         throw new InvalidOptionsError(
           name,
           "options",
-          `${kind} "${name}": already built with other options (${existing.fingerprint}); one name, one configuration`,
+          `${kind} "${name}": already built with other options (${taken.fingerprint}); one name, one configuration`,
         );
       }
-      return existing.stage as S;
+      return taken.stage as S;
     }
     const stage = make(kind, name, build);
-    this.#stages.set(id, { stage, fingerprint: print });
+    this.#stages.set(name, { kind, stage, fingerprint: print });
     return stage;
   }
 

@@ -3,6 +3,7 @@ import { getEventListeners } from "node:events";
 import { AdmitTimeoutError, ClosedError, InvalidOptionsError, type Ticket } from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { beforeEach, describe, expect, it } from "vitest";
+import { thrown } from "../thrown.js";
 import { warningsDuring } from "../warnings.js";
 import { backends, track, useBackend } from "./backends.js";
 
@@ -288,5 +289,28 @@ describe.each(backends)("semaphore on $name", (backend) => {
     const a = b.semaphore("shared", { limit: 2 });
     expect(b.semaphore("shared", { limit: 2 })).toBe(a);
     expect(() => b.semaphore("shared", { limit: 3 })).toThrow(/already built with other options/);
+  });
+
+  // (On Redis a semaphore, a bounded queue and an AIMD limiter of one name would share keys.)
+  it("refuses a stage of another kind under a name taken, naming the field, and builds nothing", () => {
+    const b = backend.make(clock);
+    const a = b.semaphore("taken", { limit: 2 });
+    const others: [string, () => unknown][] = [
+      ["aimd", () => b.aimd("taken", { initial: 2, max: 4 })],
+      ["queue", () => b.queue("taken", { maxSize: 2 })],
+      ["tokenBucket", () => b.tokenBucket("taken", { capacity: 2, refillPerSecond: 1 })],
+      ["intervalGate", () => b.intervalGate("taken", { minIntervalMs: 1 })],
+    ];
+    for (const [kind, build] of others) {
+      const error = thrown(build);
+      expect(error).toBeInstanceOf(InvalidOptionsError);
+      expect((error as InvalidOptionsError).field).toBe("name");
+      expect((error as Error).message).toBe(
+        `${kind} "taken": this backend has a semaphore of that name already; one name, one stage (give each its own name)`,
+      );
+    }
+    // The name still names the semaphore, and other names build as before.
+    expect(b.semaphore("taken", { limit: 2 })).toBe(a);
+    expect(b.aimd("taken-too", { initial: 2, max: 4 }).kind).toBe("aimd");
   });
 });
