@@ -22,7 +22,7 @@
 --                arguments but the first
 -- ARGV[7…]       (admissions) the turn's other calls, each one that repeats the call before it:
 --                its member, mode, try, earlier try kept, "*", then its steps' own arguments; or,
---                from the second on, its name alone (floodgate_renamed)
+--                from the second on, its name alone (floodgate_call)
 --
 -- An admission (op "all", one call) is decided here when its process holds no grant of an earlier
 -- try, every step is a semaphore's or AIMD limiter's acquire (without classes, not asking again
@@ -506,11 +506,8 @@ do
         local want = 5
         for i = 1, n do want = want + (names[i] == 'interval-gate-take' and 1 or 3) end
         for c = 2, turn do
-          local v, ok, g = ARGV[5 + c], true, nil
-          -- (A call that came as its name alone: the repeat before it, renamed.)
-          if string.byte(v) == 91 then ok, g = pcall(cjson.decode, v)
-          elseif c > 2 then g = floodgate_renamed(gate_first_calls[c - 1], v)
-          end
+          -- (A call that came as its name alone renames the repeat before it: from the third.)
+          local ok, g = pcall(floodgate_call, ARGV[5 + c], c > 2 and gate_first_calls[c - 1] or nil)
           if not ok or type(g) ~= 'table' then n = nil break end
           gate_first_calls[c] = g
           if g[5] ~= '*' or g[4] ~= '' or #g ~= want then n = nil break end

@@ -48,7 +48,7 @@
 --                      A call that is the repeat before it with a name of its own wherever that
 --                      one had its name (its member, and each own argument equal to that member:
 --                      a fused call's leases and grant take its name) comes as that name alone, a
---                      string that is not a JSON list (floodgate_renamed).
+--                      string that is not a JSON list (floodgate_call).
 --                      A step that differs from the earlier step it would repeat only in its own
 --                      arguments may come as "~", that step's number and its own arguments (it is
 --                      not numbered either). A turn's releases of one stage's leases may also come
@@ -246,17 +246,8 @@ local k = 6
 local lastRepeat = nil
 for c = 1, tonumber(ARGV[5]) do
   -- (The first pass may have decoded it already: lua/gate-first.lua.)
-  local f = gate_first_calls and gate_first_calls[c]
-  if not f then
-    local v = ARGV[5 + c]
-    if string.byte(v) == 91 then
-      f = cjson.decode(v)
-    elseif lastRepeat then
-      f = floodgate_renamed(lastRepeat, v)
-    else
-      return redis.error_reply('gate: a call comes as a name with no repeat before it')
-    end
-  end
+  local f = gate_first_calls and gate_first_calls[c] or floodgate_call(ARGV[5 + c], lastRepeat)
+  if not f then return redis.error_reply('gate: a call comes as a name with no repeat before it') end
   if type(f) ~= 'table' then return redis.error_reply('gate: a call is not a list') end
   lastRepeat = f[5] == '*' and f or nil
   if f[5] == '*' then

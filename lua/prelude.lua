@@ -233,14 +233,17 @@ local function floodgate_own()
   }
 end
 
--- A fused gate's call that came as its name alone (lua/gate.lua, ARGV[5]): the call before it,
--- `before` (a repeat, as decoded), with `name` wherever `before` had its own name (its member,
--- and each own argument, a lease's or a grant's, that was that member).
-local function floodgate_renamed(before, name)
+-- A fused gate's call as it came (lua/gate.lua, ARGV[5]): a JSON list, or its name alone, read
+-- as the repeat before it (`before`; nil when there is none, and then so is the call) with that
+-- name wherever `before` had its own (its member, and each own argument, a lease's or a grant's,
+-- that was that member).
+local function floodgate_call(arg, before)
+  if string.byte(arg) == 91 then return cjson.decode(arg) end
+  if not before then return nil end
   local was = before[1]
   local call = { unpack(before) }
   for x = 1, #call do
-    if call[x] == was then call[x] = name end
+    if call[x] == was then call[x] = arg end
   end
   return call
 end

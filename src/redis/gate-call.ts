@@ -226,7 +226,7 @@ const NAME = /^[\w.-]+$/;
 /**
  * Whether a repeat's fields (`fields`) are those of the repeat before it (`before`) with its
  * name, `fields[0]`, wherever `before` had its own: it may then go as that name alone, which
- * lua/gate.lua reads back so (floodgate_renamed, lua/prelude.lua). A fused call's stages give
+ * lua/gate.lua reads back so (floodgate_call, lua/prelude.lua). A fused call's stages give
  * their leases and grants its name when they can (`BaseStage.tryStep`), so a turn's first tries
  * mostly do.
  */

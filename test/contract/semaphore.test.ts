@@ -292,7 +292,7 @@ describe.each(backends)("semaphore on $name", (backend) => {
   });
 
   // (On Redis a semaphore, a bounded queue and an AIMD limiter of one name would share keys.)
-  it("refuses a stage of another kind under a name taken, naming the field, and builds nothing", () => {
+  it("refuses a stage of another kind under a name taken, naming the field, and the name still names its stage", () => {
     const b = backend.make(clock);
     const a = b.semaphore("taken", { limit: 2 });
     const others: [string, () => unknown][] = [
