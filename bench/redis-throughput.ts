@@ -32,7 +32,7 @@ import { closedLoop, commandStats, connect, freshPrefix } from "./redis-clients.
 const MAX = 2 ** 31 - 1;
 
 /** A contender that also keeps each round's p50 and p99 latency and CPU per operation. */
-interface Timed extends Contender {
+export interface Timed extends Contender {
   p50: number[];
   p99: number[];
   /** CPU µs per operation: of redis-server (INFO cpu) and of this process. */
@@ -61,7 +61,7 @@ async function scriptStats(client: Redis): Promise<{ usec: number; calls: number
 type Op = () => Promise<unknown>;
 
 /** `make` builds a fresh contender for a round: its operation, and what to close afterwards. */
-function timed(
+export function timed(
   name: string,
   seconds: number,
   callers: number,
@@ -143,7 +143,8 @@ async function byCallers(
   }
 }
 
-function report(
+/** A table of `list`: rates against `peer` and `floor` (÷ `floorDivisor`), latencies, CPU. */
+export function report(
   title: string,
   list: Timed[],
   figures: Map<string, number[]>,

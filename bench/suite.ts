@@ -15,6 +15,7 @@ import type { BenchArgs, Benchmark } from "./lib.js";
 import { memoryGate } from "./memory-gate.js";
 import { memorySemaphore } from "./memory-semaphore.js";
 import { memoryTokenBucket } from "./memory-token-bucket.js";
+import { redisAway } from "./redis-away.js";
 import { redisCommands } from "./redis-commands.js";
 import { benchRedis } from "./redis-server.js";
 import { redisGate, redisSemaphore, redisTokenBucket } from "./redis-throughput.js";
@@ -33,6 +34,7 @@ export const BENCHMARKS: readonly Benchmark[] = [
   redisSemaphore,
   redisTokenBucket,
   redisGate,
+  redisAway,
   scriptCost,
   gateCuts,
   redisCommands,
