@@ -10,6 +10,7 @@ import { draw } from "../memory/interval-gate.js";
 import type { IntervalGateOptions } from "../options.js";
 import type { AdmitOptions, Outcome, StageKind, Ticket } from "../types.js";
 import { intervalGateSchema, parseOptions } from "../validate.js";
+import { TURN_CHUNK } from "./batch.js";
 import type { Late } from "./gate-call.js";
 import { stageKey } from "./keys.js";
 import { type Attempt, RedisLine, RedisLineStage } from "./line-stage.js";
@@ -170,7 +171,11 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
   }
 
   protected async attempt(line: HostLine, _head: Waiter): Promise<Attempt> {
-    const reply = await this.#take(line);
+    return this.#attemptOf(line, await this.#take(line));
+  }
+
+  /** What a take's `reply` says for the waiter it asked for. */
+  #attemptOf(line: HostLine, reply: TakeReply): Attempt {
     if (Number(reply[0]) !== 1) return { granted: false, waitMs: Number(reply[1]) };
     return {
       granted: true,
@@ -178,6 +183,42 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
       giveBack: () => void this.#refundSlot(line.redisKey, String(reply[2] ?? ""), String(reply[1] ?? "")),
     };
   }
+
+  /**
+   * A gate that spaces nothing (`minIntervalMs` and `jitterMs` 0: only a pause holds a host back)
+   * lets a grant hold nobody behind it back, so a host's line asks for up to TURN_CHUNK of its
+   * first waiters in one take, as memory lets every waiter whose slot has come go at once. Any
+   * other asks for its head alone: a grant spaces the next, whose spacing is drawn as it asks.
+   */
+  protected override headsAtOnce(_line: HostLine): number {
+    return this.#minIntervalMs === 0 && this.#jitterMs === 0 ? TURN_CHUNK : 1;
+  }
+
+  /** One take for each of `heads`, decided in turn in one script call (lua/interval-gate-take.lua). */
+  protected override async attemptMany(line: HostLine, heads: readonly Waiter[]): Promise<Attempt[]> {
+    const args = this.#takeArgs(line);
+    // (The head's spacing, drawn as a lone head's is; the others', 0: see `headsAtOnce`.)
+    for (let i = 1; i < heads.length; i++) args.push(0);
+    const replies: unknown = await this.#link.run(
+      this.name,
+      "interval-gate-take",
+      line.keys,
+      args,
+      this.#lateTakes,
+    );
+    if (!Array.isArray(replies) || replies.length !== heads.length || !replies.every(Array.isArray)) {
+      throw new Error(`interval-gate-take: ${heads.length} takes answered ${JSON.stringify(replies)}`);
+    }
+    const takes = replies as TakeReply[];
+    this.#took(line, takes[0]!);
+    return takes.map((reply) => this.#attemptOf(line, reply));
+  }
+
+  /** A turn's takes the client ran after their callers failed closed: each slot claimed goes back, latest first. */
+  readonly #lateTakes: Late = (keys, args, replies) => {
+    if (!Array.isArray(replies)) return;
+    for (let i = replies.length - 1; i >= 0; i--) this.#lateTake(keys, args, replies[i]);
+  };
 
   #refundSlot(redisKey: string, claimed: string, previous: string): Promise<unknown> {
     return this.#link

@@ -3,7 +3,10 @@ import type { BaseTicket } from "../base/stage.js";
 import type { WaitEntry, Waiter, WaitList } from "../base/wait-list.js";
 import type { RedisContext } from "./semaphore.js";
 
-/** This process's waiters for one key or host, asked for in order, one Redis call at a time. */
+/**
+ * This process's waiters for one key or host, asked for in order, one Redis call at a time (for
+ * several of the first at once where a stage allows: `RedisLineStage.headsAtOnce`).
+ */
 export class RedisLine extends TimedLine {
   busy: Promise<void> | undefined = undefined;
   again = false;
@@ -42,6 +45,23 @@ export abstract class RedisLineStage<L extends RedisLine> extends KeyedLineStage
   /** Ask Redis for the head of `line` (the call is made once per head, at a time). */
   protected abstract attempt(line: L, head: Waiter): Promise<Attempt>;
 
+  /**
+   * How many of `line`'s first waiters one call may ask for at once (`attemptMany`): 1 unless a
+   * stage can tell that a grant holds nobody behind it back (an interval gate that spaces nothing).
+   */
+  protected headsAtOnce(_line: L): number {
+    return 1;
+  }
+
+  /**
+   * Ask Redis, in one call, for each of `heads` (`line`'s first waiters, in order), decided in turn
+   * as if each had asked alone: one attempt each, in that order. Called only when `headsAtOnce`
+   * allows more than one.
+   */
+  protected attemptMany(_line: L, _heads: readonly Waiter[]): Promise<Attempt[]> {
+    return Promise.reject(new Error(`${this.kind} "${this.name}": asks for one head at a time`));
+  }
+
   protected line(key: string): L {
     let line = this.lines.get(key);
     if (!line) {
@@ -57,7 +77,10 @@ export abstract class RedisLineStage<L extends RedisLine> extends KeyedLineStage
     if (line) void this.serveLine(line, key);
   }
 
-  /** Grant the head and go on, or sleep as long as Redis says. Returns the call in flight. */
+  /**
+   * Grant the head (or the first heads at once: `headsAtOnce`) and go on, or sleep as long as Redis
+   * says. Returns the call in flight.
+   */
   protected serveLine(line: L, key: string): Promise<void> | undefined {
     if (line.busy) {
       line.again = true;
@@ -70,33 +93,62 @@ export abstract class RedisLineStage<L extends RedisLine> extends KeyedLineStage
     const head = line.head;
     if (!head) return undefined;
     line.again = false;
-    line.busy = this.attempt(line, head).then(
-      (a) => {
-        line.busy = undefined;
-        if (a.granted) {
-          if (head.list === line) a.adopt(this.grant(head, "token"));
-          else a.giveBack(); // it left while the call was out
-          void this.serveLine(line, key);
-          return;
-        }
-        // Refused for now: the line waits (its head for its time, the others behind it).
-        for (let w: WaitEntry | null = line.head; w; w = w.next) this.markWaiting(w);
-        if (line.again || head.list !== line) {
-          void this.serveLine(line, key);
-          return;
-        }
-        line.timer = this.clock.setTimeout(() => {
-          line.timer = undefined;
-          void this.serveLine(line, key);
-        }, a.waitMs);
-      },
-      (error: unknown) => {
-        line.busy = undefined;
-        this.log.warn({ err: error, key }, "Redis unavailable; admission failed closed");
-        for (let w = line.head; w; w = line.head) this.failWaiter(w, error);
-      },
+    const many = line.size > 1 ? Math.min(line.size, this.headsAtOnce(line)) : 1;
+    if (many === 1) {
+      line.busy = this.attempt(line, head).then(
+        (a) => this.#answered(line, key, [head], [a]),
+        (error: unknown) => this.#failed(line, key, error),
+      );
+      return line.busy;
+    }
+    const heads: Waiter[] = [];
+    for (let w: Waiter | null = head; w !== null && heads.length < many; w = w.next as Waiter | null)
+      heads.push(w);
+    line.busy = this.attemptMany(line, heads).then(
+      (attempts) => this.#answered(line, key, heads, attempts),
+      (error: unknown) => this.#failed(line, key, error),
     );
     return line.busy;
+  }
+
+  /**
+   * What Redis said for `heads`, `line`'s first waiters, in order: each granted goes (or, gone
+   * while the call was out, gives its grant back) and the line goes on; the first refused stops
+   * the rest, and the line waits (that head for its time, the others behind it). A refusal holds
+   * every later head of the call back too, a key's or host's next grant only moving later: one
+   * granted after it is given back.
+   */
+  #answered(line: L, key: string, heads: readonly Waiter[], attempts: readonly Attempt[]): void {
+    line.busy = undefined;
+    let refused: { head: Waiter; waitMs: number } | undefined;
+    for (let i = 0; i < heads.length; i++) {
+      const a = attempts[i];
+      const head = heads[i]!;
+      if (a === undefined || !a.granted) {
+        refused ??= { head, waitMs: a === undefined ? 0 : a.waitMs };
+      } else if (refused === undefined && head.list === line) a.adopt(this.grant(head, "token"));
+      else a.giveBack();
+    }
+    if (refused === undefined) {
+      void this.serveLine(line, key);
+      return;
+    }
+    for (let w: WaitEntry | null = line.head; w; w = w.next) this.markWaiting(w);
+    if (line.again || refused.head.list !== line) {
+      void this.serveLine(line, key);
+      return;
+    }
+    line.timer = this.clock.setTimeout(() => {
+      line.timer = undefined;
+      void this.serveLine(line, key);
+    }, refused.waitMs);
+  }
+
+  /** A call for `line`'s heads failed: every waiter of the line fails closed. */
+  #failed(line: L, key: string, error: unknown): void {
+    line.busy = undefined;
+    this.log.warn({ err: error, key }, "Redis unavailable; admission failed closed");
+    for (let w = line.head; w; w = line.head) this.failWaiter(w, error);
   }
 
   /**

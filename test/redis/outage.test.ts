@@ -529,6 +529,50 @@ describe("a Redis outage", () => {
     expect(await hosts.tryAdmit()).toBeUndefined();
   });
 
+  // A gate that spaces nothing asks for its line's first waiters in one take: run so, each slot it
+  // claimed is handed back, latest first, leaving the host's slot as the pause left it.
+  it("hands back the slots a turn of an interval gate's takes claimed when the client ran it after their callers failed closed", async () => {
+    const { main, raw, backend, prefix } = await onOwnServer("outage-late-hosts");
+    const hosts = backend.intervalGate("hosts", { minIntervalMs: 0, defaultHost: "api.example" });
+    const key = stageKey(prefix, "hosts", "h:api.example");
+    await hosts.pause("api.example", 400);
+    const paused = await raw.hget(key, "nextAt");
+    // The line's takes: its head's (refused), all three's (refused), then all three's as the pause
+    // ends, which is held back until its callers have failed closed.
+    const commands = main as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
+    const command = commandName("interval-gate-take");
+    const take = commands[command]!.bind(main);
+    let calls = 0;
+    let send: (() => Promise<unknown>) | undefined;
+    commands[command] = (...args: unknown[]) => {
+      if (++calls < 3) return take(...args);
+      commands[command] = take;
+      return new Promise((resolve, reject) => {
+        send = () => {
+          const sent = take(...args);
+          sent.then(resolve, reject);
+          return sent;
+        };
+      });
+    };
+    const errors = await within(
+      Promise.all([1, 2, 3].map(() => rejectionOf(hosts.admit({ timeoutMs: 10_000 })))),
+      5_000,
+      "three admit() with their take held back",
+    );
+    for (const error of errors)
+      expect(isFloodgateError(error, "BACKEND_UNAVAILABLE"), String(error)).toBe(true);
+    expect(send, "no turn's take was held back").toBeDefined();
+    const replies = (await send!()) as unknown[][];
+    // (Each claimed the host's slot after the pause: what must go back.)
+    expect(replies.map((r) => Number(r[0]))).toEqual([1, 1, 1]);
+    await until(async () => (await raw.hget(key, "nextAt")) === paused, {
+      timeoutMs: 3_000,
+      message:
+        "the slots claimed by a turn's takes run after their callers failed closed were not handed back",
+    });
+  });
+
   // A token bucket's take run so spends a token of nobody's: it is given back while it is the
   // key's latest grant, as the caller's own refund would have been.
   it("gives back the tokens a token bucket's take took when the client ran it after the caller failed closed", async () => {
