@@ -82,6 +82,24 @@ describe.each(backends)("interval gate on $name", (backend) => {
     expect(next.settled).toBe(true);
   });
 
+  it("lets every waiter of a gate that spaces nothing go, in order, the instant a pause ends", async () => {
+    const gate = backend.make(clock).intervalGate("hosts", { minIntervalMs: 0 });
+    await gate.pause("a", 1000);
+    const order: number[] = [];
+    const waits = Array.from({ length: 40 }, (_, i) =>
+      gate.admit({ host: "a" }).then((t) => {
+        order.push(i);
+        expect(clock.now()).toBe(1000);
+        return t.release("success");
+      }),
+    );
+    await clock.advance(999);
+    expect(order).toEqual([]);
+    await clock.advance(1);
+    await Promise.all(waits);
+    expect(order).toEqual(Array.from({ length: 40 }, (_, i) => i));
+  });
+
   it("pauses a host that has waiters already queued", async () => {
     const gate = backend.make(clock).intervalGate("hosts", { minIntervalMs: 100 });
     await gate.admit({ host: "a" });
