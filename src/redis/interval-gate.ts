@@ -111,7 +111,10 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
       return this.tryAdmit({ host, cost: o.cost }).then((t) => t ?? this.wait(line, o.cost ?? 1, host, o));
     }
     const promise = this.wait(line, o.cost ?? 1, host, o);
-    void this.serveLine(line, host);
+    // A waiter behind others is asked for in its turn: the line has a call out or sleeps until its
+    // head's slot, which a newcomer does not move.
+    if (line.size === 1 || (line.busy === undefined && line.timer === undefined))
+      void this.serveLine(line, host);
     return promise;
   }
 
@@ -171,16 +174,25 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
   }
 
   protected async attempt(line: HostLine, _head: Waiter): Promise<Attempt> {
-    return this.#attemptOf(line, await this.#take(line));
+    const args = this.#takeArgs(line);
+    const sentAt = this.clock.now();
+    const reply = await this.#link.run(this.name, "interval-gate-take", line.keys, args, this.#lateTake);
+    // Redis decided about halfway between the call and its reply: the next slot is `spacing` after.
+    const sinceDecided = (this.clock.now() - sentAt) / 2;
+    return this.#attemptOf(line, this.#took(line, reply), Math.max(0, Number(args[1]) - sinceDecided));
   }
 
-  /** What a take's `reply` says for the waiter it asked for. */
-  #attemptOf(line: HostLine, reply: TakeReply): Attempt {
+  /**
+   * What a take's `reply` says for the waiter it asked for: granted, the host's next slot is
+   * `nextInMs` off, so the line sleeps as long before it asks for the next.
+   */
+  #attemptOf(line: HostLine, reply: TakeReply, nextInMs: number): Attempt {
     if (Number(reply[0]) !== 1) return { granted: false, waitMs: Number(reply[1]) };
     return {
       granted: true,
       adopt: (ticket) => this.#mark(ticket, reply),
       giveBack: () => void this.#refundSlot(line.redisKey, String(reply[2] ?? ""), String(reply[1] ?? "")),
+      nextInMs,
     };
   }
 
@@ -211,7 +223,8 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
     }
     const takes = replies as TakeReply[];
     this.#took(line, takes[0]!);
-    return takes.map((reply) => this.#attemptOf(line, reply));
+    // (Every spacing after the head's is 0; the head's is 0 too: see `headsAtOnce`.)
+    return takes.map((reply) => this.#attemptOf(line, reply, 0));
   }
 
   /** A turn's takes the client ran after their callers failed closed: each slot claimed goes back, latest first. */

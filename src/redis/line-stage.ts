@@ -20,7 +20,17 @@ export class RedisLine extends TimedLine {
 
 /** What one Redis call said for the head of a line. */
 export type Attempt =
-  | { granted: true; adopt(ticket: BaseTicket): void; giveBack(): void }
+  | {
+      granted: true;
+      adopt(ticket: BaseTicket): void;
+      giveBack(): void;
+      /**
+       * Ms from this grant until the line's next could go, when the grant itself says (an
+       * interval gate's spacing): the line then sleeps that long instead of asking at once and
+       * being told to wait. Undefined or 0: ask at once.
+       */
+      nextInMs?: number;
+    }
   | { granted: false; waitMs: number };
 
 /**
@@ -121,13 +131,21 @@ export abstract class RedisLineStage<L extends RedisLine> extends KeyedLineStage
   #answered(line: L, key: string, heads: readonly Waiter[], attempts: readonly Attempt[]): void {
     line.busy = undefined;
     let refused: { head: Waiter; waitMs: number } | undefined;
+    let nextInMs = 0;
     for (let i = 0; i < heads.length; i++) {
       const a = attempts[i];
       const head = heads[i]!;
       if (a === undefined || !a.granted) {
         refused ??= { head, waitMs: a === undefined ? 0 : a.waitMs };
-      } else if (refused === undefined && head.list === line) a.adopt(this.grant(head, "token"));
-      else a.giveBack();
+      } else if (refused === undefined && head.list === line) {
+        a.adopt(this.grant(head, "token"));
+        nextInMs = a.nextInMs ?? 0;
+      } else a.giveBack();
+    }
+    // Granted, and the grant says the next cannot go for a while: the line sleeps that long (a
+    // pause, a refund or a waiter that leaves or times out asks again at once: `serveLine`).
+    if (refused === undefined && nextInMs > 0 && line.head !== null && !line.again) {
+      refused = { head: line.head, waitMs: nextInMs };
     }
     if (refused === undefined) {
       void this.serveLine(line, key);

@@ -64,9 +64,8 @@ describe("a Redis interval gate's line for a host", () => {
         }),
       );
     }
-    // Told to wait for the pause: the first asked alone, then all 20 at once (the others came
-    // while its take was out).
-    await until(() => hosts.snapshot().waiting === 20 && counter.calls >= 2, {
+    // Told to wait for the pause: the first asked alone; the others, behind it, wait with it.
+    await until(() => hosts.snapshot().waiting === 20 && counter.calls >= 1, {
       timeoutMs: 5000,
       message: "the waiters did not all ask",
     });
@@ -75,11 +74,11 @@ describe("a Redis interval gate's line for a host", () => {
     await clock.advance(1000);
     const tickets = await Promise.all(waits);
     expect(order).toEqual(Array.from({ length: 20 }, (_, i) => i));
-    await shown(counter, admin, 3);
+    await shown(counter, admin, 2);
     counter.stop();
     // Before: one take per waiter (21 calls, the first refused); now the pause's end is one call.
-    expect(counter.calls).toBe(3);
-    expect(counter.takes).toBe(1 + 20 + 20);
+    expect(counter.calls).toBe(2);
+    expect(counter.takes).toBe(1 + 20);
     for (const t of tickets) await t.release("success");
   });
 
@@ -96,7 +95,7 @@ describe("a Redis interval gate's line for a host", () => {
     for (const t of tickets) await t.release("success");
   });
 
-  it("asks for one head at a time when the gate spaces its calls, each at its slot", async () => {
+  it("asks for one head at a time when the gate spaces its calls, each at its slot and not before", async () => {
     const { clock, hosts, admin, key } = await gate({ minIntervalMs: 100 });
     const counter = await countScripts(key);
     const at: number[] = [];
@@ -111,8 +110,34 @@ describe("a Redis interval gate's line for a host", () => {
     expect(at).toEqual([0, 100, 200, 300, 400]);
     await shown(counter, admin, 5);
     counter.stop();
-    // Every call asked for one take.
+    // One take a call, each when its slot came: a grant says how far off the next slot is, so the
+    // line sleeps until then instead of asking at once and being told to wait.
     expect(counter.takes).toBe(counter.calls);
+    expect(counter.calls).toBe(5);
+  });
+
+  it("spaces the calls of two processes' lines for one host, each line sleeping until its slot", async () => {
+    const clock = new FakeClock();
+    const prefix = randomPrefix("interval-line-two");
+    const [a, b] = await Promise.all([connect(), connect()]);
+    const options = { prefix, clock, time: "clock" } as const;
+    const gates = [a, b].map((client) =>
+      redis(client, options).intervalGate("hosts", { minIntervalMs: 100 }),
+    );
+    const starts: number[] = [];
+    const waits: Promise<void>[] = [];
+    for (let i = 0; i < 6; i++) {
+      waits.push(
+        gates[i % 2]!.admit({ host: "api.example" }).then((t) => {
+          starts.push(clock.now());
+          return t.release("success");
+        }),
+      );
+      await clock.flush();
+    }
+    await clock.advance(500);
+    await Promise.all(waits);
+    expect(starts).toEqual([0, 100, 200, 300, 400, 500]);
   });
 
   it("gives back the slot of a waiter that left while its take was out, and lets the rest go", async () => {

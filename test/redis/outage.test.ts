@@ -537,15 +537,15 @@ describe("a Redis outage", () => {
     const key = stageKey(prefix, "hosts", "h:api.example");
     await hosts.pause("api.example", 400);
     const paused = await raw.hget(key, "nextAt");
-    // The line's takes: its head's (refused), all three's (refused), then all three's as the pause
-    // ends, which is held back until its callers have failed closed.
+    // The line's takes: its head's (refused: the others wait behind it), then all three's as the
+    // pause ends, which is held back until its callers have failed closed.
     const commands = main as unknown as Record<string, (...args: unknown[]) => Promise<unknown>>;
     const command = commandName("interval-gate-take");
     const take = commands[command]!.bind(main);
     let calls = 0;
     let send: (() => Promise<unknown>) | undefined;
     commands[command] = (...args: unknown[]) => {
-      if (++calls < 3) return take(...args);
+      if (++calls < 2) return take(...args);
       commands[command] = take;
       return new Promise((resolve, reject) => {
         send = () => {
