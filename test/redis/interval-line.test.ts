@@ -76,7 +76,8 @@ describe("a Redis interval gate's line for a host", () => {
     expect(order).toEqual(Array.from({ length: 20 }, (_, i) => i));
     await shown(counter, admin, 2);
     counter.stop();
-    // Before: one take per waiter (21 calls, the first refused); now the pause's end is one call.
+    // The first waiter's take (refused), then one for all 20 at the pause's end, where a take went
+    // for each waiter in turn.
     expect(counter.calls).toBe(2);
     expect(counter.takes).toBe(1 + 20);
     for (const t of tickets) await t.release("success");
