@@ -7,12 +7,10 @@
  */
 import { fork } from "node:child_process";
 import { once } from "node:events";
-import { Gate } from "floodgate";
-import { redis } from "floodgate/redis";
 import type { Redis } from "ioredis";
 import { type BenchArgs, type Benchmark, median, ms, rounds } from "./lib.js";
-import { connect, freshPrefix } from "./redis-clients.js";
-import { GATES, report, type Timed, timed } from "./redis-throughput.js";
+import { connect } from "./redis-clients.js";
+import { GATES, gateRun, report, type Timed, timed } from "./redis-throughput.js";
 
 /** The delay each way, ms: a round trip about twice this (Node's timers, 1 ms apart at best). */
 const DELAY_MS = 1;
@@ -45,12 +43,9 @@ export const redisAway: Benchmark = {
       const count = args.rounds ?? (args.quick ? 1 : 5);
       for (const callers of [1, 64]) {
         const gate = (name: string, fuse: boolean) =>
-          timed(fuse ? name : `${name.split(":")[0]}: taken in turn`, s, callers, info, () => {
-            const backend = redis(floodgate, { prefix: freshPrefix("away") });
-            const g = new Gate(GATES[name]!(backend), { fuse });
-            const task = () => undefined;
-            return [() => g.run(task, { host: "api.example" }), () => backend.close()];
-          });
+          timed(fuse ? name : `${name.split(":")[0]}: taken in turn`, s, callers, info, () =>
+            gateRun(floodgate, GATES[name]!, fuse),
+          );
         const list: Timed[] = [
           timed("ioredis PING (floor)", s, callers, info, () => () => ping.ping()),
           gate("semaphore alone", true),

@@ -318,6 +318,21 @@ export const GATES: Record<string, (b: RedisBackend) => Stage[]> = {
   ],
 };
 
+/**
+ * A Gate contender's operation for `timed`: a fresh backend on `client`, a Gate of `stages`
+ * (fused or not), `gate.run` of an empty task to one host; and what closes it.
+ */
+export function gateRun(
+  client: Redis,
+  stages: (b: RedisBackend) => Stage[],
+  fuse: boolean,
+): [Op, () => Promise<void>] {
+  const backend = redis(client, { prefix: freshPrefix("gate") });
+  const gate = new Gate(stages(backend), { fuse });
+  const task = () => undefined;
+  return [() => gate.run(task, { host: "api.example" }), () => backend.close()];
+}
+
 /** The floors' names in the table (bench/gate-floor.ts). */
 const FLOOR = { 1: "floor: semaphore, hand-written", 4: "floor: 4 stages, hand-written" } as const;
 
@@ -340,12 +355,7 @@ export const redisGate: Benchmark = {
                 s,
                 callers,
                 c.ping,
-                () => {
-                  const backend = redis(c.floodgate, { prefix: freshPrefix("gate") });
-                  const gate = new Gate(stages(backend), { fuse });
-                  const task = () => undefined;
-                  return [() => gate.run(task, { host: "api.example" }), () => backend.close()];
-                },
+                () => gateRun(c.floodgate, stages, fuse),
               ),
             ),
         ),

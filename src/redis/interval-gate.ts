@@ -65,9 +65,10 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
     return new HostLine(this.#key(host));
   }
 
-  #take(line: HostLine): Promise<TakeReply> {
+  /** One take for `line`'s head, with `args` (its spacing drawn once: `#takeArgs`). */
+  #take(line: HostLine, args = this.#takeArgs(line)): Promise<TakeReply> {
     return this.#link
-      .run(this.name, "interval-gate-take", line.keys, this.#takeArgs(line), this.#lateTake)
+      .run(this.name, "interval-gate-take", line.keys, args, this.#lateTake)
       .then((reply: TakeReply) => this.#took(line, reply));
   }
 
@@ -111,10 +112,7 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
       return this.tryAdmit({ host, cost: o.cost }).then((t) => t ?? this.wait(line, o.cost ?? 1, host, o));
     }
     const promise = this.wait(line, o.cost ?? 1, host, o);
-    // A waiter behind others is asked for in its turn: the line has a call out or sleeps until its
-    // head's slot, which a newcomer does not move.
-    if (line.size === 1 || (line.busy === undefined && line.timer === undefined))
-      void this.serveLine(line, host);
+    this.joined(line, host);
     return promise;
   }
 
@@ -176,10 +174,10 @@ export class RedisIntervalGate extends RedisLineStage<HostLine> {
   protected async attempt(line: HostLine, _head: Waiter): Promise<Attempt> {
     const args = this.#takeArgs(line);
     const sentAt = this.clock.now();
-    const reply = await this.#link.run(this.name, "interval-gate-take", line.keys, args, this.#lateTake);
+    const reply = await this.#take(line, args);
     // Redis decided about halfway between the call and its reply: the next slot is `spacing` after.
     const sinceDecided = (this.clock.now() - sentAt) / 2;
-    return this.#attemptOf(line, this.#took(line, reply), Math.max(0, Number(args[1]) - sinceDecided));
+    return this.#attemptOf(line, reply, Math.max(0, Number(args[1]) - sinceDecided));
   }
 
   /**

@@ -81,6 +81,16 @@ export abstract class RedisLineStage<L extends RedisLine> extends KeyedLineStage
     return line;
   }
 
+  /**
+   * A waiter joined `line`: ask for it when it is the head, or when nothing is under way. One behind
+   * others is asked for in its turn: the line has a call out, or sleeps until its head's time,
+   * which a newcomer does not move (asking again then would only be told to wait).
+   */
+  protected joined(line: L, key: string): void {
+    if (line.size === 1 || (line.busy === undefined && line.timer === undefined))
+      void this.serveLine(line, key);
+  }
+
   /** Ask again for `key`'s head, if it has a line (after a refund, a pause, a settle). */
   protected serveAgain(key: string): void {
     const line = this.lines.get(key);
@@ -133,10 +143,10 @@ export abstract class RedisLineStage<L extends RedisLine> extends KeyedLineStage
     let refused: { head: Waiter; waitMs: number } | undefined;
     let nextInMs = 0;
     for (let i = 0; i < heads.length; i++) {
-      const a = attempts[i];
+      const a = attempts[i]!;
       const head = heads[i]!;
-      if (a === undefined || !a.granted) {
-        refused ??= { head, waitMs: a === undefined ? 0 : a.waitMs };
+      if (!a.granted) {
+        refused ??= { head, waitMs: a.waitMs };
       } else if (refused === undefined && head.list === line) {
         a.adopt(this.grant(head, "token"));
         nextInMs = a.nextInMs ?? 0;

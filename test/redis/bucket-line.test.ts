@@ -3,7 +3,7 @@ import { redis } from "floodgate/redis";
 import { FakeClock } from "floodgate/testing";
 import { describe, expect, it } from "vitest";
 import { ownRedis, useClients } from "./clients.js";
-import { randomPrefix, until } from "./helpers.js";
+import { randomPrefix, watchScripts } from "./helpers.js";
 
 /** This file counts the script calls Redis runs: on a server of its own. */
 const redisUrl = ownRedis();
@@ -25,24 +25,6 @@ describe("one line per key across processes (Redis token bucket)", () => {
       buckets.push(redis(client, { prefix, clock, time: "clock" }).tokenBucket("line", options));
     }
     return { clock, buckets, admin: clients[0]!, key: `${prefix}{line}:b:` };
-  }
-
-  /**
-   * Count the script calls on keys under `key`, as MONITOR sees them: other test files share the
-   * server, so its global command counts would not do.
-   */
-  async function countScripts(key: string): Promise<{ calls: number; stop(): void }> {
-    const monitor = await connect();
-    const feed = await monitor.monitor();
-    const counter = {
-      calls: 0,
-      stop: () => feed.disconnect(),
-    };
-    feed.on("monitor", (_time: string, args: string[]) => {
-      const command = args[0]?.toLowerCase();
-      if ((command === "evalsha" || command === "eval") && args[3]?.startsWith(key)) counter.calls++;
-    });
-    return counter;
   }
 
   it("serves callers in the order they asked, whichever process they ask from", async () => {
@@ -81,7 +63,7 @@ describe("one line per key across processes (Redis token bucket)", () => {
   it("costs one script call per admission, however long the wait: nobody asks again", async () => {
     const { clock, buckets, admin, key } = await fleet(2, { capacity: 2, refillPerSecond: 10 });
     await buckets[0]!.admit({ cost: 2 });
-    const counter = await countScripts(key);
+    const counter = await watchScripts(await connect(), key);
     const waits: Promise<Ticket>[] = [];
     for (let i = 0; i < 20; i++) {
       waits.push(buckets[i % 2]!.admit());
@@ -89,12 +71,9 @@ describe("one line per key across processes (Redis token bucket)", () => {
     }
     await clock.advance(2000);
     await Promise.all(waits);
-    // A command after the last script call, so MONITOR has shown every call before it.
-    await admin.ping();
-    await until(() => counter.calls >= 20, { timeoutMs: 5000, message: "MONITOR did not show the takes" });
-    await admin.ping();
+    await counter.shown(admin, 20);
     counter.stop();
-    expect(counter.calls).toBe(20);
+    expect(counter.seen.length).toBe(20);
   });
 
   it("gives an aborted caller's tokens back: its process's next moves up, and the next to ask gets them", async () => {

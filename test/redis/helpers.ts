@@ -247,6 +247,36 @@ export class Child {
   }
 }
 
+/**
+ * The script calls (EVALSHA and EVAL) whose first key starts with `key`, each as MONITOR on
+ * `monitor` shows its arguments (`seen`), for a test whose server other test files share, where
+ * the global counts would not do. `shown(admin, n)`: wait until `n` have been seen, and every
+ * command sent before it (a PING on `admin` after them comes back only once MONITOR has shown them).
+ */
+export async function watchScripts(
+  monitor: Redis,
+  key: string,
+): Promise<{ seen: string[][]; shown(admin: Redis, n: number): Promise<void>; stop(): void }> {
+  const feed = await monitor.monitor();
+  const seen: string[][] = [];
+  feed.on("monitor", (_time: string, args: string[]) => {
+    const command = args[0]?.toLowerCase();
+    if ((command === "evalsha" || command === "eval") && args[3]?.startsWith(key)) seen.push(args);
+  });
+  return {
+    seen,
+    async shown(admin, n) {
+      await admin.ping();
+      await until(() => seen.length >= n, {
+        timeoutMs: 5000,
+        message: "MONITOR did not show the script calls",
+      });
+      await admin.ping();
+    },
+    stop: () => feed.disconnect(),
+  };
+}
+
 /** Script calls (EVALSHA and EVAL) Redis has run since its statistics were last reset. */
 export async function evalCalls(client: Redis): Promise<number> {
   const info = await client.info("commandstats");

@@ -4,7 +4,7 @@ import { FakeClock } from "floodgate/testing";
 import { describe, expect, it } from "vitest";
 import { commandName } from "../../src/redis/scripts.js";
 import { ownRedis, useClients } from "./clients.js";
-import { randomPrefix, until } from "./helpers.js";
+import { randomPrefix, until, watchScripts } from "./helpers.js";
 
 /** This file counts the script calls Redis runs: on a server of its own. */
 const redisUrl = ownRedis();
@@ -25,29 +25,18 @@ describe("a Redis interval gate's line for a host", () => {
     return { clock, hosts, client, admin: clients[0]!, key: `${prefix}{hosts}:h:` };
   }
 
-  /**
-   * Count the script calls on keys under `key`, as MONITOR sees them (`calls`), and the takes they
-   * asked for (`takes`: one a spacing after `now`).
-   */
-  async function countScripts(key: string): Promise<{ calls: number; takes: number; stop(): void }> {
-    const monitor = await connect();
-    const feed = await monitor.monitor();
-    const counter = { calls: 0, takes: 0, stop: () => feed.disconnect() };
-    feed.on("monitor", (_time: string, args: string[]) => {
-      const command = args[0]?.toLowerCase();
-      if ((command === "evalsha" || command === "eval") && args[3]?.startsWith(key)) {
-        counter.calls++;
-        counter.takes += args.length - 5;
-      }
-    });
-    return counter;
-  }
-
-  /** Every script call so far shown by MONITOR: a command after them, then `calls` reached. */
-  async function shown(counter: { calls: number }, admin: { ping(): Promise<unknown> }, calls: number) {
-    await admin.ping();
-    await until(() => counter.calls >= calls, { timeoutMs: 5000, message: "MONITOR did not show the takes" });
-    await admin.ping();
+  /** The script calls on keys under `key`, and the takes they asked for (one a spacing after `now`). */
+  async function countScripts(key: string) {
+    const watch = await watchScripts(await connect(), key);
+    return {
+      ...watch,
+      get calls() {
+        return watch.seen.length;
+      },
+      get takes() {
+        return watch.seen.reduce((n, args) => n + args.length - 5, 0);
+      },
+    };
   }
 
   it("lets every waiter of a gate that spaces nothing go when a pause ends, in order, in one take", async () => {
@@ -74,7 +63,7 @@ describe("a Redis interval gate's line for a host", () => {
     await clock.advance(1000);
     const tickets = await Promise.all(waits);
     expect(order).toEqual(Array.from({ length: 20 }, (_, i) => i));
-    await shown(counter, admin, 2);
+    await counter.shown(admin, 2);
     counter.stop();
     // The first waiter's take (refused), then one for all 20 at the pause's end, where a take went
     // for each waiter in turn.
@@ -88,7 +77,7 @@ describe("a Redis interval gate's line for a host", () => {
     const counter = await countScripts(key);
     const tickets = await Promise.all(Array.from({ length: 70 }, () => hosts.admit({ host: "api.example" })));
     expect(tickets).toHaveLength(70);
-    await shown(counter, admin, 4);
+    await counter.shown(admin, 4);
     counter.stop();
     // The first alone (nobody behind it yet), then 69 in takes of 32, 32 and 5.
     expect(counter.calls).toBe(4);
@@ -109,7 +98,7 @@ describe("a Redis interval gate's line for a host", () => {
     await clock.advance(400);
     await Promise.all(waits);
     expect(at).toEqual([0, 100, 200, 300, 400]);
-    await shown(counter, admin, 5);
+    await counter.shown(admin, 5);
     counter.stop();
     // One take a call, each when its slot came: a grant says how far off the next slot is, so the
     // line sleeps until then instead of asking at once and being told to wait.
@@ -141,7 +130,7 @@ describe("a Redis interval gate's line for a host", () => {
     expect(starts).toEqual([0, 100, 200, 300, 400, 500]);
   });
 
-  it("gives back the slot of a waiter that left while its take was out, and lets the rest go", async () => {
+  it("lets the rest of one take go when a waiter leaves while it is out, and the host is free after", async () => {
     const { clock, hosts, client } = await gate({ minIntervalMs: 0 });
     await hosts.pause("api.example", 1000);
     const controller = new AbortController();
