@@ -322,8 +322,15 @@ class FusedGate implements FusedAdmission {
   #heard = false;
 
   #listen(): Promise<void> {
+    // Heard again after its connection was lost, every caller here asks again: a wake-up sent
+    // meanwhile was lost (a waiter whose turn in its lane came), or a release passed a waiter over
+    // in the permit line while nobody listened for it. Else each would sleep until its poll.
     this.#listening ??= this.#link
-      .listen(`${this.#channel}:${this.#token}`, (message) => this.#onWake(message))
+      .listen(
+        `${this.#channel}:${this.#token}`,
+        (message) => this.#onWake(message),
+        () => this.#sleeps.wakeAll(),
+      )
       .then(
         () => {
           this.#heard = true;

@@ -57,6 +57,15 @@ export class FusedSleeps {
     else if (this.#trying.has(member)) this.#woken.add(member);
   }
 
+  /**
+   * Wake every call of this process in its admission, as `wake` wakes one: the gate's wake
+   * channel was not heard for a while (its connection was lost), so a message meant for any of
+   * them may have been lost with it.
+   */
+  wakeAll(): void {
+    for (const member of this.#trying) this.wake(member);
+  }
+
   /** Whether `member` was told to ask again while its try was out; forgets it. */
   takeWoken(member: string): boolean {
     return this.#woken.delete(member);

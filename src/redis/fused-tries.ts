@@ -4,6 +4,8 @@
  * call ran after it had failed, leaves the gate's lines it took a place in.
  */
 import type { BaseStage, StepDone } from "../base/stage.js";
+import { unrefTimer } from "../clock.js";
+import { isFloodgateError } from "../errors.js";
 import type { FusedCall } from "../fuse.js";
 import type { Stage } from "../types.js";
 import { TurnQueue } from "./batch.js";
@@ -159,17 +161,29 @@ export class FusedTries {
     this.leave(leaving);
   };
 
-  /** Take each of `leavers` out of the gate's lines in the background (they gave up), in one call. */
-  leave(leavers: readonly Pick<GateCall, "member" | "lane">[]): void {
+  /**
+   * Take each of `leavers` out of the gate's lines in the background (they gave up), in one call.
+   * With Redis away (a dropped connection, as often as not what they gave up on), it asks again
+   * shortly, for as long as a place in line could still be held without asking: a place left
+   * behind would hold up everyone after it in its line until it ran out.
+   */
+  leave(leavers: readonly Pick<GateCall, "member" | "lane">[], waitedMs = 0): void {
     if (leavers.length === 0) return;
     const calls = leavers.map(
       ({ member, lane }): GateCall => ({ member, mode: "try", try: "", held: "", lane, fn: () => {} }),
     );
-    this.#host.link.gather(this.#host.name, this.#host.leaves, calls)?.then(
+    const link = this.#host.link;
+    link.gather(this.#host.name, this.#host.leaves, calls)?.then(
       (replies) => {
         for (const reply of replies) this.#host.wakeAll(reply.woken);
       },
-      () => {},
+      (error: unknown) => {
+        const ttlMs = this.#host.leaves.waiterTtlMs;
+        const delay = Math.min(ttlMs / 3, 25 * 2 ** Math.min(6, Math.floor(waitedMs / 100)));
+        if (isFloodgateError(error, "BACKEND_UNAVAILABLE") && waitedMs + delay < ttlMs) {
+          unrefTimer(link.clock.setTimeout(() => this.leave(leavers, waitedMs + delay), delay));
+        }
+      },
     );
   }
 }

@@ -25,7 +25,7 @@ import {
 } from "./gate-call.js";
 import { ranLate, readGateReplies } from "./gate-reply.js";
 import { GATE_STEPS, type GateStep, SCRIPTS, type ScriptName } from "./scripts.js";
-import { Listening, type WakeHandler } from "./subscriber.js";
+import { type AgainHandler, Listening, type WakeHandler } from "./subscriber.js";
 import { together } from "./turn-releases.js";
 
 export { isConnectionError } from "./clients/index.js";
@@ -403,9 +403,12 @@ export class RedisLink {
     }
   }
 
-  /** Call `handler` with every message on channel `name`; resolves once subscribed. */
-  listen(name: string, handler: WakeHandler): Promise<void> {
-    return this.#listening.listen(name, handler);
+  /**
+   * Call `handler` with every message on channel `name`, and `again` (if given) each time the
+   * channel is heard again after its pub/sub connection was lost; resolves once subscribed.
+   */
+  listen(name: string, handler: WakeHandler, again?: AgainHandler): Promise<void> {
+    return this.#listening.listen(name, handler, again);
   }
 
   readonly #onReady = () => {

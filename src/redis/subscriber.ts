@@ -13,9 +13,16 @@ import { onWire } from "./gate-call.js";
 /** Waiter ids are delivered to every handler registered for the channel. */
 export type WakeHandler = (id: string) => void;
 
+/**
+ * Told that a channel is heard again after its connection was lost: what was published on it
+ * meanwhile is lost, so whoever waits for a message there should ask again now.
+ */
+export type AgainHandler = () => void;
+
 /** One pub/sub connection and the handlers of every backend that uses it. */
 class Subscriber {
   readonly handlers = new Map<string, Set<WakeHandler>>();
+  readonly again = new Map<string, Set<AgainHandler>>();
   readonly subscribing = new Map<string, Promise<unknown>>();
   constructor(
     readonly connection: RedisConnection,
@@ -26,9 +33,9 @@ class Subscriber {
       if (set) for (const handler of set) handler(id);
     });
     connection.on("error", (error: unknown) => log.warn({ err: error }, "pub/sub connection error"));
-    if (connection.resubscribes) return;
-    // A connection that does not subscribe again by itself after a reconnect: every channel
-    // listened to, again, on each `ready` after the first (the first subscribes as it is asked).
+    // On each `ready` after the first (the first subscribes as it is asked), every channel
+    // listened to is heard again: subscribed again here, unless the connection does that by
+    // itself (then it is taken as heard once ready); either way its `again` handlers are told.
     let before = connection.status() === "ready";
     connection.on("ready", () => {
       if (!before) {
@@ -37,11 +44,26 @@ class Subscriber {
       }
       for (const [channel, set] of this.handlers) {
         if (set.size === 0) continue;
-        connection.subscribe(channel).catch((error: unknown) => {
-          log.warn({ err: error, channel }, "pub/sub: could not subscribe again; waiters poll until it does");
-        });
+        if (connection.resubscribes) {
+          this.#heardAgain(channel);
+          continue;
+        }
+        connection.subscribe(channel).then(
+          () => this.#heardAgain(channel),
+          (error: unknown) => {
+            log.warn(
+              { err: error, channel },
+              "pub/sub: could not subscribe again; waiters poll until it does",
+            );
+          },
+        );
       }
     });
+  }
+
+  #heardAgain(channel: string): void {
+    const set = this.again.get(channel);
+    if (set) for (const again of [...set]) again();
   }
 }
 
@@ -52,6 +74,7 @@ const subscribers = new WeakMap<object, Subscriber>();
 export class Listening {
   #subscriber: Subscriber | undefined;
   readonly #mine = new Map<string, WakeHandler>();
+  readonly #mineAgain = new Map<string, AgainHandler>();
 
   constructor(
     /** The link's client: its `duplicate()` is the subscriber when none is `given`. */
@@ -64,8 +87,11 @@ export class Listening {
     readonly timeoutMs: number,
   ) {}
 
-  /** Call `handler` with every message on channel `name`; resolves once subscribed. */
-  async listen(name: string, handler: WakeHandler): Promise<void> {
+  /**
+   * Call `handler` with every message on channel `name`, and `again` (if given) each time the
+   * channel is heard again after its connection was lost; resolves once subscribed.
+   */
+  async listen(name: string, handler: WakeHandler, again?: AgainHandler): Promise<void> {
     // Messages come named as Redis has the channel: a lone surrogate in a stage's name is U+FFFD.
     const channel = onWire(name);
     if (!this.#subscriber) {
@@ -85,6 +111,15 @@ export class Listening {
       sub.handlers.set(channel, set);
     }
     set.add(handler);
+    if (again !== undefined) {
+      this.#mineAgain.set(channel, again);
+      let agains = sub.again.get(channel);
+      if (!agains) {
+        agains = new Set();
+        sub.again.set(channel, agains);
+      }
+      agains.add(again);
+    }
     let pending = sub.subscribing.get(channel);
     if (!pending) {
       pending = this.#subscribe(sub, channel);
@@ -132,6 +167,7 @@ export class Listening {
     this.#subscriber = undefined;
     if (!sub) return;
     for (const [channel, handler] of this.#mine) sub.handlers.get(channel)?.delete(handler);
+    for (const [channel, again] of this.#mineAgain) sub.again.get(channel)?.delete(again);
     if (this.given) return;
     try {
       await sub.connection.quit();
