@@ -4,11 +4,14 @@
  * phases of faults: SIGKILL churn, frozen holders, frozen waiters, CLIENT KILL, SCRIPT FLUSH and
  * redis-server restarts with persistence. The provider is the oracle: every arrival above its cap
  * is a breach. Figures per phase: calls/s, breaches (and what was in flight at each), the longest
- * stall, lost leases, sends on stale grants; at the end, what is left in Redis.
+ * stall, lost leases, sends on stale grants; at the end, what is left in Redis. With `gate`, the
+ * workers call through a fused gate of the llm scenario's kinds (a token bucket, the semaphore,
+ * an AIMD limiter, an interval gate), decided in one script call per admission and per release.
  * test/faults/chaos.test.ts runs a short form and asserts the bounds below.
  *
  *   npm run chaos -- --seconds 60     (seconds per phase; the test takes CHAOS_SECONDS, default 5)
- *   more flags: --workers --callers --limit --lease-ms --poll-ms --kill-every-ms, --phase <name>…
+ *   more flags: --workers --callers --limit --lease-ms --poll-ms --kill-every-ms, --phase <name>…,
+ *   --classes, --gate
  *   (npm run chaos -- --help lists them with their defaults)
  */
 import { randomUUID } from "node:crypto";
@@ -84,6 +87,13 @@ export interface ChaosSettings extends Partial<typeof DEFAULTS> {
    * each worker's callers taking turns between them.
    */
   classes?: boolean;
+  /**
+   * Call through a fused gate (`GATE_STAGES`): a token bucket that binds now and then, the
+   * semaphore, an AIMD limiter of the same limit and an interval gate that spaces nothing. The
+   * counts are then watched for both permit stages, and no member may hold a lease of either
+   * while it waits in the gate's line.
+   */
+  gate?: boolean;
   /** Told a line as each phase ends. */
   progress?: (line: string) => void;
 }
@@ -139,6 +149,20 @@ export interface Leftovers {
   classesUsed: number;
 }
 
+/** The fused gate's name and its stages' names, as the workers build it with `gate` (see `gateKey`). */
+export const GATE_STAGES = {
+  gate: "chaos",
+  rate: "rate",
+  permits: "provider",
+  adaptive: "adaptive",
+  hosts: "hosts",
+};
+
+/** The permit stages whose counts are watched: the semaphore, and with `gate` the AIMD limiter. */
+function permitStages(gate: boolean): string[] {
+  return gate ? [GATE_STAGES.permits, GATE_STAGES.adaptive] : [GATE_STAGES.permits];
+}
+
 export interface ChaosReport {
   phases: PhaseFigures[];
   whole: PhaseFigures;
@@ -152,9 +176,11 @@ export interface ChaosReport {
   freezes: { worker: number; kind: "holder" | "waiter"; ms: number }[];
   /**
    * The stage's counts read every 100 ms while the fleet ran (see `watchCounts`): how many reads
-   * (one MULTI each; those a fault failed are not counted) and how many found a count off.
+   * (one MULTI each; those a fault failed are not counted) and how many found a count off; with
+   * `gate`, how many found someone in the gate's line (the check that nobody there holds a lease
+   * is only as good as that number).
    */
-  counts: { reads: number; off: number };
+  counts: { reads: number; off: number; lineSeen: number };
   /** Workers that crashed or would not stop; counts off (`counts`), the first few of them. */
   problems: string[];
 }
@@ -168,6 +194,10 @@ export function countsOff(
   meta: Record<string, string>,
   holders: readonly string[],
   queue: readonly string[],
+  /** With `line`: the member each lease in `holders` is the call of (a fused call's name). */
+  callers: readonly string[] = holders,
+  /** A fused gate's line: members waiting there, holding nothing. */
+  line: readonly string[] = [],
 ): string {
   const cost = (m: string) => Number(/:(\d+)$/.exec(m)?.[1] ?? 1);
   const cls = (m: string) => Number(/~(\d+):/.exec(m)?.[1] ?? 0);
@@ -188,6 +218,9 @@ export function countsOff(
   const waiting = new Set(queue);
   const both = holders.filter((m) => waiting.has(m));
   if (both.length > 0) wrong.push(`holding and in line: ${both.join(", ")}`);
+  const inGate = new Set(line);
+  const held = holders.filter((_, i) => inGate.has(callers[i]!));
+  if (held.length > 0) wrong.push(`holding while in the gate's line: ${held.join(", ")}`);
   return wrong.join("; ");
 }
 
@@ -226,6 +259,7 @@ class ChaosRun {
   readonly admin: Redis;
   env: Record<string, string> = {};
   readonly classes: boolean;
+  readonly gate: boolean;
   readonly all: Child[] = [];
   readonly ids = new Map<Child, number>();
   live: Child[] = [];
@@ -235,7 +269,7 @@ class ChaosRun {
   readonly frozen = new Set<Child>();
   readonly freezes: ChaosReport["freezes"] = [];
   readonly problems: string[] = [];
-  readonly counts = { reads: 0, off: 0 };
+  readonly counts = { reads: 0, off: 0, lineSeen: 0 };
   /** Longest time redis-server was away in a restart of the current phase, ms. */
   #outageMs = 0;
 
@@ -247,30 +281,44 @@ class ChaosRun {
   async watchCounts(done: () => boolean, phase: () => string): Promise<void> {
     const watcher = new Redis(this.s.server.url, { maxRetriesPerRequest: 0, retryStrategy: () => 50 });
     watcher.on("error", () => {});
+    const stages = permitStages(this.gate);
     try {
       while (!done()) {
         await sleep(100);
         let read: [unknown, unknown][] | null;
         try {
-          read = await watcher
-            .multi()
-            .hgetall(this.key("meta"))
-            .zrange(this.key("holders"), 0, -1)
-            .zrange(this.key("queue"), 0, -1)
-            .exec();
+          const multi = watcher.multi();
+          for (const stage of stages) {
+            multi
+              .hgetall(this.key("meta", stage))
+              .zrange(this.key("holders", stage), 0, -1)
+              .zrange(this.key("queue", stage), 0, -1);
+          }
+          if (this.gate) multi.zrange(this.gateKey("line"), 0, -1);
+          read = await multi.exec();
         } catch {
           continue;
         }
         if (!read || read.some(([error]) => error)) continue;
         this.counts.reads++;
-        const [meta, holders, queue] = read.map(([, value]) => value) as [
-          Record<string, string>,
-          string[],
-          string[],
-        ];
-        const off = countsOff(meta, holders, queue);
-        if (off === "") continue;
-        if (++this.counts.off <= 5) this.problems.push(`counts off in "${phase()}": ${off}`);
+        const values = read.map(([, value]) => value);
+        // A fused call waits in the gate's line under its member; its leases are named by it (a
+        // later try's with ".<try>" after it): none of them may be held while it is there.
+        const line = this.gate ? (values[stages.length * 3] as string[]) : [];
+        if (line.length > 0) this.counts.lineSeen++;
+        const offs: string[] = [];
+        for (let i = 0; i < stages.length; i++) {
+          const [meta, holders, queue] = values.slice(i * 3, i * 3 + 3) as [
+            Record<string, string>,
+            string[],
+            string[],
+          ];
+          const members = holders.map((m) => (this.gate ? m.replace(/\.\d+$/, "") : m));
+          const off = countsOff(meta, holders, queue, members, line);
+          if (off !== "") offs.push(stages.length > 1 ? `${stages[i]}: ${off}` : off);
+        }
+        if (offs.length === 0) continue;
+        if (++this.counts.off <= 5) this.problems.push(`counts off in "${phase()}": ${offs.join("; ")}`);
       }
     } finally {
       watcher.disconnect();
@@ -280,6 +328,7 @@ class ChaosRun {
   constructor(settings: ChaosSettings) {
     this.s = { ...DEFAULTS, ...settings };
     this.classes = settings.classes === true;
+    this.gate = settings.gate === true;
     this.admin = new Redis(this.s.server.url, { maxRetriesPerRequest: 0, retryStrategy: () => 50 });
     this.admin.on("error", () => {});
   }
@@ -527,12 +576,21 @@ class ChaosRun {
     return "unexplained";
   }
 
-  /** The name of the fleet's semaphore's key `part` in Redis. */
-  key(part: string): string {
-    return stageKey(this.prefix, "provider", part);
+  /** The name of key `part` of the fleet's semaphore (or of another of its stages) in Redis. */
+  key(part: string, stage: string = GATE_STAGES.permits): string {
+    return stageKey(this.prefix, stage, part);
   }
 
-  /** One admission of the whole limit, at once or never, and its release. */
+  /** The name of the fused gate's key `part` in Redis (src/redis/fused-gate.ts names its keys so). */
+  gateKey(part: string): string {
+    const g = GATE_STAGES;
+    return stageKey(this.prefix, `gate:${g.gate}|${g.rate}|${g.permits}|${g.adaptive}|${g.hosts}`, part);
+  }
+
+  /**
+   * One admission of the whole limit, at once or never, and its release; with `gate`, one of the
+   * AIMD limiter too (of one permit: its limit may have come down).
+   */
   async sweep(): Promise<void> {
     const client = new Redis(this.s.server.url, { maxRetriesPerRequest: 0, enableOfflineQueue: false });
     client.on("error", () => {});
@@ -552,18 +610,37 @@ class ChaosRun {
         );
       }
       await ticket?.release("ignored");
+      if (this.gate) {
+        const aimd = backend.aimd(GATE_STAGES.adaptive, this.aimdOptions());
+        const one = await aimd.tryAdmit();
+        if (!one) {
+          const meta = await client.hgetall(this.key("meta", GATE_STAGES.adaptive));
+          const holders = await client.zrange(this.key("holders", GATE_STAGES.adaptive), 0, -1, "WITHSCORES");
+          this.problems.push(
+            `the sweeping call found the AIMD limiter full (meta ${JSON.stringify(meta)}, holders [${holders.join(" ")}])`,
+          );
+        }
+        await one?.release("ignored");
+      }
       await backend.close();
     } finally {
       client.disconnect();
     }
   }
 
+  /** The AIMD limiter's options, as the workers build it with `gate` (test/redis/fixtures/chaos-worker.ts). */
+  aimdOptions() {
+    return { initial: this.s.limit, min: 1, max: this.s.limit, leaseMs: this.s.leaseMs };
+  }
+
   async leftovers(): Promise<Leftovers> {
     const a = this.admin;
     const keys: string[] = [];
+    const stages = permitStages(this.gate);
+    const metas = new Set(stages.map((stage) => this.key("meta", stage)));
     for await (const batch of a.scanStream({ match: `${this.prefix}*`, count: 200 })) {
       for (const k of batch as string[]) {
-        if (k === this.key("meta")) continue;
+        if (metas.has(k)) continue;
         const [type, ttl] = await Promise.all([a.type(k), a.pttl(k)]);
         const size = type === "zset" ? await a.zcard(k) : type === "hash" ? await a.hlen(k) : "?";
         const expiry = ttl < 0 ? "no expiry" : `expires in ${ttl} ms`;
@@ -572,14 +649,17 @@ class ChaosRun {
     }
     const [seconds, micros] = await a.time();
     const now = Number(seconds) * 1000 + Math.floor(Number(micros) / 1000);
-    return {
-      keys: keys.sort(),
-      liveLeases: await a.zcount(this.key("holders"), `(${now}`, "+inf"),
-      expiredLeases: await a.zcount(this.key("holders"), "-inf", now),
-      waiters: await a.zcard(this.key("queue")),
-      used: Number((await a.hget(this.key("meta"), "used")) ?? 0),
-      classesUsed: (await a.hmget(this.key("meta"), "u0", "u1")).reduce((sum, v) => sum + Number(v ?? 0), 0),
-    };
+    const left = { keys: keys.sort(), liveLeases: 0, expiredLeases: 0, waiters: 0, used: 0, classesUsed: 0 };
+    for (const stage of stages) {
+      left.liveLeases += await a.zcount(this.key("holders", stage), `(${now}`, "+inf");
+      left.expiredLeases += await a.zcount(this.key("holders", stage), "-inf", now);
+      left.waiters += await a.zcard(this.key("queue", stage));
+      left.used += Number((await a.hget(this.key("meta", stage), "used")) ?? 0);
+      const classes = await a.hmget(this.key("meta", stage), "u0", "u1");
+      left.classesUsed += classes.reduce((sum, v) => sum + Number(v ?? 0), 0);
+    }
+    if (this.gate) left.waiters += await a.zcard(this.gateKey("line"));
+    return left;
   }
 
   async run(): Promise<ChaosReport> {
@@ -595,6 +675,7 @@ class ChaosRun {
       CALLERS: String(s.callers),
       HOLD_MS: String(s.holdMs),
       CLASSES: this.classes ? "1" : "",
+      GATE: this.gate ? "1" : "",
     };
     try {
       const names = s.phases ?? PHASES;
@@ -711,7 +792,8 @@ export function formatReport(r: ChaosReport): string {
       `${r.whole.outageMs.toFixed(0)} ms); breaches seen by the tap ` +
       `${r.tapBreaches}, counted by the provider ${r.providerBreaches}`,
     `freezes: holders ${freezes("holder")}, waiters ${freezes("waiter")}`,
-    `counts read every 100 ms: ${r.counts.reads}, off ${r.counts.off}`,
+    `counts read every 100 ms: ${r.counts.reads}, off ${r.counts.off}` +
+      (r.counts.lineSeen > 0 ? `; someone in the gate's line in ${r.counts.lineSeen}` : ""),
     `left in Redis: keys [${keys.join(", ")}], live leases ${liveLeases}, expired leases ${expiredLeases}, ` +
       `waiters ${waiters}, used ${used} (by the classes ${classesUsed})`,
     ...r.problems.map((p) => `problem: ${p}`),
@@ -741,7 +823,9 @@ const COMMAND = command({
     "Chaos for the Redis semaphore fleet: worker processes loop admit → fetch → release against a\n" +
     "provider capped at the semaphore's limit, through phases of faults (SIGKILL churn, frozen\n" +
     "holders and waiters, CLIENT KILL, SCRIPT FLUSH, redis-server restarts). Starts its own\n" +
-    "redis-server with persistence. Prints figures per phase; exits 1 when a bound is broken.",
+    "redis-server with persistence. Prints figures per phase; exits 1 when a bound is broken. With\n" +
+    "--gate, the workers call through a fused gate: a token bucket, the semaphore, an AIMD limiter\n" +
+    "and an interval gate, in one script call per admission and per release.",
   flags: {
     seconds: { type: "number", default: 60, min: 1, help: "length of each phase, s" },
     workers: { type: "int", default: DEFAULTS.workers, help: "worker processes" },
@@ -755,6 +839,10 @@ const COMMAND = command({
       help: "a worker is SIGKILLed about this often under kill churn, ms",
     },
     classes: { type: "boolean", help: "build the semaphore with traffic classes (interactive 2 : bulk 1)" },
+    gate: {
+      type: "boolean",
+      help: "call through a fused gate: a token bucket, the semaphore, an AIMD limiter, an interval gate",
+    },
     phase: {
       type: "string",
       multiple: true,
@@ -781,6 +869,7 @@ async function main(): Promise<void> {
       pollMs: v["poll-ms"],
       killEveryMs: v["kill-every-ms"],
       classes: v.classes,
+      gate: v.gate,
       phases: (v.phase.length > 0 ? v.phase : PHASES) as PhaseName[],
       progress: (line) => console.error(line),
     });

@@ -148,8 +148,54 @@ describe("a Redis semaphore fleet with traffic classes under crashes, freezes an
   });
 });
 
+/**
+ * The same fleet through a fused gate (soak/chaos.ts's GATE_STAGES: a token bucket that binds now
+ * and then, the semaphore, an AIMD limiter of the same limit, an interval gate that spaces
+ * nothing), decided in one script call per admission and per release, through every phase: the
+ * cap, the stall bound and the churn bound hold as for the semaphore alone, both permit stages'
+ * counts stay the leases they hold, and no caller holds a lease of either while it waits in the
+ * gate's line.
+ */
+describe("a fused Redis gate fleet under crashes, freezes and Redis faults", () => {
+  const run = useChaosRun("chaos through a fused gate", { gate: true });
+
+  it("runs every worker to a clean stop and injects every fault of every phase", () => {
+    const report = run();
+    expect(report.problems).toEqual([]);
+    const faulted = report.phases.filter((p) => p.name !== "calm");
+    expect(faulted.map((p) => p.name)).toEqual(PHASES.filter((n) => n !== "calm"));
+    for (const p of faulted) expect(p.faults, p.name).toBeGreaterThan(0);
+    expect(report.phases[0]!.peak).toBeGreaterThanOrEqual(DEFAULTS.limit);
+  });
+
+  it("keeps the provider at or under its cap in every phase, save a holder frozen after its signal check", () => {
+    expect(run().tapBreaches).toBe(run().providerBreaches);
+    expect(overCap(run())).toEqual(zeros(run()));
+    expect(staleGrants(run())).toEqual(zeros(run()));
+  });
+
+  it(`keeps at least ${MIN_CHURN_RATIO * 100}% of the calm throughput while a worker is killed every ${DEFAULTS.killEveryMs} ms`, () => {
+    expect(run().ratio).toBeGreaterThanOrEqual(MIN_CHURN_RATIO);
+  });
+
+  it(`never goes ${STALL_BOUND_MS} ms without a successful call while callers wait, beyond Redis's own downtime`, () => {
+    expect(overStall(run())).toEqual(zeros(run()));
+  });
+
+  it("keeps both permit stages' counts the costs of their leases, with nobody in the gate's line holding one", () => {
+    expect(run().counts.reads).toBeGreaterThan(PHASE_MS / 100);
+    // The line was seen with callers in it: the check had something to look at.
+    expect(run().counts.lineSeen).toBeGreaterThan(PHASE_MS / 1_000);
+    expect(run().counts.off).toBe(0);
+  });
+
+  it("leaves no lease, waiter or key in Redis once the workers have stopped", () => {
+    expect(run().left).toEqual(NOTHING_LEFT);
+  });
+});
+
 describe("the chaos run's check of a stage's counts", () => {
-  it("finds a count above the leases held, a class count off, and a member both holding and in line", () => {
+  it("finds a count above the leases held, a class count off, and a member both holding and in line (its stage's or a fused gate's)", () => {
     expect(countsOff({ used: "2", u0: "1", u1: "1" }, ["a-1~0:1", "b-1~1:1"], ["c-1~0:1"])).toBe("");
     expect(countsOff({ used: "3" }, ["a-1:1", "b-1:2"], [])).toBe("");
     expect(countsOff({ used: "3", u0: "2", u1: "1" }, ["a-1~0:1", "b-1~1:1"], [])).toBe(
@@ -157,5 +203,10 @@ describe("the chaos run's check of a stage's counts", () => {
     );
     expect(countsOff({ used: "1" }, ["a-1:1"], ["a-1:1"])).toBe("holding and in line: a-1:1");
     expect(countsOff({}, [], [])).toBe("");
+    // A fused call's leases are named by its member (a later try's with ".<try>" after it).
+    expect(countsOff({ used: "1" }, ["g-7.2"], [], ["g-7"], ["g-8"])).toBe("");
+    expect(countsOff({ used: "1" }, ["g-7.2"], [], ["g-7"], ["g-7"])).toBe(
+      "holding while in the gate's line: g-7.2",
+    );
   });
 });
