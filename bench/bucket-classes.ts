@@ -113,7 +113,7 @@ export const bucketClassesBench: Benchmark = {
   title: "traffic classes on a token bucket",
   redis: false,
   async run(args: BenchArgs) {
-    const seconds = args.seconds ?? (args.quick ? 1 : 3);
+    const seconds = args.seconds ?? (args.quick ? 0.5 : 3);
     const count = args.rounds ?? (args.quick ? 1 : 3);
     const run: Scenario<SetupName> = (setup, s, bulk, interactive) =>
       scenario(SETUPS[setup](memory()), s, bulk, interactive);
@@ -126,7 +126,7 @@ export const redisBucketClassesBench: Benchmark = {
   title: "traffic classes on a Redis token bucket, worker processes",
   redis: true,
   async run(args: BenchArgs) {
-    const seconds = args.seconds ?? (args.quick ? 1 : 3);
+    const seconds = args.seconds ?? (args.quick ? 0.5 : 3);
     const count = args.rounds ?? (args.quick ? 1 : 3);
     const where = ` in ${BULK_PROCESSES} processes, interactive in another`;
     await onWorkers<SetupName>(await args.redisUrl(), "bucket", BULK_PRODUCERS, DRAIN_MS, (run) =>

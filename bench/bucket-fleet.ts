@@ -96,7 +96,7 @@ export const bucketFleet: Benchmark = {
   title: "fairness of a Redis token bucket across a fleet",
   redis: true,
   async run(args: BenchArgs) {
-    const seconds = args.seconds ?? (args.quick ? 1 : 5);
+    const seconds = args.seconds ?? (args.quick ? 0.5 : 5);
     const count = args.rounds ?? (args.quick ? 1 : 3);
     const url = await args.redisUrl();
     const workers = Array.from(

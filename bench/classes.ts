@@ -255,7 +255,7 @@ export const classesBench: Benchmark = {
   title: "traffic classes",
   redis: false,
   async run(args: BenchArgs) {
-    const seconds = args.seconds ?? (args.quick ? 1 : 3);
+    const seconds = args.seconds ?? (args.quick ? 0.5 : 3);
     const count = args.rounds ?? (args.quick ? 1 : 3);
     const inProcess: Scenario = (setup, s, bulk, interactive) =>
       scenario(SETUPS[setup](memory()), s, bulk, interactive);
@@ -330,7 +330,7 @@ export const redisClassesBench: Benchmark = {
   title: "traffic classes on Redis, worker processes",
   redis: true,
   async run(args: BenchArgs) {
-    const seconds = args.seconds ?? (args.quick ? 1 : 3);
+    const seconds = args.seconds ?? (args.quick ? 0.5 : 3);
     const count = args.rounds ?? (args.quick ? 1 : 3);
     const where = ` in ${BULK_PROCESSES} processes, interactive in another`;
     // Interactive starts once bulk fills the limit.
