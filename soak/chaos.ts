@@ -74,6 +74,11 @@ export const DEFAULTS = {
   holdMs: 300,
   /** redis-server is down this long on each restart, ms. */
   downMs: 300,
+  /** With `gate`: its token bucket's refill a second (the fleet could make about 190 calls a second). */
+  gateRate: 150,
+  /** With `gate`: its interval gate's spacing and jitter, ms (0: it spaces nothing). */
+  gateSpacingMs: 0,
+  gateJitterMs: 0,
 };
 
 export interface ChaosSettings extends Partial<typeof DEFAULTS> {
@@ -676,6 +681,9 @@ class ChaosRun {
       HOLD_MS: String(s.holdMs),
       CLASSES: this.classes ? "1" : "",
       GATE: this.gate ? "1" : "",
+      GATE_RATE: String(s.gateRate),
+      GATE_SPACING: String(s.gateSpacingMs),
+      GATE_JITTER: String(s.gateJitterMs),
     };
     try {
       const names = s.phases ?? PHASES;
@@ -843,6 +851,21 @@ const COMMAND = command({
       type: "boolean",
       help: "call through a fused gate: a token bucket, the semaphore, an AIMD limiter, an interval gate",
     },
+    "gate-rate": {
+      type: "number",
+      default: DEFAULTS.gateRate,
+      help: "with --gate: the bucket's refill a second",
+    },
+    "gate-spacing": {
+      type: "number",
+      default: DEFAULTS.gateSpacingMs,
+      help: "with --gate: the host's spacing, ms",
+    },
+    "gate-jitter": {
+      type: "number",
+      default: DEFAULTS.gateJitterMs,
+      help: "with --gate: the host's jitter, ms",
+    },
     phase: {
       type: "string",
       multiple: true,
@@ -870,6 +893,9 @@ async function main(): Promise<void> {
       killEveryMs: v["kill-every-ms"],
       classes: v.classes,
       gate: v.gate,
+      gateRate: v["gate-rate"],
+      gateSpacingMs: v["gate-spacing"],
+      gateJitterMs: v["gate-jitter"],
       phases: (v.phase.length > 0 ? v.phase : PHASES) as PhaseName[],
       progress: (line) => console.error(line),
     });
