@@ -67,6 +67,16 @@ class Subscriber {
   }
 }
 
+/** Add `value` to the set of `key` in `sets`, made on first need. */
+function addTo<T>(sets: Map<string, Set<T>>, key: string, value: T): void {
+  let set = sets.get(key);
+  if (!set) {
+    set = new Set();
+    sets.set(key, set);
+  }
+  set.add(value);
+}
+
 /** The pub/sub connection of each subscriber client, shared by the backends given it. */
 const subscribers = new WeakMap<object, Subscriber>();
 
@@ -105,20 +115,10 @@ export class Listening {
     }
     const sub = this.#subscriber;
     this.#mine.set(channel, handler);
-    let set = sub.handlers.get(channel);
-    if (!set) {
-      set = new Set();
-      sub.handlers.set(channel, set);
-    }
-    set.add(handler);
+    addTo(sub.handlers, channel, handler);
     if (again !== undefined) {
       this.#mineAgain.set(channel, again);
-      let agains = sub.again.get(channel);
-      if (!agains) {
-        agains = new Set();
-        sub.again.set(channel, agains);
-      }
-      agains.add(again);
+      addTo(sub.again, channel, again);
     }
     let pending = sub.subscribing.get(channel);
     if (!pending) {

@@ -61,6 +61,31 @@ function useChaosRun(label: string, settings: Omit<ChaosSettings, "server" | "ph
   return () => report!;
 }
 
+/** A run through every phase: each worker stopped cleanly, each fault injected, the limit reached. */
+function itInjectsEveryFault(run: () => ChaosReport): void {
+  it("runs every worker to a clean stop and injects every fault of every phase", () => {
+    const report = run();
+    expect(report.problems).toEqual([]);
+    const faulted = report.phases.filter((p) => p.name !== "calm");
+    expect(faulted.map((p) => p.name)).toEqual(PHASES.filter((n) => n !== "calm"));
+    for (const p of faulted) expect(p.faults, p.name).toBeGreaterThan(0);
+    expect(new Set(report.freezes.map((f) => f.kind))).toEqual(new Set(["holder", "waiter"]));
+    // The callers did contend: the provider had the whole limit at once.
+    expect(report.phases[0]!.peak).toBeGreaterThanOrEqual(DEFAULTS.limit);
+  });
+}
+
+/** A run's throughput checks through every phase: the churn bound and the stall bound. */
+function itKeepsGoing(run: () => ChaosReport): void {
+  it(`keeps at least ${MIN_CHURN_RATIO * 100}% of the calm throughput while a worker is killed every ${DEFAULTS.killEveryMs} ms`, () => {
+    expect(run().ratio).toBeGreaterThanOrEqual(MIN_CHURN_RATIO);
+  });
+
+  it(`never goes ${STALL_BOUND_MS} ms without a successful call while callers wait, beyond Redis's own downtime`, () => {
+    expect(overStall(run())).toEqual(zeros(run()));
+  });
+}
+
 /**
  * Ten worker processes × three callers share a Redis semaphore of limit 6 (leaseMs 1500; pollMs,
  * livenessMs and claimMs at their defaults) in front of a provider that answers 429 to any
@@ -72,16 +97,7 @@ function useChaosRun(label: string, settings: Omit<ChaosSettings, "server" | "ph
 describe("a Redis semaphore fleet under crashes, freezes and Redis faults", () => {
   const run = useChaosRun("chaos", {});
 
-  it("runs every worker to a clean stop and injects every fault of every phase", () => {
-    const report = run();
-    expect(report.problems).toEqual([]);
-    const faulted = report.phases.filter((p) => p.name !== "calm");
-    expect(faulted.map((p) => p.name)).toEqual(PHASES.filter((n) => n !== "calm"));
-    for (const p of faulted) expect(p.faults, p.name).toBeGreaterThan(0);
-    expect(new Set(report.freezes.map((f) => f.kind))).toEqual(new Set(["holder", "waiter"]));
-    // The callers did contend: the provider had the whole limit at once.
-    expect(report.phases[0]!.peak).toBeGreaterThanOrEqual(DEFAULTS.limit);
-  });
+  itInjectsEveryFault(run);
 
   it("sees every breach the provider counts", () => {
     expect(run().tapBreaches).toBe(run().providerBreaches);
@@ -95,13 +111,7 @@ describe("a Redis semaphore fleet under crashes, freezes and Redis faults", () =
     expect(staleGrants(run())).toEqual(zeros(run()));
   });
 
-  it(`keeps at least ${MIN_CHURN_RATIO * 100}% of the calm throughput while a worker is killed every ${DEFAULTS.killEveryMs} ms`, () => {
-    expect(run().ratio).toBeGreaterThanOrEqual(MIN_CHURN_RATIO);
-  });
-
-  it(`never goes ${STALL_BOUND_MS} ms without a successful call while callers wait, beyond Redis's own downtime`, () => {
-    expect(overStall(run())).toEqual(zeros(run()));
-  });
+  itKeepsGoing(run);
 
   it("keeps the stage's count the costs of the leases held, read every 100 ms through every phase", () => {
     // (A count off is also one of the problems above; this says how many reads there were.)
@@ -162,14 +172,7 @@ describe("a Redis semaphore fleet with traffic classes under crashes, freezes an
 describe("a fused Redis gate fleet under crashes, freezes and Redis faults", () => {
   const run = useChaosRun("chaos through a fused gate", { gate: true });
 
-  it("runs every worker to a clean stop and injects every fault of every phase", () => {
-    const report = run();
-    expect(report.problems).toEqual([]);
-    const faulted = report.phases.filter((p) => p.name !== "calm");
-    expect(faulted.map((p) => p.name)).toEqual(PHASES.filter((n) => n !== "calm"));
-    for (const p of faulted) expect(p.faults, p.name).toBeGreaterThan(0);
-    expect(report.phases[0]!.peak).toBeGreaterThanOrEqual(DEFAULTS.limit);
-  });
+  itInjectsEveryFault(run);
 
   it("keeps the provider at or under its cap in every phase, save a holder frozen after its signal check", () => {
     expect(run().tapBreaches).toBe(run().providerBreaches);
@@ -177,13 +180,7 @@ describe("a fused Redis gate fleet under crashes, freezes and Redis faults", () 
     expect(staleGrants(run())).toEqual(zeros(run()));
   });
 
-  it(`keeps at least ${MIN_CHURN_RATIO * 100}% of the calm throughput while a worker is killed every ${DEFAULTS.killEveryMs} ms`, () => {
-    expect(run().ratio).toBeGreaterThanOrEqual(MIN_CHURN_RATIO);
-  });
-
-  it(`never goes ${STALL_BOUND_MS} ms without a successful call while callers wait, beyond Redis's own downtime`, () => {
-    expect(overStall(run())).toEqual(zeros(run()));
-  });
+  itKeepsGoing(run);
 
   it("keeps both permit stages' counts the costs of their leases, with nobody in the gate's line holding one", () => {
     expect(run().counts.reads).toBeGreaterThan(PHASE_MS / 100);
