@@ -399,6 +399,15 @@ local function leave(member, z, e, first)
   end
 end
 
+-- How long a first told to come back in `waitMs` keeps its place without asking (ms): until its
+-- wait or its longest poll (a waiter sleeps for one or the other, whichever is shorter: half of
+-- ttl at most), and a sixth of ttl more (half a poll) for a timer that fires late on a busy event
+-- loop. A first whose process froze holds its line up no longer than that, where ttl (three polls)
+-- would hold everyone behind it; one that comes later than that asks again from the end.
+local function turnMs(waitMs)
+  return math.min(waitMs, ttl / 2) + ttl / 6
+end
+
 -- Keep (or take) `member`'s place in line `z` (with expiries `e`).
 -- `seq`, when given, is its place (arrival sequence) from the line it comes from. `steps`, for
 -- the permit line: the call's steps, at whose permit stages this gate then has a caller waiting
@@ -724,6 +733,7 @@ local function admit(call, granting)
       local to = clock() + math.ceil(waitMs)
       if to > from then redis.call('HSET', gmeta, 'fr', fr + to - from, 'fru', to, 'frk', rateKey) end
       join(member, line, lexp, nil, steps)
+      redis.call('ZADD', lexp, clock() + turnMs(waitMs), member)
       local r = done({0, waitMs, 1, woken, replies, 0, now})
       r[8], r[9] = passed(g), g[3] or ''
       return r
@@ -732,7 +742,11 @@ local function admit(call, granting)
     leave(member, line, lexp, head)
   end
   join(member, lane, laneExp, seq)
-  if redis.call('ZRANGE', lane, 0, 0)[1] ~= member then waitMs = -1 end
+  if redis.call('ZRANGE', lane, 0, 0)[1] ~= member then
+    waitMs = -1
+  else
+    redis.call('ZADD', laneExp, clock() + turnMs(waitMs), member)
+  end
   return done({0, waitMs, 2, woken, replies})
 end
 

@@ -31,7 +31,11 @@ describe("a fused Redis gate", () => {
   const { connect } = useClients(redisUrl);
 
   /** A backend on its own connection (a process of the fleet), deciding with `clock`'s time. */
-  async function backend(prefix: string, clock: FakeClock, extra: { pollMs?: number } = {}) {
+  async function backend(
+    prefix: string,
+    clock: FakeClock,
+    extra: { pollMs?: number; random?: () => number } = {},
+  ) {
     const client = await connect();
     return { client, b: redis(client, { prefix, clock, time: "clock", claimMs: 30_000, ...extra }) };
   }
@@ -835,6 +839,49 @@ describe("a fused Redis gate", () => {
     await waiting;
     expect(ticket).toBeDefined();
     await ticket!.release("success");
+  });
+
+  it("keeps a first that does not come back when its wait is over only its turn's length: the next in its lane goes on", async () => {
+    // Two processes, each deciding with its own clock: the first one's never moves on (a process
+    // frozen), the other's polls every 500 ms (pollMs 1000, its random 0).
+    const frozenClock = new FakeClock(1000);
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-frozen-first");
+    const stages = (b: RedisBackend): Stage[] => [
+      b.semaphore("inflight", { limit: 10 }),
+      b.tokenBucket("rate", { capacity: 1, refillPerSecond: 10 }),
+    ];
+    const { b: one } = await backend(prefix, frozenClock, { pollMs: 1000 });
+    const { client, b: two } = await backend(prefix, clock, { pollMs: 1000, random: () => 0 });
+    const frozen = new Gate(stages(one), { clock: frozenClock });
+    const live = new Gate(stages(two), { clock });
+    const lane = `${prefix}{gate:gate|inflight|rate}:lane:`;
+    await (await live.admit()).release("success"); // the bucket's one token, at 1000
+    // Refused for the rate, first in its lane, told to come back in 100 ms: it never does.
+    const stuck = frozen.admit({ timeoutMs: 60_000 }).catch((error: unknown) => error);
+    await until(async () => (await client.zcard(lane)) === 1, {
+      timeoutMs: 2000,
+      message: "no first in the lane",
+    });
+    let ticket: Ticket | undefined;
+    const next = live.admit({ timeoutMs: 60_000 }).then((t) => {
+      ticket = t;
+    });
+    await until(async () => (await client.zcard(lane)) === 2, {
+      timeoutMs: 2000,
+      message: "nobody behind it",
+    });
+    // Its turn: its wait and half a poll (100 + 500 ms), to 1600. The next asks at 1500, still
+    // behind it, then at 2000, first, and its token is there (a place of three polls, to 4000,
+    // would keep it waiting past then).
+    await clock.advance(500);
+    expect(ticket).toBe(undefined);
+    await clock.advance(500);
+    await within(next, 2000, "the next in the lane");
+    expect(ticket).toBeDefined();
+    await ticket!.release("success");
+    await frozen.close();
+    await stuck;
   });
 
   /**
