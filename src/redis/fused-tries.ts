@@ -4,8 +4,6 @@
  * call ran after it had failed, leaves the gate's lines it took a place in.
  */
 import type { BaseStage, StepDone } from "../base/stage.js";
-import { unrefTimer } from "../clock.js";
-import { isFloodgateError } from "../errors.js";
 import type { FusedCall } from "../fuse.js";
 import type { Stage } from "../types.js";
 import { TurnQueue } from "./batch.js";
@@ -13,7 +11,7 @@ import { Answers, type TryOutcomes } from "./fused-answers.js";
 import type { Attempt, Held } from "./fused-kept.js";
 import type { GateCall, GateHead, GateReply } from "./gate-call.js";
 import { grantReplies } from "./gate-reply.js";
-import type { RedisLink } from "./link.js";
+import { askAgainWhileAway, type RedisLink } from "./link.js";
 
 /** A try's call in its `gate` call: the earlier try whose steps are kept goes with it (`#ranLate`). */
 interface TryCall extends GateCall {
@@ -179,10 +177,9 @@ export class FusedTries {
       },
       (error: unknown) => {
         const ttlMs = this.#host.leaves.waiterTtlMs;
-        const delay = Math.min(ttlMs / 3, 25 * 2 ** Math.min(6, Math.floor(waitedMs / 100)));
-        if (isFloodgateError(error, "BACKEND_UNAVAILABLE") && waitedMs + delay < ttlMs) {
-          unrefTimer(link.clock.setTimeout(() => this.leave(leavers, waitedMs + delay), delay));
-        }
+        askAgainWhileAway(link.clock, error, waitedMs, ttlMs / 3, ttlMs, (waited) =>
+          this.leave(leavers, waited),
+        );
       },
     );
   }

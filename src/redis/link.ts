@@ -9,8 +9,8 @@
 
 import { endTurn, startTurn } from "../base/flow.js";
 import { backendErrorChannel } from "../channels.js";
-import type { Clock, ClockTimer } from "../clock.js";
-import { BackendUnavailableError } from "../errors.js";
+import { type Clock, type ClockTimer, unrefTimer } from "../clock.js";
+import { BackendUnavailableError, isFloodgateError } from "../errors.js";
 import type { Logger } from "../types.js";
 import { ScriptBatch } from "./batch.js";
 import { type Corkable, isConnectionError, type RedisConnection } from "./clients/index.js";
@@ -436,6 +436,26 @@ const FIRST_CONNECT: ReadonlySet<string> = new Set(["wait", "connecting", "conne
  * (`NOT_RUN`: a caller ahead in line, or kept steps no release ran and the next try replaced).
  */
 const unsent = new WeakSet<object>([NOT_RUN]);
+
+/**
+ * A give-back in the background that failed with `error` (`waitedMs` after its first send): with
+ * Redis away (a dropped connection, a pause), `again` is called shortly, backing off from 25 ms up
+ * to `capMs`, for as long as what it gives back could still be held (`boundMs`); returns whether
+ * it will be. What is not given back so runs out by itself.
+ */
+export function askAgainWhileAway(
+  clock: Clock,
+  error: unknown,
+  waitedMs: number,
+  capMs: number,
+  boundMs: number,
+  again: (waitedMs: number) => void,
+): boolean {
+  const delay = Math.min(capMs, 25 * 2 ** Math.min(6, Math.floor(waitedMs / 100)));
+  if (!isFloodgateError(error, "BACKEND_UNAVAILABLE") || waitedMs + delay >= boundMs) return false;
+  unrefTimer(clock.setTimeout(() => again(waitedMs + delay), delay));
+  return true;
+}
 
 /**
  * False when the call failed before it was sent, or was a gate call's step that did not run, so

@@ -9,7 +9,7 @@ import { type ClassBook, classRule, classSpec } from "../base/classes.js";
 import { answerWith, BaseStage, type BaseTicket, type StepDone, type WaitFor } from "../base/stage.js";
 import { Waiter, WaitList } from "../base/wait-list.js";
 import { leaseLostChannel, shedChannel } from "../channels.js";
-import { type ClockTimer, unrefTimer } from "../clock.js";
+import type { ClockTimer } from "../clock.js";
 import {
   type DrainingError,
   isFloodgateError,
@@ -24,7 +24,7 @@ import type { RedisContext } from "./context.js";
 import type { GateHead, Late } from "./gate-call.js";
 import { stageKey } from "./keys.js";
 import { LeaseKeeper, LeaseTicket } from "./lease.js";
-import { maybeSent, type RedisLink } from "./link.js";
+import { askAgainWhileAway, maybeSent, type RedisLink } from "./link.js";
 
 /**
  * How many arguments `semaphore-acquire` takes before the pairs of a turn's other members
@@ -363,10 +363,10 @@ export abstract class RedisPermitStage extends BaseStage {
         (error) => {
           // Redis is away (a dropped connection, a pause): ask again shortly, for as long as the
           // lease could still be held, so a lost reply does not keep a permit for a whole lease.
-          const delay = Math.min(this.#ctx.pollMs, 25 * 2 ** Math.min(6, Math.floor(waitedMs / 100)));
-          if (isFloodgateError(error, "BACKEND_UNAVAILABLE") && waitedMs + delay < this.settings.leaseMs) {
-            unrefTimer(this.clock.setTimeout(() => this.#forget(id, waitedMs + delay), delay));
-          } else {
+          const again = (waited: number) => this.#forget(id, waited);
+          if (
+            !askAgainWhileAway(this.clock, error, waitedMs, this.#ctx.pollMs, this.settings.leaseMs, again)
+          ) {
             this.log.warn({ err: error, id }, "could not give back an abandoned lease; it expires");
           }
         },
