@@ -29,6 +29,7 @@ import {
   restartRedis,
   startPersistentRedis,
 } from "../test/faults/harness.js";
+import { aimdOptions, chaosGateKey, GATE_STAGES } from "../test/redis/fixtures/chaos-gate.js";
 import { Child, sleep } from "../test/redis/helpers.js";
 import type { RedisProcess } from "../test/setup/redis-server.js";
 
@@ -93,10 +94,10 @@ export interface ChaosSettings extends Partial<typeof DEFAULTS> {
    */
   classes?: boolean;
   /**
-   * Call through a fused gate (`GATE_STAGES`): a token bucket that binds now and then, the
-   * semaphore, an AIMD limiter of the same limit and an interval gate that spaces nothing. The
-   * counts are then watched for both permit stages, and no member may hold a lease of either
-   * while it waits in the gate's line.
+   * Call through a fused gate (test/redis/fixtures/chaos-gate.ts): a token bucket that binds now
+   * and then, the semaphore, an AIMD limiter of the same limit and an interval gate (spacing
+   * nothing unless told). The counts are then watched for both permit stages, and no member may
+   * hold a lease of either while it waits in the gate's line.
    */
   gate?: boolean;
   /** Told a line as each phase ends. */
@@ -153,15 +154,6 @@ export interface Leftovers {
   used: number;
   classesUsed: number;
 }
-
-/** The fused gate's name and its stages' names, as the workers build it with `gate` (see `gateKey`). */
-export const GATE_STAGES = {
-  gate: "chaos",
-  rate: "rate",
-  permits: "provider",
-  adaptive: "adaptive",
-  hosts: "hosts",
-};
 
 /** The permit stages whose counts are watched: the semaphore, and with `gate` the AIMD limiter. */
 function permitStages(gate: boolean): string[] {
@@ -586,10 +578,9 @@ class ChaosRun {
     return stageKey(this.prefix, stage, part);
   }
 
-  /** The name of the fused gate's key `part` in Redis (src/redis/fused-gate.ts names its keys so). */
+  /** The name of the fused gate's key `part` in Redis. */
   gateKey(part: string): string {
-    const g = GATE_STAGES;
-    return stageKey(this.prefix, `gate:${g.gate}|${g.rate}|${g.permits}|${g.adaptive}|${g.hosts}`, part);
+    return chaosGateKey(this.prefix, part);
   }
 
   /**
@@ -616,7 +607,7 @@ class ChaosRun {
       }
       await ticket?.release("ignored");
       if (this.gate) {
-        const aimd = backend.aimd(GATE_STAGES.adaptive, this.aimdOptions());
+        const aimd = backend.aimd(GATE_STAGES.adaptive, aimdOptions(this.s));
         const one = await aimd.tryAdmit();
         if (!one) {
           const meta = await client.hgetall(this.key("meta", GATE_STAGES.adaptive));
@@ -631,11 +622,6 @@ class ChaosRun {
     } finally {
       client.disconnect();
     }
-  }
-
-  /** The AIMD limiter's options, as the workers build it with `gate` (test/redis/fixtures/chaos-worker.ts). */
-  aimdOptions() {
-    return { initial: this.s.limit, min: 1, max: this.s.limit, leaseMs: this.s.leaseMs };
   }
 
   async leftovers(): Promise<Leftovers> {

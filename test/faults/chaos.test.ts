@@ -162,7 +162,7 @@ describe("a Redis semaphore fleet with traffic classes under crashes, freezes an
 });
 
 /**
- * The same fleet through a fused gate (soak/chaos.ts's GATE_STAGES: a token bucket that binds now
+ * The same fleet through a fused gate (test/redis/fixtures/chaos-gate.ts: a token bucket that binds now
  * and then, the semaphore, an AIMD limiter of the same limit, an interval gate that spaces
  * nothing), decided in one script call per admission and per release, through every phase: the
  * cap, the stall bound and the churn bound hold as for the semaphore alone, both permit stages'
