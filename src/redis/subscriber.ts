@@ -4,7 +4,7 @@
  * need, when none was given).
  */
 
-import type { Clock } from "../clock.js";
+import { type Clock, unrefTimer } from "../clock.js";
 import { BackendUnavailableError } from "../errors.js";
 import type { Logger } from "../types.js";
 import type { RedisConnection } from "./clients/index.js";
@@ -19,14 +19,22 @@ export type WakeHandler = (id: string) => void;
  */
 export type AgainHandler = () => void;
 
+/** The first wait before a channel that could not be subscribed again is asked for again, ms. */
+const RESUBSCRIBE_FIRST_MS = 100;
+/** The longest wait between those asks, ms (each waits twice the one before). */
+const RESUBSCRIBE_MAX_MS = 5_000;
+
 /** One pub/sub connection and the handlers of every backend that uses it. */
 class Subscriber {
   readonly handlers = new Map<string, Set<WakeHandler>>();
   readonly again = new Map<string, Set<AgainHandler>>();
   readonly subscribing = new Map<string, Promise<unknown>>();
+  /** Counts the connection's `ready`s: a retry left from an earlier one stops (see `#resubscribe`). */
+  #readies = 0;
   constructor(
     readonly connection: RedisConnection,
-    log: Logger,
+    readonly log: Logger,
+    readonly clock: Clock,
   ) {
     connection.onMessage((channel: string, id: string) => {
       const set = this.handlers.get(channel);
@@ -38,27 +46,44 @@ class Subscriber {
     // itself (then it is taken as heard once ready); either way its `again` handlers are told.
     let before = connection.status() === "ready";
     connection.on("ready", () => {
+      const ready = ++this.#readies;
       if (!before) {
         before = true;
         return;
       }
       for (const [channel, set] of this.handlers) {
         if (set.size === 0) continue;
-        if (connection.resubscribes) {
-          this.#heardAgain(channel);
-          continue;
-        }
-        connection.subscribe(channel).then(
-          () => this.#heardAgain(channel),
-          (error: unknown) => {
-            log.warn(
-              { err: error, channel },
-              "pub/sub: could not subscribe again; waiters poll until it does",
-            );
-          },
-        );
+        if (connection.resubscribes) this.#heardAgain(channel);
+        else this.#resubscribe(channel, ready, RESUBSCRIBE_FIRST_MS);
       }
     });
+  }
+
+  /**
+   * Subscribe to `channel` again after the connection's `ready` number `ready`. Refused (an ACL
+   * that denies it for now, a connection lost again before it answered), it is asked again after
+   * `delayMs`, twice as long each time up to RESUBSCRIBE_MAX_MS, for as long as the connection is
+   * that ready's and someone listens on the channel: its waiters poll meanwhile, and a channel
+   * left unsubscribed would have them poll until the connection was lost again.
+   */
+  #resubscribe(channel: string, ready: number, delayMs: number): void {
+    this.connection.subscribe(channel).then(
+      () => this.#heardAgain(channel),
+      (error: unknown) => {
+        if (delayMs === RESUBSCRIBE_FIRST_MS) {
+          this.log.warn(
+            { err: error, channel },
+            "pub/sub: could not subscribe again; asking again shortly, waiters poll until it does",
+          );
+        }
+        const timer = this.clock.setTimeout(() => {
+          const wanted = (this.handlers.get(channel)?.size ?? 0) > 0;
+          if (ready !== this.#readies || !wanted || this.connection.status() !== "ready") return;
+          this.#resubscribe(channel, ready, Math.min(delayMs * 2, RESUBSCRIBE_MAX_MS));
+        }, delayMs);
+        unrefTimer(timer);
+      },
+    );
   }
 
   #heardAgain(channel: string): void {
@@ -108,7 +133,7 @@ export class Listening {
       const connection = this.given ?? this.client.duplicate();
       let sub = subscribers.get(connection.client);
       if (!sub) {
-        sub = new Subscriber(connection, this.log);
+        sub = new Subscriber(connection, this.log, this.clock);
         subscribers.set(connection.client, sub);
       }
       this.#subscriber = sub;

@@ -1,0 +1,75 @@
+import { redis, stageKey } from "floodgate/redis";
+import type { Redis } from "ioredis";
+import { describe, expect, it } from "vitest";
+import { ownRedis, useClients } from "./clients.js";
+import { randomPrefix, until, within } from "./helpers.js";
+
+/** This file changes an ACL user's rights and cuts connections (CLIENT KILL ID): on a server of its own. */
+const redisUrl = ownRedis();
+
+/**
+ * floodgate's own pub/sub connection subscribes again after a reconnect; when Redis refuses that
+ * at first (here an ACL that denies SUBSCRIBE for a while), it asks again until it is let, so its
+ * waiters hear their wake-ups again rather than poll until the connection is next lost. The
+ * process polls once a minute here, so only a wake-up can admit its waiter in time.
+ */
+describe("a pub/sub connection refused when it subscribes again", () => {
+  const { connect } = useClients(redisUrl);
+
+  /** The connections named `name`: each one's id and its subscriptions (CLIENT LIST). */
+  async function connections(admin: Redis, name: string): Promise<{ id: string; sub: number }[]> {
+    return String(await admin.call("CLIENT", "LIST"))
+      .split("\n")
+      .filter((l) => l.includes(` name=${name} `))
+      .map((l) => ({ id: /\bid=(\d+)/.exec(l)![1]!, sub: Number(/\bsub=(\d+)/.exec(l)![1]) }));
+  }
+
+  it("asks again until it is let, and its waiter is woken", async () => {
+    const prefix = randomPrefix("resubscribe");
+    const user = `fg-${prefix.split(":")[2]}`;
+    const name = `${user}-waiting`;
+    const admin = await connect();
+    await admin.call("ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all");
+    try {
+      const holding = redis(await connect(), { prefix, pollMs: 60_000 });
+      const client = await connect({
+        username: user,
+        password: "pw",
+        connectionName: name,
+        retryStrategy: () => 50,
+      });
+      const waiting = redis(client, { prefix, pollMs: 60_000 });
+      const holder = await holding.semaphore("sem", { limit: 1 }).admit();
+      const next = waiting.semaphore("sem", { limit: 1 }).admit({ timeoutMs: 20_000 });
+      const subscribed = () =>
+        until(async () => (await connections(admin, name)).find((c) => c.sub > 0), {
+          timeoutMs: 10_000,
+          message: "the waiting process's pub/sub connection did not subscribe",
+        });
+      const listening = await subscribed();
+      await until(async () => (await admin.zcard(stageKey(prefix, "sem", "queue"))) === 1, {
+        timeoutMs: 5_000,
+        message: "the waiter did not take its place in the semaphore's line",
+      });
+
+      // SUBSCRIBE denied, the pub/sub connection cut: it comes back and is refused.
+      await admin.call("ACL", "SETUSER", user, "-subscribe");
+      await admin.call("CLIENT", "KILL", "ID", listening.id);
+      await until(async () => JSON.stringify(await admin.call("ACL", "LOG", "10")).includes('"subscribe"'), {
+        timeoutMs: 10_000,
+        message: "the pub/sub connection did not ask to subscribe again, refused",
+      });
+
+      // Let again: it subscribes by itself, and the release's wake-up reaches the waiter.
+      await admin.call("ACL", "SETUSER", user, "+subscribe");
+      const again = await subscribed();
+      expect(again.id, "a new connection").not.toBe(listening.id);
+      await holder.release("success");
+      const ticket = await within(next, 5_000, "the waiter's admission once it was subscribed again");
+      await ticket.release("success");
+      await Promise.all([holding.close(), waiting.close()]);
+    } finally {
+      await admin.call("ACL", "DELUSER", user);
+    }
+  });
+});
