@@ -633,7 +633,11 @@ export abstract class RedisPermitStage extends BaseStage {
 
   #listen(): Promise<void> {
     this.#subscribed ??= this.link
-      .listen(`${this.channel}:${this.#token}`, (message) => this.#onGrant(message, undefined))
+      .listen(
+        `${this.channel}:${this.#token}`,
+        (message) => this.#onGrant(message, undefined),
+        () => this.#askAgain(),
+      )
       .then(
         () => {
           this.#listening = true;
@@ -645,6 +649,15 @@ export abstract class RedisPermitStage extends BaseStage {
         },
       );
     return this.#subscribed;
+  }
+
+  /**
+   * The stage's channel is heard again after its pub/sub connection was lost: a grant sent
+   * meanwhile was lost, or a release passed a waiter over while nobody listened for it. Each
+   * waiter of this process asks again now, rather than sleep until its poll.
+   */
+  #askAgain(): void {
+    for (const w of [...this.#byId.values()]) if (w.list) this.#attempt(w);
   }
 
   /** Sleep until the nearest lease expiry (a crashed holder) or a jittered poll, whichever is first. */

@@ -8,12 +8,14 @@ import { randomPrefix, until, within } from "./helpers.js";
 const redisUrl = ownRedis();
 
 /**
- * floodgate's own pub/sub connection subscribes again after a reconnect; when Redis refuses that
- * at first (here an ACL that denies SUBSCRIBE for a while), it asks again until it is let, so its
- * waiters hear their wake-ups again rather than poll until the connection is next lost. The
- * process polls once a minute here, so only a wake-up can admit its waiter in time.
+ * A semaphore's waiters across a lost pub/sub connection. floodgate's own connection subscribes
+ * again after a reconnect; when Redis refuses that at first (here an ACL that denies SUBSCRIBE for
+ * a while), it asks again until it is let, so its waiters hear their wake-ups again rather than
+ * poll until the connection is next lost. Once heard again, each waiter of the process asks again:
+ * a grant sent while nobody listened was lost. The process polls once a minute here, so only a
+ * wake-up or that ask can admit its waiter in time.
  */
-describe("a pub/sub connection refused when it subscribes again", () => {
+describe("a semaphore's waiters across a lost pub/sub connection", () => {
   const { connect } = useClients(redisUrl);
 
   /** The connections named `name`: each one's id and its subscriptions (CLIENT LIST). */
@@ -24,7 +26,34 @@ describe("a pub/sub connection refused when it subscribes again", () => {
       .map((l) => ({ id: /\bid=(\d+)/.exec(l)![1]!, sub: Number(/\bsub=(\d+)/.exec(l)![1]) }));
   }
 
-  it("asks again until it is let, and its waiter is woken", async () => {
+  it("a waiter passed over while its pub/sub connection was away asks again once it is heard again", async () => {
+    const prefix = randomPrefix("resubscribe-cut");
+    const name = `fg-${prefix.split(":")[2]}-waiting`;
+    const admin = await connect();
+    const holding = redis(await connect(), { prefix, pollMs: 60_000 });
+    const waiting = redis(await connect({ connectionName: name, retryStrategy: () => 50 }), {
+      prefix,
+      pollMs: 60_000,
+    });
+    const holder = await holding.semaphore("sem", { limit: 1 }).admit();
+    const next = waiting.semaphore("sem", { limit: 1 }).admit({ timeoutMs: 20_000 });
+    const listening = await until(async () => (await connections(admin, name)).find((c) => c.sub > 0), {
+      timeoutMs: 10_000,
+      message: "the waiting process's pub/sub connection did not subscribe",
+    });
+    await until(async () => (await admin.zcard(stageKey(prefix, "sem", "queue"))) === 1, {
+      timeoutMs: 5_000,
+      message: "the waiter did not take its place in the semaphore's line",
+    });
+    // The release runs while nobody listens for the waiter: its grant, or its wake-up, is lost.
+    await admin.call("CLIENT", "KILL", "ID", listening.id);
+    await holder.release("success");
+    const ticket = await within(next, 5_000, "the waiter's admission once its pub/sub connection was back");
+    await ticket.release("success");
+    await Promise.all([holding.close(), waiting.close()]);
+  });
+
+  it("a connection refused when it subscribes again asks again until it is let, and its waiter is woken", async () => {
     const prefix = randomPrefix("resubscribe");
     const user = `fg-${prefix.split(":")[2]}`;
     const name = `${user}-waiting`;
