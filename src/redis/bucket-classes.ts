@@ -350,7 +350,15 @@ export class RedisClassBucket extends KeyedLineStage<KeyLine> {
 
   #listen(): Promise<void> {
     this.#subscribed ??= this.#link
-      .listen(`${this.#channel}:${this.#token}`, (message) => this.#onGrant(message, undefined))
+      .listen(
+        `${this.#channel}:${this.#token}`,
+        (message) => this.#onGrant(message, undefined),
+        // Heard again after the pub/sub connection was lost: a grant sent meanwhile was lost, so
+        // each waiter of this process asks again now rather than sleep until its poll.
+        () => {
+          for (const w of [...this.#byId.values()]) if (w.list) this.#ask(w);
+        },
+      )
       .then(
         () => {
           this.#listening = true;

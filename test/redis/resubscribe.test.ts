@@ -53,6 +53,36 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
     await Promise.all([holding.close(), waiting.close()]);
   });
 
+  it("a class bucket's waiter granted while its pub/sub connection was away asks again once it is heard again", async () => {
+    const prefix = randomPrefix("resubscribe-classes");
+    const name = `fg-${prefix.split(":")[2]}-waiting`;
+    const admin = await connect();
+    // (A grant may be taken late for as long as the rest of the bucket would take to refill: the
+    // holder takes both tokens, the waiter asks for one.)
+    const options = { capacity: 2, refillPerSecond: 0.001, classes: { bulk: { share: 1 } } };
+    const holding = redis(await connect(), { prefix, pollMs: 60_000 });
+    const waiting = redis(await connect({ connectionName: name, retryStrategy: () => 50 }), {
+      prefix,
+      pollMs: 60_000,
+    });
+    const holder = await holding.tokenBucket("tb", options).admit({ class: "bulk", cost: 2 });
+    const next = waiting.tokenBucket("tb", options).admit({ class: "bulk", timeoutMs: 20_000 });
+    const listening = await until(async () => (await connections(admin, name)).find((c) => c.sub > 0), {
+      timeoutMs: 10_000,
+      message: "the waiting process's pub/sub connection did not subscribe",
+    });
+    await until(async () => (await admin.zcard(stageKey(prefix, "tb", "cq:default"))) === 1, {
+      timeoutMs: 5_000,
+      message: "the waiter did not take its place in its class's line",
+    });
+    // The refund grants the token to the waiter while nobody listens for it: the grant is lost.
+    await admin.call("CLIENT", "KILL", "ID", listening.id);
+    await holder.refund();
+    const ticket = await within(next, 5_000, "the waiter's admission once its pub/sub connection was back");
+    await ticket.release("success");
+    await Promise.all([holding.close(), waiting.close()]);
+  });
+
   it("a connection refused when it subscribes again asks again until it is let, and its waiter is woken", async () => {
     const prefix = randomPrefix("resubscribe");
     const user = `fg-${prefix.split(":")[2]}`;
