@@ -19,7 +19,7 @@ import { parseOptions, tokenBucketSchema } from "../validate.js";
 import type { RedisContext } from "./context.js";
 import type { Late } from "./gate-call.js";
 import { stageKey } from "./keys.js";
-import { maybeSent, type RedisLink } from "./link.js";
+import { askAgainWhileAway, maybeSent, type RedisLink } from "./link.js";
 import { LATE_MS } from "./token-bucket.js";
 
 /** A ticket of a class, with its grant (its member), so a refund can tell whether it is the latest. */
@@ -269,8 +269,11 @@ export class RedisClassBucket extends KeyedLineStage<KeyLine> {
     return this.#issued(key, cost, cls, member);
   }
 
-  /** Ask Redis for `w`: it goes, or waits in its class's line until granted. */
-  #ask(w: ClassWaiter): void {
+  /**
+   * Ask Redis for `w`: it goes, or waits in its class's line until granted. `softMs`: an ask of
+   * its process's choosing, failed for that long so far (see the permit stages' `#attempt`).
+   */
+  #ask(w: ClassWaiter, softMs?: number): void {
     if (w.busy) {
       w.again = true;
       return;
@@ -338,6 +341,15 @@ export class RedisClassBucket extends KeyedLineStage<KeyLine> {
       },
       (error: unknown) => {
         w.busy = false;
+        const pollMs = this.#ctx.pollMs;
+        const soft = (waited: number) => w.list !== undefined && this.#ask(w, waited);
+        if (
+          softMs !== undefined &&
+          w.list &&
+          askAgainWhileAway(this.clock, error, softMs, pollMs, pollMs, soft)
+        ) {
+          return;
+        }
         this.#byId.delete(id);
         // The call may still run once Redis answers: leave the line (a grant comes back).
         if (maybeSent(error)) void this.#giveBack(key, "leave", id, "");
@@ -356,7 +368,7 @@ export class RedisClassBucket extends KeyedLineStage<KeyLine> {
         // Heard again after the pub/sub connection was lost: a grant sent meanwhile was lost, so
         // each waiter of this process asks again now rather than sleep until its poll.
         () => {
-          for (const w of [...this.#byId.values()]) if (w.list) this.#ask(w);
+          for (const w of [...this.#byId.values()]) if (w.list) this.#ask(w, 0);
         },
       )
       .then(

@@ -10,19 +10,20 @@
  */
 import { randomBytes } from "node:crypto";
 import type { Clock } from "../clock.js";
+import { isFloodgateError } from "../errors.js";
 import type { FusedAdmission, FusedCall, FusionHost } from "../fuse.js";
 import { settleAll } from "../gate-ticket.js";
 import type { Outcome, Stage, Ticket } from "../types.js";
 import { TryOutcomes } from "./fused-answers.js";
 import { FreedPermits } from "./fused-freed.js";
-import { type Held, KeptTries } from "./fused-kept.js";
+import { type Attempt, type Held, KeptTries } from "./fused-kept.js";
 import { FusedReleases } from "./fused-releases.js";
 import { FusedSleeps } from "./fused-sleeps.js";
 import { FusedTries } from "./fused-tries.js";
 import { FusedWaits } from "./fused-waits.js";
 import { type GateCall, type GateHead, onWire } from "./gate-call.js";
 import { stageKey } from "./keys.js";
-import type { RedisLink } from "./link.js";
+import { awayDelay, type RedisLink } from "./link.js";
 
 /** What the fused gates of one Redis backend share. */
 export interface FusionSettings {
@@ -192,10 +193,28 @@ class FusedGate implements FusedAdmission {
     let tries = 0;
     // The latest try whose steps Redis keeps while the call waits (a release may admit them).
     let held: Held | undefined;
+    // Asking because the gate's channel was heard again (a wake-up may have been lost), not by its
+    // own schedule: how long such tries have failed for. Redis away again then fails nothing, as
+    // it would not have at the call's own try: it asks again shortly, for up to a poll, and then
+    // fails closed as that try would have. (Each failed try's steps give back what they may have
+    // taken, as they do when the call fails closed.)
+    let softMs: number | undefined;
     try {
       for (;;) {
         const at = clock.now();
-        const attempt = await this.#tries.attempt(call, member, lane, lines, ++tries, held);
+        if (this.#sleeps.takeHeardAgain(member)) softMs ??= 0;
+        let attempt: Attempt;
+        try {
+          attempt = await this.#tries.attempt(call, member, lane, lines, ++tries, held);
+        } catch (error) {
+          if (softMs === undefined || !isFloodgateError(error, "BACKEND_UNAVAILABLE")) throw error;
+          const delay = awayDelay(softMs, this.#s.pollMs);
+          if (softMs + delay >= this.#s.pollMs) throw error;
+          await this.#sleeps.sleep(member, delay, call);
+          softMs += delay;
+          continue;
+        }
+        softMs = undefined;
         // The stretch up to this try is counted now that its reply says what the line waited for.
         this.#waits.stretch(blame, at - since, rateAt, attempt.reply);
         since = at;

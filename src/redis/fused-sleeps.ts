@@ -22,6 +22,8 @@ export class FusedSleeps {
   readonly #trying = new Set<string>();
   /** Members told to ask again while their try was out. */
   readonly #woken = new Set<string>();
+  /** Members woken because the gate's channel was heard again (`wakeAll`), until they ask. */
+  readonly #heardAgain = new Set<string>();
   /** Why the gate closed, once it has: sleepers and later sleeps reject with it. */
   #closedBy: unknown;
 
@@ -39,6 +41,7 @@ export class FusedSleeps {
   end(member: string): void {
     this.#trying.delete(member);
     this.#woken.delete(member);
+    this.#heardAgain.delete(member);
   }
 
   /** Whether `member`'s call is in its admission here. */
@@ -63,7 +66,18 @@ export class FusedSleeps {
    * them may have been lost with it.
    */
   wakeAll(): void {
-    for (const member of this.#trying) this.wake(member);
+    for (const member of this.#trying) {
+      this.#heardAgain.add(member);
+      this.wake(member);
+    }
+  }
+
+  /**
+   * Whether `member` was woken by `wakeAll` since it last asked (an ask of its process's choosing,
+   * which Redis away again should not fail: see `FusedGate.admit`); forgets it.
+   */
+  takeHeardAgain(member: string): boolean {
+    return this.#heardAgain.delete(member);
   }
 
   /** Whether `member` was told to ask again while its try was out; forgets it. */

@@ -438,10 +438,19 @@ const FIRST_CONNECT: ReadonlySet<string> = new Set(["wait", "connecting", "conne
 const unsent = new WeakSet<object>([NOT_RUN]);
 
 /**
+ * How long to wait before asking Redis again, `waitedMs` into asking while it is away: 25 ms, then
+ * longer the longer it has been away (doubling every 100 ms of it), at most `capMs`.
+ */
+export function awayDelay(waitedMs: number, capMs: number): number {
+  return Math.min(capMs, 25 * 2 ** Math.min(6, Math.floor(waitedMs / 100)));
+}
+
+/**
  * A give-back in the background that failed with `error` (`waitedMs` after its first send): with
  * Redis away (a dropped connection, a pause), `again` is called shortly, backing off from 25 ms up
- * to `capMs`, for as long as what it gives back could still be held (`boundMs`); returns whether
- * it will be. What is not given back so runs out by itself.
+ * to `capMs` (`awayDelay`), for as long as what it gives back could still be held (`boundMs`);
+ * returns whether it will be. What is not given back so runs out by itself. (A waiter's ask of its
+ * process's choosing is asked again so too: see the permit stages' `#attempt`.)
  */
 export function askAgainWhileAway(
   clock: Clock,
@@ -451,7 +460,7 @@ export function askAgainWhileAway(
   boundMs: number,
   again: (waitedMs: number) => void,
 ): boolean {
-  const delay = Math.min(capMs, 25 * 2 ** Math.min(6, Math.floor(waitedMs / 100)));
+  const delay = awayDelay(waitedMs, capMs);
   if (!isFloodgateError(error, "BACKEND_UNAVAILABLE") || waitedMs + delay >= boundMs) return false;
   unrefTimer(clock.setTimeout(() => again(waitedMs + delay), delay));
   return true;

@@ -559,8 +559,14 @@ export abstract class RedisPermitStage extends BaseStage {
     );
   }
 
-  /** Ask Redis for `w`'s permits; on refusal, sleep until woken, the nearest expiry, or the poll. */
-  #attempt(w: RedisWaiter): void {
+  /**
+   * Ask Redis for `w`'s permits; on refusal, sleep until woken, the nearest expiry, or the poll.
+   * `softMs`, for an ask the waiter did not need by its own schedule (its process heard again after
+   * its pub/sub connection was lost: see `#askAgain`), is how long such asks have failed for:
+   * Redis away again then fails nothing, as it would not have at the waiter's own ask; it asks
+   * again shortly, for up to a poll, and then fails closed as that ask would have.
+   */
+  #attempt(w: RedisWaiter, softMs?: number): void {
     if (w.busy) {
       w.again = true;
       return;
@@ -620,6 +626,17 @@ export abstract class RedisPermitStage extends BaseStage {
       },
       (error: unknown) => {
         w.busy = false;
+        // (Still in line under its id, should the acquire have run: its next ask finds its place,
+        // or the grant made to it.)
+        const pollMs = this.#ctx.pollMs;
+        const soft = (waited: number) => w.list !== undefined && this.#attempt(w, waited);
+        if (
+          softMs !== undefined &&
+          w.list &&
+          askAgainWhileAway(this.clock, error, softMs, pollMs, pollMs, soft)
+        ) {
+          return;
+        }
         this.#byId.delete(id);
         // The acquire may still run once Redis answers: give back whatever it would take.
         if (maybeSent(error)) this.#forget(id);
@@ -657,7 +674,7 @@ export abstract class RedisPermitStage extends BaseStage {
    * waiter of this process asks again now, rather than sleep until its poll.
    */
   #askAgain(): void {
-    for (const w of [...this.#byId.values()]) if (w.list) this.#attempt(w);
+    for (const w of [...this.#byId.values()]) if (w.list) this.#attempt(w, 0);
   }
 
   /** Sleep until the nearest lease expiry (a crashed holder) or a jittered poll, whichever is first. */

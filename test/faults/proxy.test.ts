@@ -205,58 +205,69 @@ describe.each(LIBRARIES)(
       },
     );
 
-    it("a pub/sub connection floodgate makes, cut as soon as it is ready again: no unhandled rejection, and its waiters are still told", async () => {
-      // A client that fails a command at once when its connection drops (maxRetriesPerRequest 0)
-      // and no subscriber connection: the backend makes its own with duplicate(). A client that
-      // subscribes again by itself after a reconnect sends SUBSCRIBE with nobody waiting for its
-      // reply: cut before that reply, it rejects with nobody to hear, and the process dies.
-      const proxy = new RedisProxy(server.port);
-      await proxy.start();
-      cleanups.push(() => proxy.stop());
-      const unhandled = recordUnhandled();
-      cleanups.push(() => unhandled.stop());
-      const main = await library.connect(proxy.url, { reconnect: true });
-      cleanups.push(() => dropAny(main));
-      // The connections it makes, to know when each is ready again.
-      const made: { on(event: string, listener: () => void): unknown }[] = [];
-      const client = main as unknown as Record<string, unknown>;
-      const duplicate = client.duplicate as (...args: unknown[]) => unknown;
-      client.duplicate = (...args: unknown[]) => {
-        const copy = duplicate.apply(main, args) as (typeof made)[number];
-        made.push(copy);
-        return copy;
-      };
-      const prefix = randomPrefix("faults-proxy-resubscribe");
-      // Polls far apart: only the grant's message can admit the waiter in time.
-      const backend = redis(main, { prefix, commandTimeoutMs: 1_000, pollMs: 60_000 });
-      cleanups.push(() => within(backend.close(), 5_000, "backend.close()"));
-      const sem = backend.semaphore("sem", { limit: 1, leaseMs: LEASE_MS });
-      // The holder in another backend, straight to Redis: only pub/sub tells the waiter.
-      const direct = await library.connect(server.url, { reconnect: true });
-      cleanups.push(() => dropAny(direct));
-      const other = redis(direct, { prefix, commandTimeoutMs: 1_000, pollMs: 60_000 });
-      cleanups.push(() => within(other.close(), 5_000, "other.close()"));
-      const holder = await other.semaphore("sem", { limit: 1, leaseMs: LEASE_MS }).admit();
-      // What Redis itself says: a connection subscribed to a channel of the waiter's stage.
-      const raw = await connectedClient(server.url);
-      cleanups.push(() => raw.disconnect());
-      const listening = async () => ((await raw.pubsub("CHANNELS", `${prefix}*`)) as string[]).length > 0;
-      const waiting = sem.admit({ timeoutMs: 30_000 });
-      await until(listening, { timeoutMs: 5_000, message: "the waiter did not start listening" });
-      expect(made).toHaveLength(1);
-      for (let i = 0; i < 5; i++) {
-        const ready = new Promise<void>((resolve) => made[0]!.on("ready", resolve));
-        proxy.cut();
-        await within(ready, 5_000, "the pub/sub connection back");
-        // At once: SUBSCRIBE, if it was sent again, has had no reply yet.
-        proxy.cut();
-      }
-      await until(listening, { timeoutMs: 5_000, message: "the pub/sub connection did not subscribe again" });
-      await holder.release("success");
-      const ticket = await within(waiting, 5_000, "the waiter's grant, told on pub/sub");
-      await ticket.release("success");
-      expect(unhandled.seen.map(describeError)).toEqual([]);
-    });
+    for (const fused of [false, true]) {
+      it(`a pub/sub connection floodgate makes, cut as soon as it is ready again: no unhandled rejection, and its waiters are still told (${fused ? "a fused gate's" : "a semaphore's"})`, async () => {
+        // A client that fails a command at once when its connection drops (maxRetriesPerRequest 0)
+        // and no subscriber connection: the backend makes its own with duplicate(). A client that
+        // subscribes again by itself after a reconnect sends SUBSCRIBE with nobody waiting for its
+        // reply: cut before that reply, it rejects with nobody to hear, and the process dies.
+        const proxy = new RedisProxy(server.port);
+        await proxy.start();
+        cleanups.push(() => proxy.stop());
+        const unhandled = recordUnhandled();
+        cleanups.push(() => unhandled.stop());
+        const main = await library.connect(proxy.url, { reconnect: true });
+        cleanups.push(() => dropAny(main));
+        // The connections it makes, to know when each is ready again.
+        const made: { on(event: string, listener: () => void): unknown }[] = [];
+        const client = main as unknown as Record<string, unknown>;
+        const duplicate = client.duplicate as (...args: unknown[]) => unknown;
+        client.duplicate = (...args: unknown[]) => {
+          const copy = duplicate.apply(main, args) as (typeof made)[number];
+          made.push(copy);
+          return copy;
+        };
+        const prefix = randomPrefix("faults-proxy-resubscribe");
+        // Polls far apart: only the grant's message can admit the waiter in time.
+        const backend = redis(main, { prefix, commandTimeoutMs: 1_000, pollMs: 60_000 });
+        cleanups.push(() => within(backend.close(), 5_000, "backend.close()"));
+        // (A fused gate's waiter is told it was granted, or to ask again, on its gate's channel.)
+        const sem = fused
+          ? new Gate([
+              backend.tokenBucket("rate", { capacity: 100, refillPerSecond: 100 }),
+              backend.semaphore("sem", { limit: 1, leaseMs: LEASE_MS }),
+            ])
+          : backend.semaphore("sem", { limit: 1, leaseMs: LEASE_MS });
+        // The holder in another backend, straight to Redis: only pub/sub tells the waiter.
+        const direct = await library.connect(server.url, { reconnect: true });
+        cleanups.push(() => dropAny(direct));
+        const other = redis(direct, { prefix, commandTimeoutMs: 1_000, pollMs: 60_000 });
+        cleanups.push(() => within(other.close(), 5_000, "other.close()"));
+        const holder = await other.semaphore("sem", { limit: 1, leaseMs: LEASE_MS }).admit();
+        // What Redis itself says: a connection subscribed to a channel of the waiter's stage.
+        const raw = await connectedClient(server.url);
+        cleanups.push(() => raw.disconnect());
+        const listening = async () => ((await raw.pubsub("CHANNELS", `${prefix}*`)) as string[]).length > 0;
+        const waiting = sem.admit({ timeoutMs: 30_000 });
+        await until(listening, { timeoutMs: 5_000, message: "the waiter did not start listening" });
+        expect(made).toHaveLength(1);
+        for (let i = 0; i < 5; i++) {
+          const ready = new Promise<void>((resolve) => made[0]!.on("ready", resolve));
+          proxy.cut();
+          await within(ready, 5_000, "the pub/sub connection back");
+          // At once: SUBSCRIBE, if it was sent again, has had no reply yet.
+          proxy.cut();
+        }
+        await until(listening, {
+          timeoutMs: 5_000,
+          message: "the pub/sub connection did not subscribe again",
+        });
+        await holder.release("success");
+        const ticket = await within(waiting, 5_000, "the waiter's grant, told on pub/sub");
+        await ticket.release("success");
+        expect(unhandled.seen.map(describeError)).toEqual([]);
+      });
+    }
 
     it("cut again and again: only typed failures, each at once, recovery after each, nothing counted twice", async () => {
       const s = await setup("cut");

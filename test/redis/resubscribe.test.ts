@@ -1,8 +1,11 @@
-import { redis, stageKey } from "floodgate/redis";
+import diagnostics_channel from "node:diagnostics_channel";
+import { Gate } from "floodgate";
+import { type RedisBackend, redis, stageKey } from "floodgate/redis";
 import type { Redis } from "ioredis";
-import { describe, expect, it } from "vitest";
+import { afterEach, describe, expect, it } from "vitest";
+import { RedisProxy } from "../faults/proxy.js";
 import { ownRedis, useClients } from "./clients.js";
-import { randomPrefix, until, within } from "./helpers.js";
+import { closeClient, connectedClient, randomPrefix, rejectionOf, until, within } from "./helpers.js";
 
 /** This file changes an ACL user's rights and cuts connections (CLIENT KILL ID): on a server of its own. */
 const redisUrl = ownRedis();
@@ -131,4 +134,112 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
       await admin.call("ACL", "DELUSER", user);
     }
   });
+
+  /**
+   * The asks a process makes because its channel was heard again are its own choice, not its
+   * callers': with its command connection away then (here behind a proxy that resets every
+   * connection, while its pub/sub connection, straight to Redis, comes back), they fail nothing
+   * for up to a poll, asking again shortly; past that, the caller fails closed as its own ask
+   * would have.
+   */
+  for (const shape of ["semaphore", "fused gate", "class bucket"] as const) {
+    const kind = `a ${shape}'s`;
+    const proxies: RedisProxy[] = [];
+    const owned: Redis[] = [];
+    afterEach(async () => {
+      await Promise.all(owned.splice(0).map(closeClient));
+      await Promise.all(proxies.splice(0).map((p) => p.stop()));
+    });
+
+    /** A waiter of `kind` in line, its commands through a proxy, its pub/sub connection straight to Redis. */
+    async function waiterAway(healed: boolean) {
+      const prefix = randomPrefix(`resubscribe-away-${shape.replace(" ", "-")}`);
+      const name = `fg-${prefix.split(":")[2]}-sub`;
+      const admin = await connect();
+      const proxy = new RedisProxy(Number(new URL(redisUrl()).port));
+      proxies.push(proxy);
+      await proxy.start();
+      const main = await connectedClient(proxy.url, { retryStrategy: () => 50 });
+      owned.push(main);
+      // (ioredis subscribes this one again by itself: it is heard again once ready.)
+      const subscriber = await connect({
+        connectionName: name,
+        retryStrategy: () => 50,
+        maxRetriesPerRequest: null,
+      });
+      const pollMs = 1_000;
+      const waiting = redis(main, { prefix, subscriber, pollMs, commandTimeoutMs: 500 });
+      const holding = redis(await connect(), { prefix, pollMs });
+      // (The class bucket's holder takes both its tokens, and gives them back with a refund.)
+      const classes = { capacity: 2, refillPerSecond: 0.001, classes: { bulk: { share: 1 } } };
+      const stagesOf = (b: RedisBackend) =>
+        shape === "fused gate"
+          ? new Gate([
+              b.tokenBucket("rate", { capacity: 100, refillPerSecond: 100 }),
+              b.semaphore("sem", { limit: 1, leaseMs: 10_000 }),
+            ])
+          : shape === "semaphore"
+            ? b.semaphore("sem", { limit: 1, leaseMs: 10_000 })
+            : b.tokenBucket("tb", classes);
+      const bucket = shape === "class bucket";
+      const held = await stagesOf(holding).admit(bucket ? { class: "bulk", cost: 2 } : {});
+      const free = () => (bucket ? held.refund() : held.release("success"));
+      let settled = false;
+      const next = stagesOf(waiting).admit({ timeoutMs: 20_000, ...(bucket ? { class: "bulk" } : {}) });
+      next.then(
+        () => (settled = true),
+        () => (settled = true),
+      );
+      const line = {
+        semaphore: stageKey(prefix, "sem", "queue"),
+        "fused gate": stageKey(prefix, "gate:gate|rate|sem", "line"),
+        "class bucket": stageKey(prefix, "tb", "cq:default"),
+      }[shape];
+      await until(async () => (await admin.zcard(line)) === 1, {
+        timeoutMs: 5_000,
+        message: "the waiter did not take its place in line",
+      });
+      // The commands' connection away: reset, and every new one reset too.
+      proxy.refuse();
+      proxy.cut();
+      await until(() => main.status !== "ready", { timeoutMs: 5_000, message: "the cut went unseen" });
+      // Its pub/sub connection cut and back: heard again, the waiter asks, and Redis is away.
+      const failed: unknown[] = [];
+      const onFailed = (message: unknown) => failed.push(message);
+      diagnostics_channel.subscribe("floodgate:backend-error", onFailed);
+      try {
+        const sub = String(await admin.call("CLIENT", "LIST"))
+          .split("\n")
+          .find((l) => l.includes(` name=${name} `))!;
+        await admin.call("CLIENT", "KILL", "ID", /\bid=(\d+)/.exec(sub)![1]!);
+        await until(() => failed.length > 0, {
+          timeoutMs: 5_000,
+          message: "the waiter did not ask again once its process was heard again",
+        });
+      } finally {
+        diagnostics_channel.unsubscribe("floodgate:backend-error", onFailed);
+      }
+      if (healed) {
+        expect(settled, "the waiter, its ask failed at once, still waiting").toBe(false);
+        await proxy.heal();
+      }
+      return { next, free, holding, waiting };
+    }
+
+    it(`${kind} waiter whose ask on being heard again finds Redis away, back within a poll, still waits and is admitted`, async () => {
+      const { next, free, holding, waiting } = await waiterAway(true);
+      await free();
+      const ticket = await within(next, 10_000, "the waiter's admission");
+      await ticket.release("success");
+      await Promise.all([holding.close(), waiting.close()]);
+    });
+
+    it(`${kind} waiter whose ask on being heard again finds Redis away for longer than a poll fails closed`, async () => {
+      const { next, free, holding, waiting } = await waiterAway(false);
+      const error = await within(rejectionOf(next), 10_000, "the waiter's failure");
+      expect(String((error as Error).name)).toBe("BackendUnavailableError");
+      await free();
+      await Promise.all([holding.close(), waiting.close()]);
+    });
+  }
 });
