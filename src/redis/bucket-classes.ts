@@ -19,7 +19,7 @@ import { parseOptions, tokenBucketSchema } from "../validate.js";
 import type { RedisContext } from "./context.js";
 import type { Late } from "./gate-call.js";
 import { stageKey } from "./keys.js";
-import { askAgainWhileAway, maybeSent, type RedisLink } from "./link.js";
+import { askSoftlyAgain, maybeSent, type RedisLink } from "./link.js";
 import { LATE_MS } from "./token-bucket.js";
 
 /** A ticket of a class, with its grant (its member), so a refund can tell whether it is the latest. */
@@ -341,15 +341,8 @@ export class RedisClassBucket extends KeyedLineStage<KeyLine> {
       },
       (error: unknown) => {
         w.busy = false;
-        const pollMs = this.#ctx.pollMs;
-        const soft = (waited: number) => w.list !== undefined && this.#ask(w, waited);
-        if (
-          softMs !== undefined &&
-          w.list &&
-          askAgainWhileAway(this.clock, error, softMs, pollMs, pollMs, soft)
-        ) {
-          return;
-        }
+        const again = (softMs: number) => w.list !== undefined && this.#ask(w, softMs);
+        if (w.list && askSoftlyAgain(this.clock, error, softMs, this.#ctx.pollMs, again)) return;
         this.#byId.delete(id);
         // The call may still run once Redis answers: leave the line (a grant comes back).
         if (maybeSent(error)) void this.#giveBack(key, "leave", id, "");

@@ -467,6 +467,22 @@ export function askAgainWhileAway(
 }
 
 /**
+ * A waiter's ask that failed with `error`: when it was an ask of its process's choosing (`softMs`
+ * defined: how long such asks have failed for, see the permit stages' `#attempt`), and Redis is
+ * away, `again` is called shortly, for up to `pollMs` in all; returns whether it will be (else the
+ * waiter fails closed, as its own ask would have).
+ */
+export function askSoftlyAgain(
+  clock: Clock,
+  error: unknown,
+  softMs: number | undefined,
+  pollMs: number,
+  again: (softMs: number) => void,
+): boolean {
+  return softMs !== undefined && askAgainWhileAway(clock, error, softMs, pollMs, pollMs, again);
+}
+
+/**
  * False when the call failed before it was sent, or was a gate call's step that did not run, so
  * Redis cannot have acted on it (nothing to give back).
  */

@@ -24,7 +24,7 @@ import type { RedisContext } from "./context.js";
 import type { GateHead, Late } from "./gate-call.js";
 import { stageKey } from "./keys.js";
 import { LeaseKeeper, LeaseTicket } from "./lease.js";
-import { askAgainWhileAway, maybeSent, type RedisLink } from "./link.js";
+import { askAgainWhileAway, askSoftlyAgain, maybeSent, type RedisLink } from "./link.js";
 
 /**
  * How many arguments `semaphore-acquire` takes before the pairs of a turn's other members
@@ -628,15 +628,8 @@ export abstract class RedisPermitStage extends BaseStage {
         w.busy = false;
         // (Still in line under its id, should the acquire have run: its next ask finds its place,
         // or the grant made to it.)
-        const pollMs = this.#ctx.pollMs;
-        const soft = (waited: number) => w.list !== undefined && this.#attempt(w, waited);
-        if (
-          softMs !== undefined &&
-          w.list &&
-          askAgainWhileAway(this.clock, error, softMs, pollMs, pollMs, soft)
-        ) {
-          return;
-        }
+        const again = (softMs: number) => w.list !== undefined && this.#attempt(w, softMs);
+        if (w.list && askSoftlyAgain(this.clock, error, softMs, this.#ctx.pollMs, again)) return;
         this.#byId.delete(id);
         // The acquire may still run once Redis answers: give back whatever it would take.
         if (maybeSent(error)) this.#forget(id);

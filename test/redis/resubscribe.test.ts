@@ -29,6 +29,24 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
       .map((l) => ({ id: /\bid=(\d+)/.exec(l)![1]!, sub: Number(/\bsub=(\d+)/.exec(l)![1]) }));
   }
 
+  /** The pub/sub connection named `name`, once it has subscribed. */
+  function subscribed(admin: Redis, name: string): Promise<{ id: string; sub: number }> {
+    return until(async () => (await connections(admin, name)).find((c) => c.sub > 0), {
+      timeoutMs: 10_000,
+      message: `${name}'s pub/sub connection did not subscribe`,
+    });
+  }
+
+  /** Wait until `name`'s pub/sub connection has subscribed and one caller waits in `line`; that connection. */
+  async function waitingIn(admin: Redis, name: string, line: string): Promise<{ id: string; sub: number }> {
+    const listening = await subscribed(admin, name);
+    await until(async () => (await admin.zcard(line)) === 1, {
+      timeoutMs: 5_000,
+      message: `the waiter did not take its place in line (${line})`,
+    });
+    return listening;
+  }
+
   it("a waiter passed over while its pub/sub connection was away asks again once it is heard again", async () => {
     const prefix = randomPrefix("resubscribe-cut");
     const name = `fg-${prefix.split(":")[2]}-waiting`;
@@ -40,14 +58,7 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
     });
     const holder = await holding.semaphore("sem", { limit: 1 }).admit();
     const next = waiting.semaphore("sem", { limit: 1 }).admit({ timeoutMs: 20_000 });
-    const listening = await until(async () => (await connections(admin, name)).find((c) => c.sub > 0), {
-      timeoutMs: 10_000,
-      message: "the waiting process's pub/sub connection did not subscribe",
-    });
-    await until(async () => (await admin.zcard(stageKey(prefix, "sem", "queue"))) === 1, {
-      timeoutMs: 5_000,
-      message: "the waiter did not take its place in the semaphore's line",
-    });
+    const listening = await waitingIn(admin, name, stageKey(prefix, "sem", "queue"));
     // The release runs while nobody listens for the waiter: its grant, or its wake-up, is lost.
     await admin.call("CLIENT", "KILL", "ID", listening.id);
     await holder.release("success");
@@ -70,14 +81,7 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
     });
     const holder = await holding.tokenBucket("tb", options).admit({ class: "bulk", cost: 2 });
     const next = waiting.tokenBucket("tb", options).admit({ class: "bulk", timeoutMs: 20_000 });
-    const listening = await until(async () => (await connections(admin, name)).find((c) => c.sub > 0), {
-      timeoutMs: 10_000,
-      message: "the waiting process's pub/sub connection did not subscribe",
-    });
-    await until(async () => (await admin.zcard(stageKey(prefix, "tb", "cq:default"))) === 1, {
-      timeoutMs: 5_000,
-      message: "the waiter did not take its place in its class's line",
-    });
+    const listening = await waitingIn(admin, name, stageKey(prefix, "tb", "cq:default"));
     // The refund grants the token to the waiter while nobody listens for it: the grant is lost.
     await admin.call("CLIENT", "KILL", "ID", listening.id);
     await holder.refund();
@@ -103,16 +107,7 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
       const waiting = redis(client, { prefix, pollMs: 60_000 });
       const holder = await holding.semaphore("sem", { limit: 1 }).admit();
       const next = waiting.semaphore("sem", { limit: 1 }).admit({ timeoutMs: 20_000 });
-      const subscribed = () =>
-        until(async () => (await connections(admin, name)).find((c) => c.sub > 0), {
-          timeoutMs: 10_000,
-          message: "the waiting process's pub/sub connection did not subscribe",
-        });
-      const listening = await subscribed();
-      await until(async () => (await admin.zcard(stageKey(prefix, "sem", "queue"))) === 1, {
-        timeoutMs: 5_000,
-        message: "the waiter did not take its place in the semaphore's line",
-      });
+      const listening = await waitingIn(admin, name, stageKey(prefix, "sem", "queue"));
 
       // SUBSCRIBE denied, the pub/sub connection cut: it comes back and is refused.
       await admin.call("ACL", "SETUSER", user, "-subscribe");
@@ -124,7 +119,7 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
 
       // Let again: it subscribes by itself, and the release's wake-up reaches the waiter.
       await admin.call("ACL", "SETUSER", user, "+subscribe");
-      const again = await subscribed();
+      const again = await subscribed(admin, name);
       expect(again.id, "a new connection").not.toBe(listening.id);
       await holder.release("success");
       const ticket = await within(next, 5_000, "the waiter's admission once it was subscribed again");
@@ -195,10 +190,7 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
         "fused gate": stageKey(prefix, "gate:gate|rate|sem", "line"),
         "class bucket": stageKey(prefix, "tb", "cq:default"),
       }[shape];
-      await until(async () => (await admin.zcard(line)) === 1, {
-        timeoutMs: 5_000,
-        message: "the waiter did not take its place in line",
-      });
+      const listening = await waitingIn(admin, name, line);
       // The commands' connection away: reset, and every new one reset too.
       proxy.refuse();
       proxy.cut();
@@ -208,10 +200,7 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
       const onFailed = (message: unknown) => failed.push(message);
       diagnostics_channel.subscribe("floodgate:backend-error", onFailed);
       try {
-        const sub = String(await admin.call("CLIENT", "LIST"))
-          .split("\n")
-          .find((l) => l.includes(` name=${name} `))!;
-        await admin.call("CLIENT", "KILL", "ID", /\bid=(\d+)/.exec(sub)![1]!);
+        await admin.call("CLIENT", "KILL", "ID", listening.id);
         await until(() => failed.length > 0, {
           timeoutMs: 5_000,
           message: "the waiter did not ask again once its process was heard again",
