@@ -162,7 +162,8 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
         retryStrategy: () => 50,
         maxRetriesPerRequest: null,
       });
-      const pollMs = 1_000;
+      // (A poll of 3 s: a heal comes well within it, however busy the machine.)
+      const pollMs = 3_000;
       const waiting = redis(main, { prefix, subscriber, pollMs, commandTimeoutMs: 500 });
       const holding = redis(await connect(), { prefix, pollMs });
       // (The class bucket's holder takes both its tokens, and gives them back with a refund.)
