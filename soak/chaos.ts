@@ -18,6 +18,7 @@ import { randomUUID } from "node:crypto";
 import { once } from "node:events";
 import { setPriority } from "node:os";
 import { pathToFileURL } from "node:url";
+import type { Ticket } from "floodgate";
 import { redis, stageKey } from "floodgate/redis";
 import { Redis } from "ioredis";
 import { command, parseOrExit } from "../examples/cli.js";
@@ -585,7 +586,8 @@ class ChaosRun {
 
   /**
    * One admission of the whole limit, at once or never, and its release; with `gate`, one of the
-   * AIMD limiter too (of one permit: its limit may have come down).
+   * AIMD limiter's whole limit as it stands (it may have come down) too. (A stage reaps expired
+   * leases only when they stand in its way: an admission of less would leave a killed worker's.)
    */
   async sweep(): Promise<void> {
     const client = new Redis(this.s.server.url, { maxRetriesPerRequest: 0, enableOfflineQueue: false });
@@ -608,15 +610,24 @@ class ChaosRun {
       await ticket?.release("ignored");
       if (this.gate) {
         const aimd = backend.aimd(GATE_STAGES.adaptive, aimdOptions(this.s));
-        const one = await aimd.tryAdmit();
-        if (!one) {
+        // Its whole limit as it stands, a permit at a time (an AIMD limiter admits a cost of `min`
+        // at most; its limit may be fractional after a decrease).
+        const limit =
+          Number(await client.hget(this.key("meta", GATE_STAGES.adaptive), "limit")) || this.s.limit;
+        const taken: Ticket[] = [];
+        for (let i = 0; i < Math.max(1, Math.floor(limit)); i++) {
+          const one = await aimd.tryAdmit();
+          if (!one) break;
+          taken.push(one);
+        }
+        if (taken.length < Math.max(1, Math.floor(limit))) {
           const meta = await client.hgetall(this.key("meta", GATE_STAGES.adaptive));
           const holders = await client.zrange(this.key("holders", GATE_STAGES.adaptive), 0, -1, "WITHSCORES");
           this.problems.push(
-            `the sweeping call found the AIMD limiter full (meta ${JSON.stringify(meta)}, holders [${holders.join(" ")}])`,
+            `the sweeping calls found the AIMD limiter held (meta ${JSON.stringify(meta)}, holders [${holders.join(" ")}])`,
           );
         }
-        await one?.release("ignored");
+        for (const one of taken) await one.release("ignored");
       }
       await backend.close();
     } finally {
