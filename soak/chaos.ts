@@ -592,21 +592,22 @@ class ChaosRun {
   async sweep(): Promise<void> {
     const client = new Redis(this.s.server.url, { maxRetriesPerRequest: 0, enableOfflineQueue: false });
     client.on("error", () => {});
+    // What Redis holds at `stage`, for whoever looks into it: the count, the leases, the line.
+    const held = async (what: string, stage: string) => {
+      const meta = await client.hgetall(this.key("meta", stage));
+      const holders = await client.zrange(this.key("holders", stage), 0, -1, "WITHSCORES");
+      const queue = await client.zrange(this.key("queue", stage), 0, -1, "WITHSCORES");
+      this.problems.push(
+        `the sweeping call found ${what} still held (meta ${JSON.stringify(meta)}, ` +
+          `holders [${holders.join(" ")}], line [${queue.join(" ")}])`,
+      );
+    };
     try {
       if (client.status !== "ready") await once(client, "ready");
       const backend = redis(client, { prefix: this.prefix });
       const sem = backend.semaphore("provider", { limit: this.s.limit, leaseMs: this.s.leaseMs });
       const ticket = await sem.tryAdmit({ cost: this.s.limit });
-      if (!ticket) {
-        // What Redis holds, for whoever looks into it: the count, the leases, the line.
-        const meta = await client.hgetall(this.key("meta"));
-        const holders = await client.zrange(this.key("holders"), 0, -1, "WITHSCORES");
-        const queue = await client.zrange(this.key("queue"), 0, -1, "WITHSCORES");
-        this.problems.push(
-          `the sweeping call found the limit still held (meta ${JSON.stringify(meta)}, ` +
-            `holders [${holders.join(" ")}], line [${queue.join(" ")}])`,
-        );
-      }
+      if (!ticket) await held("the limit", GATE_STAGES.permits);
       await ticket?.release("ignored");
       if (this.gate) {
         const aimd = backend.aimd(GATE_STAGES.adaptive, aimdOptions(this.s));
@@ -614,19 +615,14 @@ class ChaosRun {
         // at most; its limit may be fractional after a decrease).
         const limit =
           Number(await client.hget(this.key("meta", GATE_STAGES.adaptive), "limit")) || this.s.limit;
+        const whole = Math.max(1, Math.floor(limit));
         const taken: Ticket[] = [];
-        for (let i = 0; i < Math.max(1, Math.floor(limit)); i++) {
+        while (taken.length < whole) {
           const one = await aimd.tryAdmit();
           if (!one) break;
           taken.push(one);
         }
-        if (taken.length < Math.max(1, Math.floor(limit))) {
-          const meta = await client.hgetall(this.key("meta", GATE_STAGES.adaptive));
-          const holders = await client.zrange(this.key("holders", GATE_STAGES.adaptive), 0, -1, "WITHSCORES");
-          this.problems.push(
-            `the sweeping calls found the AIMD limiter held (meta ${JSON.stringify(meta)}, holders [${holders.join(" ")}])`,
-          );
-        }
+        if (taken.length < whole) await held("the AIMD limiter", GATE_STAGES.adaptive);
         for (const one of taken) await one.release("ignored");
       }
       await backend.close();

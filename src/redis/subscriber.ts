@@ -44,13 +44,10 @@ class Subscriber {
     // On each `ready` after the first (the first subscribes as it is asked), every channel
     // listened to is heard again: subscribed again here, unless the connection does that by
     // itself (then it is taken as heard once ready); either way its `again` handlers are told.
-    let before = connection.status() === "ready";
+    const readyAtStart = connection.status() === "ready";
     connection.on("ready", () => {
       const ready = ++this.#readies;
-      if (!before) {
-        before = true;
-        return;
-      }
+      if (ready === 1 && !readyAtStart) return;
       for (const [channel, set] of this.handlers) {
         if (set.size === 0) continue;
         if (connection.resubscribes) this.#heardAgain(channel);

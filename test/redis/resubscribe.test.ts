@@ -137,14 +137,15 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
    * for up to a poll, asking again shortly; past that, the caller fails closed as its own ask
    * would have.
    */
+  const proxies: RedisProxy[] = [];
+  const owned: Redis[] = [];
+  afterEach(async () => {
+    await Promise.all(owned.splice(0).map(closeClient));
+    await Promise.all(proxies.splice(0).map((p) => p.stop()));
+  });
+
   for (const shape of ["semaphore", "fused gate", "class bucket"] as const) {
     const kind = `a ${shape}'s`;
-    const proxies: RedisProxy[] = [];
-    const owned: Redis[] = [];
-    afterEach(async () => {
-      await Promise.all(owned.splice(0).map(closeClient));
-      await Promise.all(proxies.splice(0).map((p) => p.stop()));
-    });
 
     /** A waiter of `kind` in line, its commands through a proxy, its pub/sub connection straight to Redis. */
     async function waiterAway(healed: boolean) {
