@@ -19,7 +19,7 @@ import { parseOptions, tokenBucketSchema } from "../validate.js";
 import type { RedisContext } from "./context.js";
 import type { Late } from "./gate-call.js";
 import { stageKey } from "./keys.js";
-import { askSoftlyAgain, maybeSent, type RedisLink } from "./link.js";
+import { askSoftlyAgain, askWanted, maybeSent, type RedisLink } from "./link.js";
 import { LATE_MS } from "./token-bucket.js";
 
 /** A ticket of a class, with its grant (its member), so a refund can tell whether it is the latest. */
@@ -36,6 +36,8 @@ class ClassWaiter extends Waiter {
   busy = false;
   /** Ask again once the one out is back. */
   again = false;
+  /** That ask's `softMs` (see `askWanted`): undefined when it is one of its own schedule. */
+  againSoftMs: number | undefined = undefined;
   /** Has asked Redis before, so it may have been granted meanwhile. */
   asked = false;
   /** Granted (by an ask, or by a message while an ask was out). */
@@ -275,6 +277,7 @@ export class RedisClassBucket extends KeyedLineStage<KeyLine> {
    */
   #ask(w: ClassWaiter, softMs?: number): void {
     if (w.busy) {
+      w.againSoftMs = askWanted(w.again, w.againSoftMs, softMs);
       w.again = true;
       return;
     }
@@ -326,7 +329,7 @@ export class RedisClassBucket extends KeyedLineStage<KeyLine> {
         }
         this.markWaiting(w);
         if (w.again) {
-          this.#ask(w);
+          this.#ask(w, w.againSoftMs);
           return;
         }
         if (!this.#listening) {

@@ -483,6 +483,22 @@ export function askSoftlyAgain(
 }
 
 /**
+ * What a waiter's next ask is to be, once the ask it has out is answered, when another is wanted
+ * meanwhile (`softMs`: as in `askSoftlyAgain`, undefined for one of its own schedule), given what
+ * was wanted before (`wanted`, with `before` its `softMs`): an ask of its own schedule wins, and of
+ * two of its process's choosing, the one failed for longer. An ask of its process's choosing stays
+ * so when it has to wait for the one out: Redis away then fails nothing either.
+ */
+export function askWanted(
+  wanted: boolean,
+  before: number | undefined,
+  softMs: number | undefined,
+): number | undefined {
+  if (!wanted) return softMs;
+  return before === undefined || softMs === undefined ? undefined : Math.max(before, softMs);
+}
+
+/**
  * False when the call failed before it was sent, or was a gate call's step that did not run, so
  * Redis cannot have acted on it (nothing to give back).
  */

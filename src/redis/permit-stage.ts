@@ -24,7 +24,7 @@ import type { RedisContext } from "./context.js";
 import type { GateHead, Late } from "./gate-call.js";
 import { stageKey } from "./keys.js";
 import { LeaseKeeper, LeaseTicket } from "./lease.js";
-import { askAgainWhileAway, askSoftlyAgain, maybeSent, type RedisLink } from "./link.js";
+import { askAgainWhileAway, askSoftlyAgain, askWanted, maybeSent, type RedisLink } from "./link.js";
 
 /**
  * How many arguments `semaphore-acquire` takes before the pairs of a turn's other members
@@ -42,7 +42,10 @@ const CLAIM_MARGIN_MS = 50;
 class RedisWaiter extends Waiter {
   id = "";
   busy = false;
+  /** Asked for again while its ask was out: it asks once more when that ask is answered. */
   again = false;
+  /** That ask's `softMs` (see `askWanted`): undefined when it is one of its own schedule. */
+  againSoftMs: number | undefined = undefined;
   /** Has asked Redis before, so a release may have granted it already. */
   asked = false;
   /** Granted (by its own acquire or on someone's release). */
@@ -568,6 +571,7 @@ export abstract class RedisPermitStage extends BaseStage {
    */
   #attempt(w: RedisWaiter, softMs?: number): void {
     if (w.busy) {
+      w.againSoftMs = askWanted(w.again, w.againSoftMs, softMs);
       w.again = true;
       return;
     }
@@ -614,7 +618,7 @@ export abstract class RedisPermitStage extends BaseStage {
         // giving them.
         this.markWaiting(w);
         this.#leases.keepAlive(sentAt);
-        if (w.again) return this.#attempt(w);
+        if (w.again) return this.#attempt(w, w.againSoftMs);
         if (!this.#listening) {
           this.#listen().then(
             () => w.list && this.#attempt(w),

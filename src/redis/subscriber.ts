@@ -42,16 +42,18 @@ class Subscriber {
     });
     connection.on("error", (error: unknown) => log.warn({ err: error }, "pub/sub connection error"));
     // On each `ready` after the first (the first subscribes as it is asked), every channel
-    // listened to is heard again: subscribed again here, unless the connection does that by
-    // itself (then it is taken as heard once ready); either way its `again` handlers are told.
+    // listened to is subscribed again here, and heard again once Redis answers: its `again`
+    // handlers are told then. So too on a connection that subscribes again by itself: ioredis
+    // sends its own SUBSCRIBE only after telling `ready`, and a message published before Redis
+    // reads it is lost, so a waiter that asked on `ready` could still miss its grant. (A second
+    // SUBSCRIBE to a channel is answered and changes nothing; node-redis, which tells `ready`
+    // once its own are answered, answers it at once.)
     const readyAtStart = connection.status() === "ready";
     connection.on("ready", () => {
       const ready = ++this.#readies;
       if (ready === 1 && !readyAtStart) return;
       for (const [channel, set] of this.handlers) {
-        if (set.size === 0) continue;
-        if (connection.resubscribes) this.#heardAgain(channel);
-        else this.#resubscribe(channel, ready, RESUBSCRIBE_FIRST_MS);
+        if (set.size > 0) this.#resubscribe(channel, ready, RESUBSCRIBE_FIRST_MS);
       }
     });
   }

@@ -11,6 +11,8 @@ interface Pair {
   /** Bytes held back while black-holed, per direction, in order. */
   toUpstream: Buffer[];
   toClient: Buffer[];
+  /** Holding what its client sends from a chunk that named the command `holdFrom` waits for. */
+  holding: boolean;
 }
 
 const LOOPBACK = "127.0.0.1";
@@ -27,12 +29,20 @@ const LOOPBACK = "127.0.0.1";
  * - `cut()`: every current connection is reset.
  * - `heal()`: back to forwarding. Bytes held by a black hole are delivered then, in order, as TCP
  *   would once a partition ends: commands sent into the silence still reach Redis, late.
+ * - `healForOneReply()`: `heal()` until one reply has reached a client, then black-holed again.
+ * - `holdFrom(command)`: on each connection, what its client sends is held from the first chunk
+ *   that names `command` until `release()`, which delivers it in order: a command that reaches
+ *   Redis late while the connection is otherwise well (replies still flow back).
  */
 export class RedisProxy {
   #server: Server | undefined;
   readonly #pairs = new Set<Pair>();
   #state: ProxyState = "open";
   #port = 0;
+  /** Black-holed again once one reply has reached a client (`healForOneReply`). */
+  #oneReply = false;
+  /** The command (lower case) whose first chunk on a connection starts holding it back, if any. */
+  #holdFrom: string | undefined;
   /** Connections accepted and forwarded (or held), since start. */
   accepted = 0;
   /** Connections reset or refused while refusing, since start (resets only: a closed port counts none). */
@@ -100,13 +110,15 @@ export class RedisProxy {
       return;
     }
     this.accepted++;
-    const pair: Pair = { client, upstream: undefined, toUpstream: [], toClient: [] };
+    const pair: Pair = { client, upstream: undefined, toUpstream: [], toClient: [], holding: false };
     this.#pairs.add(pair);
     client.setNoDelay(true);
     client.on("error", () => {});
     client.on("close", () => this.#drop(pair));
     client.on("data", (chunk: Buffer) => {
-      if (this.#state === "black-holed" || !pair.upstream) pair.toUpstream.push(chunk);
+      if (this.#holdFrom !== undefined && chunk.toString("latin1").toLowerCase().includes(this.#holdFrom))
+        pair.holding = true;
+      if (this.#state === "black-holed" || !pair.upstream || pair.holding) pair.toUpstream.push(chunk);
       else pair.upstream.write(chunk);
     });
     if (this.#state !== "black-holed") this.#connect(pair);
@@ -120,13 +132,19 @@ export class RedisProxy {
     upstream.on("close", () => this.#drop(pair));
     upstream.on("data", (chunk: Buffer) => {
       if (this.#state === "black-holed") pair.toClient.push(chunk);
-      else pair.client.write(chunk);
+      else {
+        pair.client.write(chunk);
+        if (this.#oneReply) {
+          this.#oneReply = false;
+          this.#state = "black-holed";
+        }
+      }
     });
     this.#flush(pair);
   }
 
   #flush(pair: Pair): void {
-    for (const chunk of pair.toUpstream.splice(0)) pair.upstream?.write(chunk);
+    if (!pair.holding) for (const chunk of pair.toUpstream.splice(0)) pair.upstream?.write(chunk);
     for (const chunk of pair.toClient.splice(0)) pair.client.write(chunk);
   }
 
@@ -153,6 +171,34 @@ export class RedisProxy {
     this.#state = "black-holed";
   }
 
+  /**
+   * `heal()`, and black-hole again as soon as one reply (a chunk from Redis) has been passed on to
+   * a client: the commands a black hole held reach Redis, the first answer comes back, and what
+   * the client sends on that answer falls into the silence.
+   */
+  async healForOneReply(): Promise<void> {
+    await this.heal();
+    // (Replies come in later turns than the one `heal` delivered the held commands in.)
+    this.#oneReply = true;
+  }
+
+  /**
+   * Hold back what each client sends from its first chunk that names `command` (a command's name
+   * as clients send it, in any case: "subscribe"), until `release()`.
+   */
+  holdFrom(command: string): void {
+    this.#holdFrom = command.toLowerCase();
+  }
+
+  /** Stop holding (`holdFrom`), and deliver what was held, in order. */
+  release(): void {
+    this.#holdFrom = undefined;
+    for (const pair of this.#pairs) {
+      pair.holding = false;
+      if (pair.upstream && this.#state === "open") this.#flush(pair);
+    }
+  }
+
   /** Reset every open connection. */
   cut(): void {
     for (const pair of [...this.#pairs]) this.#drop(pair);
@@ -161,6 +207,7 @@ export class RedisProxy {
   /** Forward again; deliver what a black hole held, in order; listen again if the port was closed. */
   async heal(): Promise<void> {
     this.#state = "open";
+    this.#oneReply = false;
     if (!this.#server) await this.#listen(this.#port);
     for (const pair of this.#pairs) {
       if (pair.upstream) this.#flush(pair);

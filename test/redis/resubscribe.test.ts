@@ -131,6 +131,62 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
   });
 
   /**
+   * A pub/sub connection that subscribes again by itself (an ioredis client passed as `subscriber`,
+   * `autoResubscribe` on) says `ready` before its SUBSCRIBE reaches Redis; a grant published in
+   * between is lost. Its waiters ask again once Redis has answered the backend's own SUBSCRIBE,
+   * not at `ready`: here that SUBSCRIBE is held back (a proxy in front of the pub/sub connection)
+   * while the holder releases, so an ask made at `ready` would come before the grant, which
+   * nobody hears, and the waiter would sleep until its poll (a minute).
+   */
+  for (const shape of ["semaphore", "fused gate"] as const) {
+    it(`a ${shape}'s waiter asks again once its resubscribing pub/sub connection is subscribed, not at ready`, async () => {
+      const prefix = randomPrefix(`resubscribe-held-${shape.replace(" ", "-")}`);
+      const name = `fg-${prefix.split(":")[2]}-sub`;
+      const admin = await connect();
+      const proxy = new RedisProxy(Number(new URL(redisUrl()).port));
+      await proxy.start();
+      try {
+        const subscriber = await connectedClient(proxy.url, {
+          connectionName: name,
+          retryStrategy: () => 50,
+          maxRetriesPerRequest: null,
+        });
+        const stagesOf = (b: RedisBackend) =>
+          shape === "fused gate"
+            ? new Gate([
+                b.tokenBucket("rate", { capacity: 100, refillPerSecond: 100 }),
+                b.semaphore("sem", { limit: 1 }),
+              ])
+            : b.semaphore("sem", { limit: 1 });
+        const holding = redis(await connect(), { prefix, pollMs: 60_000 });
+        const waiting = redis(await connect(), { prefix, subscriber, pollMs: 60_000 });
+        const holder = await stagesOf(holding).admit();
+        const next = stagesOf(waiting).admit({ timeoutMs: 20_000 });
+        const line =
+          shape === "fused gate"
+            ? stageKey(prefix, "gate:gate|rate|sem", "line")
+            : stageKey(prefix, "sem", "queue");
+        const listening = await waitingIn(admin, name, line);
+        // Cut, it comes back and says ready; its SUBSCRIBE is held back, and the grant is lost.
+        proxy.holdFrom("subscribe");
+        await admin.call("CLIENT", "KILL", "ID", listening.id);
+        await until(() => proxy.heldBytes > 0, {
+          timeoutMs: 10_000,
+          message: "the pub/sub connection did not come back to subscribe again",
+        });
+        await holder.release("success");
+        proxy.release();
+        const ticket = await within(next, 5_000, "the waiter's admission once its connection was subscribed");
+        await ticket.release("success");
+        await Promise.all([holding.close(), waiting.close()]);
+        await closeClient(subscriber);
+      } finally {
+        await proxy.stop();
+      }
+    });
+  }
+
+  /**
    * The asks a process makes because its channel was heard again are its own choice, not its
    * callers': with its command connection away then (here behind a proxy that resets every
    * connection, while its pub/sub connection, straight to Redis, comes back), they fail nothing
@@ -147,8 +203,12 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
   for (const shape of ["semaphore", "fused gate", "class bucket"] as const) {
     const kind = `a ${shape}'s`;
 
-    /** A waiter of `kind` in line, its commands through a proxy, its pub/sub connection straight to Redis. */
-    async function waiterAway(healed: boolean) {
+    /**
+     * A waiter of `kind` in line (its holder's stages, and `free` to free what it holds), its
+     * commands through a proxy (`proxy`), its pub/sub connection straight to Redis (`listening`);
+     * `settled` once its admission is.
+     */
+    async function inLineBehindProxy(pollMs: number, commandTimeoutMs: number) {
       const prefix = randomPrefix(`resubscribe-away-${shape.replace(" ", "-")}`);
       const name = `fg-${prefix.split(":")[2]}-sub`;
       const admin = await connect();
@@ -157,15 +217,14 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
       await proxy.start();
       const main = await connectedClient(proxy.url, { retryStrategy: () => 50 });
       owned.push(main);
-      // (ioredis subscribes this one again by itself: it is heard again once ready.)
+      // (ioredis subscribes this one again by itself; the backend does too, and it is heard again
+      // once Redis has answered.)
       const subscriber = await connect({
         connectionName: name,
         retryStrategy: () => 50,
         maxRetriesPerRequest: null,
       });
-      // (A poll of 3 s: a heal comes well within it, however busy the machine.)
-      const pollMs = 3_000;
-      const waiting = redis(main, { prefix, subscriber, pollMs, commandTimeoutMs: 500 });
+      const waiting = redis(main, { prefix, subscriber, pollMs, commandTimeoutMs });
       const holding = redis(await connect(), { prefix, pollMs });
       // (The class bucket's holder takes both its tokens, and gives them back with a refund.)
       const classes = { capacity: 2, refillPerSecond: 0.001, classes: { bulk: { share: 1 } } };
@@ -181,11 +240,11 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
       const bucket = shape === "class bucket";
       const held = await stagesOf(holding).admit(bucket ? { class: "bulk", cost: 2 } : {});
       const free = () => (bucket ? held.refund() : held.release("success"));
-      let settled = false;
+      const state = { settled: false };
       const next = stagesOf(waiting).admit({ timeoutMs: 20_000, ...(bucket ? { class: "bulk" } : {}) });
       next.then(
-        () => (settled = true),
-        () => (settled = true),
+        () => (state.settled = true),
+        () => (state.settled = true),
       );
       const line = {
         semaphore: stageKey(prefix, "sem", "queue"),
@@ -193,28 +252,40 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
         "class bucket": stageKey(prefix, "tb", "cq:default"),
       }[shape];
       const listening = await waitingIn(admin, name, line);
-      // The commands' connection away: reset, and every new one reset too.
-      proxy.refuse();
-      proxy.cut();
-      await until(() => main.status !== "ready", { timeoutMs: 5_000, message: "the cut went unseen" });
-      // Its pub/sub connection cut and back: heard again, the waiter asks, and Redis is away.
+      return { admin, name, proxy, main, subscriber, listening, next, state, free, holding, waiting };
+    }
+
+    /** Wait until `what` has published a backend error (a script call failed: Redis away). */
+    async function failedAsk(what: () => Promise<unknown>, message: string): Promise<void> {
       const failed: unknown[] = [];
-      const onFailed = (message: unknown) => failed.push(message);
+      const onFailed = (error: unknown) => failed.push(error);
       diagnostics_channel.subscribe("floodgate:backend-error", onFailed);
       try {
-        await admin.call("CLIENT", "KILL", "ID", listening.id);
-        await until(() => failed.length > 0, {
-          timeoutMs: 5_000,
-          message: "the waiter did not ask again once its process was heard again",
-        });
+        await what();
+        await until(() => failed.length > 0, { timeoutMs: 5_000, message });
       } finally {
         diagnostics_channel.unsubscribe("floodgate:backend-error", onFailed);
       }
+    }
+
+    /** As `inLineBehindProxy`, then: its commands' connection away; its pub/sub connection cut and back. */
+    async function waiterAway(healed: boolean) {
+      // (A poll of 3 s: a heal comes well within it, however busy the machine.)
+      const w = await inLineBehindProxy(3_000, 500);
+      // The commands' connection away: reset, and every new one reset too.
+      w.proxy.refuse();
+      w.proxy.cut();
+      await until(() => w.main.status !== "ready", { timeoutMs: 5_000, message: "the cut went unseen" });
+      // Its pub/sub connection cut and back: heard again, the waiter asks, and Redis is away.
+      await failedAsk(
+        () => w.admin.call("CLIENT", "KILL", "ID", w.listening.id),
+        "the waiter did not ask again once its process was heard again",
+      );
       if (healed) {
-        expect(settled, "the waiter, its ask failed at once, still waiting").toBe(false);
-        await proxy.heal();
+        expect(w.state.settled, "the waiter, its ask failed at once, still waiting").toBe(false);
+        await w.proxy.heal();
       }
-      return { next, free, holding, waiting };
+      return w;
     }
 
     it(`${kind} waiter whose ask on being heard again finds Redis away, back within a poll, still waits and is admitted`, async () => {
@@ -231,6 +302,47 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
       expect(String((error as Error).name)).toBe("BackendUnavailableError");
       await free();
       await Promise.all([holding.close(), waiting.close()]);
+    });
+
+    /**
+     * Heard again while its ask is out (here held in a black hole), the waiter asks again once that
+     * ask is answered; that ask is as much its process's choice, and Redis away then fails nothing.
+     */
+    it(`${kind} waiter heard again while its ask is out asks again when it is answered, and Redis away then fails nothing`, async () => {
+      // (A poll of 10 s: the waiter's own ask never comes within the test.)
+      const w = await inLineBehindProxy(10_000, 5_000);
+      // Its commands held; heard again, it asks, and that ask is held.
+      w.proxy.blackHole();
+      await w.admin.call("CLIENT", "KILL", "ID", w.listening.id);
+      await until(() => w.proxy.heldBytes > 0, { timeoutMs: 5_000, message: "the waiter did not ask again" });
+      // Heard again once more while that ask is out: the backend's SUBSCRIBE on the new connection
+      // is answered before one the test sends after it, and the waiter was told on that answer.
+      const again = await subscribed(w.admin, w.name);
+      expect(again.id, "a new connection").not.toBe(w.listening.id);
+      await w.admin.call("CLIENT", "KILL", "ID", again.id);
+      const third = await until(
+        async () => (await connections(w.admin, w.name)).find((c) => c.sub > 0 && c.id !== again.id),
+        { timeoutMs: 10_000, message: "the pub/sub connection did not subscribe again" },
+      );
+      expect(third.id).not.toBe(w.listening.id);
+      await w.subscriber.subscribe(`${w.name}:probe`);
+      // The held ask reaches Redis and its answer comes back; the ask after it falls into the
+      // silence, and the connection is reset: Redis away.
+      await w.proxy.healForOneReply();
+      await until(() => w.proxy.heldBytes > 0, {
+        timeoutMs: 5_000,
+        message: "the waiter did not ask again once its ask was answered",
+      });
+      await failedAsk(async () => {
+        w.proxy.refuse();
+        w.proxy.cut();
+      }, "the waiter's ask did not fail");
+      expect(w.state.settled, "the waiter, its ask failed, still waiting").toBe(false);
+      await w.free();
+      await w.proxy.heal();
+      const ticket = await within(w.next, 10_000, "the waiter's admission");
+      await ticket.release("success");
+      await Promise.all([w.holding.close(), w.waiting.close()]);
     });
   }
 });

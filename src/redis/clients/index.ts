@@ -55,18 +55,12 @@ export interface RedisConnection {
   ): Promise<unknown>;
   /**
    * A new connection to the same server(s) with the same options, for pub/sub; one that does not
-   * subscribe again by itself after a reconnect (`resubscribes` false) where the client would do
-   * it with a command whose failure nobody hears (ioredis: see `resubscribes`).
+   * subscribe again by itself after a reconnect where the client would do it with a command whose
+   * failure nobody hears (ioredis's `autoResubscribe`: that SUBSCRIBE, on a connection cut before
+   * its reply with `maxRetriesPerRequest` 0, rejects unhandled and ends the process). The backend
+   * subscribes again itself on each `ready` after the first (subscriber.ts).
    */
   duplicate(): RedisConnection;
-  /**
-   * Whether the client subscribes to its channels again by itself after a reconnect. When it
-   * does not, the backend does, on each `ready` after the first. (ioredis does it by itself with
-   * `autoResubscribe`, but sends that SUBSCRIBE with nobody to hear it fail: a connection cut
-   * before its reply, with `maxRetriesPerRequest` 0, rejects it unhandled and ends the process.
-   * The duplicate floodgate makes turns it off.)
-   */
-  readonly resubscribes: boolean;
   /** Call `listener` with every pub/sub message this connection receives. Set once. */
   onMessage(listener: (channel: string, message: string) => void): void;
   /** Subscribe to `channel`; its messages go to the `onMessage` listener. */

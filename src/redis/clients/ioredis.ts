@@ -23,7 +23,6 @@ type DuplicateWith = (override: { autoResubscribe: boolean }) => unknown;
 /** The runtime shape used beyond what the types above promise. */
 interface Client extends IoredisFamilyClient {
   isCluster?: boolean;
-  options?: { autoResubscribe?: boolean };
   stream?: Partial<Corkable>;
   subscribe(...channels: string[]): Promise<unknown>;
   on(event: string, listener: (...args: any[]) => void): unknown;
@@ -51,18 +50,14 @@ export function isIoredisFamily(client: object): client is IoredisFamilyClient {
 export class IoredisConnection implements RedisConnection {
   readonly library = "ioredis";
   readonly cluster: boolean;
-  readonly resubscribes: boolean;
   readonly #client: Client;
 
   /**
-   * `scripts`: define floodgate's scripts on it (not on a connection kept for pub/sub);
-   * `resubscribes`: the client subscribes again by itself after a reconnect (see `duplicate`);
-   * by default, unless it is a client made with `autoResubscribe: false`.
+   * `scripts`: define floodgate's scripts on it (not on a connection kept for pub/sub).
    */
-  constructor(client: IoredisFamilyClient, scripts: boolean, resubscribes?: boolean) {
+  constructor(client: IoredisFamilyClient, scripts: boolean) {
     this.#client = client as Client;
     this.cluster = this.#client.isCluster === true;
-    this.resubscribes = resubscribes ?? (this.cluster || this.#client.options?.autoResubscribe !== false);
     if (scripts) defineScripts(client);
   }
 
@@ -118,7 +113,7 @@ export class IoredisConnection implements RedisConnection {
     const copy = (this.#client.duplicate as unknown as DuplicateWith).call(this.#client, {
       autoResubscribe: false,
     });
-    return new IoredisConnection(copy as IoredisFamilyClient, false, false);
+    return new IoredisConnection(copy as IoredisFamilyClient, false);
   }
 
   onMessage(listener: (channel: string, message: string) => void): void {

@@ -102,14 +102,14 @@ function clusterState(client: Client): { up: boolean } {
  * ioredis's words: `wait` before `connect()`, `connecting`, `ready`, `reconnecting`, `end`.
  */
 export class NodeRedisConnection implements RedisConnection {
-  /** node-redis subscribes its listeners again by itself after a reconnect. */
-  readonly resubscribes = true;
   readonly library = "node-redis";
   readonly cluster: boolean;
   readonly #client: Client;
   /** Whether it has been ready: once it has, a closed client is closed, not waiting to connect. */
   #wasReady: boolean;
   #listener: ((channel: string, message: string) => void) | undefined = undefined;
+  /** The listener of every subscription, one for all: it hands each message to `#listener`. */
+  readonly #onMessage = (message: string, from: string) => this.#listener?.(from, message);
   /**
    * On a node-redis 5 cluster, which has no `isReady` (it is open while it still learns its
    * slots): whether it said `connect` (it knows them) since it last said `disconnect`. Taken as
@@ -214,7 +214,9 @@ export class NodeRedisConnection implements RedisConnection {
   }
 
   subscribe(channel: string): Promise<unknown> {
-    return this.#client.subscribe(channel, (message, from) => this.#listener?.(from, message));
+    // One listener for every channel and every SUBSCRIBE: node-redis keeps a channel's listeners
+    // in a set, so subscribing again (after a reconnect: see subscriber.ts) adds none.
+    return this.#client.subscribe(channel, this.#onMessage);
   }
 
   socket(): Corkable | undefined {
