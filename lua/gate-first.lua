@@ -96,10 +96,13 @@ end
 -- per call with the same value (an expiry, the wake channel's place) is set once here. Every read
 -- comes before the first write: when any of it does not hold, nothing is written and the calls
 -- go on to the rest. Returns the reply of the script call, or nil; and true when nobody is in the
--- permit line. (The caller has seen that every call is a first try that waits, by a member.)
+-- permit line. (The caller has seen that every call is a first try that waits, by a member.) The
+-- first call, when it is right behind the head, is told when the head's place ends, as the rest
+-- tells it (`ahead`, in lua/gate.lua).
 local function first_join(f, n, names, keyAt, argAt, argsOf, now, turn)
   local line, lexp, gmeta = KEYS[1], KEYS[2], KEYS[3]
-  local head = redis.call('ZRANGE', line, 0, 0)[1]
+  local firsts = redis.call('ZRANGE', line, 0, 1)
+  local head = firsts[1]
   if not head then return nil, true end
   local members, seen = {}, {}
   for c = 1, turn do
@@ -108,7 +111,9 @@ local function first_join(f, n, names, keyAt, argAt, argsOf, now, turn)
     seen[m] = true
     members[c] = m
   end
-  if not first_asks(head, now) then return nil end
+  -- (The head asks still: first_asks(), its expiry kept for the reply below.)
+  local headEnds = tonumber(redis.call('ZSCORE', lexp, head))
+  if not headEnds or headEnds <= now then return nil end
   -- (The calls' lane, and its expiries: the first of their keys, after the gate's five.)
   local laneAt = 6
   if redis.call('ZRANGE', KEYS[laneAt], 0, 0)[1] then return nil end
@@ -177,6 +182,9 @@ local function first_join(f, n, names, keyAt, argAt, argsOf, now, turn)
   for c = 1, turn do
     out[c] = { 0, -1, 1, 0, replies, gate_first_calls[c][2] == 'hold' and 1 or 0, now, passed, key }
   end
+  -- The first call, right behind the head when the head was alone: when the head's place ends
+  -- unless it asks again (as behind() in lua/gate.lua tells it).
+  if not firsts[2] then out[1][10], out[1][11] = false, math.ceil(headEnds - now) end
   return out
 end
 
@@ -206,7 +214,13 @@ local function first_lane(f, n, now)
   redis.call('PEXPIRE', KEYS[3], ttl)
   local replies = {}
   for i = 1, n do replies[i] = false end
-  return { { 0, -1, 2, 0, replies, 0, now } }
+  local reply = { 0, -1, 2, 0, replies, 0, now }
+  -- Right behind the first: when its place ends unless it asks again (as behind() in
+  -- lua/gate.lua tells it; the fields before it false).
+  if redis.call('ZRANGE', lane, 1, 1)[1] == member then
+    reply[8], reply[9], reply[10], reply[11] = false, false, false, math.ceil(until_ - now)
+  end
+  return { reply }
 end
 
 -- A lone admission's later try (op "all", mode "hold" or "wait", no grant held, asking again)

@@ -80,6 +80,10 @@
 --   moved   (admissions the permit line took with their lane since their latest try) "<when>|<fr
 --           then>|<key>": the server ms it moved, fr at that moment, and the first key of the
 --           permit stage that refused its lane's first; it waited for permits from then on
+--   ahead   (admissions right behind the first of their line, which their steps did not run for)
+--           ms until that first's place ends unless it asks again: the caller asks then, not at
+--           its poll, should the first's process have frozen or died (fields before it that a
+--           reply has not are false)
 -- but for the leading admissions decided in one pass (see fast(), below): each answers 1, and one
 -- more element follows the last call's reply: their steps' replies, flat, then that time.
 --
@@ -242,6 +246,9 @@ end
 -- The calls, each {member, mode, lane, laneExp, steps}; each step {name, keys, args}.
 local calls = {}
 local sent = {}
+-- Per reply of a call right behind the first of its line: ms until that first's place ends (see
+-- behind(), in admit()).
+local ahead = {}
 local k = 6
 local lastRepeat = nil
 for c = 1, tonumber(ARGV[5]) do
@@ -571,7 +578,9 @@ local function admit(call, granting)
   end
 
   -- Someone ahead: nothing is looked at, and `member` waits behind (in line `z`, numbered `n`,
-  -- with expiries `e`, when it waits).
+  -- with expiries `e`, when it waits). Right behind the first, it is told when the first's place
+  -- ends unless the first asks again (`ahead`, ms): a first whose process froze or died holds
+  -- the line up until then, and the next asks then rather than at its poll.
   local function behind(z, e, n)
     local replies = {}
     for i = 1, #steps do replies[i] = false end
@@ -580,7 +589,13 @@ local function admit(call, granting)
     if join(member, z, e, nil, z == line and steps, again) and redis.call('ZRANGE', line, 0, 0)[1] == member then
       return done({0, 0, n, woken, replies})
     end
-    return done({0, -1, n, woken, replies})
+    local r = done({0, -1, n, woken, replies})
+    local two = redis.call('ZRANGE', z, 0, 1)
+    if two[2] == member then
+      local ends = tonumber(redis.call('ZSCORE', e, two[1]))
+      if ends then ahead[r] = math.max(0, math.ceil(ends - clock())) end
+    end
+    return r
   end
 
   local head = prune(line, lexp)
@@ -1363,6 +1378,13 @@ if op == 'all' then
         out[c][9] = rate[2]
       end
       out[c][10] = moved[c]
+      if ahead[out[c]] then
+        -- (After the fields before it, those it has not as false: a nil would end the reply.)
+        for x = 8, 10 do
+          if out[c][x] == nil then out[c][x] = false end
+        end
+        out[c][11] = ahead[out[c]]
+      end
     end
   end
   -- The calls admitted in one pass (fast()) answer 1; their replies follow the last call's, with

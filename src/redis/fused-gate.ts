@@ -273,7 +273,9 @@ class FusedGate implements FusedAdmission {
           // Whole ms, as Redis counts waits: a wake-up between two ms would find the wait not over.
           const poll = Math.ceil(this.#s.pollMs * (0.5 + this.#s.random()));
           const waitMs = reply?.waitMs ?? -1;
-          const until = waitMs >= 0 ? waitMs : soonest >= 0 ? soonest + 1 : -1;
+          // (Right behind a first that may have frozen or died: no later than its place ends.)
+          const ahead = reply?.aheadMs === undefined ? -1 : reply.aheadMs + 1;
+          const until = waitMs >= 0 ? waitMs : soonest >= 0 ? soonest + 1 : ahead;
           await this.#sleeps.sleep(member, until >= 0 ? Math.min(until, poll) : poll, call);
           if (!held?.granted) break;
         }

@@ -69,6 +69,11 @@ export interface GateReply {
    * it was then, and the first key (as Redis has it) of the permit stage that refused.
    */
   moved?: { agoMs: number; lineRateMs: number; key: string };
+  /**
+   * Right behind the first of its line (the permit line or its lane), which its steps did not run
+   * for: ms until that first's place ends, should it not ask again (its process frozen or dead).
+   */
+  aheadMs?: number;
 }
 
 /** What every call of one `gate` script call shares: see lua/gate.lua. */

@@ -16,7 +16,9 @@ const NO_ONE: readonly string[] = [];
 /**
  * The reply of a `gate` call to one call: {status, waitMs, inLine, woken, replies, held, now,
  * and, waiting in the permit line, its firsts' rate waits (their ms in all, the latest's key),
- * and, taken into that line with its lane since its previous try, "<when>|<ms then>|<key>"}.
+ * and, taken into that line with its lane since its previous try, "<when>|<ms then>|<key>", and,
+ * right behind the first of its line, ms until that first's place ends}. A field the reply has
+ * not, before one it has, is null.
  */
 type GateCallReply = [
   number,
@@ -26,9 +28,10 @@ type GateCallReply = [
   unknown[],
   unknown,
   number?,
+  (number | null)?,
+  (string | null)?,
+  (string | null)?,
   number?,
-  string?,
-  string?,
 ];
 
 /**
@@ -82,7 +85,7 @@ function gateReply(
     replies: answers,
   };
   if (status === 2) out.collected = grantReplies(String(reply[5]));
-  if (reply[7] !== undefined) {
+  if (reply[7] !== undefined && reply[7] !== null) {
     out.lineRateMs = Number(reply[7]);
     out.lineRateKey = String(reply[8] ?? "");
   }
@@ -91,6 +94,7 @@ function gateReply(
     const agoMs = Number(reply[6]) - Number(at);
     if (agoMs >= 0) out.moved = { agoMs, lineRateMs: Number(rate) || 0, key: key.join("|") };
   }
+  if (reply[10] !== undefined) out.aheadMs = Number(reply[10]);
   if (Number(reply[5]) === 1) {
     let settled: "no" | "granted" | "not run" = "no";
     out.hold = (granted) => {

@@ -841,7 +841,7 @@ describe("a fused Redis gate", () => {
     await ticket!.release("success");
   });
 
-  it("keeps a first that does not come back when its wait is over only its turn's length: the next in its lane goes on", async () => {
+  it("keeps a first that does not come back when its wait is over only its turn's length: the next in its lane goes on as it ends", async () => {
     // Two processes, each deciding with its own clock: the first one's never moves on (a process
     // frozen), the other's polls every 500 ms (pollMs 1000, its random 0).
     const frozenClock = new FakeClock(1000);
@@ -871,12 +871,68 @@ describe("a fused Redis gate", () => {
       timeoutMs: 2000,
       message: "nobody behind it",
     });
-    // Its turn: its wait and half a poll (100 + 500 ms), to 1600. The next asks at 1500, still
-    // behind it, then at 2000, first, and its token is there (a place of three polls, to 4000,
-    // would keep it waiting past then).
+    // Its turn: its wait and half a poll (100 + 500 ms), to 1600. The next, right behind it, is
+    // told so: it asks at its poll, 1500, still behind it, and then as the turn ends, at 1601,
+    // first, and its token is there (at its next poll, 2000, before it was told; a place of three
+    // polls, to 4000, would keep it waiting past then).
     await clock.advance(500);
     expect(ticket).toBe(undefined);
-    await clock.advance(500);
+    await clock.advance(100);
+    expect(ticket, "admitted before the first's turn ended").toBe(undefined);
+    await clock.advance(1);
+    await within(next, 2000, "the next in the lane");
+    expect(ticket).toBeDefined();
+    await ticket!.release("success");
+    await frozen.close();
+    await stuck;
+  });
+
+  it("tells a first try right behind a first that does not come back when that first's turn ends: it asks then, not at its poll", async () => {
+    // As above, but the live process polls every 1500 ms (pollMs 3000, its random 0), longer than
+    // the frozen first's turn (its wait and half of its poll: 100 + 500 ms).
+    const frozenClock = new FakeClock(1000);
+    const clock = new FakeClock(1000);
+    const prefix = randomPrefix("fused-frozen-first-try");
+    const stages = (b: RedisBackend): Stage[] => [
+      b.semaphore("inflight", { limit: 10 }),
+      b.tokenBucket("rate", { capacity: 1, refillPerSecond: 10 }),
+    ];
+    const { b: one } = await backend(prefix, frozenClock, { pollMs: 1000 });
+    const { client, b: two } = await backend(prefix, clock, { pollMs: 3000, random: () => 0 });
+    const frozen = new Gate(stages(one), { clock: frozenClock });
+    const live = new Gate(stages(two), { clock });
+    const lane = `${prefix}{gate:gate|inflight|rate}:lane:`;
+    // The live process listens on its channel (a caller of it waited, from 1000 to 1100), so its
+    // next caller's first try is its only ask before it sleeps. The bucket is empty from 1100.
+    await (await live.admit()).release("success");
+    const waited = live.admit({ timeoutMs: 60_000 });
+    await until(async () => (await client.zcard(lane)) === 1, {
+      timeoutMs: 2000,
+      message: "the live process's caller did not wait",
+    });
+    await clock.advance(100);
+    await (await within(waited, 2000, "the live process's waiting caller")).release("success");
+    await frozenClock.advanceTo(1100);
+    // Refused for the rate, first in its lane, told to come back in 100 ms: it never does. Its
+    // turn ends at 1100 + 100 + 500.
+    const stuck = frozen.admit({ timeoutMs: 60_000 }).catch((error: unknown) => error);
+    await until(async () => (await client.zcard(lane)) === 1, {
+      timeoutMs: 2000,
+      message: "no first in the lane",
+    });
+    let ticket: Ticket | undefined;
+    const next = live.admit({ timeoutMs: 60_000 }).then((t) => {
+      ticket = t;
+    });
+    await until(async () => (await client.zcard(lane)) === 2, {
+      timeoutMs: 2000,
+      message: "nobody behind it",
+    });
+    // Its first try, right behind the first, was told the turn ends at 1700: it asks at 1701
+    // (at its poll, 2600, before it was told).
+    await clock.advance(600);
+    expect(ticket, "admitted before the first's turn ended").toBe(undefined);
+    await clock.advance(1);
     await within(next, 2000, "the next in the lane");
     expect(ticket).toBeDefined();
     await ticket!.release("success");

@@ -59,7 +59,7 @@ const JOINED =
 const SAYS_JOINED = scriptSource("gate").replace(JOINED, "    do return 'joined' end\n");
 
 /** The gate script whose first pass answers "laned" for a first try it puts at the back of a lane. */
-const LANED = "  return { { 0, -1, 2, 0, replies, 0, now } }\n";
+const LANED = "  return { reply }\n";
 const SAYS_LANED = scriptSource("gate").replace(LANED, "  do return 'laned' end\n");
 
 /** The gate script whose first pass answers "left" for a lane's first it admits. */
