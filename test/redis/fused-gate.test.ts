@@ -841,103 +841,81 @@ describe("a fused Redis gate", () => {
     await ticket!.release("success");
   });
 
-  it("keeps a first that does not come back when its wait is over only its turn's length: the next in its lane goes on as it ends", async () => {
-    // Two processes, each deciding with its own clock: the first one's never moves on (a process
-    // frozen), the other's polls every 500 ms (pollMs 1000, its random 0).
+  /**
+   * Two processes on one lane (a semaphore that never binds, a bucket of one token a 100 ms),
+   * each deciding with its own clock: a first whose clock never moves on (a process frozen; it
+   * polls every 1000 ms), and a live one (its poll `livePollMs`, its random 0). `warm`: a caller
+   * of the live process waits first (from 1000 to 1100), so that process listens on its channel
+   * and its next caller's first try is the only ask before it sleeps. Then the frozen first is
+   * refused for the rate, first in the lane, told to come back in 100 ms, and never does; and the
+   * live process's next caller lines up right behind it: `next`, with `admitted()` saying whether
+   * it has been.
+   */
+  async function behindFrozenFirst(label: string, livePollMs: number, warm: boolean) {
     const frozenClock = new FakeClock(1000);
     const clock = new FakeClock(1000);
-    const prefix = randomPrefix("fused-frozen-first");
+    const prefix = randomPrefix(label);
     const stages = (b: RedisBackend): Stage[] => [
       b.semaphore("inflight", { limit: 10 }),
       b.tokenBucket("rate", { capacity: 1, refillPerSecond: 10 }),
     ];
     const { b: one } = await backend(prefix, frozenClock, { pollMs: 1000 });
-    const { client, b: two } = await backend(prefix, clock, { pollMs: 1000, random: () => 0 });
+    const { client, b: two } = await backend(prefix, clock, { pollMs: livePollMs, random: () => 0 });
     const frozen = new Gate(stages(one), { clock: frozenClock });
     const live = new Gate(stages(two), { clock });
     const lane = `${prefix}{gate:gate|inflight|rate}:lane:`;
+    const inLane = (n: number, message: string) =>
+      until(async () => (await client.zcard(lane)) === n, { timeoutMs: 2000, message });
     await (await live.admit()).release("success"); // the bucket's one token, at 1000
-    // Refused for the rate, first in its lane, told to come back in 100 ms: it never does.
+    if (warm) {
+      const waited = live.admit({ timeoutMs: 60_000 });
+      await inLane(1, "the live process's caller did not wait");
+      await clock.advance(100);
+      await (await within(waited, 2000, "the live process's waiting caller")).release("success");
+      await frozenClock.advanceTo(1100);
+    }
     const stuck = frozen.admit({ timeoutMs: 60_000 }).catch((error: unknown) => error);
-    await until(async () => (await client.zcard(lane)) === 1, {
-      timeoutMs: 2000,
-      message: "no first in the lane",
-    });
+    await inLane(1, "no first in the lane");
     let ticket: Ticket | undefined;
     const next = live.admit({ timeoutMs: 60_000 }).then((t) => {
       ticket = t;
     });
-    await until(async () => (await client.zcard(lane)) === 2, {
-      timeoutMs: 2000,
-      message: "nobody behind it",
-    });
+    await inLane(2, "nobody behind it");
+    return {
+      clock,
+      admitted: () => ticket !== undefined,
+      async end() {
+        await within(next, 2000, "the next in the lane");
+        await ticket!.release("success");
+        await frozen.close();
+        await stuck;
+      },
+    };
+  }
+
+  it("keeps a first that does not come back when its wait is over only its turn's length: the next in its lane goes on as it ends", async () => {
+    const { clock, admitted, end } = await behindFrozenFirst("fused-frozen-first", 1000, false);
     // Its turn: its wait and half a poll (100 + 500 ms), to 1600. The next, right behind it, is
     // told so: it asks at its poll, 1500, still behind it, and then as the turn ends, at 1601,
     // first, and its token is there (at its next poll, 2000, before it was told; a place of three
     // polls, to 4000, would keep it waiting past then).
     await clock.advance(500);
-    expect(ticket).toBe(undefined);
+    expect(admitted()).toBe(false);
     await clock.advance(100);
-    expect(ticket, "admitted before the first's turn ended").toBe(undefined);
+    expect(admitted(), "admitted before the first's turn ended").toBe(false);
     await clock.advance(1);
-    await within(next, 2000, "the next in the lane");
-    expect(ticket).toBeDefined();
-    await ticket!.release("success");
-    await frozen.close();
-    await stuck;
+    await end();
   });
 
   it("tells a first try right behind a first that does not come back when that first's turn ends: it asks then, not at its poll", async () => {
-    // As above, but the live process polls every 1500 ms (pollMs 3000, its random 0), longer than
-    // the frozen first's turn (its wait and half of its poll: 100 + 500 ms).
-    const frozenClock = new FakeClock(1000);
-    const clock = new FakeClock(1000);
-    const prefix = randomPrefix("fused-frozen-first-try");
-    const stages = (b: RedisBackend): Stage[] => [
-      b.semaphore("inflight", { limit: 10 }),
-      b.tokenBucket("rate", { capacity: 1, refillPerSecond: 10 }),
-    ];
-    const { b: one } = await backend(prefix, frozenClock, { pollMs: 1000 });
-    const { client, b: two } = await backend(prefix, clock, { pollMs: 3000, random: () => 0 });
-    const frozen = new Gate(stages(one), { clock: frozenClock });
-    const live = new Gate(stages(two), { clock });
-    const lane = `${prefix}{gate:gate|inflight|rate}:lane:`;
-    // The live process listens on its channel (a caller of it waited, from 1000 to 1100), so its
-    // next caller's first try is its only ask before it sleeps. The bucket is empty from 1100.
-    await (await live.admit()).release("success");
-    const waited = live.admit({ timeoutMs: 60_000 });
-    await until(async () => (await client.zcard(lane)) === 1, {
-      timeoutMs: 2000,
-      message: "the live process's caller did not wait",
-    });
-    await clock.advance(100);
-    await (await within(waited, 2000, "the live process's waiting caller")).release("success");
-    await frozenClock.advanceTo(1100);
-    // Refused for the rate, first in its lane, told to come back in 100 ms: it never does. Its
-    // turn ends at 1100 + 100 + 500.
-    const stuck = frozen.admit({ timeoutMs: 60_000 }).catch((error: unknown) => error);
-    await until(async () => (await client.zcard(lane)) === 1, {
-      timeoutMs: 2000,
-      message: "no first in the lane",
-    });
-    let ticket: Ticket | undefined;
-    const next = live.admit({ timeoutMs: 60_000 }).then((t) => {
-      ticket = t;
-    });
-    await until(async () => (await client.zcard(lane)) === 2, {
-      timeoutMs: 2000,
-      message: "nobody behind it",
-    });
-    // Its first try, right behind the first, was told the turn ends at 1700: it asks at 1701
-    // (at its poll, 2600, before it was told).
+    // The live process polls every 1500 ms, longer than the frozen first's turn (100 + 500 ms,
+    // from 1100 to 1700). Its caller's first try, right behind the first, was told the turn ends
+    // at 1700: it asks at 1701 (at its poll, 2600, before it was told).
+    const { clock, admitted, end } = await behindFrozenFirst("fused-frozen-first-try", 3000, true);
     await clock.advance(600);
-    expect(ticket, "admitted before the first's turn ended").toBe(undefined);
+    expect(admitted(), "admitted before the first's turn ended").toBe(false);
     await clock.advance(1);
-    await within(next, 2000, "the next in the lane");
-    expect(ticket).toBeDefined();
-    await ticket!.release("success");
-    await frozen.close();
-    await stuck;
+    await end();
   });
 
   /**
