@@ -64,9 +64,11 @@
 local gate_first_calls = nil
 
 -- Whether `member` of the gate's permit line asks still: its expiry (lexp, KEYS[2]) not passed
--- by `now` (prune() in lua/gate.lua).
+-- by `now` (prune() in lua/gate.lua). Returns that expiry when it does, else nil.
 local function first_asks(member, now)
-  return (tonumber(redis.call('ZSCORE', KEYS[2], member)) or now) > now
+  local ends = tonumber(redis.call('ZSCORE', KEYS[2], member))
+  if ends and ends > now then return ends end
+  return nil
 end
 
 -- The wake channel of `member`'s process when that process listens on it, else nil (decide() in
@@ -111,9 +113,9 @@ local function first_join(f, n, names, keyAt, argAt, argsOf, now, turn)
     seen[m] = true
     members[c] = m
   end
-  -- (The head asks still: first_asks(), its expiry kept for the reply below.)
-  local headEnds = tonumber(redis.call('ZSCORE', lexp, head))
-  if not headEnds or headEnds <= now then return nil end
+  -- (Its expiry is kept for the reply below.)
+  local headEnds = first_asks(head, now)
+  if not headEnds then return nil end
   -- (The calls' lane, and its expiries: the first of their keys, after the gate's five.)
   local laneAt = 6
   if redis.call('ZRANGE', KEYS[laneAt], 0, 0)[1] then return nil end
