@@ -333,9 +333,10 @@ export class RedisClassBucket extends KeyedLineStage<KeyLine> {
           return;
         }
         if (!this.#listening) {
-          // A grant published before this process listened is lost: ask again once it listens.
+          // A grant published before this process listened is lost: ask again once it listens,
+          // an ask of the process's choosing (soft: see `#ask`).
           this.#listen().then(
-            () => w.list && this.#ask(w),
+            () => w.list && this.#ask(w, 0),
             () => this.#sleep(w),
           );
           return;

@@ -193,8 +193,8 @@ class FusedGate implements FusedAdmission {
     let tries = 0;
     // The latest try whose steps Redis keeps while the call waits (a release may admit them).
     let held: Held | undefined;
-    // Asking because the gate's channel was heard again (a wake-up may have been lost), not by its
-    // own schedule: how long such tries have failed for. Redis away again then fails nothing, as
+    // Asking because the gate's channel was heard again, or just began to be (a wake-up may have
+    // been lost), not by its own schedule: how long such tries have failed for. Redis away again then fails nothing, as
     // it would not have at the call's own try: it asks again shortly, for up to a poll, and then
     // fails closed as that try would have. (Each failed try's steps give back what they may have
     // taken, as they do when the call fails closed.)
@@ -256,7 +256,8 @@ class FusedGate implements FusedAdmission {
             break;
           }
           // Listen before sleeping in line, then ask once more: a wake sent meanwhile is not lost.
-          // (Without a subscription, it polls.)
+          // That ask is the process's choice, as one on being heard again (`softMs`): Redis away
+          // then fails nothing for up to a poll. (Without a subscription, it polls.)
           if (inLine && this.#listening === undefined) {
             const listening = await this.#listen().then(
               () => true,
@@ -265,6 +266,7 @@ class FusedGate implements FusedAdmission {
             // (A grant that came meanwhile is taken above.)
             if (listening) {
               if (held?.granted) continue;
+              softMs ??= 0;
               break;
             }
           }

@@ -565,7 +565,8 @@ export abstract class RedisPermitStage extends BaseStage {
   /**
    * Ask Redis for `w`'s permits; on refusal, sleep until woken, the nearest expiry, or the poll.
    * `softMs`, for an ask the waiter did not need by its own schedule (its process heard again after
-   * its pub/sub connection was lost: see `#askAgain`), is how long such asks have failed for:
+   * its pub/sub connection was lost, see `#askAgain`, or just began to listen), is how long such
+   * asks have failed for:
    * Redis away again then fails nothing, as it would not have at the waiter's own ask; it asks
    * again shortly, for up to a poll, and then fails closed as that ask would have.
    */
@@ -620,8 +621,10 @@ export abstract class RedisPermitStage extends BaseStage {
         this.#leases.keepAlive(sentAt);
         if (w.again) return this.#attempt(w, w.againSoftMs);
         if (!this.#listening) {
+          // A grant published before this process listened is lost: ask again once it listens,
+          // an ask of the process's choosing (soft: see `#attempt`).
           this.#listen().then(
-            () => w.list && this.#attempt(w),
+            () => w.list && this.#attempt(w, 0),
             () => this.#sleep(w, Number(reply[1])),
           );
           return;

@@ -204,11 +204,11 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
     const kind = `a ${shape}'s`;
 
     /**
-     * A waiter of `kind` in line (its holder's stages, and `free` to free what it holds), its
-     * commands through a proxy (`proxy`), its pub/sub connection straight to Redis (`listening`);
-     * `settled` once its admission is.
+     * A waiter of `kind` asking (its holder's stages, and `free` to free what it holds), its
+     * commands through a proxy (`proxy`), its pub/sub connection straight to Redis or, given
+     * `pubsub`, through that proxy; `settled` once its admission is, `line` where it waits.
      */
-    async function inLineBehindProxy(pollMs: number, commandTimeoutMs: number) {
+    async function behindProxy(pollMs: number, commandTimeoutMs: number, pubsub?: RedisProxy) {
       const prefix = randomPrefix(`resubscribe-away-${shape.replace(" ", "-")}`);
       const name = `fg-${prefix.split(":")[2]}-sub`;
       const admin = await connect();
@@ -219,11 +219,11 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
       owned.push(main);
       // (ioredis subscribes this one again by itself; the backend does too, and it is heard again
       // once Redis has answered.)
-      const subscriber = await connect({
-        connectionName: name,
-        retryStrategy: () => 50,
-        maxRetriesPerRequest: null,
-      });
+      const pubsubOptions = { connectionName: name, retryStrategy: () => 50, maxRetriesPerRequest: null };
+      const subscriber = pubsub
+        ? await connectedClient(pubsub.url, pubsubOptions)
+        : await connect(pubsubOptions);
+      if (pubsub) owned.push(subscriber);
       const waiting = redis(main, { prefix, subscriber, pollMs, commandTimeoutMs });
       const holding = redis(await connect(), { prefix, pollMs });
       // (The class bucket's holder takes both its tokens, and gives them back with a refund.)
@@ -251,8 +251,13 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
         "fused gate": stageKey(prefix, "gate:gate|rate|sem", "line"),
         "class bucket": stageKey(prefix, "tb", "cq:default"),
       }[shape];
-      const listening = await waitingIn(admin, name, line);
-      return { admin, name, proxy, main, subscriber, listening, next, state, free, holding, waiting };
+      return { admin, name, proxy, main, subscriber, line, next, state, free, holding, waiting };
+    }
+
+    /** As `behindProxy`, its pub/sub connection straight to Redis, once it waits in line (`listening`). */
+    async function inLineBehindProxy(pollMs: number, commandTimeoutMs: number) {
+      const w = await behindProxy(pollMs, commandTimeoutMs);
+      return { ...w, listening: await waitingIn(w.admin, w.name, w.line) };
     }
 
     /** Wait until `what` has published a backend error (a script call failed: Redis away). */
@@ -340,6 +345,42 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
       expect(w.state.settled, "the waiter, its ask failed, still waiting").toBe(false);
       await w.free();
       await w.proxy.heal();
+      const ticket = await within(w.next, 10_000, "the waiter's admission");
+      await ticket.release("success");
+      await Promise.all([w.holding.close(), w.waiting.close()]);
+    });
+
+    /**
+     * A waiter that has taken its place in line asks once more as soon as its process listens (a
+     * wake-up sent before that was lost): an ask of its process's choosing, as one on being heard
+     * again, so Redis away then fails nothing for up to a poll.
+     */
+    it(`${kind} waiter's ask once its process listens finds Redis away, back within a poll, still waits and is admitted`, async () => {
+      const port = Number(new URL(redisUrl()).port);
+      const pubsub = new RedisProxy(port);
+      proxies.push(pubsub);
+      await pubsub.start();
+      // The process's first SUBSCRIBE held back: the waiter takes its place in line, unheard.
+      pubsub.holdFrom("subscribe");
+      const w = await behindProxy(3_000, 500, pubsub);
+      await until(async () => pubsub.heldBytes > 0 && (await w.admin.zcard(w.line)) === 1, {
+        timeoutMs: 10_000,
+        message: "the waiter did not take its place in line and subscribe",
+      });
+      // Its commands held; subscribed, it asks once more, and that ask fails: Redis away.
+      w.proxy.blackHole();
+      pubsub.release();
+      await until(() => w.proxy.heldBytes > 0, {
+        timeoutMs: 5_000,
+        message: "the waiter did not ask once more once it listened",
+      });
+      await failedAsk(async () => {
+        w.proxy.refuse();
+        w.proxy.cut();
+      }, "the waiter's ask did not fail");
+      expect(w.state.settled, "the waiter, its ask failed, still waiting").toBe(false);
+      await w.proxy.heal();
+      await w.free();
       const ticket = await within(w.next, 10_000, "the waiter's admission");
       await ticket.release("success");
       await Promise.all([w.holding.close(), w.waiting.close()]);
