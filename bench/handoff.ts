@@ -85,7 +85,7 @@ export const handoff: Benchmark = {
   redis: true,
   async run(args: BenchArgs) {
     const url = await args.redisUrl();
-    const count = args.rounds ?? (args.quick ? 3 : 5);
+    const count = args.rounds ?? (args.quick ? 1 : 5);
     const h = args.handoffs ?? (args.quick ? 20 : 200);
     const prefix = freshPrefix("handoff");
     const child = fork(new URL("./handoff-child.ts", import.meta.url).pathname, [url, prefix], {

@@ -24,7 +24,7 @@ export const idleKeys: Benchmark = {
   redis: false,
   async run(args: BenchArgs) {
     const n = args.keys ?? (args.quick ? 100_000 : 1_000_000);
-    const count = args.rounds ?? (args.quick ? 3 : 5);
+    const count = args.rounds ?? (args.quick ? 1 : 5);
     const child = fork(
       new URL("./idle-keys-child.ts", import.meta.url).pathname,
       [String(n), String(count)],

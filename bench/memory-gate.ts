@@ -56,7 +56,7 @@ export const memoryGate: Benchmark = {
   redis: false,
   async run(args: BenchArgs) {
     const n = args.tasks ?? (args.quick ? 5_000 : 200_000);
-    const count = args.rounds ?? (args.quick ? 3 : 5);
+    const count = args.rounds ?? (args.quick ? 1 : 5);
     // A loop of its own per contender: no call site shared between libraries.
     const contenders: Contender[] = [
       {

@@ -143,7 +143,7 @@ export const memorySemaphore: Benchmark = {
   redis: false,
   async run(args: BenchArgs) {
     const n = args.tasks ?? (args.quick ? 5_000 : 200_000);
-    const count = args.rounds ?? (args.quick ? 3 : 5);
+    const count = args.rounds ?? (args.quick ? 1 : 5);
     for (const concurrency of [1, 16, 256]) {
       const contenders = semaphoreContenders(n, concurrency, args.quick);
       const figures = await rounds(contenders, count);

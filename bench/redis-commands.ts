@@ -158,7 +158,7 @@ export const redisCommands: Benchmark = {
   async run(args: BenchArgs) {
     const url = await args.redisUrl();
     const stats = await connect(url);
-    const count = args.rounds ?? (args.quick ? 3 : 5);
+    const count = args.rounds ?? (args.quick ? 1 : 5);
     const n = args.tasks ?? (args.quick ? 40 : 400);
     const scenarios: Scenario[] = [
       { label: "uncontended (1 caller, limit 1000)", callers: 1, limit: 1000, holdMs: 0, total: n },

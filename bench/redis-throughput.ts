@@ -135,7 +135,7 @@ async function byCallers(
 ): Promise<void> {
   const c = await clients(await args.redisUrl());
   const s = seconds(args);
-  const count = args.rounds ?? (args.quick ? 2 : 5);
+  const count = args.rounds ?? (args.quick ? 1 : 5);
   try {
     for (const callers of [1, 64]) await body(c, callers, s, count);
   } finally {

@@ -105,7 +105,7 @@ export const waiters: Benchmark = {
   async run(args: BenchArgs) {
     const depths = args.quick ? [1, 100, 1_000] : [1, 10, 100, 1_000, 10_000, 100_000];
     const k = args.tasks ?? (args.quick ? 3_000 : 50_000);
-    const count = args.rounds ?? (args.quick ? 3 : 5);
+    const count = args.rounds ?? (args.quick ? 1 : 5);
     const ops = [
       { op: "semaphore: grant head + queue one", run: (d: number) => grantAtDepth("semaphore", d, k) },
       { op: "semaphore: abort one from the middle + queue one", run: (d: number) => abortAtDepth(d, k) },
