@@ -1,5 +1,6 @@
 import { fileURLToPath } from "node:url";
 import { defineConfig } from "vitest/config";
+import SlowFirst from "./test/setup/sequencer.js";
 
 const src = (path: string) => fileURLToPath(new URL(`./src/${path}`, import.meta.url));
 
@@ -19,6 +20,7 @@ export default defineConfig({
   },
   test: {
     globalSetup: ["test/setup/global.ts"],
+    sequence: { sequencer: SlowFirst },
     testTimeout: 20_000,
     projects: [
       {
