@@ -194,10 +194,10 @@ class FusedGate implements FusedAdmission {
     // The latest try whose steps Redis keeps while the call waits (a release may admit them).
     let held: Held | undefined;
     // Asking because the gate's channel was heard again, or just began to be (a wake-up may have
-    // been lost), not by its own schedule: how long such tries have failed for. Redis away again then fails nothing, as
-    // it would not have at the call's own try: it asks again shortly, for up to a poll, and then
-    // fails closed as that try would have. (Each failed try's steps give back what they may have
-    // taken, as they do when the call fails closed.)
+    // been lost), not by its own schedule: how long such tries have failed for. Redis away again
+    // then fails nothing, as it would not have at the call's own try: it asks again shortly, for
+    // up to a poll, and then fails closed as that try would have. (Each failed try's steps give
+    // back what they may have taken, as they do when the call fails closed.)
     let softMs: number | undefined;
     try {
       for (;;) {

@@ -566,9 +566,9 @@ export abstract class RedisPermitStage extends BaseStage {
    * Ask Redis for `w`'s permits; on refusal, sleep until woken, the nearest expiry, or the poll.
    * `softMs`, for an ask the waiter did not need by its own schedule (its process heard again after
    * its pub/sub connection was lost, see `#askAgain`, or just began to listen), is how long such
-   * asks have failed for:
-   * Redis away again then fails nothing, as it would not have at the waiter's own ask; it asks
-   * again shortly, for up to a poll, and then fails closed as that ask would have.
+   * asks have failed for: Redis away again then fails nothing, as it would not have at the
+   * waiter's own ask; it asks again shortly, for up to a poll, and then fails closed as that ask
+   * would have.
    */
   #attempt(w: RedisWaiter, softMs?: number): void {
     if (w.busy) {

@@ -200,6 +200,35 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
     await Promise.all(proxies.splice(0).map((p) => p.stop()));
   });
 
+  /** Wait until `what` has published a backend error (a script call failed: Redis away). */
+  async function failedAsk(what: () => Promise<unknown>, message: string): Promise<void> {
+    const failed: unknown[] = [];
+    const onFailed = (error: unknown) => failed.push(error);
+    diagnostics_channel.subscribe("floodgate:backend-error", onFailed);
+    try {
+      await what();
+      await until(() => failed.length > 0, { timeoutMs: 5_000, message });
+    } finally {
+      diagnostics_channel.unsubscribe("floodgate:backend-error", onFailed);
+    }
+  }
+
+  /**
+   * Once a waiter's next ask is held in its proxy's black hole (`message` should it never come),
+   * Redis away: that ask fails, and the waiter still waits.
+   */
+  async function heldAskFails(
+    w: { proxy: RedisProxy; state: { settled: boolean } },
+    message: string,
+  ): Promise<void> {
+    await until(() => w.proxy.heldBytes > 0, { timeoutMs: 5_000, message });
+    await failedAsk(async () => {
+      w.proxy.refuse();
+      w.proxy.cut();
+    }, "the waiter's ask did not fail");
+    expect(w.state.settled, "the waiter, its ask failed, still waiting").toBe(false);
+  }
+
   for (const shape of ["semaphore", "fused gate", "class bucket"] as const) {
     const kind = `a ${shape}'s`;
 
@@ -258,19 +287,6 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
     async function inLineBehindProxy(pollMs: number, commandTimeoutMs: number) {
       const w = await behindProxy(pollMs, commandTimeoutMs);
       return { ...w, listening: await waitingIn(w.admin, w.name, w.line) };
-    }
-
-    /** Wait until `what` has published a backend error (a script call failed: Redis away). */
-    async function failedAsk(what: () => Promise<unknown>, message: string): Promise<void> {
-      const failed: unknown[] = [];
-      const onFailed = (error: unknown) => failed.push(error);
-      diagnostics_channel.subscribe("floodgate:backend-error", onFailed);
-      try {
-        await what();
-        await until(() => failed.length > 0, { timeoutMs: 5_000, message });
-      } finally {
-        diagnostics_channel.unsubscribe("floodgate:backend-error", onFailed);
-      }
     }
 
     /** As `inLineBehindProxy`, then: its commands' connection away; its pub/sub connection cut and back. */
@@ -334,15 +350,7 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
       // The held ask reaches Redis and its answer comes back; the ask after it falls into the
       // silence, and the connection is reset: Redis away.
       await w.proxy.healForOneReply();
-      await until(() => w.proxy.heldBytes > 0, {
-        timeoutMs: 5_000,
-        message: "the waiter did not ask again once its ask was answered",
-      });
-      await failedAsk(async () => {
-        w.proxy.refuse();
-        w.proxy.cut();
-      }, "the waiter's ask did not fail");
-      expect(w.state.settled, "the waiter, its ask failed, still waiting").toBe(false);
+      await heldAskFails(w, "the waiter did not ask again once its ask was answered");
       await w.free();
       await w.proxy.heal();
       const ticket = await within(w.next, 10_000, "the waiter's admission");
@@ -370,15 +378,7 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
       // Its commands held; subscribed, it asks once more, and that ask fails: Redis away.
       w.proxy.blackHole();
       pubsub.release();
-      await until(() => w.proxy.heldBytes > 0, {
-        timeoutMs: 5_000,
-        message: "the waiter did not ask once more once it listened",
-      });
-      await failedAsk(async () => {
-        w.proxy.refuse();
-        w.proxy.cut();
-      }, "the waiter's ask did not fail");
-      expect(w.state.settled, "the waiter, its ask failed, still waiting").toBe(false);
+      await heldAskFails(w, "the waiter did not ask once more once it listened");
       await w.proxy.heal();
       await w.free();
       const ticket = await within(w.next, 10_000, "the waiter's admission");
