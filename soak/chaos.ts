@@ -9,7 +9,7 @@
  * an AIMD limiter, an interval gate), decided in one script call per admission and per release.
  * test/faults/chaos.test.ts runs a short form and asserts the bounds below.
  *
- *   npm run chaos -- --seconds 60     (seconds per phase; the test takes CHAOS_SECONDS, default 4)
+ *   npm run chaos -- --seconds 60     (seconds per phase; the test takes CHAOS_SECONDS, default 3)
  *   more flags: --workers --callers --limit --lease-ms --poll-ms --kill-every-ms, --phase <name>…,
  *   --classes, --gate
  *   (npm run chaos -- --help lists them with their defaults)
