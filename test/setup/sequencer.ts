@@ -1,10 +1,10 @@
 import { BaseSequencer, type TestSpecification } from "vitest/node";
 
 /**
- * The files of the side-by-side suite that take longest (each 20–45 s on a 2-core machine), in
- * that order. Without a record of earlier runs (a clean clone, as CI has) vitest starts the
- * largest files first; several of these are small, and one started last held the whole run up
- * for its length while the other workers had nothing left to do.
+ * The files of the side-by-side suite that take longest (each about 15–45 s on a 2-core
+ * machine), in that order. Without a record of earlier runs (a clean clone, as CI has) vitest
+ * starts the largest files first; several of these are small, and one started last held the
+ * whole run up for its length while the other workers had nothing left to do.
  */
 const SLOW = [
   "test/contract/races.test.ts",
