@@ -27,10 +27,13 @@ export default class SlowFirst extends BaseSequencer {
       const at = SLOW.findIndex((path) => file.moduleId.endsWith(path));
       return at < 0 ? SLOW.length : at;
     };
-    // (Stable: projects keep their order, and the rest of each keeps vitest's.)
+    // (Stable: vitest's order keeps each project's files together, in the projects' order, and
+    // the rest of each keeps it too.)
     const order = new Map(sorted.map((file, i) => [file, i]));
-    const projectOf = (file: TestSpecification) =>
-      order.get(sorted.find((f) => f.project === file.project)!)!;
+    const projectAt = new Map<unknown, number>();
+    for (const [i, file] of sorted.entries())
+      if (!projectAt.has(file.project)) projectAt.set(file.project, i);
+    const projectOf = (file: TestSpecification) => projectAt.get(file.project)!;
     return [...sorted].sort(
       (a, b) => projectOf(a) - projectOf(b) || rank(a) - rank(b) || order.get(a)! - order.get(b)!,
     );
