@@ -144,12 +144,14 @@ local function floodgate_save_bucket(key, s, capacity, refillPerSecond, recovery
 end
 
 -- A lease or waiter member is "<id>:<cost>": its cost travels with it, so no side table. (A
--- one-digit cost, as most are, is read without a pattern.)
+-- one-digit cost, as most are, is read without a pattern; so is a member with no cost, as a fused
+-- gate's caller of cost 1 is: a plain find of ':' costs half the pattern that would find none.)
 local function floodgate_cost(member)
   if string.byte(member, -2) == 58 then
     local digit = string.byte(member, -1) - 48
     if digit >= 0 and digit <= 9 then return digit end
   end
+  if not string.find(member, ':', 1, true) then return 1 end
   return tonumber(string.match(member, ':(%d+)$')) or 1
 end
 

@@ -147,6 +147,26 @@ describe("Lua scripts against their TypeScript twins", () => {
     );
   });
 
+  it("floodgate_cost reads a member's cost as its last ':' and digits say, else 1", async () => {
+    // Members as the stages make them (permit-stage.ts, bucket-classes.ts), a fused gate's with
+    // no cost, and odd ones a hostile caller could not make but the rule still answers.
+    const random = seeded(11);
+    const members = ["5d4a88618eaa6116-6", "a", "", ":", "a:", "a:b", "a:b:3", "a:07", "a:1:", "~2:15"];
+    for (let i = 0; i < 300; i++) {
+      const token = Math.floor(random() * 2 ** 48).toString(16);
+      const cost = [0, 1, 7, 9, 10, 99, 123_456][int(random, 0, 6)]!;
+      const cls = int(random, -1, 3);
+      members.push(cls < 0 ? `${token}-${i}:${cost}` : `${token}-${i}~${cls}:${cost}`);
+    }
+    const body = `
+      local out = {}
+      for i, m in ipairs(cjson.decode(ARGV[1])) do out[i] = floodgate_cost(m) end
+      return out`;
+    const reply = (await client.eval(withPrelude(body), 0, JSON.stringify(members))) as number[];
+    const expected = members.map((m) => Number(/:(\d+)$/.exec(m)?.[1] ?? 1));
+    expect(reply).toEqual(expected);
+  });
+
   describe("token-bucket-settle, -refund and -penalize, with -take for the grants", () => {
     const configs: (BucketConfig & { initial: number; seed: number })[] = [
       { capacity: 10, refillPerSecond: 3.7, recoveryMs: 5000, initial: 6, seed: 11 },
