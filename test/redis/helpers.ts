@@ -292,6 +292,18 @@ export async function evalCallsReach(client: Redis, n: number, what: string): Pr
 }
 
 /**
+ * Whether `client`'s server guards pub/sub channels by ACL (Redis 6.2 and later): an ACL user
+ * there needs `&*` to subscribe at all (7.0 denies channels by default), and Redis 6.0 refuses
+ * the rule as unknown.
+ */
+export async function aclGuardsChannels(client: Redis): Promise<boolean> {
+  const info = await client.info("server");
+  const version = /^redis_version:(\d+)\.(\d+)\./m.exec(info);
+  if (!version) throw new Error(`no redis_version in INFO server: ${info.slice(0, 200)}`);
+  return Number(version[1]) * 100 + Number(version[2]) >= 602;
+}
+
+/**
  * Whether `client`'s server gives scripts its version (`redis.REDIS_VERSION_NUM`, Redis 7.0 and
  * later): a gate's script decides a turn of alike admissions in its first pass, and puts a turn's
  * leases into a permit stage with one command, only where it can tell the server has `ZMSCORE`.

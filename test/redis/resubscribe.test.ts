@@ -5,7 +5,15 @@ import type { Redis } from "ioredis";
 import { afterEach, describe, expect, it } from "vitest";
 import { RedisProxy } from "../faults/proxy.js";
 import { ownRedis, useClients } from "./clients.js";
-import { closeClient, connectedClient, randomPrefix, rejectionOf, until, within } from "./helpers.js";
+import {
+  aclGuardsChannels,
+  closeClient,
+  connectedClient,
+  randomPrefix,
+  rejectionOf,
+  until,
+  within,
+} from "./helpers.js";
 
 /** This file changes an ACL user's rights and cuts connections (CLIENT KILL ID): on a server of its own. */
 const redisUrl = ownRedis();
@@ -95,7 +103,8 @@ describe("a semaphore's waiters across a lost pub/sub connection", () => {
     const user = `fg-${prefix.split(":")[2]}`;
     const name = `${user}-waiting`;
     const admin = await connect();
-    await admin.call("ACL", "SETUSER", user, "on", ">pw", "~*", "&*", "+@all");
+    const channels = (await aclGuardsChannels(admin)) ? ["&*"] : [];
+    await admin.call("ACL", "SETUSER", user, "on", ">pw", "~*", ...channels, "+@all");
     try {
       const holding = redis(await connect(), { prefix, pollMs: 60_000 });
       const client = await connect({
