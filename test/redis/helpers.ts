@@ -297,10 +297,16 @@ export async function evalCallsReach(client: Redis, n: number, what: string): Pr
  * the rule as unknown.
  */
 export async function aclGuardsChannels(client: Redis): Promise<boolean> {
+  const [major, minor] = await serverVersion(client);
+  return major * 100 + minor >= 602;
+}
+
+/** `client`'s server's version as `INFO server` gives it (`redis_version`): major and minor. */
+async function serverVersion(client: Redis): Promise<[number, number]> {
   const info = await client.info("server");
   const version = /^redis_version:(\d+)\.(\d+)\./m.exec(info);
   if (!version) throw new Error(`no redis_version in INFO server: ${info.slice(0, 200)}`);
-  return Number(version[1]) * 100 + Number(version[2]) >= 602;
+  return [Number(version[1]), Number(version[2])];
 }
 
 /**
@@ -309,8 +315,6 @@ export async function aclGuardsChannels(client: Redis): Promise<boolean> {
  * leases into a permit stage with one command, only where it can tell the server has `ZMSCORE`.
  */
 export async function scriptsKnowVersion(client: Redis): Promise<boolean> {
-  const info = await client.info("server");
-  const major = Number(/^redis_version:(\d+)\./m.exec(info)?.[1]);
-  if (!Number.isInteger(major)) throw new Error(`no redis_version in INFO server: ${info.slice(0, 200)}`);
+  const [major] = await serverVersion(client);
   return major >= 7;
 }

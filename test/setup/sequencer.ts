@@ -23,19 +23,19 @@ const SLOW = [
 export default class SlowFirst extends BaseSequencer {
   override async sort(files: TestSpecification[]): Promise<TestSpecification[]> {
     const sorted = await super.sort(files);
-    const rank = (file: TestSpecification) => {
-      const at = SLOW.findIndex((path) => file.moduleId.endsWith(path));
-      return at < 0 ? SLOW.length : at;
-    };
-    // (Stable: vitest's order keeps each project's files together, in the projects' order, and
-    // the rest of each keeps it too.)
-    const order = new Map(sorted.map((file, i) => [file, i]));
+    // Each file's place, found once: its project's first place in vitest's order (which keeps
+    // each project's files together, in the projects' order), its place in SLOW (the rest after
+    // them), and its own place in vitest's order, which the rest of each project keeps.
     const projectAt = new Map<unknown, number>();
-    for (const [i, file] of sorted.entries())
+    const key = new Map<TestSpecification, [number, number, number]>();
+    for (const [i, file] of sorted.entries()) {
       if (!projectAt.has(file.project)) projectAt.set(file.project, i);
-    const projectOf = (file: TestSpecification) => projectAt.get(file.project)!;
-    return [...sorted].sort(
-      (a, b) => projectOf(a) - projectOf(b) || rank(a) - rank(b) || order.get(a)! - order.get(b)!,
-    );
+      const slow = SLOW.findIndex((path) => file.moduleId.endsWith(path));
+      key.set(file, [projectAt.get(file.project)!, slow < 0 ? SLOW.length : slow, i]);
+    }
+    return [...sorted].sort((a, b) => {
+      const [x, y] = [key.get(a)!, key.get(b)!];
+      return x[0] - y[0] || x[1] - y[1] || x[2] - y[2];
+    });
   }
 }
