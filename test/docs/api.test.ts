@@ -8,6 +8,8 @@ import { expect, it } from "vitest";
 /**
  * The API reference builds from the TSDoc with typedoc.json (entry points, treatWarningsAsErrors)
  * and with no warning at all: a broken {@link}, a type referenced but not documented, a bad tag.
+ * TypeScript's own errors are not looked for again here (`--skipErrorChecking`: 9 s against 27 s
+ * for the build): `npm run typecheck` checks every file (CI runs it before the suite).
  */
 
 const root = fileURLToPath(new URL("../../", import.meta.url));
@@ -19,7 +21,7 @@ it("builds the API reference with no warning", async () => {
     const result = await new Promise<{ code: number; output: string }>((resolve, reject) => {
       execFile(
         process.execPath,
-        [typedoc, "--out", out, "--logLevel", "Info"],
+        [typedoc, "--out", out, "--logLevel", "Info", "--skipErrorChecking"],
         { cwd: root, env: { ...process.env, NO_COLOR: "1", FORCE_COLOR: "0" }, maxBuffer: 16 << 20 },
         (error, stdout, stderr) => {
           const code = error ? (typeof error.code === "number" ? error.code : -1) : 0;
