@@ -3,7 +3,7 @@
  * second (acquire + release) from one process at 1 and 64 callers, and the handoff from a release
  * here to the grant in another process at limit 1 (p50 and p99), each library against its peers.
  */
-import { fork } from "node:child_process";
+
 import { once } from "node:events";
 import { type RedisBackend, type RedisClient, redis } from "floodgate/redis";
 import { Redis } from "ioredis";
@@ -26,6 +26,7 @@ import {
   table,
 } from "./lib.js";
 import { closedLoop, freshPrefix } from "./redis-clients.js";
+import { forkScript } from "./worker.js";
 
 /** A connected client of one library, configured as docs/redis.md asks, and how to close it. */
 export interface Opened {
@@ -82,8 +83,7 @@ export const clientLibraries: Benchmark = {
       opened.set(name, o);
       backends.set(name, redis(o.client, { prefix }));
     }
-    const child = fork(new URL("./client-libraries-child.ts", import.meta.url).pathname, [url, prefix], {
-      execArgv: ["--import", "tsx"],
+    const child = forkScript(new URL("./client-libraries-child.ts", import.meta.url), [url, prefix], {
       stdio: ["ignore", "inherit", "inherit", "ipc"],
     });
     const next = inbox(child, "client-libraries child");

@@ -6,7 +6,7 @@
  * sharing its semaphore (told on the semaphore's channel, then one grant call), against
  * redis-semaphore with its default 10 ms poll, and a BLPOP wake-up (LPUSH here) as the floor.
  */
-import { type ChildProcess, fork } from "node:child_process";
+import type { ChildProcess } from "node:child_process";
 import { once } from "node:events";
 import { Gate } from "floodgate";
 import { type RedisBackend, redis } from "floodgate/redis";
@@ -26,6 +26,7 @@ import {
   verdict,
 } from "./lib.js";
 import { connect, freshPrefix } from "./redis-clients.js";
+import { forkScript } from "./worker.js";
 
 export const nowMs = () => Number(process.hrtime.bigint()) / 1e6;
 
@@ -88,8 +89,7 @@ export const handoff: Benchmark = {
     const count = args.rounds ?? (args.quick ? 1 : 5);
     const h = args.handoffs ?? (args.quick ? 20 : 200);
     const prefix = freshPrefix("handoff");
-    const child = fork(new URL("./handoff-child.ts", import.meta.url).pathname, [url, prefix], {
-      execArgv: ["--import", "tsx"],
+    const child = forkScript(new URL("./handoff-child.ts", import.meta.url), [url, prefix], {
       stdio: ["ignore", "inherit", "inherit", "ipc"],
     });
     const next = inbox(child);

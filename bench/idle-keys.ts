@@ -4,9 +4,10 @@
  * them. Runs in a child process with `--expose-gc`, so collections are forced and the heap holds
  * nothing of the other benchmarks.
  */
-import { fork } from "node:child_process";
+
 import { once } from "node:events";
 import { type BenchArgs, type Benchmark, median, si, spread, table, verdict } from "./lib.js";
+import { forkScript } from "./worker.js";
 
 interface Stats {
   stage: string;
@@ -25,14 +26,10 @@ export const idleKeys: Benchmark = {
   async run(args: BenchArgs) {
     const n = args.keys ?? (args.quick ? 100_000 : 1_000_000);
     const count = args.rounds ?? (args.quick ? 1 : 5);
-    const child = fork(
-      new URL("./idle-keys-child.ts", import.meta.url).pathname,
-      [String(n), String(count)],
-      {
-        execArgv: ["--expose-gc", "--import", "tsx"],
-        stdio: ["ignore", "pipe", "inherit", "ipc"],
-      },
-    );
+    const child = forkScript(new URL("./idle-keys-child.ts", import.meta.url), [String(n), String(count)], {
+      execArgv: ["--expose-gc"],
+      stdio: ["ignore", "pipe", "inherit", "ipc"],
+    });
     let out = "";
     child.stdout!.setEncoding("utf8").on("data", (chunk: string) => {
       out += chunk;

@@ -5,12 +5,13 @@
  * `redis-gate` fused and taken one stage after another, at 1 and 64 callers: what fusing saves a
  * call when each round trip is dear (#14's reason for being).
  */
-import { fork } from "node:child_process";
+
 import { once } from "node:events";
 import type { Redis } from "ioredis";
 import { type BenchArgs, type Benchmark, median, ms, rounds } from "./lib.js";
 import { connect } from "./redis-clients.js";
 import { GATES, gateRun, report, type Timed, timed } from "./redis-throughput.js";
+import { forkScript } from "./worker.js";
 
 /** The delay each way, ms: a round trip about twice this (Node's timers, 1 ms apart at best). */
 const DELAY_MS = 1;
@@ -24,8 +25,7 @@ export const redisAway: Benchmark = {
   redis: true,
   async run(args: BenchArgs) {
     const url = await args.redisUrl();
-    const proxy = fork(new URL("./delay-proxy.ts", import.meta.url).pathname, [url, String(DELAY_MS)], {
-      execArgv: ["--import", "tsx"],
+    const proxy = forkScript(new URL("./delay-proxy.ts", import.meta.url), [url, String(DELAY_MS)], {
       stdio: ["ignore", "inherit", "inherit", "ipc"],
     });
     const clients: Redis[] = [];
