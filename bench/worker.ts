@@ -1,54 +1,15 @@
 /** A worker process of a benchmark, spoken to over IPC: its replies in order, and its stop. */
 import { type ChildProcess, type ForkOptions, fork } from "node:child_process";
 import { once } from "node:events";
-import { mkdirSync, rmSync } from "node:fs";
-import { basename } from "node:path";
 import { fileURLToPath } from "node:url";
-import { buildSync } from "esbuild";
-
-const ROOT = fileURLToPath(new URL("..", import.meta.url));
-
-/** Each worker script bundled once per run, by its path: the file that runs it. */
-const bundled = new Map<string, string>();
+import { bundleEntry } from "../test/setup/bundle.js";
 
 /**
- * `script` (TypeScript) as one JavaScript file with the library in it (its sources, or with
- * `--built` the built package), packages left to Node: a process starts from it in about half
- * the CPU it takes through tsx's loader, which resolves and compiles every module it imports
- * (1.2–1.5 s a process against 0.6–0.7 s here, and a fleet starts twelve).
+ * Fork the TypeScript `script` with `args`, as `fork` does, from one bundled file (see
+ * `bundleEntry`): with `--built`, the build's tsconfig leaves "floodgate" to Node, the package.
  */
-function bundle(script: URL): string {
-  const path = fileURLToPath(script);
-  let out = bundled.get(path);
-  if (out === undefined) {
-    // (Two levels below the project, as dist/redis/ is: the library finds lua/ at ../../lua.)
-    const dir = `${ROOT}.cache/bench-${process.pid}`;
-    if (bundled.size === 0) {
-      mkdirSync(dir, { recursive: true });
-      process.once("exit", () => rmSync(dir, { recursive: true, force: true }));
-    }
-    out = `${dir}/${basename(path, ".ts")}.mjs`;
-    buildSync({
-      entryPoints: [path],
-      outfile: out,
-      bundle: true,
-      platform: "node",
-      format: "esm",
-      target: "node20",
-      packages: "external",
-      sourcemap: "inline",
-      // The build's tsconfig maps no paths: "floodgate" is then the package itself (dist/).
-      tsconfig: process.env.TSX_TSCONFIG_PATH ?? `${ROOT}tsconfig.json`,
-      logLevel: "warning",
-    });
-    bundled.set(path, out);
-  }
-  return out;
-}
-
-/** Fork the TypeScript `script` (bundled: see `bundle`) with `args`, as `fork` does. */
 export function forkScript(script: URL, args: readonly string[], options: ForkOptions): ChildProcess {
-  return fork(bundle(script), args, {
+  return fork(bundleEntry(fileURLToPath(script), process.env.TSX_TSCONFIG_PATH), args, {
     ...options,
     execArgv: ["--enable-source-maps", ...(options.execArgv ?? [])],
   });

@@ -4,6 +4,7 @@ import { once } from "node:events";
 import { fileURLToPath } from "node:url";
 import type { Clock, ClockTimer } from "floodgate";
 import { Redis, type RedisOptions } from "ioredis";
+import { bundleEntry } from "../setup/bundle.js";
 
 /** The repository root: children run from here so tsx finds tsconfig.json and its `paths`. */
 export const ROOT = fileURLToPath(new URL("../../", import.meta.url));
@@ -149,8 +150,9 @@ export class StallableClock implements Clock {
 }
 
 /**
- * A child process running one of `test/redis/fixtures/*.ts` under tsx, talking in JSON lines:
- * the test writes commands to its stdin and reads events from its stdout.
+ * A child process running one of `test/redis/fixtures/*.ts` (bundled with the library's sources:
+ * see `bundleEntry`), talking in JSON lines: the test writes commands to its stdin and reads
+ * events from its stdout.
  */
 export class Child {
   readonly process: ChildProcess;
@@ -160,7 +162,8 @@ export class Child {
   #listeners = new Set<() => void>();
 
   constructor(fixture: string, env: Record<string, string>) {
-    this.process = spawn(process.execPath, ["--import", "tsx", `test/redis/fixtures/${fixture}`], {
+    const entry = bundleEntry(`test/redis/fixtures/${fixture}`);
+    this.process = spawn(process.execPath, ["--enable-source-maps", entry], {
       cwd: ROOT,
       env: { ...process.env, ...env },
       stdio: ["pipe", "pipe", "pipe"],
