@@ -39,6 +39,8 @@ export interface RunMessage {
 
 export interface RunReport {
   kind: "done";
+  /** Requests the callers sent the provider in the run, however they ended. */
+  sent: number;
   ok: number;
   r429: number;
   errors: number;
@@ -189,6 +191,7 @@ function admission(m: RunMessage): {
 async function run(m: RunMessage): Promise<RunReport> {
   const report: RunReport = {
     kind: "done",
+    sent: 0,
     ok: 0,
     r429: 0,
     errors: 0,
@@ -238,6 +241,7 @@ async function run(m: RunMessage): Promise<RunReport> {
       }
       let status = 0;
       try {
+        report.sent++;
         const res = await request(`${m.providerUrl}/work`, { dispatcher: agent });
         await res.body.dump();
         status = res.statusCode;
