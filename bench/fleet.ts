@@ -349,6 +349,13 @@ export const fleet: Benchmark = {
             const starved = Math.max(...s.map((x) => x.starved));
             const fewest = Math.min(...s.map((x) => x.fewest));
             const outside = s.reduce((n, x) => n + x.outside, 0);
+            const errors = s.reduce((n, x) => n + x.errors, 0);
+            if (errors !== 0) {
+              notes.push(
+                `${name}: ${errors} requests failed at the callers in its runs (each caller's permit went back ` +
+                  "while the provider may still have been serving it): its peak and 429s can count them.",
+              );
+            }
             if (outside !== 0) {
               notes.push(
                 `${name}: the provider got ${outside} requests beyond those the fleet's callers sent in ` +
