@@ -3,7 +3,6 @@
  * second (acquire + release) from one process at 1 and 64 callers, and the handoff from a release
  * here to the grant in another process at limit 1 (p50 and p99), each library against its peers.
  */
-
 import { once } from "node:events";
 import { type RedisBackend, type RedisClient, redis } from "floodgate/redis";
 import { Redis } from "ioredis";

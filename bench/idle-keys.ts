@@ -4,7 +4,6 @@
  * them. Runs in a child process with `--expose-gc`, so collections are forced and the heap holds
  * nothing of the other benchmarks.
  */
-
 import { once } from "node:events";
 import { type BenchArgs, type Benchmark, median, si, spread, table, verdict } from "./lib.js";
 import { forkScript } from "./worker.js";

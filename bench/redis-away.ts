@@ -5,7 +5,6 @@
  * `redis-gate` fused and taken one stage after another, at 1 and 64 callers: what fusing saves a
  * call when each round trip is dear (#14's reason for being).
  */
-
 import { once } from "node:events";
 import type { Redis } from "ioredis";
 import { type BenchArgs, type Benchmark, median, ms, rounds } from "./lib.js";
