@@ -6,7 +6,7 @@
  * module a process imports, the packages' too); from one bundled file 0.6–0.7 s. Suites that
  * fork a fleet of processes (the chaos run forks about thirty a fleet) start them so.
  */
-import { createHash } from "node:crypto";
+import { createHash, randomBytes } from "node:crypto";
 import { existsSync, mkdirSync, readdirSync, renameSync, rmSync, statSync, writeFileSync } from "node:fs";
 import { basename } from "node:path";
 import { fileURLToPath } from "node:url";
@@ -21,7 +21,7 @@ const ROOT = fileURLToPath(new URL("../../", import.meta.url));
  */
 const DIR = `${ROOT}.cache/entries`;
 
-/** Bundles older than this are removed when a process first bundles (a day: no run lasts that long). */
+/** Bundles older than this go at the start of a test run (`pruneEntries`): a day. */
 const STALE_MS = 24 * 60 * 60 * 1000;
 
 /** Each entry bundled once in this process, by its path and tsconfig: the file that runs it. */
@@ -37,10 +37,7 @@ export function bundleEntry(path: string, tsconfig = `${ROOT}tsconfig.json`): st
   const id = `${entry}|${tsconfig}`;
   let out = bundled.get(id);
   if (out !== undefined) return out;
-  if (bundled.size === 0) {
-    mkdirSync(DIR, { recursive: true });
-    prune();
-  }
+  if (bundled.size === 0) mkdirSync(DIR, { recursive: true });
   const text = buildSync({
     entryPoints: [entry],
     write: false,
@@ -57,7 +54,7 @@ export function bundleEntry(path: string, tsconfig = `${ROOT}tsconfig.json`): st
   out = `${DIR}/${basename(entry, ".ts")}-${hash}.mjs`;
   if (!existsSync(out)) {
     // Written whole under another name, then renamed: a process starting from it never reads half.
-    const tmp = `${out}.${process.pid}.tmp`;
+    const tmp = `${out}.${process.pid}-${randomBytes(4).toString("hex")}.tmp`;
     writeFileSync(tmp, text);
     renameSync(tmp, out);
   }
@@ -65,8 +62,13 @@ export function bundleEntry(path: string, tsconfig = `${ROOT}tsconfig.json`): st
   return out;
 }
 
-/** Remove bundles (and unfinished writes) older than STALE_MS. */
-function prune(): void {
+/**
+ * Remove bundles (and unfinished writes) older than STALE_MS: called where no other process of
+ * the run can be using one yet (the test run's global setup), so none is removed under a process
+ * about to start from it.
+ */
+export function pruneEntries(): void {
+  if (!existsSync(DIR)) return;
   const now = Date.now();
   for (const name of readdirSync(DIR)) {
     const file = `${DIR}/${name}`;

@@ -1,4 +1,5 @@
 import type { TestProject } from "vitest/node";
+import { pruneEntries } from "./bundle.js";
 import {
   CLUSTER_INSTALL_HINT,
   freePort,
@@ -55,6 +56,8 @@ const holder = globalThis as { [SHARED]?: Shared };
 export async function setup(project: TestProject): Promise<void> {
   holder[SHARED] ??= { started: undefined, server: undefined, cluster: undefined, users: 0 };
   const shared = holder[SHARED];
+  // (Before any file runs: no fixture process of this run starts from a bundle yet.)
+  if (shared.users === 0) pruneEntries();
   shared.started ??= startAll(shared);
   shared.users++;
   const provided = await shared.started;
