@@ -6,7 +6,7 @@ import type { Clock, ClockTimer } from "floodgate";
 import { Redis, type RedisOptions } from "ioredis";
 import { bundleEntry } from "../setup/bundle.js";
 
-/** The repository root: children run from here so tsx finds tsconfig.json and its `paths`. */
+/** The repository root: fixture processes run from here. */
 export const ROOT = fileURLToPath(new URL("../../", import.meta.url));
 
 /** A key prefix no other test uses. */
