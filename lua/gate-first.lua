@@ -127,12 +127,14 @@ local function first_join(f, n, names, keyAt, argAt, argsOf, now, turn)
   end
   local ttl = tonumber(ARGV[3])
   local ends = now + ttl
-  -- Numbered in turn: the numbers the rest would give one call after another.
+  -- Numbered in turn: the numbers the rest would give one call after another. (Numbers go as
+  -- text: Redis would write each one out with a far slower format.)
   local last = redis.call('HINCRBY', gmeta, 'seq', turn)
   local places, expiries = {}, {}
+  local endsText = floodgate_num(ends)
   for c = 1, turn do
-    places[2 * c - 1], places[2 * c] = last - turn + c, members[c]
-    expiries[2 * c - 1], expiries[2 * c] = ends, members[c]
+    places[2 * c - 1], places[2 * c] = floodgate_num(last - turn + c), members[c]
+    expiries[2 * c - 1], expiries[2 * c] = endsText, members[c]
   end
   redis.call('ZADD', line, unpack(places))
   redis.call('ZADD', lexp, unpack(expiries))
@@ -670,7 +672,8 @@ do
               local name, key, g = names[i], KEYS[keyAt[i]], argAt[i]
               if name == 'semaphore-acquire' then
                 local p = state[i]
-                local expiry = now + tonumber(f[g + 4])
+                -- (As text once: Redis would write a number out for each lease.)
+                local expiry = floodgate_num(now + tonumber(f[g + 4]))
                 if turn == 1 then
                   if redis.call('ZADD', key, expiry, p.adds[1]) == 0 then
                     p.used = p.used - p.cost

@@ -1225,7 +1225,8 @@ fast = function(list, flat, granting, careful)
         local p = permits[key]
         if batch then
           -- (A repeat's lease is its run's first call's: its expiry is worked out once.)
-          if p.leaseOf ~= a then p.leaseOf, p.expiry = a, now + tonumber(a[4]) end
+          -- (As text: Redis would write a number out for each lease.)
+          if p.leaseOf ~= a then p.leaseOf, p.expiry = a, floodgate_num(now + tonumber(a[4])) end
           local adds, na = p.adds, p.na
           adds[na + 1], adds[na + 2] = p.expiry, own[i]
           p.na = na + 2

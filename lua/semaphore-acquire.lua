@@ -297,11 +297,13 @@ local open = not classes and floodgate_open(meta, ARGV[3], now)
 local next = 1
 if open and lastFence <= open.seq and not redis.call('ZRANGE', queue, 0, 0)[1] then
   local used, limit, seq, epoch = open.used, open.limit, open.seq, open.epoch
+  -- (The leases' expiry as text, once: Redis would write the number out for each.)
+  local expiry = floodgate_num(now + leaseMs)
   while next <= #members and agains[next] ~= '1' do
     local member = members[next]
     local cost = floodgate_cost(member)
     if used + cost > limit then break end
-    if redis.call('ZADD', holders, now + leaseMs, member) == 1 then used = used + cost end
+    if redis.call('ZADD', holders, expiry, member) == 1 then used = used + cost end
     seq = seq + 1
     replies[next] = {1, seq, used, limit, epoch, 0, 0, now}
     next = next + 1
