@@ -589,7 +589,7 @@ do
             local key, g = KEYS[keyAt[i]], argAt[i]
             if names[i] == 'semaphore-acquire' then
               state[i] = floodgate_open(KEYS[keyAt[i] + 3], f[g + 3], now)
-              if state[i] then state[i].adds = {} end
+              if state[i] then state[i].adds, state[i].na = {}, 0 end
             elseif names[i] == 'token-bucket-take' then
               local s = floodgate_bucket(key, tonumber(f[g + 6]), now)
               if s.updatedAt <= now then state[i] = s end
@@ -620,8 +620,11 @@ do
               if name == 'semaphore-acquire' then
                 local p = state[i]
                 local cost = floodgate_cost(a1)
-                if a3 == '1' or (tonumber(a2) or 0) > p.seq or p.used + cost > p.limit then n = nil break end
-                p.adds[#p.adds + 1] = a1
+                -- (A fence read once for the calls that bring the same.)
+                if a2 ~= p.fenceText then p.fenceText, p.fence = a2, tonumber(a2) or 0 end
+                if a3 == '1' or p.fence > p.seq or p.used + cost > p.limit then n = nil break end
+                p.na = p.na + 1
+                p.adds[p.na] = a1
                 p.used = p.used + cost
                 p.seq = p.seq + 1
                 flat[nf + 1], flat[nf + 2], flat[nf + 3], flat[nf + 4] = p.seq, p.used, p.limit, p.epoch
@@ -636,16 +639,25 @@ do
                 local tokens = s.updatedAt == now and s.tokens
                   or floodgate_tokens_at(s, tonumber(f[g + 2]), tonumber(f[g + 3]), tonumber(f[g + 4]), now)
                 if tokens + 1e-9 < cost then n = nil break end
-                s.tokens = math.max(0, tokens - cost)
+                local left = tokens - cost
+                s.tokens = left > 0 and left or 0
                 s.updatedAt = now
                 s.grant = a2
               else
                 local h = state[i]
                 if h.nextAt and h.nextAt > now then n = nil break end
-                local claimed = floodgate_num(now + tonumber(a1))
+                -- (A call spaced as the one before it at this instant claims what that one did: its
+                -- slot, worked out once.)
+                local claimed, slot
+                if a1 == h.spacing then
+                  claimed, slot = h.previous, h.nextAt
+                else
+                  slot = now + tonumber(a1)
+                  claimed = floodgate_num(slot)
+                end
                 flat[nf + 1], flat[nf + 2] = h.previous, claimed
                 nf = nf + 2
-                h.previous, h.nextAt, h.spacing = claimed, tonumber(claimed), a1
+                h.previous, h.nextAt, h.spacing = claimed, slot, a1
               end
             end
             if not n then break end
