@@ -1,13 +1,11 @@
 import { type ChildProcess, spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
 import { once } from "node:events";
-import { fileURLToPath } from "node:url";
 import type { Clock, ClockTimer } from "floodgate";
 import { Redis, type RedisOptions } from "ioredis";
-import { bundleEntry } from "../setup/bundle.js";
+import { bundleEntry, ROOT } from "../setup/bundle.js";
 
-/** The repository root: fixture processes run from here. */
-export const ROOT = fileURLToPath(new URL("../../", import.meta.url));
+export { ROOT };
 
 /** A key prefix no other test uses. */
 export function randomPrefix(label: string): string {

@@ -8,11 +8,12 @@
  */
 import { createHash, randomBytes } from "node:crypto";
 import { existsSync, mkdirSync, readdirSync, renameSync, rmSync, statSync, writeFileSync } from "node:fs";
-import { basename } from "node:path";
+import { basename, resolve } from "node:path";
 import { fileURLToPath } from "node:url";
 import { buildSync } from "esbuild";
 
-const ROOT = fileURLToPath(new URL("../../", import.meta.url));
+/** The repository root: fixture processes run from here, and relative entries are found from it. */
+export const ROOT = fileURLToPath(new URL("../../", import.meta.url));
 
 /**
  * Where bundles go, each named by its content, so that processes bundling the same entry share
@@ -33,7 +34,7 @@ const bundled = new Map<string, string>();
  * to src/).
  */
 export function bundleEntry(path: string, tsconfig = `${ROOT}tsconfig.json`): string {
-  const entry = path.startsWith("/") ? path : `${ROOT}${path}`;
+  const entry = resolve(ROOT, path);
   const id = `${entry}|${tsconfig}`;
   let out = bundled.get(id);
   if (out !== undefined) return out;
