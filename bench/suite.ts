@@ -15,6 +15,7 @@ import type { BenchArgs, Benchmark } from "./lib.js";
 import { memoryGate } from "./memory-gate.js";
 import { memorySemaphore } from "./memory-semaphore.js";
 import { memoryTokenBucket } from "./memory-token-bucket.js";
+import { oneCaller } from "./one-caller.js";
 import { redisAway } from "./redis-away.js";
 import { redisCommands } from "./redis-commands.js";
 import { benchRedis } from "./redis-server.js";
@@ -34,6 +35,7 @@ export const BENCHMARKS: readonly Benchmark[] = [
   redisSemaphore,
   redisTokenBucket,
   redisGate,
+  oneCaller,
   redisAway,
   scriptCost,
   gateCuts,
