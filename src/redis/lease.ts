@@ -12,6 +12,8 @@ export class LeaseTicket extends BaseTicket {
   controller: AbortController | undefined = undefined;
   /** The renewal its lease waits in while kept alive (see `LeaseKeeper`). @internal */
   renewal: Renewal | undefined = undefined;
+  /** The keeper that renews its lease, its stage's. @internal */
+  keeper: LeaseKeeper | undefined = undefined;
   renewing = false;
   /**
    * When the lease ends at the latest, on this process's clock: the lease's end on the server
@@ -49,13 +51,23 @@ export interface LeaseKeeperSettings {
   lost: (t: LeaseTicket, cause?: unknown) => void;
 }
 
-/** Leases renewed together, on one timer set at `at` (this clock's ms) for `ms` later. */
+/**
+ * Leases renewed together, on one timer set at `at` (this clock's ms) for `ms` later: of any
+ * permit stage on that clock, each renewed by its own stage's keeper.
+ */
 export interface Renewal {
   at: number;
   ms: number;
   leases: Set<LeaseTicket>;
   timer: ClockTimer;
 }
+
+/**
+ * The latest renewal set on each clock, which leases kept within the same ms may join (see
+ * `LeaseKeeper`): the permit stages on one clock share it, so that a fused gate's call, which
+ * holds a lease at each of its permit stages, costs one timer, not one per stage.
+ */
+const openRenewals = new WeakMap<Clock, Renewal>();
 
 /** How much sooner than its own time a lease may be renewed, with others on their timer, ms. */
 const RENEW_TOGETHER_MS = 50;
@@ -67,18 +79,17 @@ const RENEW_TOGETHER_MS = 50;
  * would say. While the stage has waiters, one call every `livenessMs / 3` (unless a wait or a
  * renewal gave one meanwhile) keeps them in line for the whole process.
  *
- * Leases kept in the same ms (a turn's admissions, whose replies came together) and due within
- * RENEW_TOGETHER_MS of one another share one timer, set for the soonest: a turn of 32 admissions
- * costs one setTimeout, and one clearTimeout once the last of them is given back, instead of 32
- * of each (bench/RESULTS.md).
+ * Leases kept in the same ms (a turn's admissions, whose replies came together; a fused gate's
+ * call's leases at its permit stages) and due within RENEW_TOGETHER_MS of one another share one
+ * timer, set for the soonest, whatever permit stage on this clock keeps them: a turn of 32
+ * admissions costs one setTimeout, and one clearTimeout once the last of them is given back,
+ * instead of 32 of each (bench/RESULTS.md).
  */
 export class LeaseKeeper {
   /** When this process last sent a sign of life for the stage (a wait, a renewal, a beat). */
   #signedAt = Number.NEGATIVE_INFINITY;
   #heartbeat: ClockTimer | undefined = undefined;
   readonly #every: number;
-  /** The latest renewal set, which leases kept within the same ms may join (see `#renewIn`). */
-  #open: Renewal | undefined = undefined;
 
   constructor(private readonly s: LeaseKeeperSettings) {
     this.#every = Math.max(1, Math.floor(s.livenessMs / 3));
@@ -98,8 +109,9 @@ export class LeaseKeeper {
     renewal.leases.delete(t);
     // (Its timer goes with its last lease.)
     if (renewal.leases.size === 0) {
-      this.s.clock.clearTimeout(renewal.timer);
-      if (this.#open === renewal) this.#open = undefined;
+      const clock = this.s.clock;
+      clock.clearTimeout(renewal.timer);
+      if (openRenewals.get(clock) === renewal) openRenewals.delete(clock);
     }
   }
 
@@ -128,7 +140,8 @@ export class LeaseKeeper {
    * they run moves no renewal.)
    */
   #renewIn(t: LeaseTicket, ms: number, now = this.s.clock.now()): void {
-    let renewal = this.#open;
+    const clock = this.s.clock;
+    let renewal = openRenewals.get(clock);
     // (Joined, it is renewed no later than its own time: that renewal's timer was set before
     // now, for no longer. A clock stepped back since is taken as a new ms.)
     const since = renewal === undefined ? -1 : now - renewal.at;
@@ -139,22 +152,18 @@ export class LeaseKeeper {
       ms > renewal.ms + RENEW_TOGETHER_MS
     ) {
       const fresh: Renewal = { at: now, ms, leases: new Set(), timer: undefined };
-      fresh.timer = unrefTimer(this.s.clock.setTimeout(() => this.#fire(fresh), ms));
+      fresh.timer = unrefTimer(clock.setTimeout(() => fire(clock, fresh), ms));
       renewal = fresh;
-      this.#open = fresh;
+      openRenewals.set(clock, fresh);
     }
     renewal.leases.add(t);
     t.renewal = renewal;
+    t.keeper = this;
   }
 
-  /** A renewal's time has come: renew each of its leases. */
-  #fire(renewal: Renewal): void {
-    if (this.#open === renewal) this.#open = undefined;
-    for (const t of renewal.leases) {
-      t.renewal = undefined;
-      this.#renew(t);
-    }
-    renewal.leases.clear();
+  /** Renew `t`, one of this keeper's leases whose renewal's time has come (see `fire`). @internal */
+  renewNow(t: LeaseTicket): void {
+    this.#renew(t);
   }
 
   #renew(t: LeaseTicket): void {
@@ -236,4 +245,14 @@ export class LeaseKeeper {
     }
     this.keepAlive(this.#signedAt);
   };
+}
+
+/** A renewal's time has come on `clock`: each of its leases renewed by its own stage's keeper. */
+function fire(clock: Clock, renewal: Renewal): void {
+  if (openRenewals.get(clock) === renewal) openRenewals.delete(clock);
+  for (const t of renewal.leases) {
+    t.renewal = undefined;
+    t.keeper?.renewNow(t);
+  }
+  renewal.leases.clear();
 }

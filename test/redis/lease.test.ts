@@ -1,5 +1,5 @@
 import { isDeepStrictEqual } from "node:util";
-import { isFloodgateError, LeaseLostError } from "floodgate";
+import { Gate, isFloodgateError, LeaseLostError } from "floodgate";
 import { type LeaseTicket, type RedisBackendOptions, redis, stageKey } from "floodgate/redis";
 import { FakeClock } from "floodgate/testing";
 import type { Redis } from "ioredis";
@@ -183,6 +183,35 @@ describe("Redis leases", () => {
     await tickets[2]!.release("success");
     await tickets[3]!.release("success");
     expect(await r.zcard(holders)).toBe(0);
+    expect(clock.pendingTimers).toBe(before);
+  });
+
+  it("renews a fused gate's call's leases at its two permit stages on one timer, each at its stage", async () => {
+    const clock = new FakeClock(50_000);
+    const prefix = randomPrefix("lease-fused");
+    const b = await backend(prefix, { clock, time: "clock" });
+    const sem = b.semaphore("sem", { limit: 2, leaseMs: 1_000 });
+    const aimd = b.aimd("aimd", { initial: 2, min: 1, max: 2, leaseMs: 1_000 });
+    const gate = new Gate([sem, aimd]);
+    expect(gate.fused).toBe(true);
+    const r = await rawClient();
+    const ends = async (stage: string) =>
+      (await r.zrange(stageKey(prefix, stage, "holders"), 0, -1, "WITHSCORES"))
+        .filter((_, i) => i % 2 === 1)
+        .map((end) => Number(end) - 50_000);
+    const before = clock.pendingTimers;
+    const ticket = await gate.admit();
+    expect(clock.pendingTimers - before).toBe(1);
+    // Both renewed at 500 ms, each in its own stage's lease set.
+    await clock.advance(500);
+    await until(async () => (await ends("sem"))[0] === 1_500 && (await ends("aimd"))[0] === 1_500, {
+      timeoutMs: 5_000,
+      message: "both leases renewed at 500 ms",
+    });
+    expect(ticket.signal.aborted).toBe(false);
+    await ticket.release("success");
+    expect(await ends("sem")).toEqual([]);
+    expect(await ends("aimd")).toEqual([]);
     expect(clock.pendingTimers).toBe(before);
   });
 
