@@ -1,12 +1,13 @@
 /**
  * Where one caller's call goes, part by part: `gate.run` of an empty task at one caller, through
  * a gate of the semaphore alone and through the four-stage fused gate #14 counts. Each script
- * call is stamped as it leaves the client (`sendCommand`) and as its reply comes back; Redis's
- * own time for it is read from SLOWLOG. So a call splits into this process's time before its
- * admission is sent, the admission inside Redis, the rest of its round trip (the socket, the
- * kernel, the reply read), this process's time from that reply to the release's sending (the
- * tickets, the task, the release made), the same three for the release, and what is left after
- * its reply. The two gates take turns in blocks, so that the machine's drift falls on both.
+ * call is stamped as it leaves the client (`sendCommand`, before it is written) and as its reply
+ * settles there. So a call splits into this process's time before its admission is sent, the
+ * admission's round trip, this process's time from that reply to the release's sending (the
+ * tickets, the task, the release made), the release's round trip, and what is left after its
+ * reply; Redis's own time for the two script calls, read from INFO commandstats for each block
+ * of calls, splits the round trips into Redis and the rest (the socket, the kernel, the reply
+ * read). The two gates take turns in blocks, so that the machine's drift falls on both.
  */
 import { Gate, type Stage } from "floodgate";
 import { type RedisBackend, redis } from "floodgate/redis";
@@ -40,6 +41,7 @@ interface Contender {
   redis: number[];
 }
 
+/** A contender named `name`: a gate of `stages` on a client of its own, its script calls stamped. */
 async function contender(
   url: string,
   name: string,
