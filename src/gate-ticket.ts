@@ -1,4 +1,5 @@
 import { RESOLVED } from "./base/run.js";
+import type { InvalidOptionsError } from "./errors.js";
 import { HeldTicket } from "./ticket.js";
 import type { Outcome, StageKind, Ticket } from "./types.js";
 
@@ -16,6 +17,11 @@ export interface TicketGate {
   together(fn: () => Promise<void>): Promise<void>;
   /** Release (with `outcome`) or refund the stages' `tickets`, last to first: `together` when fused. */
   settleTogether(tickets: readonly Ticket[], outcome: Outcome | undefined): Promise<void>;
+  /**
+   * The error for a record of `settle` that names something other than a stage of the gate (the
+   * field `actual.<name>`, as `costs` is refused), or undefined when every name is a stage's.
+   */
+  settleNamesError(value: Readonly<Record<string, number>>): InvalidOptionsError | undefined;
 }
 
 /** The tickets a gate holds for one call, released together in reverse order. */
@@ -60,6 +66,10 @@ export class GateTicket extends HeldTicket {
    * `cost` never changes.
    */
   protected override async settleWith(value: number | Readonly<Record<string, number>>): Promise<void> {
+    if (typeof value !== "number") {
+      const error = this.gate.settleNamesError(value);
+      if (error) throw error;
+    }
     await this.gate.together(() => Promise.all(this.held.map((t) => t.settle(value))).then(noop));
   }
 }

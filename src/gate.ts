@@ -341,18 +341,37 @@ export class Gate implements Stage {
     return this.#names.keyed ? "key" : undefined;
   }
 
+  /**
+   * The error for a record (`costs`, or a gate ticket's `settle`) that names something other
+   * than a stage of the gate, naming the field (`<field>.<name>`); undefined when every name is a
+   * stage's.
+   */
+  #unknownStage(
+    field: "costs" | "actual",
+    record: Readonly<Record<string, number>>,
+  ): InvalidOptionsError | undefined {
+    for (const name in record) {
+      if (!this.#names.all.has(name)) {
+        return new InvalidOptionsError(
+          this.name,
+          `${field}.${name}`,
+          `gate "${this.name}": ${field} names "${name}", which is no stage of the gate (its stages: ${[...this.#names.all].join(", ")})`,
+        );
+      }
+    }
+    return undefined;
+  }
+
+  /** A gate ticket's `settle` record checked (see `TicketGate.settleNamesError`). @internal */
+  settleNamesError(value: Readonly<Record<string, number>>): InvalidOptionsError | undefined {
+    return this.#unknownStage("actual", value);
+  }
+
   #options(options: AdmitOptions | undefined, entry: Entry): AdmitOptions {
     const o = admitOptions("gate", this.name, options, entry);
     if (o.costs !== undefined) {
-      for (const name in o.costs) {
-        if (!this.#names.all.has(name)) {
-          throw new InvalidOptionsError(
-            this.name,
-            `costs.${name}`,
-            `gate "${this.name}": costs names "${name}", which is no stage of the gate (its stages: ${[...this.#names.all].join(", ")})`,
-          );
-        }
-      }
+      const unknown = this.#unknownStage("costs", o.costs);
+      if (unknown) throw unknown;
     }
     // A cost no larger than every stage's largest fits them all: only costs above it are looked at.
     if (o.costs !== undefined || (o.cost !== undefined && o.cost > this.#leastMaxCost)) this.#fits(o);

@@ -120,7 +120,9 @@ export interface Ticket extends AsyncDisposable {
    * difference back when it cost less (only while no later call has taken from the key, so the
    * bucket never ends up fuller than if the right cost had been asked). Stages that bound
    * concurrency rather than volume ignore it. On a gate ticket, a number settles every stage and
-   * a record settles stages by name: `ticket.settle({ tpm: usage.total_tokens })`.
+   * a record settles stages by name: `ticket.settle({ tpm: usage.total_tokens })`; a name that is
+   * no stage of the gate rejects with `InvalidOptionsError` naming `actual.<name>`, as `costs`
+   * does, and nothing is settled.
    * `actual` is an integer >= 0 (or a record of them); anything else rejects with
    * `InvalidOptionsError` naming `actual`, on every stage. A semaphore, queue or AIMD ticket
    * keeps its `cost`: its release gives back exactly what it took, whatever was settled. A

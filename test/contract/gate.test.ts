@@ -1,6 +1,6 @@
 import { AsyncLocalStorage } from "node:async_hooks";
 import { getEventListeners } from "node:events";
-import { AdmitTimeoutError, ClosedError, Gate, type Stage } from "floodgate";
+import { AdmitTimeoutError, ClosedError, Gate, InvalidOptionsError, type Stage } from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { beforeEach, describe, expect, it } from "vitest";
 import { warningsDuring } from "../warnings.js";
@@ -206,6 +206,26 @@ describe.each(backends)("Gate on $name", (backend) => {
     expect(await tpm.tryAdmit({ cost: 801 })).toBeUndefined();
     expect(await tpm.tryAdmit({ cost: 800 })).toBeDefined();
     expect(await rpm.tryAdmit({ cost: 9 })).toBeDefined(); // one request, as admitted
+  });
+
+  it("refuses a settle naming no stage of the gate, as costs are refused, and settles nothing", async () => {
+    const b = backend.make(clock);
+    const tpm = b.tokenBucket("tpm", { capacity: 1000, refillPerSecond: 1 });
+    const gate = new Gate([b.semaphore("inflight", { limit: 4 }), tpm], { clock, name: "g" });
+    const ticket = await gate.admit({ costs: { tpm: 800 } });
+    for (const actual of [{ TPM: 200 }, { tpm: 200, nope: 1 }] as Record<string, number>[]) {
+      const error = await ticket.settle(actual).catch((e: unknown) => e);
+      expect(error).toBeInstanceOf(InvalidOptionsError);
+      expect(error).toMatchObject({ field: `actual.${Object.keys(actual).at(-1)}` });
+      expect((error as Error).message).toBe(
+        `gate "g": actual names "${Object.keys(actual).at(-1)}", which is no stage of the gate (its stages: inflight, tpm)`,
+      );
+    }
+    // Nothing was settled: the 800 reserved are still taken.
+    expect(await tpm.tryAdmit({ cost: 201 })).toBeUndefined();
+    await ticket.settle({ tpm: 200 });
+    expect(await tpm.tryAdmit({ cost: 800 })).toBeDefined();
+    await ticket.release("success");
   });
 
   it("nests: a gate is a stage of another gate", async () => {

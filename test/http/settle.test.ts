@@ -209,6 +209,19 @@ describe("wrapFetch settle", () => {
       expect(gate.snapshot().inFlight).toBe(0);
     });
 
+    it("rejects the call when settle names no stage of the gate, releasing the ticket", async () => {
+      const { gate, tpm } = llmGate();
+      server.respond = completion(200);
+      const error = await wrapFetch(gate, undefined, { settle: () => ({ TPM: 200 }) })(server.url, {
+        floodgate: { costs: { tpm: 800 } },
+      }).catch((e) => e);
+      expect(error).toBeInstanceOf(InvalidOptionsError);
+      expect(error).toMatchObject({ field: "actual.TPM" });
+      expect(gate.snapshot().inFlight).toBe(0);
+      // The estimate stands: nothing was settled.
+      expect(tpm.tokens(server.host)).toBe(200);
+    });
+
     it("keeps the estimate and returns the response when the backend cannot settle", async () => {
       const { gate, tpm } = llmGate();
       const failing: FetchGate = {
