@@ -1,6 +1,6 @@
 import { InvalidOptionsError } from "./errors.js";
 import type { AdmitOptions, RunOptions, StageKind } from "./types.js";
-import { got, isArray, unreadable } from "./validate.js";
+import { got, isArray, meant, unreadable } from "./validate.js";
 
 /**
  * Longest wait floodgate deals in, in milliseconds: `Number.MAX_SAFE_INTEGER` (about 285,000
@@ -68,13 +68,6 @@ const ALLOWED: Record<Entry, ReadonlySet<string>> = {
   admit: new Set(["key", "host", "class", "cost", "costs", "signal", "timeoutMs"]),
   tryAdmit: new Set(["key", "host", "class", "cost", "costs"]),
 };
-
-/** The field a misspelt option most likely meant (`timeoutMS` → `timeoutMs`), or undefined. */
-export function meant(field: string, known: Iterable<string>): string | undefined {
-  const low = field.toLowerCase();
-  for (const k of known) if (k.toLowerCase() === low) return k;
-  return undefined;
-}
 
 /** `field` is not one `entry` takes: refuse it, unless it is another entry's and not given. */
 function refuseField(kind: StageKind, name: string, options: object, entry: Entry, field: string): void {

@@ -301,6 +301,73 @@ export function messageOf(error: unknown): string {
   return show(error);
 }
 
+/**
+ * The field a misspelt option most likely meant, or undefined: the one it matches but for case
+ * (`timeoutMS` → `timeoutMs`), else the only one within two letters of it (`limt` → `limit`).
+ */
+export function meant(field: string, known: Iterable<string>): string | undefined {
+  const low = field.toLowerCase();
+  let best: string | undefined;
+  let bestDistance = 3;
+  let tied = false;
+  for (const k of known) {
+    const other = k.toLowerCase();
+    if (other === low) return k;
+    if (low.length < 3) continue;
+    // (Counted up to one past the best so far: a count equal to it is a tie, not a cut-off.)
+    const d = editDistance(low, other, bestDistance + 1);
+    if (d < bestDistance) {
+      best = k;
+      bestDistance = d;
+      tied = false;
+    } else if (d === bestDistance && d < 3) tied = true;
+  }
+  return best !== undefined && !tied ? best : undefined;
+}
+
+/** Letters to add, drop or change to make `a` into `b`, counted up to `most` (then `most`). */
+function editDistance(a: string, b: string, most: number): number {
+  if (Math.abs(a.length - b.length) >= most) return most;
+  let previous = Array.from({ length: b.length + 1 }, (_, j) => j);
+  for (let i = 1; i <= a.length; i++) {
+    const row = [i];
+    let least = i;
+    for (let j = 1; j <= b.length; j++) {
+      const d = Math.min(
+        previous[j]! + 1,
+        row[j - 1]! + 1,
+        previous[j - 1]! + (a[i - 1] === b[j - 1] ? 0 : 1),
+      );
+      row[j] = d;
+      if (d < least) least = d;
+    }
+    if (least >= most) return most;
+    previous = row;
+  }
+  return Math.min(previous[b.length]!, most);
+}
+
+/**
+ * The options an object schema takes at `path` (through optional fields), or undefined where
+ * that is not an object schema.
+ */
+function knownKeys(schema: z.ZodType, path: readonly PropertyKey[]): string[] | undefined {
+  const shapeOf = (s: unknown): Record<string, unknown> | undefined => {
+    let at = s as { shape?: unknown; unwrap?: () => unknown } | undefined;
+    while (at !== undefined && at.shape === undefined && typeof at.unwrap === "function") {
+      at = at.unwrap() as typeof at;
+    }
+    const shape = at?.shape;
+    return typeof shape === "object" && shape !== null ? (shape as Record<string, unknown>) : undefined;
+  };
+  let shape = shapeOf(schema);
+  for (const p of path) {
+    if (shape === undefined || typeof p !== "string" || !Object.hasOwn(shape, p)) return undefined;
+    shape = shapeOf(shape[p]);
+  }
+  return shape === undefined ? undefined : Object.keys(shape);
+}
+
 function valueAt(input: unknown, path: readonly PropertyKey[]): unknown {
   let v = input;
   for (const p of path) v = v == null ? undefined : (v as Record<PropertyKey, unknown>)[p];
@@ -336,7 +403,15 @@ export function parseOptions<S extends z.ZodType>(
   if (issue.code === "unrecognized_keys") {
     const key = issue.keys[0]!;
     const field = [...issue.path, key].join(".");
-    throw new InvalidOptionsError(name, field, `${where}: unknown option "${field}"`);
+    // With the options it takes there, and the one it most likely meant.
+    const known = knownKeys(schema, issue.path);
+    const near = known === undefined ? undefined : meant(key, known);
+    const hint = near === undefined ? "" : ` (did you mean "${[...issue.path, near].join(".")}"?)`;
+    const list =
+      known === undefined
+        ? ""
+        : `; ${issue.path.length > 0 ? issue.path.join(".") : kind} takes ${known.join(", ")}`;
+    throw new InvalidOptionsError(name, field, `${where}: unknown option "${field}"${hint}${list}`);
   }
   const field = issue.path.join(".");
   let value: unknown;

@@ -10,6 +10,7 @@ import {
 } from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { describe, expect, it } from "vitest";
+import { meant } from "../../src/validate.js";
 import { recorder } from "../recorder.js";
 import { thrown } from "../thrown.js";
 
@@ -263,14 +264,59 @@ describe("AIMD limiter", () => {
 
 describe("memory() backend", () => {
   it("names the backend in its own option errors", () => {
-    expect(() => memory({ bogus: 1 } as never)).toThrow(
-      new InvalidOptionsError(undefined, "bogus", 'memory: unknown option "bogus"'),
-    );
+    const message = 'memory: unknown option "bogus"; memory takes clock, logger, random';
+    expect(() => memory({ bogus: 1 } as never)).toThrow(new InvalidOptionsError(undefined, "bogus", message));
     try {
       memory({ bogus: 1 } as never);
     } catch (error) {
-      expect((error as Error).message).toBe('memory: unknown option "bogus"');
+      expect((error as Error).message).toBe(message);
     }
+  });
+
+  it("names the option an unknown one most likely meant, and the options taken there", () => {
+    const b = memory();
+    const cases: [() => unknown, string, string][] = [
+      [
+        () => b.semaphore("a", { limt: 2 } as never),
+        "limt",
+        'semaphore "a": unknown option "limt" (did you mean "limit"?); semaphore takes clock, logger, onBackendError, localShare, limit, leaseMs, classes, defaultClass, reclaim',
+      ],
+      [
+        () => b.tokenBucket("b", { capacity: 1, refillPerSecond: 1, penalty: { factr: 0.5 } } as never),
+        "penalty.factr",
+        'tokenBucket "b": unknown option "penalty.factr" (did you mean "penalty.factor"?); penalty takes factor, recoveryMs, minFactor',
+      ],
+      // Case alone, then two letters at most; nothing close: no guess.
+      [
+        () => new Gate([], { FUSE: false } as never),
+        "FUSE",
+        'gate: unknown option "FUSE" (did you mean "fuse"?)',
+      ],
+      [() => b.aimd("x", { intial: 2, max: 4 } as never), "intial", '(did you mean "initial"?)'],
+      [() => b.queue("q", { maxSize: 1, whenFul: "shed" } as never), "whenFul", '(did you mean "whenFull"?)'],
+      [
+        () => b.semaphore("c", { limit: 1, bogus: 1 } as never),
+        "bogus",
+        'semaphore "c": unknown option "bogus"; semaphore takes',
+      ],
+    ];
+    for (const [build, field, text] of cases) {
+      let error: unknown;
+      try {
+        build();
+      } catch (e) {
+        error = e;
+      }
+      expect(error, field).toBeInstanceOf(InvalidOptionsError);
+      expect(error).toMatchObject({ field });
+      expect((error as Error).message).toContain(text);
+    }
+    // Two options as close as each other: neither is guessed.
+    expect(meant("ab", ["abc", "abd"])).toBeUndefined();
+    expect(meant("abx", ["abc", "abd"])).toBeUndefined();
+    expect(meant("limt", ["limit", "clock", "leaseMs"])).toBe("limit");
+    expect(meant("timeout", ["timeoutMs", "key"])).toBe("timeoutMs");
+    expect(meant("zzzzzz", ["limit", "leaseMs"])).toBeUndefined();
   });
 
   it("names each stage's kind when asked again with other options", () => {
