@@ -266,13 +266,20 @@ const COST_BOUND: Partial<Record<StageKind, string>> = {
 };
 
 /** A cost above what the stage can ever grant is refused at once, never waited on. */
-export function tooCostly(kind: StageKind, name: string, cost: number, most: number, limitedBy?: string) {
+export function tooCostly(
+  kind: StageKind,
+  name: string,
+  cost: number,
+  most: number,
+  limitedBy?: string,
+  field = "cost",
+) {
   const bound = limitedBy ?? COST_BOUND[kind] ?? "the most the stage grants";
   const [option, why] = bound.split("; ");
   return new InvalidOptionsError(
     name,
-    "cost",
-    `${kind} "${name}": cost must be <= ${option} (${most}${why ? `; ${why}` : ""}), ${got(cost)}; it could never be admitted`,
+    field,
+    `${kind} "${name}": ${field} must be <= ${option} (${most}${why ? `; ${why}` : ""}), ${got(cost)}; it could never be admitted`,
   );
 }
 

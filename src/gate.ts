@@ -415,8 +415,13 @@ export class Gate implements Stage {
   #fits(o: AdmitOptions): void {
     for (let i = 0; i < this.#bounded.length; i++) {
       const stage = this.#bounded[i]!;
-      const cost = costAt(stage, o) ?? 1;
-      if (cost > stage.maxCost!) throw tooCostly(stage.kind, stage.name, cost, stage.maxCost!);
+      const named = o.costs?.[stage.name];
+      const cost = named ?? o.cost ?? 1;
+      if (cost > stage.maxCost!) {
+        // (The field the caller set: `costs.<stage>` when the cost was named for the stage.)
+        const field = named === undefined ? "cost" : `costs.${stage.name}`;
+        throw tooCostly(stage.kind, stage.name, cost, stage.maxCost!, undefined, field);
+      }
     }
   }
 

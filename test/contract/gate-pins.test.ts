@@ -441,8 +441,8 @@ describe("Gate pins", () => {
       const gate = new Gate([first.stage, b.semaphore("sem", { limit: 2 })], { clock });
       expectInvalid(
         await rejection(gate.admit({ costs: { sem: 3 } })),
-        "cost",
-        'semaphore "sem": cost must be <= limit (2), got 3 (number); it could never be admitted',
+        "costs.sem",
+        'semaphore "sem": costs.sem must be <= limit (2), got 3 (number); it could never be admitted',
       );
       expect(first.admits).toEqual([]);
     });

@@ -122,8 +122,9 @@ describe.each(backends)("the stage order on $name", (backend) => {
     const error = await gate.run(async () => 1, { costs: { tpm: 1_001 } }).catch((e) => e);
     expect(error).toBeInstanceOf(InvalidOptionsError);
     expect(error.message).toBe(
-      'tokenBucket "tpm": cost must be <= capacity (1000), got 1001 (number); it could never be admitted',
+      'tokenBucket "tpm": costs.tpm must be <= capacity (1000), got 1001 (number); it could never be admitted',
     );
+    expect(error.field).toBe("costs.tpm");
     expect(sem.snapshot()).toMatchObject({ inFlight: 1, waiting: 0 });
     await busy.release("success");
   });
