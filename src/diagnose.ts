@@ -5,7 +5,7 @@
  */
 import { InvalidOptionsError } from "./errors.js";
 import type { FleetSnapshot, FlowSnapshot, Snapshot, Stage } from "./types.js";
-import { checkTargets, got, isArray, messageOf } from "./validate.js";
+import { checkTargets, got, isArray, messageOf, unknownOption } from "./validate.js";
 
 /**
  * What bounds the throughput now:
@@ -139,7 +139,8 @@ function checkOptions(options: unknown): Checked {
   };
   for (const key of Object.keys(options)) {
     if (key !== "backlog" && key !== "rejected" && key !== "full") {
-      throw new InvalidOptionsError(undefined, key, `diagnose: unknown option "${key}"`);
+      const text = unknownOption("", key, ["backlog", "rejected", "full"], "diagnose");
+      throw new InvalidOptionsError(undefined, key, `diagnose: ${text}`);
     }
   }
   const count = (field: "backlog" | "rejected"): number => {

@@ -348,6 +348,17 @@ function editDistance(a: string, b: string, most: number): number {
 }
 
 /**
+ * The text for an unknown option `key` at `path` ("" at the top): the option it most likely
+ * meant, if any, and the options `owner` takes (`known`).
+ */
+export function unknownOption(path: string, key: string, known: readonly string[], owner: string): string {
+  const at = (k: string) => (path === "" ? k : `${path}.${k}`);
+  const near = meant(key, known);
+  const hint = near === undefined ? "" : ` (did you mean "${at(near)}"?)`;
+  return `unknown option "${at(key)}"${hint}; ${owner} takes ${known.join(", ")}`;
+}
+
+/**
  * The options an object schema takes at `path` (through optional fields), or undefined where
  * that is not an object schema.
  */
@@ -402,16 +413,13 @@ export function parseOptions<S extends z.ZodType>(
   const issue = issues.find((i) => i.code === "unrecognized_keys") ?? issues[0]!;
   if (issue.code === "unrecognized_keys") {
     const key = issue.keys[0]!;
-    const field = [...issue.path, key].join(".");
-    // With the options it takes there, and the one it most likely meant.
+    const path = issue.path.join(".");
+    const field = path === "" ? key : `${path}.${key}`;
+    // With the one it most likely meant, and the options taken there.
     const known = knownKeys(schema, issue.path);
-    const near = known === undefined ? undefined : meant(key, known);
-    const hint = near === undefined ? "" : ` (did you mean "${[...issue.path, near].join(".")}"?)`;
-    const list =
-      known === undefined
-        ? ""
-        : `; ${issue.path.length > 0 ? issue.path.join(".") : kind} takes ${known.join(", ")}`;
-    throw new InvalidOptionsError(name, field, `${where}: unknown option "${field}"${hint}${list}`);
+    const text =
+      known === undefined ? `unknown option "${field}"` : unknownOption(path, key, known, path || kind);
+    throw new InvalidOptionsError(name, field, `${where}: ${text}`);
   }
   const field = issue.path.join(".");
   let value: unknown;

@@ -34,6 +34,7 @@ import type {
 
 /** How `wrapFetch` checks what it is given. @internal */
 export const SPEC: WrapperSpec = {
+  name: "wrapFetch",
   fail: failFor("wrapFetch"),
   method: "run",
   options: new Set(["key", "timeoutMs", "maxPauseMs", "now", "clock", "retry", "reserve", "settle"]),

@@ -4,7 +4,7 @@
  */
 import type { Clock } from "../clock.js";
 import { InvalidOptionsError, isFloodgateError } from "../errors.js";
-import { got, isArray, messageOf } from "../validate.js";
+import { got, isArray, messageOf, unknownOption } from "../validate.js";
 import { checkReserve } from "./rate-limit.js";
 import { checkRetry } from "./retry.js";
 
@@ -15,6 +15,8 @@ export type Fail = (field: string, message: string) => never;
 
 /** What differs between the wrappers' checks; the rules themselves are shared. */
 export interface WrapperSpec {
+  /** The wrapper's name, as its messages begin. */
+  readonly name: string;
   /** Throws `InvalidOptionsError` with the message prefixed by the wrapper's name. */
   readonly fail: Fail;
   /** The gate method the wrapper calls besides `pause`. */
@@ -137,7 +139,7 @@ export function checkOptions(spec: WrapperSpec, options: unknown): Record<string
   return readingOptions("options", "options", fail, () => {
     const o: Record<string, unknown> = {};
     for (const k of Object.keys(options)) {
-      if (!spec.options.has(k)) fail(k, `unknown option "${k}"`);
+      if (!spec.options.has(k)) fail(k, unknownOption("", k, [...spec.options], spec.name));
       o[k] = (options as Record<string, unknown>)[k];
     }
     for (const k of spec.options) if (o[k] !== undefined) RULES[k]!(o[k], spec);
@@ -163,7 +165,9 @@ export function checkCall(spec: WrapperSpec, call: unknown): Record<string, unkn
     // A copy: what is checked here is what the gate is given.
     const copy: Record<string, unknown> = {};
     for (const k of Object.keys(call)) {
-      if (!spec.callKeys.has(k)) fail(`floodgate.${k}`, `unknown option "floodgate.${k}"`);
+      if (!spec.callKeys.has(k)) {
+        fail(`floodgate.${k}`, unknownOption("floodgate", k, [...spec.callKeys], `${where}.floodgate`));
+      }
       copy[k] = (call as Record<string, unknown>)[k];
     }
     for (const k of ["key", "host"]) {

@@ -4,7 +4,7 @@
  * traffic. Pure: the wall clock comes in as a number.
  */
 
-import { got } from "../validate.js";
+import { got, unknownOption } from "../validate.js";
 import { headerValues } from "./retry-after.js";
 import type { HeadersLike, RateLimitWindow, RateLimitWindowName, ReserveOptions } from "./types.js";
 
@@ -191,7 +191,9 @@ export function checkReserve(
     fail(field, `${field} must be an object { share } or { remaining }, ${got(value)}`);
   }
   for (const k of Object.keys(value)) {
-    if (k !== "share" && k !== "remaining") fail(`${field}.${k}`, `unknown option "${field}.${k}"`);
+    if (k !== "share" && k !== "remaining") {
+      fail(`${field}.${k}`, unknownOption(field, k, ["share", "remaining"], field));
+    }
   }
   const r = value as ReserveOptions;
   if ((r.share === undefined) === (r.remaining === undefined)) {

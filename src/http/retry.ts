@@ -5,7 +5,7 @@
 
 import type { Clock } from "../clock.js";
 import { FloodgateError } from "../errors.js";
-import { got } from "../validate.js";
+import { got, unknownOption } from "../validate.js";
 import type { ResponseLike, RetryAttempt, RetryEvent, RetryOptions } from "./types.js";
 
 /** `RetryOptions` with every default filled in. */
@@ -73,7 +73,7 @@ export function checkRetry(
     fail(field, `${field} must be an object, ${got(value)}`);
   }
   for (const k of Object.keys(value))
-    if (!RETRY_KEYS.has(k)) fail(`${field}.${k}`, `unknown option "${field}.${k}"`);
+    if (!RETRY_KEYS.has(k)) fail(`${field}.${k}`, unknownOption(field, k, [...RETRY_KEYS], field));
   const r = value as RetryOptions;
   if (r.retries !== undefined && !(Number.isInteger(r.retries) && r.retries >= 0)) {
     fail(`${field}.retries`, `${field}.retries must be an integer >= 0, ${got(r.retries)}`);

@@ -32,6 +32,7 @@ export type {
 type Handler = Dispatcher.DispatchHandler;
 
 const SPEC: WrapperSpec = {
+  name: "floodgateInterceptor",
   fail: failFor("floodgateInterceptor"),
   method: "admit",
   options: new Set(["key", "timeoutMs", "maxPauseMs", "now", "reserve"]),

@@ -184,6 +184,37 @@ describe("wrapFetch", () => {
   });
 
   describe("per-call options", () => {
+    it("names the option a misspelt one most likely meant, and the options taken there", async () => {
+      const gate = new Gate([memory({ clock }).semaphore("s", { limit: 1 })], { clock });
+      const refused = async (make: () => unknown) => {
+        try {
+          await make();
+        } catch (error) {
+          expect(error).toBeInstanceOf(InvalidOptionsError);
+          return [(error as InvalidOptionsError).field, (error as Error).message];
+        }
+        throw new Error("not refused");
+      };
+      expect(await refused(() => wrapFetch(gate, fetch, { retyr: {} } as never))).toEqual([
+        "retyr",
+        'wrapFetch: unknown option "retyr" (did you mean "retry"?); wrapFetch takes key, timeoutMs, maxPauseMs, now, clock, retry, reserve, settle',
+      ]);
+      expect(await refused(() => wrapFetch(gate, fetch, { retry: { retrys: 2 } } as never))).toEqual([
+        "retry.retrys",
+        'wrapFetch: unknown option "retry.retrys" (did you mean "retry.retries"?); retry takes retries, baseMs, maxMs, methods, statuses, networkErrors, random, onRetry',
+      ]);
+      expect(await refused(() => wrapFetch(gate, fetch, { reserve: { shares: 0.1 } } as never))).toEqual([
+        "reserve.shares",
+        'wrapFetch: unknown option "reserve.shares" (did you mean "reserve.share"?); reserve takes share, remaining',
+      ]);
+      const call = () => wrapFetch(gate, fetch)(server.url, { floodgate: { kye: "a" } } as never);
+      expect(await refused(call)).toEqual([
+        "floodgate.kye",
+        'wrapFetch: unknown option "floodgate.kye" (did you mean "floodgate.key"?); init.floodgate takes key, host, cost, costs, class, timeoutMs, retry',
+      ]);
+      expect(server.received).toHaveLength(0);
+    });
+
     it("takes key, host and cost from init.floodgate and strips it before calling fetch", async () => {
       const backend = memory({ clock });
       const bucket = backend.tokenBucket("per-key", {
