@@ -5,7 +5,7 @@
  * Gate whose call-holding stages all carry the same one asks it for a `FusedAdmission`.
  */
 import type { Clock } from "./clock.js";
-import { InvalidOptionsError } from "./errors.js";
+import { AdmitTimeoutError, InvalidOptionsError } from "./errors.js";
 import type { AdmitOptions, Outcome, Stage, Ticket, TryAdmitOptions } from "./types.js";
 import { messageOf } from "./validate.js";
 
@@ -61,6 +61,18 @@ export interface FusedAdmission {
   settle?(tickets: readonly Ticket[], outcome: Outcome | undefined): Promise<void>;
   /** The gate closed: every waiting call rejects with `reason`, and so does any later wait. */
   close(reason: unknown): void;
+}
+
+/**
+ * What a fused gate's call that could wait no longer rejects with: naming the stage it waited
+ * for last (`waitedFor`), when it waited for one, so that the binding limit shows in the error.
+ */
+export function gateTimeout(gate: string, call: FusedCall, waitedFor: Stage | undefined): AdmitTimeoutError {
+  const at = waitedFor === undefined ? "" : `; it waited for ${waitedFor.kind} "${waitedFor.name}"`;
+  return new AdmitTimeoutError(
+    gate,
+    `gate "${gate}": not admitted within timeoutMs (${call.timeoutMs})${at}`,
+  );
 }
 
 /** The error for a caller's signal that cannot be listened to. */

@@ -11,8 +11,8 @@ import { endTurn, startTurn } from "../base/flow.js";
 import { SignalWaits } from "../base/signal-waits.js";
 import type { BaseStage, StageWatcher } from "../base/stage.js";
 import type { Clock, ClockTimer } from "../clock.js";
-import { AdmitTimeoutError, ClosedError } from "../errors.js";
-import { badSignal, type FusedAdmission, type FusedCall, type FusionHost } from "../fuse.js";
+import { type AdmitTimeoutError, ClosedError } from "../errors.js";
+import { badSignal, type FusedAdmission, type FusedCall, type FusionHost, gateTimeout } from "../fuse.js";
 import type { AdmitOptions, Stage, Ticket } from "../types.js";
 
 /** A memory stage a gate can fuse: it can say whether it would admit, and admit, at once. */
@@ -229,7 +229,7 @@ class MemoryFusedGate implements FusedAdmission {
     if (r === 0) return Promise.resolve(this.#take(o));
     if (!wait) return Promise.resolve(undefined);
     // A call with no time left to wait (`timeoutMs: 0`) only tries: it never takes a place in line.
-    if (!(left > 0)) return Promise.reject(this.#timeout(call));
+    if (!(left > 0)) return Promise.reject(this.#timeout(call, r === 0 ? -1 : this.#refusedBy));
     const now = this.#clock.now();
     return new Promise<Ticket[]>((resolve, reject) => {
       const w = new Waiter(++this.#arrivals, call, lane, now, resolve, reject);
@@ -247,7 +247,7 @@ class MemoryFusedGate implements FusedAdmission {
       if (left !== Number.POSITIVE_INFINITY) {
         w.timer = this.#clock.setTimeout(() => {
           w.timer = undefined;
-          this.#giveUp(w, this.#timeout(call));
+          this.#giveUp(w, this.#timeout(call, w.blame));
         }, left);
       }
       if (++this.#waiting === 1) for (const s of this.#stages) s.watch(this.#onChange);
@@ -463,10 +463,8 @@ class MemoryFusedGate implements FusedAdmission {
     this.#rejectAll(reason);
   }
 
-  #timeout(call: FusedCall): AdmitTimeoutError {
-    return new AdmitTimeoutError(
-      this.#name,
-      `gate "${this.#name}": not admitted within timeoutMs (${call.timeoutMs})`,
-    );
+  /** What `call` rejects with once it can wait no longer, having waited for stage `blame` (-1: none known). */
+  #timeout(call: FusedCall, blame: number): AdmitTimeoutError {
+    return gateTimeout(this.#name, call, blame >= 0 ? this.#stages[blame] : undefined);
   }
 }

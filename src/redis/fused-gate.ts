@@ -210,7 +210,7 @@ class FusedGate implements FusedAdmission {
           if (softMs === undefined || !isFloodgateError(error, "BACKEND_UNAVAILABLE")) throw error;
           const delay = awayDelay(softMs, this.#s.pollMs);
           if (softMs + delay >= this.#s.pollMs) throw error;
-          await this.#sleeps.sleep(member, delay, call);
+          await this.#sleeps.sleep(member, delay, call, this.#stages[blame]);
           softMs += delay;
           continue;
         }
@@ -278,7 +278,8 @@ class FusedGate implements FusedAdmission {
           // (Right behind a first that may have frozen or died: no later than its place ends.)
           const ahead = reply?.aheadMs === undefined ? -1 : reply.aheadMs + 1;
           const until = waitMs >= 0 ? waitMs : soonest >= 0 ? soonest + 1 : ahead;
-          await this.#sleeps.sleep(member, until >= 0 ? Math.min(until, poll) : poll, call);
+          const ms = until >= 0 ? Math.min(until, poll) : poll;
+          await this.#sleeps.sleep(member, ms, call, this.#stages[blame]);
           if (!held?.granted) break;
         }
       }

@@ -5,8 +5,8 @@
  */
 import { SignalWaits } from "../base/signal-waits.js";
 import type { Clock, ClockTimer } from "../clock.js";
-import { AdmitTimeoutError } from "../errors.js";
-import { badSignal, type FusedCall } from "../fuse.js";
+import { badSignal, type FusedCall, gateTimeout } from "../fuse.js";
+import type { Stage } from "../types.js";
 
 /** A sleeping call's way to be woken early: with no error by a wake message, with one on close. */
 type Wake = (error?: unknown) => void;
@@ -93,11 +93,13 @@ export class FusedSleeps {
   /**
    * Sleep `ms`, or until woken; rejects when the caller gives up or the gate closes (`close`
    * ends every sleeper: one listener per gate, not one per waiting call on its closed signal).
+   * Out of time, it rejects with `AdmitTimeoutError` naming `waitedFor`, the stage the call
+   * waits for (undefined: none known).
    */
-  sleep(member: string, ms: number, call: FusedCall): Promise<void> {
+  sleep(member: string, ms: number, call: FusedCall, waitedFor?: Stage): Promise<void> {
     const clock = this.#clock;
     const left = call.deadline - clock.now();
-    if (left <= 0) return Promise.reject(this.timeout(call));
+    if (left <= 0) return Promise.reject(gateTimeout(this.#name, call, waitedFor));
     if (call.signal?.aborted) return Promise.reject(call.signal.reason);
     if (this.#closedBy !== undefined) return Promise.reject(this.#closedBy);
     return new Promise<void>((resolve, reject) => {
@@ -114,7 +116,7 @@ export class FusedSleeps {
       timer = clock.setTimeout(
         () => {
           timer = undefined;
-          end(timedOut ? this.timeout(call) : undefined);
+          end(timedOut ? gateTimeout(this.#name, call, waitedFor) : undefined);
         },
         Math.min(ms, left),
       );
@@ -131,13 +133,5 @@ export class FusedSleeps {
   close(reason: unknown): void {
     this.#closedBy = reason;
     for (const end of [...this.#wakes.values()]) end(reason);
-  }
-
-  /** What a call that could wait no longer rejects with. */
-  timeout(call: FusedCall): AdmitTimeoutError {
-    return new AdmitTimeoutError(
-      this.#name,
-      `gate "${this.#name}": not admitted within timeoutMs (${call.timeoutMs})`,
-    );
   }
 }

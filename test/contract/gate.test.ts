@@ -178,6 +178,13 @@ describe.each(backends)("Gate on $name", (backend) => {
     expect(waiting.settled).toBe(false);
     await clock.advance(50);
     expect(waiting.error).toBeInstanceOf(AdmitTimeoutError);
+    // The stage it waited for last is named: the gate's own error says so when fused; a stage's
+    // own error, taken in turn.
+    expect((waiting.error as Error).message).toMatch(
+      gate.fused
+        ? /^gate "gate": not admitted within timeoutMs \(150\); it waited for semaphore "inflight"$/
+        : /^semaphore "inflight": not admitted within timeoutMs/,
+    );
     await blocker.release();
   });
 

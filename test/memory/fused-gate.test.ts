@@ -210,7 +210,9 @@ describe("a fused memory gate", () => {
     const last = track(gate.admit());
     await clock.advance(50);
     expect(big.error).toBeInstanceOf(AdmitTimeoutError);
-    expect((big.error as Error).message).toBe('gate "gate": not admitted within timeoutMs (50)');
+    expect((big.error as Error).message).toBe(
+      'gate "gate": not admitted within timeoutMs (50); it waited for semaphore "sem"',
+    );
     controller.abort(new Error("no longer needed"));
     await clock.flush();
     expect((aborted.error as Error).message).toBe("no longer needed");
