@@ -7,11 +7,14 @@
  * tickets, the task, the release made), the release's round trip, and what is left after its
  * reply; Redis's own time for the two script calls, read from INFO commandstats for each block
  * of calls, splits the round trips into Redis and the rest (the socket, the kernel, the reply
- * read). The two gates take turns in blocks, so that the machine's drift falls on both.
+ * read). The contenders take turns in blocks, so that the machine's drift falls on all of them;
+ * the hand-written four-stage floor (bench/gate-floor.ts) shows what a minimal client and script
+ * cost the same way.
  */
 import { Gate, type Stage } from "floodgate";
 import { type RedisBackend, redis } from "floodgate/redis";
 import type { Redis } from "ioredis";
+import { floorGate } from "./gate-floor.js";
 import { type BenchArgs, type Benchmark, median, table, times } from "./lib.js";
 import { commandStats, connect, freshPrefix } from "./redis-clients.js";
 import { GATES } from "./redis-throughput.js";
@@ -27,12 +30,13 @@ const PARTS = [
   "of the round trips, inside Redis",
 ] as const;
 
-/** One contender: a gate on its own client, whose script calls are stamped. */
+/** One contender: a call's admission and release on a client of its own, whose script calls are stamped. */
 interface Contender {
   name: string;
   client: Redis;
-  backend: RedisBackend;
-  gate: Gate;
+  /** One call: admitted, an empty task, released. */
+  call: () => Promise<unknown>;
+  close: () => Promise<void>;
   /** Each script call of the call under way: when it was sent and when its reply came (ms). */
   calls: { sent: number; replied: number }[];
   /** Per call: its parts but Redis's own (µs), and its whole time (µs, last). */
@@ -41,23 +45,14 @@ interface Contender {
   redis: number[];
 }
 
-/** A contender named `name`: a gate of `stages` on a client of its own, its script calls stamped. */
+/** A contender named `name`, made by `make` on a client of its own, its script calls stamped. */
 async function contender(
   url: string,
   name: string,
-  stages: (b: RedisBackend) => Stage[],
+  make: (client: Redis) => Pick<Contender, "call" | "close">,
 ): Promise<Contender> {
   const client = await connect(url);
-  const backend = redis(client, { prefix: freshPrefix("one") });
-  const c: Contender = {
-    name,
-    client,
-    backend,
-    gate: new Gate(stages(backend)),
-    calls: [],
-    rows: [],
-    redis: [],
-  };
+  const c: Contender = { name, client, ...make(client), calls: [], rows: [], redis: [] };
   const send = client.sendCommand.bind(client);
   client.sendCommand = ((command: { name: string; promise: Promise<unknown> }, ...rest: unknown[]) => {
     // (Stamped before it is written: the write, a system call, is part of the round trip.)
@@ -77,16 +72,31 @@ async function contender(
   return c;
 }
 
-/** `n` calls of `c`'s gate at one caller, each split into its parts; Redis's time from its stats. */
+/** A contender's call through a gate of `stages`: `gate.run` of an empty task to one host. */
+function gateOf(stages: (b: RedisBackend) => Stage[]): (client: Redis) => Pick<Contender, "call" | "close"> {
+  return (client) => {
+    const backend = redis(client, { prefix: freshPrefix("one") });
+    const gate = new Gate(stages(backend));
+    const task = () => undefined;
+    const options = { host: "api.example" };
+    return {
+      call: () => gate.run(task, options),
+      close: async () => {
+        await gate.close();
+        await backend.close();
+      },
+    };
+  };
+}
+
+/** `n` calls of `c` at one caller, each split into its parts; Redis's time from its stats. */
 async function block(c: Contender, n: number): Promise<void> {
-  const task = () => undefined;
-  const options = { host: "api.example" };
   await c.client.config("RESETSTAT");
   let runs = 0;
   for (let i = 0; i < n; i++) {
     c.calls.length = 0;
     const start = performance.now();
-    await c.gate.run(task, options);
+    await c.call();
     const end = performance.now();
     runs++;
     const [a, r] = c.calls;
@@ -103,20 +113,24 @@ async function block(c: Contender, n: number): Promise<void> {
 
 export const oneCaller: Benchmark = {
   name: "one-caller",
-  title: "one caller's call, part by part: a gate of the semaphore alone and the four-stage fused gate",
+  title:
+    "one caller's call, part by part: a gate of the semaphore alone, the four-stage fused gate and a hand-written floor",
   redis: true,
   async run(args: BenchArgs) {
     const url = await args.redisUrl();
     const perBlock = args.quick ? 100 : 500;
     const blocks = args.rounds ?? (args.quick ? 1 : 6);
     const contenders = [
-      await contender(url, "semaphore alone", GATES["semaphore alone"]!),
-      await contender(url, "4-stage fused gate", GATES["4: + AIMD"]!),
+      await contender(url, "semaphore alone", gateOf(GATES["semaphore alone"]!)),
+      await contender(url, "4-stage fused gate", gateOf(GATES["4: + AIMD"]!)),
+      await contender(url, "floor: 4 stages, hand-written", (client) => ({
+        call: floorGate(client, freshPrefix("one-floor"), 4),
+        close: async () => {},
+      })),
     ];
     try {
       // (Warm: the scripts loaded, the code compiled.)
-      for (const c of contenders)
-        for (let i = 0; i < 50; i++) await c.gate.run(() => undefined, { host: "api.example" });
+      for (const c of contenders) for (let i = 0; i < 50; i++) await c.call();
       for (let b = 0; b < blocks; b++) {
         for (const c of b % 2 === 0 ? contenders : [...contenders].reverse()) await block(c, perBlock);
       }
@@ -124,23 +138,23 @@ export const oneCaller: Benchmark = {
         const col = (i: number) => median(c.rows.map((r) => r[i]!));
         return [0, 1, 2, 3, 4, 5].map(col).concat(median(c.redis));
       });
-      const [sem, gate] = figures as [number[], number[]];
+      const [sem, gate, floor] = figures as [number[], number[], number[]];
       const us = (v: number) => v.toFixed(0);
       const d = (i: number) => gate[i]! - sem[i]!;
       table(
-        `One caller's call, part by part, µs (median of ${contenders[0]!.rows.length} and ${contenders[1]!.rows.length} calls)`,
-        ["part", "semaphore alone", "4-stage fused gate", "difference"],
-        PARTS.map((part, i) => [part, us(sem[i]!), us(gate[i]!), us(d(i))]),
+        `One caller's call, part by part, µs (median of ${contenders.map((c) => c.rows.length).join(", ")} calls)`,
+        ["part", "semaphore alone", "4-stage fused gate", "difference", "floor: 4 stages, hand-written"],
+        PARTS.map((part, i) => [part, us(sem[i]!), us(gate[i]!), us(d(i)), us(floor[i]!)]),
         [
-          `The whole call through the fused gate: ${times(gate[5]! / sem[5]!)} the semaphore alone's (#14's target at one caller: 1.3×).`,
+          `The whole call through the fused gate: ${times(gate[5]! / sem[5]!)} the semaphore alone's (#14's target at one caller: 1.3×); the floor's: ${times(floor[5]! / sem[5]!)}.`,
           `Of the difference, ${us(d(6))} µs is inside Redis, ${us(d(1) + d(3) - d(6))} µs the rest of the round trips (the socket, the kernel, the reply read), and ${us(d(0) + d(2) + d(4))} µs this process.`,
+          "The floor (bench/gate-floor.ts) is one hand-written script for the four stages' uncontended admission and one for their release, a promise a call and nothing else: no lines, leases kept, fencing, tickets or renewal. What no fused gate can beat here.",
           "Each part is a median of its own, so the parts need not add up to the whole. A round trip is from the script call's leaving the client (before it is written) to its reply's settling there. Inside Redis is INFO commandstats' time of the script calls, a call's two in all, per block of calls (median of the blocks).",
         ],
       );
     } finally {
       for (const c of contenders) {
-        await c.gate.close();
-        await c.backend.close();
+        await c.close();
         c.client.disconnect();
       }
     }
