@@ -49,7 +49,13 @@ export type Report =
       ms: number;
       waitedMs: number;
     }
-  | { type: "deferred"; id: string; cls: EntityClass; worker: number; reason: "timeout" | "backend" }
+  | {
+      type: "deferred";
+      id: string;
+      cls: EntityClass;
+      worker: number;
+      reason: "timeout" | "backend" | "lease";
+    }
   | { type: "failed"; id: string; cls: EntityClass; worker: number; message: string };
 
 /** Where a worker gets entities and sends what became of them. */
@@ -119,6 +125,12 @@ export async function pollWorker(gate: Gate, source: JobSource, o: WorkerOptions
         // overshoots the portal's cap and gets its origin blocked. Defer and back off longer.
         source.report({ type: "deferred", id, cls, worker: o.worker, reason: "backend" });
         await sleep(4 * o.backoffMs * (0.5 + Math.random()), o.stop).catch(() => {});
+      } else if (isFloodgateError(error, "LEASE_LOST")) {
+        // The permit ran out while the poll was under way (this process stalled past its lease,
+        // or past a grant's claim window on a starved machine): ticket.signal aborted the request,
+        // so it no longer counts against the portal's cap. The poll did not complete: defer the
+        // entity, to be polled again with a permit of its own.
+        source.report({ type: "deferred", id, cls, worker: o.worker, reason: "lease" });
       } else {
         source.report({ type: "failed", id, cls, worker: o.worker, message: (error as Error).message });
       }

@@ -111,6 +111,8 @@ class EntityQueue implements JobSource {
   failed = 0;
   deferrals = 0;
   deferredForBackend = 0;
+  /** Deferrals of polls whose permit ran out under way (their request aborted; polled again). */
+  deferredForLease = 0;
   stopped = false;
   /** When the last entity was polled (performance.now()). */
   finishedAt = 0;
@@ -146,6 +148,7 @@ class EntityQueue implements JobSource {
       this.deferrals++;
       this.byClass[r.cls].deferred++;
       if (r.reason === "backend") this.deferredForBackend++;
+      if (r.reason === "lease") this.deferredForLease++;
       // A deadline-critical entity goes to the priority channel; anything else waits for the sweep's end.
       if (critical(r.id)) this.urgent.push(r.id);
       else this.deferred.push(r.id);
@@ -345,6 +348,7 @@ export async function main(argv: string[]): Promise<number> {
       ` (${perSec(queue.ok, elapsedMs)}) · provider peak ${p.peak}/${cap} · 429s ${p.rejected429}` +
       ` · sheds 0 · deferred ${queue.deferrals} on a ${acquireTimeoutMs} ms acquire timeout, none forced` +
       (queue.deferredForBackend > 0 ? ` (${queue.deferredForBackend} with Redis unavailable)` : "") +
+      (queue.deferredForLease > 0 ? ` (${queue.deferredForLease} after a permit ran out under way)` : "") +
       ` · ${failures.length === 0 ? "OK" : `FAILED: ${failures.join("; ")}`}\n` +
       `  permits: ${permits} shared by ${workers} workers · permit wait ${secs(permitWaitMs)} in total` +
       ` · ${timedOut} waits timed out · registry answers ${serviceMs}–${Math.round(serviceMs * 1.5)} ms\n` +
