@@ -303,7 +303,8 @@ export function messageOf(error: unknown): string {
 
 /**
  * The field a misspelt option most likely meant, or undefined: the one it matches but for case
- * (`timeoutMS` → `timeoutMs`), else the only one within two letters of it (`limt` → `limit`).
+ * (`timeoutMS` → `timeoutMs`), else the only one within two letters of it (`limt` → `limit`),
+ * else the only one it begins (`refillPerSec` → `refillPerSecond`).
  */
 export function meant(field: string, known: Iterable<string>): string | undefined {
   const low = field.toLowerCase();
@@ -322,7 +323,17 @@ export function meant(field: string, known: Iterable<string>): string | undefine
       tied = false;
     } else if (d === bestDistance && d < 3) tied = true;
   }
-  return best !== undefined && !tied ? best : undefined;
+  if (best !== undefined) return tied ? undefined : best;
+  // An option cut short, of four letters or more: the only one it begins.
+  let begun: string | undefined;
+  if (low.length >= 4) {
+    for (const k of known) {
+      if (!k.toLowerCase().startsWith(low)) continue;
+      if (begun !== undefined) return undefined;
+      begun = k;
+    }
+  }
+  return begun;
 }
 
 /** Letters to add, drop or change to make `a` into `b`, counted up to `most` (then `most`). */

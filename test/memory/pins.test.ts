@@ -317,6 +317,10 @@ describe("memory() backend", () => {
     expect(meant("limt", ["limit", "clock", "leaseMs"])).toBe("limit");
     expect(meant("timeout", ["timeoutMs", "key"])).toBe("timeoutMs");
     expect(meant("zzzzzz", ["limit", "leaseMs"])).toBeUndefined();
+    // Cut short: the only option it begins, from four letters on.
+    expect(meant("refillPerSec", ["capacity", "refillPerSecond"])).toBe("refillPerSecond");
+    expect(meant("refillP", ["refillPerSecond", "refillPeriod"])).toBeUndefined();
+    expect(meant("cap", ["capacity"])).toBeUndefined();
   });
 
   it("names each stage's kind when asked again with other options", () => {
