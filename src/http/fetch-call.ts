@@ -8,7 +8,7 @@ import { isFloodgateError } from "../errors.js";
 import type { Settled } from "../gate.js";
 import type { Outcome, Ticket } from "../types.js";
 import { isArray } from "../validate.js";
-import { checkCall, type Fail, failFor, got, readingOptions, show, type WrapperSpec } from "./options.js";
+import { checkCall, type Fail, got, readingOptions, show, specNamed, type WrapperSpec } from "./options.js";
 import { type HostPause, pauseHost } from "./pause.js";
 import {
   backoffMs,
@@ -34,8 +34,7 @@ import type {
 
 /** How `wrapFetch` checks what it is given. @internal */
 export const SPEC: WrapperSpec = {
-  name: "wrapFetch",
-  fail: failFor("wrapFetch"),
+  ...specNamed("wrapFetch"),
   method: "run",
   options: new Set(["key", "timeoutMs", "maxPauseMs", "now", "clock", "retry", "reserve", "settle"]),
   keyArgs: "(url, init)",

@@ -30,10 +30,13 @@ export interface WrapperSpec {
   readonly callKeys: ReadonlySet<string>;
 }
 
-/** A `fail` whose messages start with `name: `. */
-export function failFor(name: string): Fail {
-  return (field, message) => {
-    throw new InvalidOptionsError(undefined, field, `${name}: ${message}`);
+/** A wrapper's `name`, and the `fail` whose messages start with `name: `. */
+export function specNamed(name: string): Pick<WrapperSpec, "name" | "fail"> {
+  return {
+    name,
+    fail: (field, message) => {
+      throw new InvalidOptionsError(undefined, field, `${name}: ${message}`);
+    },
   };
 }
 

@@ -6,7 +6,7 @@
 import type { Dispatcher } from "undici";
 import type { AdmitOptions, Ticket } from "../types.js";
 import { Admitted, gateHandler, refuse, waitSignal } from "./handlers.js";
-import { checkCall, checkGate, checkOptions, failFor, keyedGate, type WrapperSpec } from "./options.js";
+import { checkCall, checkGate, checkOptions, keyedGate, specNamed, type WrapperSpec } from "./options.js";
 import { DEFAULT_MAX_PAUSE_MS, type HostPause } from "./pause.js";
 import type {
   DispatchCallOptions,
@@ -32,8 +32,7 @@ export type {
 type Handler = Dispatcher.DispatchHandler;
 
 const SPEC: WrapperSpec = {
-  name: "floodgateInterceptor",
-  fail: failFor("floodgateInterceptor"),
+  ...specNamed("floodgateInterceptor"),
   method: "admit",
   options: new Set(["key", "timeoutMs", "maxPauseMs", "now", "reserve"]),
   keyArgs: "(opts)",

@@ -229,7 +229,8 @@ class MemoryFusedGate implements FusedAdmission {
     if (r === 0) return Promise.resolve(this.#take(o));
     if (!wait) return Promise.resolve(undefined);
     // A call with no time left to wait (`timeoutMs: 0`) only tries: it never takes a place in line.
-    if (!(left > 0)) return Promise.reject(this.#timeout(call, r === 0 ? -1 : this.#refusedBy));
+    // (Behind others, nothing was looked at: no stage to name.)
+    if (!(left > 0)) return Promise.reject(this.#timeout(call, ahead ? -1 : this.#refusedBy));
     const now = this.#clock.now();
     return new Promise<Ticket[]>((resolve, reject) => {
       const w = new Waiter(++this.#arrivals, call, lane, now, resolve, reject);

@@ -210,7 +210,7 @@ class FusedGate implements FusedAdmission {
           if (softMs === undefined || !isFloodgateError(error, "BACKEND_UNAVAILABLE")) throw error;
           const delay = awayDelay(softMs, this.#s.pollMs);
           if (softMs + delay >= this.#s.pollMs) throw error;
-          await this.#sleeps.sleep(member, delay, call, this.#stages[blame]);
+          await this.#sleeps.sleep(member, delay, call, this.#waitedFor(blame));
           softMs += delay;
           continue;
         }
@@ -279,7 +279,7 @@ class FusedGate implements FusedAdmission {
           const ahead = reply?.aheadMs === undefined ? -1 : reply.aheadMs + 1;
           const until = waitMs >= 0 ? waitMs : soonest >= 0 ? soonest + 1 : ahead;
           const ms = until >= 0 ? Math.min(until, poll) : poll;
-          await this.#sleeps.sleep(member, ms, call, this.#stages[blame]);
+          await this.#sleeps.sleep(member, ms, call, this.#waitedFor(blame));
           if (!held?.granted) break;
         }
       }
@@ -294,6 +294,11 @@ class FusedGate implements FusedAdmission {
       this.#kept.end(member);
       this.#sleeps.end(member);
     }
+  }
+
+  /** The stage a call waits for, by its index (`blame`; -1: none known). */
+  #waitedFor(blame: number): Stage | undefined {
+    return blame >= 0 ? this.#stages[blame] : undefined;
   }
 
   /** A kept try given up: its steps are done with; tickets a grant gave it go back. */
