@@ -66,12 +66,26 @@ export interface FusedAdmission {
 /**
  * What a fused gate's call that could wait no longer rejects with: naming the stage it waited
  * for last (`waitedFor`), when it waited for one, so that the binding limit shows in the error.
+ * With `retryAfterMs` (refused at once: a rate could not admit it before its deadline, as a lone
+ * token bucket refuses), the error carries it and says which stage.
  */
-export function gateTimeout(gate: string, call: FusedCall, waitedFor: Stage | undefined): AdmitTimeoutError {
-  const at = waitedFor === undefined ? "" : `; it waited for ${waitedFor.kind} "${waitedFor.name}"`;
+export function gateTimeout(
+  gate: string,
+  call: FusedCall,
+  waitedFor: Stage | undefined,
+  retryAfterMs?: number,
+): AdmitTimeoutError {
+  const stage = waitedFor === undefined ? "" : `${waitedFor.kind} "${waitedFor.name}"`;
+  const at =
+    retryAfterMs !== undefined
+      ? `; ${stage || "its rates"} could admit it in ${retryAfterMs} ms at the soonest`
+      : stage && `; it waited for ${stage}`;
   return new AdmitTimeoutError(
     gate,
     `gate "${gate}": not admitted within timeoutMs (${call.timeoutMs})${at}`,
+    {
+      retryAfterMs,
+    },
   );
 }
 

@@ -228,6 +228,9 @@ class MemoryFusedGate implements FusedAdmission {
     const r = ahead ? Number.NaN : this.#probe(o);
     if (r === 0) return Promise.resolve(this.#take(o));
     if (!wait) return Promise.resolve(undefined);
+    // First in its lane, refused by a rate that cannot admit it before its deadline: refused at
+    // once, as a lone token bucket refuses, saying when that rate could.
+    if (r > left) return Promise.reject(this.#timeout(call, this.#refusedBy, r));
     // A call with no time left to wait (`timeoutMs: 0`) only tries: it never takes a place in line.
     // (Behind others, nothing was looked at: no stage to name.)
     if (!(left > 0)) return Promise.reject(this.#timeout(call, ahead ? -1 : this.#refusedBy));
@@ -389,6 +392,15 @@ class MemoryFusedGate implements FusedAdmission {
       const r = this.#ask(w);
       if (r === undefined) return;
       if (r > 0) {
+        // Its rate cannot admit it before its deadline: refused now, not at the deadline; the
+        // next in the lane is asked.
+        if (r > w.call.deadline - w.call.clock.now()) {
+          lane.remove(w);
+          this.#charge(w, now, -1);
+          this.#done(w);
+          w.reject(this.#timeout(w.call, this.#refusedBy, r));
+          continue;
+        }
         this.#charge(w, now, this.#refusedBy);
         lane.timer = this.#retry(lane, r);
         break;
@@ -464,8 +476,11 @@ class MemoryFusedGate implements FusedAdmission {
     this.#rejectAll(reason);
   }
 
-  /** What `call` rejects with once it can wait no longer, having waited for stage `blame` (-1: none known). */
-  #timeout(call: FusedCall, blame: number): AdmitTimeoutError {
-    return gateTimeout(this.#name, call, blame >= 0 ? this.#stages[blame] : undefined);
+  /**
+   * What `call` rejects with once it can wait no longer, having waited for stage `blame` (-1: none
+   * known); with `retryAfterMs` when that stage, a rate, could admit it only then.
+   */
+  #timeout(call: FusedCall, blame: number, retryAfterMs?: number): AdmitTimeoutError {
+    return gateTimeout(this.#name, call, blame >= 0 ? this.#stages[blame] : undefined, retryAfterMs);
   }
 }

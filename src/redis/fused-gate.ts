@@ -11,7 +11,7 @@
 import { randomBytes } from "node:crypto";
 import type { Clock } from "../clock.js";
 import { isFloodgateError } from "../errors.js";
-import type { FusedAdmission, FusedCall, FusionHost } from "../fuse.js";
+import { type FusedAdmission, type FusedCall, type FusionHost, gateTimeout } from "../fuse.js";
 import { settleAll } from "../gate-ticket.js";
 import type { Outcome, Stage, Ticket } from "../types.js";
 import { TryOutcomes } from "./fused-answers.js";
@@ -242,6 +242,14 @@ class FusedGate implements FusedAdmission {
         if (attempt.held) {
           held = attempt.held;
           this.#kept.keep(member, held);
+        }
+        // First in its line, refused by rates that cannot admit it before its deadline (counted
+        // from when this try went out, no later than Redis decided it): refused at once, as a
+        // lone token bucket refuses, saying when they could (its kept steps are dropped, its
+        // place left, below), unless a release admitted its kept steps meanwhile.
+        const rateMs = reply?.waitMs ?? -1;
+        if (rateMs >= 0 && at + rateMs > call.deadline && !held?.granted) {
+          throw gateTimeout(this.#name, call, this.#waitedFor(blame), rateMs);
         }
         for (;;) {
           if (held?.granted) {

@@ -1,6 +1,13 @@
 import { AsyncLocalStorage } from "node:async_hooks";
 import { getEventListeners } from "node:events";
-import { AdmitTimeoutError, ClosedError, Gate, InvalidOptionsError, type Stage } from "floodgate";
+import {
+  AdmitTimeoutError,
+  ClosedError,
+  Gate,
+  InvalidOptionsError,
+  type Stage,
+  type Ticket,
+} from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { beforeEach, describe, expect, it } from "vitest";
 import { warningsDuring } from "../warnings.js";
@@ -186,6 +193,73 @@ describe.each(backends)("Gate on $name", (backend) => {
         : /^semaphore "inflight": not admitted within timeoutMs/,
     );
     await blocker.release();
+  });
+
+  it("refuses at once a call its rates cannot admit within timeoutMs, saying when they could", async () => {
+    const b = backend.make(clock);
+    const sem = b.semaphore("inflight", { limit: 2 });
+    const bucket = b.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 });
+    const gate = new Gate([sem, bucket], { clock });
+    await bucket.admit();
+    // (No time passes: were it to wait for its deadline, it would never settle.)
+    const error = (await gate.admit({ timeoutMs: 200 }).catch((e: unknown) => e)) as AdmitTimeoutError;
+    expect(error).toBeInstanceOf(AdmitTimeoutError);
+    expect(error.retryAfterMs).toBe(1000);
+    // The gate names the rate when fused; taken in turn, the bucket refuses so itself.
+    expect(error.message).toMatch(
+      gate.fused
+        ? /^gate "gate": not admitted within timeoutMs \(200\); tokenBucket "rate" could admit it in 1000 ms at the soonest$/
+        : /^tokenBucket "rate": not admitted within timeoutMs \(200\)$/,
+    );
+    expect(sem.snapshot()).toMatchObject({ inFlight: 0, waiting: 0 });
+    expect(gate.snapshot()).toMatchObject({ waiting: 0, timedOut: 1 });
+    // With time enough, it waits for the token and is admitted when it comes.
+    const waits = track(gate.admit({ timeoutMs: 1500 }));
+    await clock.advance(999);
+    expect(waits.settled).toBe(false);
+    await clock.advance(1);
+    expect(waits.value).toBeDefined();
+    await (waits.value as Ticket).release();
+    expect(sem.snapshot()).toMatchObject({ inFlight: 0, waiting: 0 });
+  });
+
+  it("refuses a waiting call once its rates cannot admit it before its deadline, not at it", async () => {
+    const b = backend.make(clock);
+    const bucket = b.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 });
+    const gate = new Gate([b.semaphore("inflight", { limit: 4 }), bucket], { clock });
+    await bucket.admit();
+    const first = track(gate.admit({ timeoutMs: 5000 }));
+    const second = track(gate.admit({ timeoutMs: 1500 }));
+    await clock.advance(1000);
+    // The first has the token that came at 1000 ms; the next comes at 2000, after the second's
+    // deadline: it is refused now (taken in turn, the bucket refused it on arrival, seeing the line).
+    expect(first.value).toBeDefined();
+    expect(second.error).toBeInstanceOf(AdmitTimeoutError);
+    expect((second.error as AdmitTimeoutError).retryAfterMs).toBe(gate.fused ? 1000 : 2000);
+    expect(gate.snapshot()).toMatchObject({ waiting: 0, timedOut: 1 });
+    await (first.value as Ticket).release();
+  });
+
+  it("refuses a call that waited for permits once they free and its rates cannot admit it in time", async () => {
+    const b = backend.make(clock);
+    const sem = b.semaphore("inflight", { limit: 1 });
+    const bucket = b.tokenBucket("rate", { capacity: 1, refillPerSecond: 0.5 });
+    const gate = new Gate([sem, bucket], { clock });
+    const blocker = await sem.admit();
+    await bucket.admit(); // the next token comes at 2000 ms
+    const waiting = track(gate.admit({ timeoutMs: 1500 }));
+    await clock.advance(800);
+    expect(waiting.settled).toBe(false);
+    await blocker.release();
+    await clock.flush();
+    // Permits free at 800 ms, the token 1200 ms later, past its deadline: refused now, holding nothing.
+    expect(waiting.error).toBeInstanceOf(AdmitTimeoutError);
+    expect((waiting.error as AdmitTimeoutError).retryAfterMs).toBe(1200);
+    expect(gate.snapshot()).toMatchObject({ waiting: 0, timedOut: 1 });
+    expect(sem.snapshot()).toMatchObject({ inFlight: 0, waiting: 0 });
+    const ticket = await sem.tryAdmit();
+    expect(ticket).toBeDefined();
+    await ticket!.release();
   });
 
   it("charges each stage the cost named for it", async () => {
