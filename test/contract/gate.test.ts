@@ -213,6 +213,10 @@ describe.each(backends)("Gate on $name", (backend) => {
     );
     expect(sem.snapshot()).toMatchObject({ inFlight: 0, waiting: 0 });
     expect(gate.snapshot()).toMatchObject({ waiting: 0, timedOut: 1 });
+    // So is a call that waits for nothing (`timeoutMs: 0`): it says when it could go too.
+    const now = (await gate.admit({ timeoutMs: 0 }).catch((e: unknown) => e)) as AdmitTimeoutError;
+    expect(now).toBeInstanceOf(AdmitTimeoutError);
+    expect(now.retryAfterMs).toBe(1000);
     // With time enough, it waits for the token and is admitted when it comes.
     const waits = track(gate.admit({ timeoutMs: 1500 }));
     await clock.advance(999);
