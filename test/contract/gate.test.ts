@@ -9,7 +9,7 @@ import {
   type Ticket,
 } from "floodgate";
 import { FakeClock } from "floodgate/testing";
-import { beforeEach, describe, expect, it } from "vitest";
+import { beforeEach, describe, expect, it, vi } from "vitest";
 import { warningsDuring } from "../warnings.js";
 import { backends, track, useBackend } from "./backends.js";
 
@@ -238,6 +238,9 @@ describe.each(backends)("Gate on $name", (backend) => {
     // The first has the token that came at 1000 ms; the next comes at 2000, after the second's
     // deadline: it is refused now (taken in turn, the bucket refused it on arrival, seeing the line).
     expect(first.value).toBeDefined();
+    // (On Redis the second is told to ask again as the first leaves the lane: waited for, the
+    // fake clock standing still.)
+    await vi.waitFor(() => expect(second.settled).toBe(true), { timeout: 5_000, interval: 5 });
     expect(second.error).toBeInstanceOf(AdmitTimeoutError);
     expect((second.error as AdmitTimeoutError).retryAfterMs).toBe(gate.fused ? 1000 : 2000);
     expect(gate.snapshot()).toMatchObject({ waiting: 0, timedOut: 1 });
@@ -255,8 +258,10 @@ describe.each(backends)("Gate on $name", (backend) => {
     await clock.advance(800);
     expect(waiting.settled).toBe(false);
     await blocker.release();
-    await clock.flush();
-    // Permits free at 800 ms, the token 1200 ms later, past its deadline: refused now, holding nothing.
+    // Permits free at 800 ms, the token 1200 ms later, past its deadline: refused now, holding
+    // nothing. (On Redis the waiter hears of the freed permits on its pub/sub connection: waited
+    // for, the fake clock standing still; were it to wait for its deadline, it would never settle.)
+    await vi.waitFor(() => expect(waiting.settled).toBe(true), { timeout: 5_000, interval: 5 });
     expect(waiting.error).toBeInstanceOf(AdmitTimeoutError);
     expect((waiting.error as AdmitTimeoutError).retryAfterMs).toBe(1200);
     expect(gate.snapshot()).toMatchObject({ waiting: 0, timedOut: 1 });
