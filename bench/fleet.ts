@@ -193,11 +193,26 @@ const MODES: { mode: Mode; name: string }[] = [
   { mode: "none", name: "no gate (24 callers)" },
 ];
 
+/**
+ * The contenders `only` names (by mode), after the ceiling, in the table's order; all of them
+ * when `only` is undefined. Throws naming an id that is no contender's.
+ */
+export function fleetModes(only: readonly string[] | undefined): { mode: Mode; name: string }[] {
+  if (only === undefined) return MODES;
+  const ids = MODES.map((m) => m.mode as string);
+  const unknown = only.find((id) => !ids.includes(id));
+  if (unknown !== undefined) {
+    throw new Error(`fleet: --only names "${unknown}", which is no contender; they are ${ids.join(", ")}`);
+  }
+  return MODES.filter((m) => m.mode === "ceiling" || only.includes(m.mode));
+}
+
 export const fleet: Benchmark = {
   name: "fleet",
   title: "fleet: 12 processes × 2 callers, cap 8, local provider",
   redis: true,
   async run(args: BenchArgs) {
+    const modes = fleetModes(args.only);
     const url = await args.redisUrl();
     const count = args.rounds ?? (args.quick ? 1 : 5);
     const seconds = args.seconds ?? (args.quick ? 0.5 : 3);
@@ -309,7 +324,7 @@ export const fleet: Benchmark = {
             if (round >= 0) stats.set(name, [...(stats.get(name) ?? []), s]);
             return s.throughput;
           };
-          const contenders: Contender[] = MODES.map(({ mode, name }) => ({
+          const contenders: Contender[] = modes.map(({ mode, name }) => ({
             name,
             run: (round) => runOnce(mode, name, round),
           }));
@@ -331,10 +346,10 @@ export const fleet: Benchmark = {
             );
             console.error(`(fleet: chart in ${file})`);
           }
-          const ceiling = figures.get(MODES[0]!.name)!;
+          const ceiling = figures.get(modes[0]!.name)!;
           const rows: string[][] = [];
           const notes: string[] = [];
-          for (const { mode, name } of MODES) {
+          for (const { mode, name } of modes) {
             const f = figures.get(name)!;
             const s = stats.get(name)!;
             const [med, range] = spread(f, (x) => x.toFixed(1));
@@ -383,12 +398,15 @@ export const fleet: Benchmark = {
               );
             }
             if (mode === "blpop") {
-              const gate = figures.get(MODES.find((x) => x.mode === "floodgate-gate")!.name)!;
-              const sem = figures.get(MODES.find((x) => x.mode === "floodgate")!.name)!;
+              const gate = figures.get(MODES.find((x) => x.mode === "floodgate-gate")!.name);
+              const sem = figures.get(MODES.find((x) => x.mode === "floodgate")!.name);
+              const of = [
+                gate && `the fused gate makes ${times(pairedRatio(gate, f))}`,
+                sem && `the semaphore ${times(pairedRatio(sem, f))}`,
+              ].filter(Boolean);
               notes.push(
                 `handoff floor (BLPOP token list): ${pct(vs)} of ceiling, what the ceiling less one Redis ` +
-                  `handoff per job comes to here; the fused gate makes ${times(pairedRatio(gate, f))} and the ` +
-                  `semaphore ${times(pairedRatio(sem, f))} of it.`,
+                  `handoff per job comes to here${of.length > 0 ? `; ${of.join(" and ")} of it` : ""}.`,
               );
             }
             if (mode === "floodgate") {

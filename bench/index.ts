@@ -11,7 +11,8 @@
  *   npx tsx bench/index.ts redis --quick           a group: `memory` or `redis`
  *   npm run bench -- redis-gate --built            the built package (dist/), built first
  *
- * Flags: --quick, --rounds N, --tasks N, --seconds S, --handoffs N, --keys N (--help says more).
+ * Flags: --quick, --rounds N, --tasks N, --seconds S, --handoffs N, --keys N, --only IDS (the
+ * fleet's contenders: `fleet --only floodgate-gate,floodgate`) (--help says more).
  * Redis benchmarks start their own redis-server on a free loopback port unless REDIS_URL is set.
  *
  * `--chart FILE.svg` draws the fleet benchmark's first round (`npx tsx bench/index.ts fleet

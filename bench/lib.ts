@@ -14,6 +14,8 @@ export interface BenchArgs {
   handoffs: number | undefined;
   /** Keys (idle-keys benchmark). */
   keys: number | undefined;
+  /** The contenders to run, by their ids (fleet benchmark: its ceiling row always runs); all when undefined. */
+  only: readonly string[] | undefined;
   /** Redis URL of the shared server, once started. */
   redisUrl: () => Promise<string>;
 }

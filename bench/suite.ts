@@ -2,12 +2,12 @@
 import { execFileSync } from "node:child_process";
 import { readFileSync } from "node:fs";
 import { cpus, loadavg, totalmem } from "node:os";
-import { command, parseOrExit } from "../examples/cli.js";
+import { command, parseOrExit, refusal, UsageError } from "../examples/cli.js";
 import { bucketClassesBench, redisBucketClassesBench } from "./bucket-classes.js";
 import { bucketFleet } from "./bucket-fleet.js";
 import { classesBench, redisClassesBench } from "./classes.js";
 import { clientLibraries } from "./client-libraries.js";
-import { fleet } from "./fleet.js";
+import { fleet, fleetModes } from "./fleet.js";
 import { gateCuts } from "./gate-cuts.js";
 import { handoff } from "./handoff.js";
 import { idleKeys } from "./idle-keys.js";
@@ -102,6 +102,11 @@ export const COMMAND = command({
       type: "boolean",
       help: "measure the built package (dist/, what an install gets: built first) rather than the sources through tsx",
     },
+    only: {
+      type: "string",
+      value: "IDS",
+      help: "run only these contenders, comma-separated (fleet only: floodgate, floodgate-gate, floodgate-chained, redis-semaphore, poll200, blpop, none; its ceiling row always runs)",
+    },
     list: { type: "boolean", help: "name the benchmarks and exit" },
     chart: {
       type: "string",
@@ -134,6 +139,15 @@ export async function runSuite(argv: string[]): Promise<void> {
       ? BENCHMARKS
       : BENCHMARKS.filter((b) => names.some((p) => p === b.name || GROUPS[p]?.(b)));
 
+  const only = values.only?.split(",").map((id) => id.trim());
+  if (only !== undefined) {
+    try {
+      fleetModes(only);
+    } catch (error) {
+      process.stderr.write(refusal(COMMAND, new UsageError((error as Error).message)));
+      process.exit(2);
+    }
+  }
   let server: Awaited<ReturnType<typeof benchRedis>> | undefined;
   const args: BenchArgs = {
     quick: values.quick,
@@ -142,6 +156,7 @@ export async function runSuite(argv: string[]): Promise<void> {
     seconds: values.seconds,
     handoffs: values.handoffs,
     keys: values.keys,
+    only,
     redisUrl: async () => {
       server ??= await benchRedis();
       return server.url;
