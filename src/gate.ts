@@ -15,7 +15,7 @@ import { callWith, RESOLVED } from "./base/run.js";
 import { type BaseStage, type BaseTicket, RunWaiter } from "./base/stage.js";
 import { type Clock, systemClock } from "./clock.js";
 import { Drain, Drains, nothingDrained } from "./drain.js";
-import { ClosedError, DrainingError, InvalidOptionsError } from "./errors.js";
+import { AdmitTimeoutError, ClosedError, DrainingError, InvalidOptionsError } from "./errors.js";
 import { stageLogger } from "./logger.js";
 import type {
   AdmitOptions,
@@ -484,8 +484,7 @@ export class Gate implements Stage {
         if (this.#closed) throw new ClosedError(this.name);
       }
     } catch (error) {
-      if (o.signal?.aborted && error === o.signal.reason) this.#aborted++;
-      else if ((error as { code?: unknown })?.code === "ADMIT_TIMEOUT") this.#timedOut++;
+      this.#count(o, error);
       const taken = held.splice(0);
       await this.settleTogether(taken, undefined).catch((e) => this.#log.warn({ err: e }, "refund failed"));
       throw error;
@@ -614,10 +613,27 @@ export class Gate implements Stage {
     }
   }
 
+  /**
+   * Count a call whose wait ended in `error` (aborted, timed out). A fused gate's own timeout is
+   * logged here, as a stage logs its own: taken stage by stage, the stage that timed out has.
+   */
+  #count(o: AdmitOptions, error: unknown): void {
+    if (o.signal?.aborted && error === o.signal.reason) this.#aborted++;
+    else if ((error as { code?: unknown })?.code === "ADMIT_TIMEOUT") {
+      this.#timedOut++;
+      if (error instanceof AdmitTimeoutError && error.stage === this.name && this.#fused) {
+        const retryAfterMs = error.retryAfterMs;
+        this.#log.warn(
+          retryAfterMs === undefined ? { timeoutMs: o.timeoutMs } : { timeoutMs: o.timeoutMs, retryAfterMs },
+          "admission timed out",
+        );
+      }
+    }
+  }
+
   /** A call's wait ended in `error`: count it, give back what it holds, and rethrow. */
   #giveUp<T>(held: Ticket[], o: RunOptions<T>, error: unknown): never | Promise<never> {
-    if (o.signal?.aborted && error === o.signal.reason) this.#aborted++;
-    else if ((error as { code?: unknown })?.code === "ADMIT_TIMEOUT") this.#timedOut++;
+    this.#count(o, error);
     const taken = held.splice(0);
     const refunded = this.settleTogether(taken, undefined);
     if (refunded === RESOLVED) throw error;

@@ -227,6 +227,43 @@ describe.each(backends)("Gate on $name", (backend) => {
     expect(sem.snapshot()).toMatchObject({ inFlight: 0, waiting: 0 });
   });
 
+  it("logs a fused gate's own timeout through the gate's logger, as a stage logs its own", async () => {
+    const b = backend.make(clock);
+    const lines: { level: string; obj: object; msg: string | undefined }[] = [];
+    const at =
+      (level: string) =>
+      (obj: object, msg?: string): void => {
+        lines.push({ level, obj, msg });
+      };
+    const logger = {
+      child: () => logger,
+      debug: at("debug"),
+      info: at("info"),
+      warn: at("warn"),
+      error: at("error"),
+    };
+    const sem = b.semaphore("inflight", { limit: 1 });
+    const bucket = b.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 });
+    const gate = new Gate([sem, bucket], { clock, logger });
+    await bucket.admit();
+    await gate.admit({ timeoutMs: 200 }).catch(() => {});
+    const blocker = await sem.admit();
+    const waiting = track(gate.admit({ timeoutMs: 300 }));
+    await clock.advance(300);
+    await vi.waitFor(() => expect(waiting.settled).toBe(true), { timeout: 5_000, interval: 5 });
+    const timedOut = lines.filter((l) => l.msg === "admission timed out");
+    // Taken stage by stage, the stages log their own (through theirs), and the gate nothing.
+    expect(timedOut).toEqual(
+      gate.fused
+        ? [
+            { level: "warn", obj: { timeoutMs: 200, retryAfterMs: 1000 }, msg: "admission timed out" },
+            { level: "warn", obj: { timeoutMs: 300 }, msg: "admission timed out" },
+          ]
+        : [],
+    );
+    await blocker.release();
+  });
+
   it("refuses a waiting call once its rates cannot admit it before its deadline, not at it", async () => {
     const b = backend.make(clock);
     const bucket = b.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 });
