@@ -193,6 +193,9 @@ const MODES: { mode: Mode; name: string }[] = [
   { mode: "none", name: "no gate (24 callers)" },
 ];
 
+/** The ids `--only` takes: the fleet's contenders but its ceiling, which always runs. */
+export const FLEET_IDS: readonly string[] = MODES.filter((m) => m.mode !== "ceiling").map((m) => m.mode);
+
 /**
  * The contenders `only` names (by mode), after the ceiling, in the table's order; all of them
  * when `only` is undefined. Throws naming an id that is no contender's.

@@ -7,7 +7,7 @@ import { bucketClassesBench, redisBucketClassesBench } from "./bucket-classes.js
 import { bucketFleet } from "./bucket-fleet.js";
 import { classesBench, redisClassesBench } from "./classes.js";
 import { clientLibraries } from "./client-libraries.js";
-import { fleet, fleetModes } from "./fleet.js";
+import { FLEET_IDS, fleet, fleetModes } from "./fleet.js";
 import { gateCuts } from "./gate-cuts.js";
 import { handoff } from "./handoff.js";
 import { idleKeys } from "./idle-keys.js";
@@ -105,7 +105,7 @@ export const COMMAND = command({
     only: {
       type: "string",
       value: "IDS",
-      help: "run only these contenders, comma-separated (fleet only: floodgate, floodgate-gate, floodgate-chained, redis-semaphore, poll200, blpop, none; its ceiling row always runs)",
+      help: `run only these contenders, comma-separated (fleet only: ${FLEET_IDS.join(", ")}; its ceiling row always runs)`,
     },
     list: { type: "boolean", help: "name the benchmarks and exit" },
     chart: {

@@ -622,11 +622,7 @@ export class Gate implements Stage {
     else if ((error as { code?: unknown })?.code === "ADMIT_TIMEOUT") {
       this.#timedOut++;
       if (error instanceof AdmitTimeoutError && error.stage === this.name && this.#fused) {
-        const retryAfterMs = error.retryAfterMs;
-        this.#log.warn(
-          retryAfterMs === undefined ? { timeoutMs: o.timeoutMs } : { timeoutMs: o.timeoutMs, retryAfterMs },
-          "admission timed out",
-        );
+        this.#log.warn({ timeoutMs: o.timeoutMs, retryAfterMs: error.retryAfterMs }, "admission timed out");
       }
     }
   }

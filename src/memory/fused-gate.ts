@@ -395,10 +395,7 @@ class MemoryFusedGate implements FusedAdmission {
         // Its rate cannot admit it before its deadline: refused now, not at the deadline; the
         // next in the lane is asked.
         if (r > w.call.deadline - w.call.clock.now()) {
-          lane.remove(w);
-          this.#charge(w, now, -1);
-          this.#done(w);
-          w.reject(this.#timeout(w.call, this.#refusedBy, r));
+          this.#leave(w, lane, this.#timeout(w.call, this.#refusedBy, r));
           continue;
         }
         this.#charge(w, now, this.#refusedBy);
@@ -429,13 +426,18 @@ class MemoryFusedGate implements FusedAdmission {
     const line = w.line;
     if (line === undefined) return;
     const first = line.head === w;
+    this.#leave(w, line, error);
+    if (!first) return;
+    if (line === this.#permitLine) this.#queueServe();
+    else this.#serveLane(line);
+  }
+
+  /** `w` leaves `line` refused with `error`, its wait so far counted. */
+  #leave(w: Waiter, line: Line, error: unknown): void {
     line.remove(w);
     this.#charge(w, this.#clock.now(), -1);
     this.#done(w);
     w.reject(error);
-    if (!first) return;
-    if (line === this.#permitLine) this.#queueServe();
-    else this.#serveLane(line);
   }
 
   /** `w` has left the lines: its timer and listener go, and the watch when nobody waits. */
@@ -452,12 +454,7 @@ class MemoryFusedGate implements FusedAdmission {
     for (const line of lines) {
       if (line.timer !== undefined) this.#clock.clearTimeout(line.timer);
       line.timer = undefined;
-      for (let w = line.head; w !== null; w = line.head) {
-        line.remove(w);
-        this.#charge(w, this.#clock.now(), -1);
-        this.#done(w);
-        w.reject(error);
-      }
+      for (let w = line.head; w !== null; w = line.head) this.#leave(w, line, error);
     }
   }
 

@@ -10,6 +10,7 @@ import {
 } from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { beforeEach, describe, expect, it, vi } from "vitest";
+import { recorder } from "../recorder.js";
 import { warningsDuring } from "../warnings.js";
 import { backends, track, useBackend } from "./backends.js";
 
@@ -229,19 +230,7 @@ describe.each(backends)("Gate on $name", (backend) => {
 
   it("logs a fused gate's own timeout through the gate's logger, as a stage logs its own", async () => {
     const b = backend.make(clock);
-    const lines: { level: string; obj: object; msg: string | undefined }[] = [];
-    const at =
-      (level: string) =>
-      (obj: object, msg?: string): void => {
-        lines.push({ level, obj, msg });
-      };
-    const logger = {
-      child: () => logger,
-      debug: at("debug"),
-      info: at("info"),
-      warn: at("warn"),
-      error: at("error"),
-    };
+    const { logger, entries } = recorder();
     const sem = b.semaphore("inflight", { limit: 1 });
     const bucket = b.tokenBucket("rate", { capacity: 1, refillPerSecond: 1 });
     const gate = new Gate([sem, bucket], { clock, logger });
@@ -251,13 +240,15 @@ describe.each(backends)("Gate on $name", (backend) => {
     const waiting = track(gate.admit({ timeoutMs: 300 }));
     await clock.advance(300);
     await vi.waitFor(() => expect(waiting.settled).toBe(true), { timeout: 5_000, interval: 5 });
-    const timedOut = lines.filter((l) => l.msg === "admission timed out");
+    const timedOut = entries
+      .filter((e) => e.msg === "admission timed out")
+      .map(({ level, stage, timeoutMs, retryAfterMs }) => ({ level, stage, timeoutMs, retryAfterMs }));
     // Taken stage by stage, the stages log their own (through theirs), and the gate nothing.
     expect(timedOut).toEqual(
       gate.fused
         ? [
-            { level: "warn", obj: { timeoutMs: 200, retryAfterMs: 1000 }, msg: "admission timed out" },
-            { level: "warn", obj: { timeoutMs: 300 }, msg: "admission timed out" },
+            { level: "warn", stage: "gate", timeoutMs: 200, retryAfterMs: 1000 },
+            { level: "warn", stage: "gate", timeoutMs: 300 },
           ]
         : [],
     );
