@@ -35,6 +35,8 @@ export interface RunMessage {
   cap: number;
   /** When set, count the callers waiting for admission every `sampleMs` from `startAt` (for a chart). */
   sampleMs?: number;
+  /** When set (`--legs`), time each handoff's legs: see `RunReport.written` and `RunReport.heard`. */
+  legs?: boolean;
 }
 
 export interface RunReport {
@@ -62,9 +64,44 @@ export interface RunReport {
    */
   grants: number[];
   releases: number[];
+  /**
+   * With `legs`: for each of `releases`, when this process wrote its next command to Redis (the
+   * release's own, unless the other caller's went first; null when none did within 50 ms).
+   */
+  written?: (number | null)[];
+  /**
+   * With `legs`: for each of `grants`, when this process last heard from Redis on a connection it
+   * waits on (a pub/sub message, or the BLPOP's reply) while its caller waited; null when none
+   * came (the caller's own ask was answered with the grant).
+   */
+  heard?: (number | null)[];
 }
 
 const client = await workerClient();
+
+/**
+ * Handoff legs (`RunMessage.legs`): each command this process writes on its client answers the
+ * releases waiting for one (`written`), and each message a connection of its hears (pub/sub, on
+ * any ioredis client of the process) is the latest heard.
+ */
+const legs = { on: false, lastHeard: Number.NaN, pending: [] as number[], written: [] as (number | null)[] };
+{
+  const send = client.sendCommand.bind(client);
+  client.sendCommand = ((...args: Parameters<typeof client.sendCommand>) => {
+    if (legs.on && legs.pending.length > 0) {
+      const at = nowMs();
+      for (const i of legs.pending) legs.written[i] = at;
+      legs.pending.length = 0;
+    }
+    return send(...args);
+  }) as typeof client.sendCommand;
+  const proto = Object.getPrototypeOf(client) as { emit: (event: string, ...args: unknown[]) => boolean };
+  const emit = proto.emit;
+  proto.emit = function (this: unknown, event: string, ...args: unknown[]): boolean {
+    if (event === "message" && legs.on) legs.lastHeard = nowMs();
+    return emit.call(this, event, ...args);
+  };
+}
 const agent = new Agent({ keepAliveTimeout: 30_000, connections: 4 });
 
 type Release = (status: number) => Promise<unknown>;
@@ -160,6 +197,7 @@ function admission(m: RunMessage): {
           let token: string;
           try {
             const got = await conn.blpop(list, 0);
+            if (legs.on) legs.lastHeard = nowMs();
             token = got![1];
           } catch (error) {
             throw signal.aborted ? signal.reason : error;
@@ -202,7 +240,11 @@ async function run(m: RunMessage): Promise<RunReport> {
     thinks: [],
     grants: [],
     releases: [],
+    ...(m.legs ? { written: [], heard: [] } : {}),
   };
+  legs.on = m.legs === true;
+  legs.pending.length = 0;
+  legs.written = report.written ?? [];
   const gate = admission(m);
   // (Ungated callers have no admission to wait for, and no handoff.)
   const gated = m.mode !== "none" && m.mode !== "ceiling";
@@ -237,7 +279,10 @@ async function run(m: RunMessage): Promise<RunReport> {
       const granted = nowMs();
       if (gated) {
         report.waits.push(granted - asked);
-        if (granted <= deadline) report.grants.push(granted);
+        if (granted <= deadline) {
+          report.grants.push(granted);
+          report.heard?.push(legs.lastHeard >= asked ? legs.lastHeard : null);
+        }
       }
       let status = 0;
       try {
@@ -249,7 +294,13 @@ async function run(m: RunMessage): Promise<RunReport> {
         report.errors++;
       }
       const done = nowMs();
-      if (gated) report.releases.push(done);
+      if (gated) {
+        report.releases.push(done);
+        if (legs.on) {
+          legs.pending.push(legs.written.length);
+          legs.written.push(null);
+        }
+      }
       await release(status);
       if (done <= deadline) {
         if (status === 200) {
@@ -271,7 +322,12 @@ async function run(m: RunMessage): Promise<RunReport> {
     clearTimeout(timer);
     clearInterval(sampler);
     await gate.close();
+    legs.on = false;
   }
+  // (A command written more than 50 ms after its release is another's: the release went none.)
+  report.written?.forEach((at, i) => {
+    if (at !== null && at - report.releases[i]! > 50) report.written![i] = null;
+  });
   return report;
 }
 

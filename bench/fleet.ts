@@ -150,6 +150,45 @@ export function handoffs(grants: readonly number[], releases: readonly number[],
   return sorted(out);
 }
 
+/** A run's handoffs leg by leg (`--legs`), ms, each list sorted: see `handoffLegs`. */
+export interface HandoffLegs {
+  /** From a release (as called) to the next command its process wrote to Redis. */
+  written: number[];
+  /** From that command to the grant heard in the waiter's process (a message, or its BLPOP's reply). */
+  heard: number[];
+  /** From that to the waiter's admission returning to its caller. */
+  admitted: number[];
+}
+
+/**
+ * The legs of the handoffs `handoffs` pairs (the k-th release against the (k + cap)-th grant),
+ * from the reports' `written` and `heard` (`--legs`). A leg is left out of a pair where a time it
+ * needs is missing, or where the grant was heard before the release's command went out (heard
+ * for another's wait, or a wake-up rather than the grant).
+ */
+export function handoffLegs(reports: readonly RunReport[], cap: number): HandoffLegs {
+  const pairs = (at: readonly number[], aux: readonly (number | null)[] | undefined) =>
+    at.map((t, i) => [t, aux?.[i] ?? null] as const);
+  const g = reports.flatMap((r) => pairs(r.grants, r.heard)).sort((a, b) => a[0] - b[0]);
+  const rel = reports.flatMap((r) => pairs(r.releases, r.written)).sort((a, b) => a[0] - b[0]);
+  const legs: HandoffLegs = { written: [], heard: [], admitted: [] };
+  for (let k = 0; k + cap < g.length && k < rel.length; k++) {
+    const [granted, heard] = g[k + cap]!;
+    const [released, written] = rel[k]!;
+    if (granted < released) continue;
+    if (written !== null) legs.written.push(written - released);
+    if (heard !== null && written !== null && heard >= written) legs.heard.push(heard - written);
+    if (heard !== null && heard >= released) legs.admitted.push(granted - heard);
+  }
+  return { written: sorted(legs.written), heard: sorted(legs.heard), admitted: sorted(legs.admitted) };
+}
+
+/** The median of each of a run's handoff legs (NaN for a leg with none). */
+function legMedians(legs: HandoffLegs): NonNullable<RunStats["legs"]> {
+  const p50 = (l: number[]) => (l.length === 0 ? Number.NaN : percentile(l, 50));
+  return { written: p50(legs.written), heard: p50(legs.heard), admitted: p50(legs.admitted) };
+}
+
 /** Whether callers of `mode` wait for an admission (the ceiling and no gate do not). */
 function gated(mode: Mode): boolean {
   return mode !== "none" && mode !== "ceiling";
@@ -175,6 +214,8 @@ interface RunStats {
   /** Release to the grant it lets in (see `handoffs`), ms: median and mean. */
   handoffP50: number;
   handoffMean: number;
+  /** With `--legs`: the medians of the handoffs' legs (see `HandoffLegs`), ms. */
+  legs?: { written: number; heard: number; admitted: number };
   jobs: number;
   cutOff: number;
   /** Callers that got no job done in the run, and the fewest jobs any caller got. */
@@ -262,6 +303,7 @@ export const fleet: Benchmark = {
                 callers,
                 cap: CAP,
                 ...(charted && round === 0 ? { sampleMs: CHART_MS } : {}),
+                ...(args.legs ? { legs: true } : {}),
               };
               w.child.send(m);
             });
@@ -319,6 +361,7 @@ export const fleet: Benchmark = {
               fifoP99: gated(mode) ? percentile(fifo, 99) : Number.NaN,
               handoffP50: gaps.length === 0 ? Number.NaN : percentile(gaps, 50),
               handoffMean: mean(gaps),
+              ...(args.legs && gated(mode) ? { legs: legMedians(handoffLegs(reports, CAP)) } : {}),
               jobs: ok,
               cutOff: reports.reduce((n, r) => n + r.cutOff, 0),
               starved: reports.reduce((n, r) => n + r.perCaller.filter((x) => x === 0).length, 0),
@@ -365,6 +408,15 @@ export const fleet: Benchmark = {
             const handoffP50 = median(s.map((x) => x.handoffP50));
             const handoffMean = median(s.map((x) => x.handoffMean));
             const starved = Math.max(...s.map((x) => x.starved));
+            if (args.legs && gated(mode)) {
+              const leg = (pick: (l: NonNullable<RunStats["legs"]>) => number) =>
+                ms(median(s.map((x) => pick(x.legs!))), 2);
+              notes.push(
+                `${name}, handoff legs (p50, median of rounds): release → its process's next command written ` +
+                  `${leg((l) => l.written)} · written → grant heard in the waiter's process ${leg((l) => l.heard)} · ` +
+                  `heard → admitted ${leg((l) => l.admitted)}.`,
+              );
+            }
             const fewest = Math.min(...s.map((x) => x.fewest));
             const outside = s.reduce((n, x) => n + x.outside, 0);
             const errors = s.reduce((n, x) => n + x.errors, 0);

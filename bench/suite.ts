@@ -107,6 +107,10 @@ export const COMMAND = command({
       value: "IDS",
       help: `run only these contenders, comma-separated (fleet only: ${FLEET_IDS.join(", ")}; its ceiling row always runs)`,
     },
+    legs: {
+      type: "boolean",
+      help: "fleet only: time each handoff leg by leg (release → command written → grant heard → admitted)",
+    },
     list: { type: "boolean", help: "name the benchmarks and exit" },
     chart: {
       type: "string",
@@ -157,6 +161,7 @@ export async function runSuite(argv: string[]): Promise<void> {
     handoffs: values.handoffs,
     keys: values.keys,
     only,
+    legs: values.legs,
     redisUrl: async () => {
       server ??= await benchRedis();
       return server.url;
