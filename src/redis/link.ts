@@ -62,6 +62,12 @@ function published(error: BackendUnavailableError): BackendUnavailableError {
   return error;
 }
 
+/** A timer that can stop keeping the process alive, and start again (Node's). */
+interface Refable {
+  ref(): unknown;
+  unref(): unknown;
+}
+
 export class RedisLink {
   readonly #listening: Listening;
   #closed = false;
@@ -72,6 +78,11 @@ export class RedisLink {
   #first: Call | undefined = undefined;
   #last: Call | undefined = undefined;
   #timer: ClockTimer | undefined = undefined;
+  /**
+   * The timer was left to run out once no call was left (see `#remove`): it keeps nothing alive
+   * until the next call takes it up again.
+   */
+  #idle = false;
   /** The socket held back until the current turn of the event loop ends, if any. */
   #corked: Corkable | undefined = undefined;
   readonly #sweep = () => this.#timeOut();
@@ -360,7 +371,12 @@ export class RedisLink {
   #push(call: Call): void {
     if (this.#last === undefined) {
       this.#first = call;
-      this.#timer = this.clock.setTimeout(this.#sweep, this.commandTimeoutMs);
+      if (this.#timer === undefined) this.#timer = this.clock.setTimeout(this.#sweep, this.commandTimeoutMs);
+      else if (this.#idle) {
+        // (It runs out no later than this call's deadline: it then waits for the call's.)
+        (this.#timer as Refable).ref();
+        this.#idle = false;
+      }
     } else {
       this.#last.next = call;
       call.prev = this.#last;
@@ -368,7 +384,12 @@ export class RedisLink {
     this.#last = call;
   }
 
-  /** Take a settled call out of the list; the timer goes when nothing is left to time. */
+  /**
+   * Take a settled call out of the list. With nothing left to time, the timer is left to run out
+   * where the clock's timers can stop keeping the process alive (the system clock's), and taken
+   * up by the next call: a caller that waits for each reply before its next call would otherwise
+   * set a timer and clear it for every call. Else it goes.
+   */
   #remove(call: Call): void {
     call.done = true;
     const { prev, next } = call;
@@ -377,15 +398,22 @@ export class RedisLink {
     if (next) next.prev = prev;
     else this.#last = prev;
     call.prev = call.next = undefined;
-    if (this.#first === undefined && this.#timer !== undefined) {
-      this.clock.clearTimeout(this.#timer);
-      this.#timer = undefined;
+    if (this.#first === undefined && this.#timer !== undefined && !this.#idle) {
+      const timer = this.#timer as Partial<Refable>;
+      if (typeof timer.unref === "function" && typeof timer.ref === "function" && !this.#closed) {
+        timer.unref();
+        this.#idle = true;
+      } else {
+        this.clock.clearTimeout(this.#timer);
+        this.#timer = undefined;
+      }
     }
   }
 
   /** Fail every call past its deadline; wait for the next one's. */
   #timeOut(): void {
     this.#timer = undefined;
+    this.#idle = false;
     const now = this.clock.now();
     for (let call = this.#first; call !== undefined && call.deadline <= now; call = this.#first) {
       this.#remove(call);
@@ -420,6 +448,11 @@ export class RedisLink {
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;
+    if (this.#idle) {
+      this.clock.clearTimeout(this.#timer);
+      this.#timer = undefined;
+      this.#idle = false;
+    }
     this.client.off("ready", this.#onReady);
     await this.#listening.close();
   }

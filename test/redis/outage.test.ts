@@ -1,8 +1,9 @@
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { Gate, isFloodgateError, type Stage, type Ticket } from "floodgate";
+import { type Clock, Gate, isFloodgateError, type Stage, type Ticket } from "floodgate";
 import { redis, stageKey } from "floodgate/redis";
+import { FakeClock } from "floodgate/testing";
 import type { Redis } from "ioredis";
 import { afterEach, describe, expect, it } from "vitest";
 import { commandName, type ScriptName } from "../../src/redis/scripts.js";
@@ -318,6 +319,63 @@ describe("a Redis outage", () => {
     const ticket = await sem.tryAdmit();
     expect(ticket).toBeDefined();
     await ticket!.release("success");
+  });
+
+  it("times a call out at its own deadline after earlier calls were answered and the timer left running", async () => {
+    // A clock whose timers can stop keeping the process alive, as Node's (no `track`: time moves
+    // without waiting for Redis). Once its calls are answered, the link leaves its one timer to
+    // run out, no longer keeping the process alive, and takes it up for the next call.
+    const fake = new FakeClock();
+    /** Each timer set, by its ms, and what was done with it. */
+    const timers: { ms: number; ref: number; unref: number; cleared: boolean }[] = [];
+    const clock: Clock = {
+      now: () => fake.now(),
+      setTimeout: (callback, ms) => {
+        const t = { ms, ref: 0, unref: 0, cleared: false };
+        timers.push(t);
+        return { handle: fake.setTimeout(callback, ms), ref: () => t.ref++, unref: () => t.unref++, t };
+      },
+      clearTimeout: (timer) => {
+        const { handle, t } = timer as { handle: unknown; t: { cleared: boolean } };
+        t.cleared = true;
+        fake.clearTimeout(handle);
+      },
+    };
+    /** The timers set for the link's calls (the command timeout, or what is left of it). */
+    const callTimers = () => timers.filter((t) => t.ms <= 1_000);
+    const server = await startServer(await freePort());
+    const backend = redis(await client(server.url), {
+      prefix: randomPrefix("outage-timer"),
+      clock,
+      commandTimeoutMs: 1_000,
+    });
+    backends.push(backend);
+    const bucket = backend.tokenBucket("b", { capacity: 100, refillPerSecond: 100 });
+    expect(await bucket.tryAdmit()).toBeDefined();
+    expect(await bucket.tryAdmit()).toBeDefined();
+    // One timer for both calls: left to run out after each reply, taken up again for the second.
+    expect(callTimers()).toEqual([{ ms: 1_000, ref: 1, unref: 2, cleared: false }]);
+
+    // The timer runs out at 1,000; a call sent at 600 with Redis frozen fails at 1,600, not before.
+    await fake.advance(600);
+    server.child!.kill("SIGSTOP");
+    let failed: unknown;
+    bucket.tryAdmit().then(
+      () => (failed = "admitted"),
+      (error: unknown) => (failed = error),
+    );
+    await fake.advance(999);
+    expect(failed).toBeUndefined();
+    // (It ran out at 1,000, and was set again for what was left of the call's time.)
+    expect(callTimers().map((t) => t.ms)).toEqual([1_000, 600]);
+    await fake.advance(1);
+    await until(() => failed !== undefined, {
+      timeoutMs: 3_000,
+      message: "the call was not failed at its deadline",
+    });
+    server.child!.kill("SIGCONT");
+    expect(isFloodgateError(failed, "BACKEND_UNAVAILABLE"), String(failed)).toBe(true);
+    expect(String(failed)).toMatch(/did not answer token-bucket-take within 1000 ms/);
   });
 
   // A Cluster client (ioredis, iovalkey) sends a command again by itself after its connection
