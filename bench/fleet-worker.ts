@@ -80,12 +80,16 @@ export interface RunReport {
 const client = await workerClient();
 
 /**
- * Handoff legs (`RunMessage.legs`): each command this process writes on its client answers the
- * releases waiting for one (`written`), and each message a connection of its hears (pub/sub, on
- * any ioredis client of the process) is the latest heard.
+ * Handoff legs (`RunMessage.legs`): once a run asks for them, each command this process writes on
+ * its client answers the releases waiting for one (`written`), and each message a connection of
+ * its hears (pub/sub, on any ioredis client of the process) is the latest heard. (Not watched
+ * before: runs without them measure the client as it is.)
  */
 const legs = { on: false, lastHeard: Number.NaN, pending: [] as number[], written: [] as (number | null)[] };
-{
+let legsWatched = false;
+function watchLegs(): void {
+  if (legsWatched) return;
+  legsWatched = true;
   const send = client.sendCommand.bind(client);
   client.sendCommand = ((...args: Parameters<typeof client.sendCommand>) => {
     if (legs.on && legs.pending.length > 0) {
@@ -242,6 +246,7 @@ async function run(m: RunMessage): Promise<RunReport> {
     releases: [],
     ...(m.legs ? { written: [], heard: [] } : {}),
   };
+  if (m.legs) watchLegs();
   legs.on = m.legs === true;
   legs.pending.length = 0;
   legs.written = report.written ?? [];
