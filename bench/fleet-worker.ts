@@ -85,16 +85,24 @@ const client = await workerClient();
  * its hears (pub/sub, on any ioredis client of the process) is the latest heard. (Not watched
  * before: runs without them measure the client as it is.)
  */
-const legs = { on: false, lastHeard: Number.NaN, pending: [] as number[], written: [] as (number | null)[] };
+const legs = {
+  /** The report of the run that times legs, while it runs. */
+  report: undefined as RunReport | undefined,
+  lastHeard: Number.NaN,
+  /** Releases (their places in `report.written`) whose next command is still to be written. */
+  pending: [] as number[],
+};
 let legsWatched = false;
 function watchLegs(): void {
   if (legsWatched) return;
   legsWatched = true;
   const send = client.sendCommand.bind(client);
   client.sendCommand = ((...args: Parameters<typeof client.sendCommand>) => {
-    if (legs.on && legs.pending.length > 0) {
+    const report = legs.report;
+    if (report !== undefined && legs.pending.length > 0) {
       const at = nowMs();
-      for (const i of legs.pending) legs.written[i] = at;
+      // (A command written more than 50 ms after a release is another's: that release wrote none.)
+      for (const i of legs.pending) if (at - report.releases[i]! <= 50) report.written![i] = at;
       legs.pending.length = 0;
     }
     return send(...args);
@@ -102,7 +110,7 @@ function watchLegs(): void {
   const proto = Object.getPrototypeOf(client) as { emit: (event: string, ...args: unknown[]) => boolean };
   const emit = proto.emit;
   proto.emit = function (this: unknown, event: string, ...args: unknown[]): boolean {
-    if (event === "message" && legs.on) legs.lastHeard = nowMs();
+    if (event === "message" && legs.report !== undefined) legs.lastHeard = nowMs();
     return emit.call(this, event, ...args);
   };
 }
@@ -201,7 +209,7 @@ function admission(m: RunMessage): {
           let token: string;
           try {
             const got = await conn.blpop(list, 0);
-            if (legs.on) legs.lastHeard = nowMs();
+            if (legs.report !== undefined) legs.lastHeard = nowMs();
             token = got![1];
           } catch (error) {
             throw signal.aborted ? signal.reason : error;
@@ -247,9 +255,8 @@ async function run(m: RunMessage): Promise<RunReport> {
     ...(m.legs ? { written: [], heard: [] } : {}),
   };
   if (m.legs) watchLegs();
-  legs.on = m.legs === true;
+  legs.report = m.legs ? report : undefined;
   legs.pending.length = 0;
-  legs.written = report.written ?? [];
   const gate = admission(m);
   // (Ungated callers have no admission to wait for, and no handoff.)
   const gated = m.mode !== "none" && m.mode !== "ceiling";
@@ -301,9 +308,9 @@ async function run(m: RunMessage): Promise<RunReport> {
       const done = nowMs();
       if (gated) {
         report.releases.push(done);
-        if (legs.on) {
-          legs.pending.push(legs.written.length);
-          legs.written.push(null);
+        if (report.written) {
+          legs.pending.push(report.written.length);
+          report.written.push(null);
         }
       }
       await release(status);
@@ -327,12 +334,8 @@ async function run(m: RunMessage): Promise<RunReport> {
     clearTimeout(timer);
     clearInterval(sampler);
     await gate.close();
-    legs.on = false;
+    legs.report = undefined;
   }
-  // (A command written more than 50 ms after its release is another's: the release went none.)
-  report.written?.forEach((at, i) => {
-    if (at !== null && at - report.releases[i]! > 50) report.written![i] = null;
-  });
   return report;
 }
 

@@ -183,8 +183,11 @@ export function handoffLegs(reports: readonly RunReport[], cap: number): Handoff
   return { written: sorted(legs.written), heard: sorted(legs.heard), admitted: sorted(legs.admitted) };
 }
 
+/** The median of each of a run's handoff legs, ms. */
+type LegMedians = Record<keyof HandoffLegs, number>;
+
 /** The median of each of a run's handoff legs (NaN for a leg with none). */
-function legMedians(legs: HandoffLegs): NonNullable<RunStats["legs"]> {
+function legMedians(legs: HandoffLegs): LegMedians {
   const p50 = (l: number[]) => (l.length === 0 ? Number.NaN : percentile(l, 50));
   return { written: p50(legs.written), heard: p50(legs.heard), admitted: p50(legs.admitted) };
 }
@@ -215,7 +218,7 @@ interface RunStats {
   handoffP50: number;
   handoffMean: number;
   /** With `--legs`: the medians of the handoffs' legs (see `HandoffLegs`), ms. */
-  legs?: { written: number; heard: number; admitted: number };
+  legs?: LegMedians;
   jobs: number;
   cutOff: number;
   /** Callers that got no job done in the run, and the fewest jobs any caller got. */
@@ -409,8 +412,7 @@ export const fleet: Benchmark = {
             const handoffMean = median(s.map((x) => x.handoffMean));
             const starved = Math.max(...s.map((x) => x.starved));
             if (args.legs && gated(mode)) {
-              const leg = (pick: (l: NonNullable<RunStats["legs"]>) => number) =>
-                ms(median(s.map((x) => pick(x.legs!))), 2);
+              const leg = (pick: (l: LegMedians) => number) => ms(median(s.map((x) => pick(x.legs!))), 2);
               notes.push(
                 `${name}, handoff legs (p50, median of rounds): release → its process's next command written ` +
                   `${leg((l) => l.written)} · written → grant heard in the waiter's process ${leg((l) => l.heard)} · ` +

@@ -17,7 +17,7 @@ export interface BenchArgs {
   /** The contenders to run, by their ids (fleet benchmark: its ceiling row always runs); all when undefined. */
   only: readonly string[] | undefined;
   /** Time each handoff leg by leg (fleet benchmark): see bench/fleet.ts, `HandoffLegs`. */
-  legs?: boolean;
+  legs: boolean;
   /** Redis URL of the shared server, once started. */
   redisUrl: () => Promise<string>;
 }

@@ -77,12 +77,8 @@ export class RedisLink {
    */
   #first: Call | undefined = undefined;
   #last: Call | undefined = undefined;
+  /** Set while calls wait; with none left, it may be left to run out (see `#remove`). */
   #timer: ClockTimer | undefined = undefined;
-  /**
-   * The timer was left to run out once no call was left (see `#remove`): it keeps nothing alive
-   * until the next call takes it up again.
-   */
-  #idle = false;
   /** The socket held back until the current turn of the event loop ends, if any. */
   #corked: Corkable | undefined = undefined;
   readonly #sweep = () => this.#timeOut();
@@ -371,12 +367,10 @@ export class RedisLink {
   #push(call: Call): void {
     if (this.#last === undefined) {
       this.#first = call;
+      // A timer left to run out (see `#remove`) is taken up again: it runs out no later than
+      // this call's deadline, and then waits for the call's.
       if (this.#timer === undefined) this.#timer = this.clock.setTimeout(this.#sweep, this.commandTimeoutMs);
-      else if (this.#idle) {
-        // (It runs out no later than this call's deadline: it then waits for the call's.)
-        (this.#timer as Refable).ref();
-        this.#idle = false;
-      }
+      else (this.#timer as Refable).ref();
     } else {
       this.#last.next = call;
       call.prev = this.#last;
@@ -398,12 +392,11 @@ export class RedisLink {
     if (next) next.prev = prev;
     else this.#last = prev;
     call.prev = call.next = undefined;
-    if (this.#first === undefined && this.#timer !== undefined && !this.#idle) {
+    if (this.#first === undefined && this.#timer !== undefined) {
       const timer = this.#timer as Partial<Refable>;
-      if (typeof timer.unref === "function" && typeof timer.ref === "function" && !this.#closed) {
+      if (typeof timer.unref === "function" && typeof timer.ref === "function" && !this.#closed)
         timer.unref();
-        this.#idle = true;
-      } else {
+      else {
         this.clock.clearTimeout(this.#timer);
         this.#timer = undefined;
       }
@@ -413,7 +406,6 @@ export class RedisLink {
   /** Fail every call past its deadline; wait for the next one's. */
   #timeOut(): void {
     this.#timer = undefined;
-    this.#idle = false;
     const now = this.clock.now();
     for (let call = this.#first; call !== undefined && call.deadline <= now; call = this.#first) {
       this.#remove(call);
@@ -448,10 +440,10 @@ export class RedisLink {
   async close(): Promise<void> {
     if (this.#closed) return;
     this.#closed = true;
-    if (this.#idle) {
+    // (A timer left to run out: no call is left to time.)
+    if (this.#first === undefined && this.#timer !== undefined) {
       this.clock.clearTimeout(this.#timer);
       this.#timer = undefined;
-      this.#idle = false;
     }
     this.client.off("ready", this.#onReady);
     await this.#listening.close();
