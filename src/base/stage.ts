@@ -575,7 +575,8 @@ export abstract class BaseStage implements Stage, WaiterOwner {
 
   /**
    * A granted ticket, counted. `waitedFrom` is when the caller started waiting, or `undefined`
-   * when it did not wait.
+   * when it did not wait. `now` is the time of the admission, when the stage has just read it to
+   * decide (one clock read an admission: on a VM a read can cost a fifth of a memory take).
    */
   protected issue(
     cost: number,
@@ -583,8 +584,8 @@ export abstract class BaseStage implements Stage, WaiterOwner {
     waitedFrom: number | undefined,
     waitFor: WaitFor,
     waited = waitedFrom !== undefined,
+    now = this.time(),
   ): BaseTicket {
-    const now = this.time();
     const ticket = this.newTicket(cost, key, now);
     this.flow.advance(now, this.inFlight);
     this.inFlight++;

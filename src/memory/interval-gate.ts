@@ -99,7 +99,7 @@ export class MemoryIntervalGate extends MemoryLineStage<HostSlot> {
 
   #start(h: HostSlot, cost: number, host: string, now: number): SlotTicket {
     const previous = this.#claim(h, now);
-    return this.#mark(this.issue(cost, host, undefined, "token"), previous, h);
+    return this.#mark(this.issue(cost, host, undefined, "token", false, now), previous, h);
   }
 
   /** Move the host's next slot on by one spacing; returns the slot it replaced. */

@@ -251,9 +251,9 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
     return takeInPlace(b, this.#config, cost, now);
   }
 
-  /** A ticket for tokens just taken from `b` for class `cls` (-1: none) without waiting. */
-  #issue(b: KeyBucket, cost: number, key: string, cls: number): BaseTicket {
-    return this.#granted(b, this.issue(cost, key, undefined, "token"), cls);
+  /** A ticket for tokens just taken from `b` for class `cls` (-1: none) at `now`, without waiting. */
+  #issue(b: KeyBucket, cost: number, key: string, cls: number, now: number): BaseTicket {
+    return this.#granted(b, this.issue(cost, key, undefined, "token", false, now), cls);
   }
 
   /** A ticket of cost 0: it takes nothing, so it goes at once, the bucket untouched (as on Redis). */
@@ -281,7 +281,7 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
     if (cost === 0) return Promise.resolve(this.#free(key, cls));
     const now = this.clock.now();
     const b = this.line(key, now);
-    if (this.#takeFor(b, cls, cost, now)) return Promise.resolve(this.#issue(b, cost, key, cls));
+    if (this.#takeFor(b, cls, cost, now)) return Promise.resolve(this.#issue(b, cost, key, cls, now));
     if (cls >= 0) {
       const promise = this.wait(b.classLines[cls]!, cost, key, o);
       this.schedule(b, key);
@@ -359,7 +359,7 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
     const now = this.time();
     const b = this.line(key, now);
     if (!this.#takeFor(b, cls, cost, now)) return undefined;
-    return this.#issue(b, cost, key, cls);
+    return this.#issue(b, cost, key, cls, now);
   }
 
   override fuseProbe(o: AdmitOptions, cost: number): number {
@@ -384,7 +384,7 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
     const now = this.clock.now();
     const b = this.line(key, now);
     if (!this.#takeFor(b, cls, cost, now)) return Promise.resolve(undefined);
-    return Promise.resolve(this.#issue(b, cost, key, cls));
+    return Promise.resolve(this.#issue(b, cost, key, cls, now));
   }
 
   #timeout(timeoutMs: number, retryAfterMs: number) {
