@@ -42,6 +42,9 @@ import { parseOptions, tokenBucketSchema } from "../validate.js";
 import { memoryFusion } from "./fused-gate.js";
 import { MemoryLineStage } from "./line-stage.js";
 
+/** The class lines of every key of a bucket without classes: none, and never added to. */
+const NO_CLASS_LINES: readonly ClassLine[] = Object.freeze([]);
+
 /**
  * One key's bucket: the algorithm's state plus its FIFO of waiters and the timer for its head.
  * With traffic classes, its waiters stand in one line per class instead, and `ledger` keeps
@@ -58,8 +61,8 @@ class KeyBucket extends TimedLine implements MutableBucketState {
    */
   end: MutableBucketState | undefined = undefined;
   endOf: WaitEntry | null = null;
-  /** One line per class (none without classes). */
-  readonly classLines: ClassLine[] = [];
+  /** One line per class (without classes, one empty list shared by every key). */
+  classLines: readonly ClassLine[] = NO_CLASS_LINES;
   ledger: ClassLedger | undefined = undefined;
   constructor(
     public tokens: number,
@@ -205,7 +208,7 @@ export class MemoryTokenBucket extends MemoryLineStage<KeyBucket> {
   protected newLine(now: number): KeyBucket {
     const b = new KeyBucket(this.#initial, now);
     if (this.#book) {
-      for (let i = 0; i < this.#book.names.length; i++) b.classLines.push(new ClassLine(b, i));
+      b.classLines = this.#book.names.map((_, i) => new ClassLine(b, i));
       b.ledger = newLedger(this.#shares!, now);
     }
     return b;
