@@ -16,20 +16,23 @@ class CountingClock extends FakeClock {
  * (the flow's service time): on a VM a read costs tens of ns, a fifth of a memory token take.
  */
 describe("memory stages read the clock once an admission and once a release", () => {
-  const stages: [string, (b: ReturnType<typeof memory>) => Stage][] = [
+  const stages: [string, (b: ReturnType<typeof memory>) => Stage, { key: string }?][] = [
     ["token bucket", (b) => b.tokenBucket("b", { capacity: 1_000_000, refillPerSecond: 1_000 })],
-    ["keyed token bucket", (b) => b.tokenBucket("k", { keyed: true, capacity: 1_000, refillPerSecond: 1 })],
+    [
+      "keyed token bucket",
+      (b) => b.tokenBucket("k", { keyed: true, capacity: 1_000, refillPerSecond: 1 }),
+      { key: "a" },
+    ],
     ["interval gate", (b) => b.intervalGate("i", { minIntervalMs: 0, defaultHost: "h" })],
     ["semaphore", (b) => b.semaphore("s", { limit: 4 })],
     ["AIMD limiter", (b) => b.aimd("a", { initial: 4, min: 1, max: 8 })],
     ["bounded queue", (b) => b.queue("q", { maxSize: 4 })],
   ];
 
-  for (const [kind, make] of stages) {
+  for (const [kind, make, options] of stages) {
     it(kind, async () => {
       const clock = new CountingClock(1_000);
       const stage = make(memory({ clock }));
-      const options = kind === "keyed token bucket" ? { key: "a" } : undefined;
       // (The first call may make the key's state; count the ones after it.)
       await (await stage.admit(options)).release("success");
       const counts: number[] = [];
