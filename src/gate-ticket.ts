@@ -7,16 +7,14 @@ import type { Outcome, StageKind, Ticket } from "./types.js";
 export interface TicketGate {
   readonly name: string;
   /**
-   * A ticket of the gate is being released or refunded: count it out of the calls in flight;
-   * false when there is nothing more to give back (a drain released its stages' tickets).
+   * A ticket of the gate is being released (with `outcome`) or refunded: count it out of the
+   * calls in flight and give back its stages' tickets, unless a drain released them already.
    */
-  ticketDone(ticket: GateTicket, counted: boolean): boolean;
+  giveBack(ticket: GateTicket, outcome: Outcome | undefined): Promise<void>;
   /** Aborts when the gate closes. */
   readonly closedSignal: AbortSignal;
   /** Run `fn`, which releases, refunds or settles the stages' tickets, as one backend call. */
   together(fn: () => Promise<void>): Promise<void>;
-  /** Release (with `outcome`) or refund the stages' `tickets`, last to first: `together` when fused. */
-  settleTogether(tickets: readonly Ticket[], outcome: Outcome | undefined): Promise<void>;
   /**
    * The error for a record of `settle` that names something other than a stage of the gate (the
    * field `actual.<name>`, as `costs` is refused), or undefined when every name is a stage's.
@@ -56,8 +54,7 @@ export class GateTicket extends HeldTicket {
   }
 
   protected giveBack(outcome: Outcome | undefined): Promise<void> {
-    if (!this.gate.ticketDone(this, outcome !== undefined)) return RESOLVED;
-    return this.gate.settleTogether(this.held, outcome);
+    return this.gate.giveBack(this, outcome);
   }
 
   /**

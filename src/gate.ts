@@ -10,7 +10,7 @@ import { stageOrderWarning, warnOrder } from "./stage-order.js";
 
 export { stageOrderWarning } from "./stage-order.js";
 
-import { Flow } from "./base/flow.js";
+import { endTurn, Flow, startTurn, turn } from "./base/flow.js";
 import { callWith, RESOLVED } from "./base/run.js";
 import { type BaseStage, type BaseTicket, RunWaiter } from "./base/stage.js";
 import { type Clock, systemClock } from "./clock.js";
@@ -499,6 +499,27 @@ export class Gate implements Stage {
     return o.timeoutMs === undefined ? Number.POSITIVE_INFINITY : this.#clock.now() + o.timeoutMs;
   }
 
+  /** The gate's clock's time, or the one a turn read from it for the gate and its stages. */
+  #now(): number {
+    return turn.clock === this.#clock ? turn.now : this.#clock.now();
+  }
+
+  /**
+   * Admit into `held` what admits at once (`#fusedFirst` for a fused gate, else `#admitFirst`) on
+   * one read of the clock for the gate and every stage on its clock (a turn, closed before the
+   * caller's function runs): the call's ticket when every stage admitted; else the index of the
+   * first stage left to wait for, or the call's rejection.
+   */
+  #atOnce(held: Ticket[], o: AdmitOptions): GateTicket | number | Promise<never> {
+    const started = startTurn(this.#clock);
+    try {
+      const from = this.#fused ? this.#fusedFirst(held, o) : this.#admitFirst(held, o);
+      return from === this.stages.length ? this.#started(held, o) : from;
+    } finally {
+      endTurn(started);
+    }
+  }
+
   /** Bounded queues give their slot back once the call has passed every later stage. */
   #started(held: Ticket[], o: AdmitOptions): GateTicket {
     let call = held;
@@ -511,7 +532,7 @@ export class Gate implements Stage {
       call = new Array<Ticket>(this.#callStages);
       for (let i = 0, j = 0; i < held.length; i++) if (stages[i]!.holds !== "wait") call[j++] = held[i]!;
     }
-    const now = this.#clock.now();
+    const now = this.#now();
     this.#flow.advance(now, this.inFlight);
     this.inFlight++;
     this.#admitted++;
@@ -530,17 +551,13 @@ export class Gate implements Stage {
       return Promise.reject(error);
     }
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
+    const held = newHeld();
+    const from = this.#atOnce(held, o);
+    if (from instanceof GateTicket) return Promise.resolve(from);
+    if (typeof from !== "number") return from;
     if (this.#fused) {
-      const held = newHeld();
-      const from = this.#fusedFirst(held, o);
-      if (typeof from !== "number") return from;
-      if (from === this.stages.length) return Promise.resolve(this.#started(held, o));
       return this.#acquire(held, from, this.stages.length, o, this.#deadline(o), true) as Promise<Ticket>;
     }
-    const held = newHeld();
-    const from = this.#admitFirst(held, o);
-    if (typeof from !== "number") return from;
-    if (from === this.stages.length) return Promise.resolve(this.#started(held, o));
     return this.#waitFrom<Ticket>(held, from, o, this.#deadline(o), undefined);
   }
 
@@ -717,19 +734,15 @@ export class Gate implements Stage {
     }
     if (o.signal?.aborted) return Promise.reject(o.signal.reason);
     const classify = o.classify;
+    const held = newHeld();
+    const from = this.#atOnce(held, o);
+    if (from instanceof GateTicket) return callWith(from, fn, classify, this.#log);
+    if (typeof from !== "number") return from;
     if (this.#fused) {
-      const held = newHeld();
-      const from = this.#fusedFirst(held, o);
-      if (typeof from !== "number") return from;
-      if (from === this.stages.length) return callWith(this.#started(held, o), fn, classify, this.#log);
       return this.#acquire(held, from, this.stages.length, o, this.#deadline(o), true).then((ticket) =>
         callWith(ticket!, fn, classify, this.#log),
       );
     }
-    const held = newHeld();
-    const from = this.#admitFirst(held, o);
-    if (typeof from !== "number") return from;
-    if (from === this.stages.length) return callWith(this.#started(held, o), fn, classify, this.#log);
     return this.#waitFrom(held, from, o, this.#deadline(o), fn);
   }
 
@@ -800,11 +813,26 @@ export class Gate implements Stage {
   readonly #drains = new Drains();
 
   /**
-   * A ticket of the gate is being released or refunded: false when a drain has released its
-   * stages' tickets already (nothing more to give back). @internal
+   * A ticket of the gate gives back its stages' tickets (see `TicketGate.giveBack`): the gate's
+   * count and flow, then the stages', on one read of the clock for the gate and every stage on
+   * its clock (a turn: memory releases are done before this returns). @internal
    */
-  ticketDone(ticket: GateTicket, counted: boolean): boolean {
-    const now = this.#clock.now();
+  giveBack(ticket: GateTicket, outcome: Outcome | undefined): Promise<void> {
+    const started = startTurn(this.#clock);
+    try {
+      if (!this.#ticketDone(ticket, outcome !== undefined)) return RESOLVED;
+      return this.settleTogether(ticket.held, outcome);
+    } finally {
+      endTurn(started);
+    }
+  }
+
+  /**
+   * A ticket of the gate is being released or refunded: count it out of the calls in flight;
+   * false when a drain has released its stages' tickets already (nothing more to give back).
+   */
+  #ticketDone(ticket: GateTicket, counted: boolean): boolean {
+    const now = this.#now();
     this.#flow.advance(now, this.inFlight);
     if (!this.#drains.ticketDone(this)) return false;
     if (counted) this.#flow.released(now, now - ticket.admittedAt);

@@ -1,4 +1,4 @@
-import { memory, type Stage } from "floodgate";
+import { Gate, memory, type Stage } from "floodgate";
 import { FakeClock } from "floodgate/testing";
 import { describe, expect, it } from "vitest";
 
@@ -49,6 +49,66 @@ describe("memory stages read the clock once an admission and once a release", ()
       counts.push(clock.reads);
       expect(counts).toEqual([1, 1, 1, 1, 2]);
       await stage.close();
+    });
+  }
+});
+
+/**
+ * A gate of memory stages on its own clock reads it once to admit a call every stage admits at
+ * once (for the gate's count and flow and every stage's), and once to release it, fused or taken
+ * stage by stage.
+ */
+describe("a gate of memory stages reads the clock once an admission and once a release", () => {
+  const gates: [string, (b: ReturnType<typeof memory>, clock: FakeClock) => Gate][] = [
+    ["a semaphore", (b, clock) => new Gate([b.semaphore("s", { limit: 4 })], { clock })],
+    [
+      "five stages, fused",
+      (b, clock) =>
+        new Gate(
+          [
+            b.queue("q", { maxSize: 4 }),
+            b.semaphore("s", { limit: 4 }),
+            b.aimd("a", { initial: 4, min: 1, max: 8 }),
+            b.tokenBucket("b", { capacity: 1_000, refillPerSecond: 1_000 }),
+            b.intervalGate("i", { minIntervalMs: 0, defaultHost: "h" }),
+          ],
+          { clock },
+        ),
+    ],
+    [
+      "five stages, taken in turn",
+      (b, clock) =>
+        new Gate(
+          [
+            b.queue("q", { maxSize: 4 }),
+            b.semaphore("s", { limit: 4 }),
+            b.aimd("a", { initial: 4, min: 1, max: 8 }),
+            b.tokenBucket("b", { capacity: 1_000, refillPerSecond: 1_000 }),
+            b.intervalGate("i", { minIntervalMs: 0, defaultHost: "h" }),
+          ],
+          { clock, fuse: false },
+        ),
+    ],
+  ];
+
+  for (const [kind, make] of gates) {
+    it(kind, async () => {
+      const clock = new CountingClock(1_000);
+      const gate = make(memory({ clock }), clock);
+      await (await gate.admit()).release("success");
+      const counts: number[] = [];
+      clock.reads = 0;
+      const ticket = await gate.admit();
+      counts.push(clock.reads);
+      clock.reads = 0;
+      await ticket.release("success");
+      counts.push(clock.reads);
+      clock.reads = 0;
+      // (The function reads nothing: the two reads are the admission's and the release's.)
+      await gate.run(() => 1);
+      counts.push(clock.reads);
+      expect(counts).toEqual([1, 1, 2]);
+      await gate.close();
     });
   }
 });
