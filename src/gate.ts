@@ -211,6 +211,7 @@ export class Gate implements Stage {
     this.#bounded = this.stages.filter((s) => typeof s.maxCost === "number");
     this.#leastMaxCost = Math.min(...this.#bounded.map((s) => s.maxCost!));
     this.#fused = o.fuse === false ? undefined : this.#fuse();
+    this.#admitsAtOnce = sync > 0 || this.#fused?.admitNow !== undefined;
     // A fused gate holds nothing while a call waits: any order keeps what each stage promises.
     const misplaced = this.#fused ? undefined : stageOrderWarning(this.stages);
     if (misplaced) warnOrder(o.logger === undefined ? undefined : this.#log, this.name, misplaced);
@@ -231,6 +232,12 @@ export class Gate implements Stage {
 
   /** The stages after the leading queues, decided in one backend call each way; or undefined. */
   readonly #fused: FusedAdmission | undefined;
+
+  /**
+   * Whether a stage may admit a call at once, with no promise in between (memory stages): a gate
+   * of Redis stages admits nothing before its first wait, and opens no turn for it (`#atOnce`).
+   */
+  readonly #admitsAtOnce: boolean;
 
   /**
    * Whether the gate's stages (after its leading bounded queues) are decided together: at one
@@ -511,6 +518,7 @@ export class Gate implements Stage {
    * first stage left to wait for, or the call's rejection.
    */
   #atOnce(held: Ticket[], o: AdmitOptions): GateTicket | number | Promise<never> {
+    if (!this.#admitsAtOnce) return 0;
     const started = startTurn(this.#clock);
     try {
       const from = this.#fused ? this.#fusedFirst(held, o) : this.#admitFirst(held, o);
