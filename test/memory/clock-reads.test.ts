@@ -59,36 +59,18 @@ describe("memory stages read the clock once an admission and once a release", ()
  * stage by stage.
  */
 describe("a gate of memory stages reads the clock once an admission and once a release", () => {
+  /** The five memory stages, none binding here. */
+  const five = (b: ReturnType<typeof memory>): Stage[] => [
+    b.queue("q", { maxSize: 4 }),
+    b.semaphore("s", { limit: 4 }),
+    b.aimd("a", { initial: 4, min: 1, max: 8 }),
+    b.tokenBucket("b", { capacity: 1_000, refillPerSecond: 1_000 }),
+    b.intervalGate("i", { minIntervalMs: 0, defaultHost: "h" }),
+  ];
   const gates: [string, (b: ReturnType<typeof memory>, clock: FakeClock) => Gate][] = [
     ["a semaphore", (b, clock) => new Gate([b.semaphore("s", { limit: 4 })], { clock })],
-    [
-      "five stages, fused",
-      (b, clock) =>
-        new Gate(
-          [
-            b.queue("q", { maxSize: 4 }),
-            b.semaphore("s", { limit: 4 }),
-            b.aimd("a", { initial: 4, min: 1, max: 8 }),
-            b.tokenBucket("b", { capacity: 1_000, refillPerSecond: 1_000 }),
-            b.intervalGate("i", { minIntervalMs: 0, defaultHost: "h" }),
-          ],
-          { clock },
-        ),
-    ],
-    [
-      "five stages, taken in turn",
-      (b, clock) =>
-        new Gate(
-          [
-            b.queue("q", { maxSize: 4 }),
-            b.semaphore("s", { limit: 4 }),
-            b.aimd("a", { initial: 4, min: 1, max: 8 }),
-            b.tokenBucket("b", { capacity: 1_000, refillPerSecond: 1_000 }),
-            b.intervalGate("i", { minIntervalMs: 0, defaultHost: "h" }),
-          ],
-          { clock, fuse: false },
-        ),
-    ],
+    ["five stages, fused", (b, clock) => new Gate(five(b), { clock })],
+    ["five stages, taken in turn", (b, clock) => new Gate(five(b), { clock, fuse: false })],
   ];
 
   for (const [kind, make] of gates) {
