@@ -43,6 +43,20 @@ const EMPTY: AdmitOptions = Object.freeze(
   new Checked(undefined, undefined, undefined, undefined, undefined, undefined, undefined, undefined),
 );
 
+/**
+ * A stage's options for one call of a fused gate, made from the gate's own options, which
+ * `admitOptions` has checked: its key (or none), the host, its cost, its class (or none). The
+ * stage takes them as checked; floodgate's own stages are the only ones a gate fuses.
+ */
+export function fusedStageOptions(
+  key: string | undefined,
+  host: string | undefined,
+  cost: number | undefined,
+  cls: string | undefined,
+): AdmitOptions {
+  return new Checked(key, host, cost, undefined, undefined, undefined, undefined, cls);
+}
+
 /** The error of `run` (or `enqueue`) given something other than a function, or undefined. */
 export function fnError(
   kind: StageKind,

@@ -3,7 +3,7 @@
  * with room, the wait in one stage's line, the resumption after it, the give-up on failure) is
  * one piece read together; its ticket is in gate-ticket.ts and the order rule in stage-order.ts.
  */
-import { admitOptions, type Entry, fnError, pauseError, tooCostly } from "./admit.js";
+import { admitOptions, type Entry, fnError, fusedStageOptions, pauseError, tooCostly } from "./admit.js";
 import { type FusedAdmission, type FusedCall, sharedHost } from "./fuse.js";
 import { GateTicket, settleAll } from "./gate-ticket.js";
 import { stageOrderWarning, warnOrder } from "./stage-order.js";
@@ -273,7 +273,14 @@ export class Gate implements Stage {
   /** What the fused admission of one call needs. */
   #fusedCall(o: AdmitOptions, deadline: number): FusedCall {
     return {
-      optionsFor: (stage) => this.#tryOptions(stage, o),
+      // (Made as checked: the gate's options are, and only floodgate's own stages are fused.)
+      optionsFor: (stage) =>
+        fusedStageOptions(
+          stage.keyedBy === "key" ? o.key : undefined,
+          o.host,
+          costAt(stage, o),
+          o.class !== undefined && stage.classes !== undefined ? o.class : undefined,
+        ),
       signal: o.signal,
       deadline,
       timeoutMs: o.timeoutMs,
