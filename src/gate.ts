@@ -10,7 +10,7 @@ import { stageOrderWarning, warnOrder } from "./stage-order.js";
 
 export { stageOrderWarning } from "./stage-order.js";
 
-import { endTurn, Flow, startTurn, turn } from "./base/flow.js";
+import { endTurn, Flow, startTurn, turnTime } from "./base/flow.js";
 import { callWith, RESOLVED } from "./base/run.js";
 import { type BaseStage, type BaseTicket, RunWaiter } from "./base/stage.js";
 import { type Clock, systemClock } from "./clock.js";
@@ -84,6 +84,16 @@ function namesOf(stages: readonly Stage[]): { all: Set<string>; keyed: boolean; 
 function newHeld(): Ticket[] {
   // biome-ignore lint/style/useArrayLiterals: see above; `[]` allocates more on first push.
   return new Array<Ticket>();
+}
+
+/** The call's key for `stage`: only a stage keyed by key is handed one. */
+function keyAt(stage: Stage, o: AdmitOptions): string | undefined {
+  return stage.keyedBy === "key" ? o.key : undefined;
+}
+
+/** The call's class for `stage`: only a stage with classes is handed one. */
+function classAt(stage: Stage, o: AdmitOptions): string | undefined {
+  return o.class !== undefined && stage.classes !== undefined ? o.class : undefined;
 }
 
 /** The cost of a call at `stage`: its entry in `costs`, else `cost`. */
@@ -274,13 +284,7 @@ export class Gate implements Stage {
   #fusedCall(o: AdmitOptions, deadline: number): FusedCall {
     return {
       // (Made as checked: the gate's options are, and only floodgate's own stages are fused.)
-      optionsFor: (stage) =>
-        fusedStageOptions(
-          stage.keyedBy === "key" ? o.key : undefined,
-          o.host,
-          costAt(stage, o),
-          o.class !== undefined && stage.classes !== undefined ? o.class : undefined,
-        ),
+      optionsFor: (stage) => fusedStageOptions(keyAt(stage, o), o.host, costAt(stage, o), classAt(stage, o)),
       signal: o.signal,
       deadline,
       timeoutMs: o.timeoutMs,
@@ -443,10 +447,16 @@ export class Gate implements Stage {
     const cost = costAt(stage, o);
     const timeoutMs =
       deadline === Number.POSITIVE_INFINITY ? undefined : Math.max(0, deadline - this.#clock.now());
-    const key = stage.keyedBy === "key" ? o.key : undefined;
     // A gate in the gate resolves its own stages' costs.
     const costs = stage.kind === "gate" ? o.costs : undefined;
-    const given: AdmitOptions = { key, host: o.host, cost, signal: o.signal, timeoutMs, costs };
+    const given: AdmitOptions = {
+      key: keyAt(stage, o),
+      host: o.host,
+      cost,
+      signal: o.signal,
+      timeoutMs,
+      costs,
+    };
     // Only a stage with classes is handed the call's class.
     if (o.class !== undefined && stage.classes !== undefined) given.class = o.class;
     return given;
@@ -513,11 +523,6 @@ export class Gate implements Stage {
     return o.timeoutMs === undefined ? Number.POSITIVE_INFINITY : this.#clock.now() + o.timeoutMs;
   }
 
-  /** The gate's clock's time, or the one a turn read from it for the gate and its stages. */
-  #now(): number {
-    return turn.clock === this.#clock ? turn.now : this.#clock.now();
-  }
-
   /**
    * Admit into `held` what admits at once (`#fusedFirst` for a fused gate, else `#admitFirst`) on
    * one read of the clock for the gate and every stage on its clock (a turn, closed before the
@@ -547,7 +552,7 @@ export class Gate implements Stage {
       call = new Array<Ticket>(this.#callStages);
       for (let i = 0, j = 0; i < held.length; i++) if (stages[i]!.holds !== "wait") call[j++] = held[i]!;
     }
-    const now = this.#now();
+    const now = turnTime(this.#clock);
     this.#flow.advance(now, this.inFlight);
     this.inFlight++;
     this.#admitted++;
@@ -724,10 +729,9 @@ export class Gate implements Stage {
 
   /** A stage's options for a call's `tryAdmit` (its key, the host, its cost, the class). */
   #tryOptions(stage: Stage, o: AdmitOptions): TryAdmitOptions {
-    const key = stage.keyedBy === "key" ? o.key : undefined;
     // A gate in the gate resolves its own stages' costs.
     const costs = stage.kind === "gate" ? o.costs : undefined;
-    const given: TryAdmitOptions = { key, host: o.host, cost: costAt(stage, o), costs };
+    const given: TryAdmitOptions = { key: keyAt(stage, o), host: o.host, cost: costAt(stage, o), costs };
     if (o.class !== undefined && stage.classes !== undefined) given.class = o.class;
     return given;
   }
@@ -847,7 +851,7 @@ export class Gate implements Stage {
    * false when a drain has released its stages' tickets already (nothing more to give back).
    */
   #ticketDone(ticket: GateTicket, counted: boolean): boolean {
-    const now = this.#now();
+    const now = turnTime(this.#clock);
     this.#flow.advance(now, this.inFlight);
     if (!this.#drains.ticketDone(this)) return false;
     if (counted) this.#flow.released(now, now - ticket.admittedAt);

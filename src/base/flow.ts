@@ -24,6 +24,11 @@ export function startTurn(clock: { now(): number }, now?: number): boolean {
   return true;
 }
 
+/** `clock`'s time: the turn's when one is on for `clock`, else read from it. */
+export function turnTime(clock: { now(): number }): number {
+  return turn.clock === clock ? turn.now : clock.now();
+}
+
 /** End the turn `startTurn` started, if it did. */
 export function endTurn(started: boolean): void {
   if (started) turn.clock = undefined;

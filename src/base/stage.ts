@@ -34,7 +34,7 @@ import type {
 } from "../types.js";
 import { messageOf } from "../validate.js";
 import { noClasses } from "./classes.js";
-import { Flow, turn } from "./flow.js";
+import { Flow, turnTime } from "./flow.js";
 import { callWith, RESOLVED } from "./run.js";
 import { SignalWaits } from "./signal-waits.js";
 import { WaitEntry, Waiter, type WaiterOwner, type WaitList } from "./wait-list.js";
@@ -218,7 +218,7 @@ export abstract class BaseStage implements Stage, WaiterOwner {
 
   /** The clock's time, or the one a fused gate read from it for all its stages at once (`turn`). */
   protected time(): number {
-    return turn.clock === this.clock ? turn.now : this.clock.now();
+    return turnTime(this.clock);
   }
 
   /** Call at the end of the subclass constructor, once `kind` is set. */
