@@ -484,7 +484,59 @@ export class Gate implements Stage {
    * Admit stages `from` to `to - 1` into `held`; on failure refund everything held and rethrow.
    * With `start`, the call then starts: the result is its ticket.
    */
-  async #acquire(
+  #acquire(
+    held: Ticket[],
+    from: number,
+    to: number,
+    o: AdmitOptions,
+    deadline: number,
+    start: boolean,
+  ): Promise<GateTicket | undefined> {
+    const fused = this.#fused;
+    if (fused === undefined || from !== this.#leading || to !== this.stages.length) {
+      return this.#acquireEach(held, from, to, o, deadline, start);
+    }
+    // The fused stages alone are left: their admission, without a loop to keep across awaits
+    // (`#acquireEach` does the same for this case, step for step).
+    this.#waiting++;
+    let admitted: Promise<Ticket[] | undefined>;
+    try {
+      admitted = fused.admit(this.#fusedCall(o, deadline), true);
+    } catch (error) {
+      return this.#acquireFailed(held, o, error);
+    }
+    return admitted.then(
+      (tickets) => {
+        for (const t of tickets!) held.push(t);
+        if (o.signal?.aborted) return this.#acquireFailed(held, o, o.signal.reason);
+        if (this.#closed) return this.#acquireFailed(held, o, new ClosedError(this.name));
+        this.#acquired();
+        return start ? this.#started(held, o) : undefined;
+      },
+      (error: unknown) => this.#acquireFailed(held, o, error),
+    );
+  }
+
+  /** A call's wait in `#acquire` is over. */
+  #acquired(): void {
+    this.#waiting--;
+    this.#drains.current?.poke();
+  }
+
+  /** `#acquire` failed with `error`: everything held is refunded, then the call rejects with it. */
+  async #acquireFailed(held: Ticket[], o: AdmitOptions, error: unknown): Promise<never> {
+    try {
+      this.#count(o, error);
+      const taken = held.splice(0);
+      await this.settleTogether(taken, undefined).catch((e) => this.#log.warn({ err: e }, "refund failed"));
+      throw error;
+    } finally {
+      this.#acquired();
+    }
+  }
+
+  /** `#acquire` stage by stage (the fused stages as one, once reached). */
+  async #acquireEach(
     held: Ticket[],
     from: number,
     to: number,
@@ -508,14 +560,9 @@ export class Gate implements Stage {
         if (this.#closed) throw new ClosedError(this.name);
       }
     } catch (error) {
-      this.#count(o, error);
-      const taken = held.splice(0);
-      await this.settleTogether(taken, undefined).catch((e) => this.#log.warn({ err: e }, "refund failed"));
-      throw error;
-    } finally {
-      this.#waiting--;
-      this.#drains.current?.poke();
+      return this.#acquireFailed(held, o, error);
     }
+    this.#acquired();
     return start ? this.#started(held, o) : undefined;
   }
 

@@ -175,12 +175,59 @@ class FusedGate implements FusedAdmission {
   readonly #leaves: GateHead;
   readonly #grants: GateHead;
 
-  async admit(call: FusedCall, wait: boolean): Promise<Ticket[] | undefined> {
+  /**
+   * A call's first try goes out here, and a call it admits returns without the waiting loop
+   * (`#waitFor`), which takes every other: most calls of a gate nothing binds are admitted at
+   * their first try, and the loop's state, kept across its awaits, is most of what a call would
+   * otherwise allocate.
+   */
+  admit(call: FusedCall, wait: boolean): Promise<Ticket[] | undefined> {
     const member = `${this.#token}-${++this.#members}`;
     const lane = this.#laneOf(call);
     const clock = this.#s.clock;
-    let inLine = false;
     this.#sleeps.begin(member);
+    // A call with no time left to wait (`timeoutMs: 0`) only tries: it never takes a place in line.
+    const lines = wait && call.deadline > clock.now();
+    const at = clock.now();
+    // (A member that just began cannot have been heard again: its first try is its own.)
+    return this.#tries.attempt(call, member, lane, lines, 1, undefined).then(
+      (attempt) => {
+        if (attempt.tickets === undefined) return this.#waitFor(call, wait, member, lane, lines, at, attempt);
+        // (As the loop counts a try's stretch: nobody to charge before a first try.)
+        this.#waits.stretch(-1, at, -1, attempt.reply);
+        this.#done(member);
+        return attempt.tickets;
+      },
+      (error: unknown) => {
+        this.#done(member);
+        throw error;
+      },
+    );
+  }
+
+  /** `member`'s call is done with its admission, admitted or not. */
+  #done(member: string): void {
+    this.#freed.gone(member);
+    this.#kept.end(member);
+    this.#sleeps.end(member);
+  }
+
+  /**
+   * A call its first try (`first`, sent at `firstAt`) did not admit: it waits, holding nothing,
+   * and tries again until every stage admits it, it gives up, or, with `wait` false, at once.
+   */
+  async #waitFor(
+    call: FusedCall,
+    wait: boolean,
+    member: string,
+    lane: readonly string[],
+    lines: boolean,
+    firstAt: number,
+    first: Attempt,
+  ): Promise<Ticket[] | undefined> {
+    const clock = this.#s.clock;
+    let inLine = false;
+    let pending: Attempt | undefined = first;
     // The stage the call waited for since its previous try, and when that try went out; the
     // permit line's firsts' rate waits in all, as that try's reply said (see `FusedWaits.stretch`).
     let blame = -1;
@@ -188,9 +235,7 @@ class FusedGate implements FusedAdmission {
     let rateAt = -1;
     // Refused permits, first in line: ms until a permit could free by itself (see `FusedWaits.refused`).
     let soonest = -1;
-    // A call with no time left to wait (`timeoutMs: 0`) only tries: it never takes a place in line.
-    const lines = wait && call.deadline > clock.now();
-    let tries = 0;
+    let tries = 1;
     // The latest try whose steps Redis keeps while the call waits (a release may admit them).
     let held: Held | undefined;
     // Asking because the gate's channel was heard again, or just began to be (a wake-up may have
@@ -201,18 +246,25 @@ class FusedGate implements FusedAdmission {
     let softMs: number | undefined;
     try {
       for (;;) {
-        const at = clock.now();
-        if (this.#sleeps.takeHeardAgain(member)) softMs ??= 0;
+        let at: number;
         let attempt: Attempt;
-        try {
-          attempt = await this.#tries.attempt(call, member, lane, lines, ++tries, held);
-        } catch (error) {
-          if (softMs === undefined || !isFloodgateError(error, "BACKEND_UNAVAILABLE")) throw error;
-          const delay = awayDelay(softMs, this.#s.pollMs);
-          if (softMs + delay >= this.#s.pollMs) throw error;
-          await this.#sleeps.sleep(member, delay, call, this.#waitedFor(blame));
-          softMs += delay;
-          continue;
+        if (pending !== undefined) {
+          at = firstAt;
+          attempt = pending;
+          pending = undefined;
+        } else {
+          at = clock.now();
+          if (this.#sleeps.takeHeardAgain(member)) softMs ??= 0;
+          try {
+            attempt = await this.#tries.attempt(call, member, lane, lines, ++tries, held);
+          } catch (error) {
+            if (softMs === undefined || !isFloodgateError(error, "BACKEND_UNAVAILABLE")) throw error;
+            const delay = awayDelay(softMs, this.#s.pollMs);
+            if (softMs + delay >= this.#s.pollMs) throw error;
+            await this.#sleeps.sleep(member, delay, call, this.#waitedFor(blame));
+            softMs += delay;
+            continue;
+          }
         }
         softMs = undefined;
         // The stretch up to this try is counted now that its reply says what the line waited for.
@@ -298,9 +350,7 @@ class FusedGate implements FusedAdmission {
       if (inLine) this.#tries.leave([{ member, lane }]);
       throw error;
     } finally {
-      this.#freed.gone(member);
-      this.#kept.end(member);
-      this.#sleeps.end(member);
+      this.#done(member);
     }
   }
 
