@@ -51,12 +51,15 @@ function finish<T>(
 ): T | Promise<T> {
   const released = ticket.release(outcomeOf(ticket, ok, value, classify, log));
   if (released !== RESOLVED) {
-    return released
-      .catch((e) => log.warn({ err: e }, "release failed"))
-      .then(() => {
-        if (ok) return value as T;
-        throw value;
-      });
+    // (One promise for both ways the release can go.)
+    const settle = (): T => {
+      if (ok) return value as T;
+      throw value;
+    };
+    return released.then(settle, (e: unknown) => {
+      log.warn({ err: e }, "release failed");
+      return settle();
+    });
   }
   if (ok) return value as T;
   throw value;
