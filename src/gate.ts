@@ -457,8 +457,9 @@ export class Gate implements Stage {
       timeoutMs,
       costs,
     };
-    // Only a stage with classes is handed the call's class.
-    if (o.class !== undefined && stage.classes !== undefined) given.class = o.class;
+    // Only a stage with classes is handed the call's class (no field otherwise).
+    const cls = classAt(stage, o);
+    if (cls !== undefined) given.class = cls;
     return given;
   }
 
@@ -492,16 +493,29 @@ export class Gate implements Stage {
     deadline: number,
     start: boolean,
   ): Promise<GateTicket | undefined> {
-    const fused = this.#fused;
-    if (fused === undefined || from !== this.#leading || to !== this.stages.length) {
-      return this.#acquireEach(held, from, to, o, deadline, start);
-    }
-    // The fused stages alone are left: their admission, without a loop to keep across awaits
-    // (`#acquireEach` does the same for this case, step for step).
     this.#waiting++;
+    if (this.#fusedFrom(from, to)) return this.#admitFused(held, o, deadline, start);
+    return this.#acquireEach(held, from, to, o, deadline, start);
+  }
+
+  /** Whether stages `from` to `to - 1` are the fused gate's alone (the rest of the call). */
+  #fusedFrom(from: number, to: number): boolean {
+    return this.#fused !== undefined && from === this.#leading && to === this.stages.length;
+  }
+
+  /**
+   * `#acquire` of the fused stages, the last left (the call counted as waiting already): their
+   * admission, with no loop kept across awaits.
+   */
+  #admitFused(
+    held: Ticket[],
+    o: AdmitOptions,
+    deadline: number,
+    start: boolean,
+  ): Promise<GateTicket | undefined> {
     let admitted: Promise<Ticket[] | undefined>;
     try {
-      admitted = fused.admit(this.#fusedCall(o, deadline), true);
+      admitted = this.#fused!.admit(this.#fusedCall(o, deadline), true);
     } catch (error) {
       return this.#acquireFailed(held, o, error);
     }
@@ -535,7 +549,7 @@ export class Gate implements Stage {
     }
   }
 
-  /** `#acquire` stage by stage (the fused stages as one, once reached). */
+  /** `#acquire` stage by stage, handing over to `#admitFused` once the fused stages are left. */
   async #acquireEach(
     held: Ticket[],
     from: number,
@@ -544,15 +558,9 @@ export class Gate implements Stage {
     deadline: number,
     start: boolean,
   ): Promise<GateTicket | undefined> {
-    this.#waiting++;
     try {
       for (let i = from; i < to; i++) {
-        if (this.#fused && i === this.#leading && to === this.stages.length) {
-          held.push(...(await this.#fused.admit(this.#fusedCall(o, deadline), true))!);
-          if (o.signal?.aborted) throw o.signal.reason;
-          if (this.#closed) throw new ClosedError(this.name);
-          break;
-        }
+        if (this.#fusedFrom(i, to)) return this.#admitFused(held, o, deadline, start);
         const stage = this.stages[i]!;
         held.push(await stage.admit(this.#stageOptions(stage, o, deadline)));
         // A permit that arrives just after an abort is given back at once.
@@ -779,7 +787,8 @@ export class Gate implements Stage {
     // A gate in the gate resolves its own stages' costs.
     const costs = stage.kind === "gate" ? o.costs : undefined;
     const given: TryAdmitOptions = { key: keyAt(stage, o), host: o.host, cost: costAt(stage, o), costs };
-    if (o.class !== undefined && stage.classes !== undefined) given.class = o.class;
+    const cls = classAt(stage, o);
+    if (cls !== undefined) given.class = cls;
     return given;
   }
 

@@ -193,9 +193,9 @@ class FusedGate implements FusedAdmission {
     return this.#tries.attempt(call, member, lane, lines, 1, undefined).then(
       (attempt) => {
         if (attempt.tickets === undefined) return this.#waitFor(call, wait, member, lane, lines, at, attempt);
+        this.#done(member);
         // (As the loop counts a try's stretch: nobody to charge before a first try.)
         this.#waits.stretch(-1, at, -1, attempt.reply);
-        this.#done(member);
         return attempt.tickets;
       },
       (error: unknown) => {
